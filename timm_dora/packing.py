@@ -1,0 +1,250 @@
+"""Packed ragged token batches, row deletion and variable-length attention.
+
+After the first deletion a batch of images no longer has one sequence length. DORA keeps it as
+one ``[total_tokens, d]`` tensor plus ``cu_seqlens`` (the layout of FlashAttention's varlen API):
+LayerNorm, MLP and projections run on packed rows, attention runs per sequence through a
+variable-length kernel, and nothing is ever padded.
+
+While every sequence still has the same length (before any pruning, or when every image removed
+the same number of tokens) the packed tensor is also a dense ``[B, S, d]`` view, and attention uses
+the dense fused SDPA path that timm itself uses, so the unpruned blocks cost what native blocks
+cost.
+
+Attention backends, chosen once per (device type, dtype) by :func:`select_backend`:
+
+``flash``
+    ``flash_attn.flash_attn_varlen_func`` (optional dependency, CUDA, fp16/bf16).
+``torch_varlen``
+    ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA, fp16/bf16).
+``sdpa_loop``
+    exact reference path for any device and dtype: one ``scaled_dot_product_attention`` call per
+    sequence. Used on CPU and for fp32 on CUDA.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "Packed",
+    "BACKENDS",
+    "select_backend",
+    "varlen_attention",
+    "delete_rows",
+    "segment_ids",
+]
+
+BACKENDS = ("flash", "torch_varlen", "sdpa_loop")
+
+
+def segment_ids(lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Sequence index of every packed row (``[total]`` int64), without a host sync."""
+    idx = torch.arange(lengths.numel(), device=lengths.device)
+    return torch.repeat_interleave(idx, lengths, output_size=total)
+
+
+@dataclass
+class Packed:
+    """A batch of variable-length token sequences stored back to back.
+
+    Attributes:
+        x: ``[T, d]`` rows of all sequences, sequence ``i`` occupying rows
+            ``cu_seqlens[i]:cu_seqlens[i+1]``. Within a sequence the order is the model's token
+            order: prefix tokens (CLS, registers, distillation token) first, then surviving
+            patch tokens in their original order.
+        lengths: ``[B]`` int64 tokens per sequence (prefix tokens included), on ``x.device``.
+        lengths_host: the same lengths as a Python list (kernels need the maximum on the host).
+        num_prefix: prefix tokens at the start of every sequence; they are never removed.
+    """
+
+    x: torch.Tensor
+    lengths: torch.Tensor
+    lengths_host: List[int]
+    num_prefix: int
+
+    @classmethod
+    def from_dense(cls, x: torch.Tensor, num_prefix: int) -> "Packed":
+        b, s, d = x.shape
+        lengths = torch.full((b,), s, dtype=torch.long, device=x.device)
+        return cls(x.reshape(b * s, d), lengths, [s] * b, num_prefix)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths_host)
+
+    @property
+    def total(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths_host)
+
+    @property
+    def uniform(self) -> bool:
+        """True when all sequences have one length, so ``x`` is also a dense ``[B, S, d]``."""
+        return min(self.lengths_host) == max(self.lengths_host)
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``[B+1]`` int32 cumulative lengths (the varlen kernels' layout)."""
+        cu = torch.zeros(self.batch_size + 1, dtype=torch.int32, device=self.x.device)
+        cu[1:] = torch.cumsum(self.lengths, 0)
+        return cu
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """``[B]`` int64 row index where each sequence starts."""
+        return self.cu_seqlens[:-1].long()
+
+    @functools.cached_property
+    def seg(self) -> torch.Tensor:
+        """``[T]`` sequence index of each row."""
+        return segment_ids(self.lengths, self.total)
+
+    @functools.cached_property
+    def pos(self) -> torch.Tensor:
+        """``[T]`` position of each row inside its sequence (0 is CLS)."""
+        return torch.arange(self.total, device=self.x.device) - self.starts[self.seg]
+
+    def dense(self, x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` (default ``self.x``) viewed as ``[B, S, ...]``; only valid when :attr:`uniform`."""
+        x = self.x if x is None else x
+        return x.view(self.batch_size, self.lengths_host[0], *x.shape[1:])
+
+    def with_x(self, x: torch.Tensor) -> "Packed":
+        """Same layout, new row values (cached index tensors are shared)."""
+        new = Packed(x, self.lengths, self.lengths_host, self.num_prefix)
+        for name in ("cu_seqlens", "starts", "seg", "pos"):
+            if name in self.__dict__:
+                new.__dict__[name] = self.__dict__[name]
+        return new
+
+    def prefix_rows(self, x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[B, num_prefix, ...]`` rows of the prefix tokens of every sequence."""
+        x = self.x if x is None else x
+        idx = self.starts[:, None] + torch.arange(self.num_prefix, device=x.device)
+        return x[idx]
+
+
+def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor) -> Packed:
+    """Physically delete rows of a packed batch, keeping the order of the survivors.
+
+    Args:
+        packed: the batch.
+        remove: ``[T]`` bool, True for rows to delete (never a prefix row).
+        removed: ``[B]`` int64 number of rows deleted from each sequence (equals the per-sequence
+            count of ``remove``).
+
+    Returns:
+        The compacted batch: one gather of the surviving rows, new lengths and ``cu_seqlens``.
+        One host synchronisation (the new lengths, which the kernels need on the host).
+    """
+    lengths = packed.lengths - removed
+    lengths_host = lengths.tolist()
+    total = sum(lengths_host)
+    keep = ~remove
+    if hasattr(torch, "nonzero_static"):
+        index = torch.nonzero_static(keep, size=total).squeeze(1)
+    else:  # pragma: no cover - torch < 2.1
+        index = torch.nonzero(keep).squeeze(1)
+    return Packed(packed.x.index_select(0, index), lengths, lengths_host, packed.num_prefix)
+
+
+# --------------------------------------------------------------------------------------------
+# attention backends
+
+
+def _flash_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return None
+    return varlen_attn
+
+
+@functools.lru_cache(maxsize=None)
+def select_backend(device_type: str, dtype: torch.dtype, preference: str = "auto") -> str:
+    """Pick the variable-length attention backend once per (device type, dtype).
+
+    ``preference`` is ``"auto"`` or one of :data:`BACKENDS`; an explicit backend that cannot run
+    on this device or dtype raises ``ValueError`` instead of silently falling back.
+    """
+    half = dtype in (torch.float16, torch.bfloat16)
+    cuda = device_type == "cuda"
+    usable = {
+        "flash": cuda and half and _flash_available(),
+        "torch_varlen": cuda and half and _torch_varlen() is not None,
+        "sdpa_loop": True,
+    }
+    if preference == "auto":
+        for name in BACKENDS:
+            if usable[name]:
+                return name
+    if preference not in usable:
+        raise ValueError(f"unknown attention backend {preference!r}; choose 'auto' or one of {BACKENDS}")
+    if not usable[preference]:
+        raise ValueError(
+            f"attention backend {preference!r} cannot run on device {device_type!r} with {dtype}: "
+            "'flash' needs flash-attn installed, CUDA and fp16/bf16; 'torch_varlen' needs "
+            "torch>=2.10, CUDA and fp16/bf16; 'sdpa_loop' runs anywhere"
+        )
+    return preference
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_accepts_scale() -> bool:
+    fn = _torch_varlen()
+    return fn is not None and "scale" in inspect.signature(fn).parameters
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: Packed,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    """Softmax attention within each sequence of a packed batch.
+
+    ``q, k, v``: ``[T, H, hd]``. Returns ``[T, H, hd]``. Sequences never attend to each other.
+    A uniform batch takes the dense fused SDPA path regardless of ``backend``.
+    """
+    if packed.uniform:
+        qd, kd, vd = (packed.dense(t).transpose(1, 2) for t in (q, k, v))  # [B, H, S, hd]
+        out = F.scaled_dot_product_attention(qd, kd, vd, scale=scale)
+        return out.transpose(1, 2).reshape(q.shape)
+    cu, n = packed.cu_seqlens, packed.max_len
+    if backend == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, softmax_scale=scale)
+    if backend == "torch_varlen":
+        varlen_attn = _torch_varlen()
+        if _varlen_accepts_scale():
+            return varlen_attn(q, k, v, cu, cu, n, n, scale=scale)
+        # older signature: fold the scale into q (default scale is hd ** -0.5)
+        return varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu, cu, n, n)
+    if backend != "sdpa_loop":
+        raise ValueError(f"unknown attention backend {backend!r}")
+    outs = []
+    for qi, ki, vi in zip(*(t.split(packed.lengths_host) for t in (q, k, v))):
+        o = F.scaled_dot_product_attention(
+            qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None], scale=scale
+        )
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs, 0)

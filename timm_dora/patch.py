@@ -1,0 +1,340 @@
+"""The timm integration: ``wrap`` / ``unwrap`` a timm ``VisionTransformer`` in place.
+
+The wrapped model's ``forward`` composes each block's own submodules (``norm1``, ``attn.qkv``,
+``attn.q_norm``/``k_norm``, ``attn.norm``, ``attn.proj``, ``ls1``, ``drop_path1``, ``norm2``,
+``mlp``, ``ls2``, ``drop_path2``) and the model's own embedding (``patch_embed``, ``_pos_embed``,
+``patch_drop``, ``norm_pre``), final ``norm`` and head, so no timm forward is copied. Per block:
+
+1. attention on the ``P + N_l`` tokens of each image (packed; dense while lengths are equal);
+2. the attention residual;
+3. the policy decides from the block's keys; the chosen rows are deleted for real;
+4. the MLP residual on the survivors only.
+
+As in ToMe, wrapping swaps the instance's class for a subclass that overrides ``forward``;
+``unwrap`` puts the original class back, so native behaviour is restored bit for bit. Other
+methods (``forward_features``, ``forward_head``, ``forward_intermediates``) stay timm's, unpruned:
+a pruned batch has no dense ``[B, N, d]`` form.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .actor import Actor
+from .flops import BackboneCost, backbone_cost
+from .packing import Packed, delete_rows, select_backend, varlen_attention, BACKENDS
+from .policy import ActorPolicy, BlockContext, Decision, rows_where
+
+__all__ = ["wrap", "unwrap", "is_wrapped", "set_policy", "DoraStats", "run", "READOUTS", "SUPPORTED_POOLS"]
+
+READOUTS = ("model", "lc1")
+SUPPORTED_POOLS = ("token", "avg", "max", "avgmax")
+Policy = Callable[[BlockContext], Decision]
+
+
+@dataclass
+class DoraStats:
+    """Per-forward statistics of a wrapped model (``model.dora_stats``), tensors on the model's device.
+
+    Attributes:
+        tokens: ``[B, L]`` visual tokens of each image after each block (``N_{l+1}``).
+        gate: ``[B, L]`` bool, the policy intervened at that block.
+        removed: ``[B, L]`` tokens removed at that block (``k_l``).
+        gflops: ``[B]`` GFLOPs of the complete forward of each image, actor included (App. E.4).
+        policy_gflops: ``[B]`` the policy's (actor's) share of ``gflops``.
+        backend: the attention backend that ran the packed blocks.
+    """
+
+    tokens: torch.Tensor
+    gate: torch.Tensor
+    removed: torch.Tensor
+    gflops: torch.Tensor
+    policy_gflops: torch.Tensor
+    backend: str
+
+    def summary(self) -> Dict[str, object]:
+        """Batch means as plain Python numbers (one host sync)."""
+        return {
+            "gflops_mean": float(self.gflops.mean()),
+            "gflops_min": float(self.gflops.min()),
+            "gflops_max": float(self.gflops.max()),
+            "policy_gflops_mean": float(self.policy_gflops.mean()),
+            "gate_rate_per_block": self.gate.float().mean(0).tolist(),
+            "tokens_mean_per_block": self.tokens.float().mean(0).tolist(),
+            "backend": self.backend,
+        }
+
+
+@dataclass
+class _DoraState:
+    policy: Policy
+    readout: str
+    attn_backend: str
+    cost: BackboneCost
+    original_class: type
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+
+
+def _vit_class():
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer
+
+
+def check_supported(model: nn.Module, readout: str = "model") -> None:
+    """Raise ``TypeError``/``ValueError`` naming why ``model`` cannot be wrapped."""
+    from timm.layers import Attention
+    from timm.models.vision_transformer import Block
+
+    vit = _vit_class()
+    if not isinstance(model, vit):
+        raise TypeError(
+            f"timm_dora.wrap supports timm VisionTransformer models (ViT, DeiT, DINOv2, ...); got "
+            f"{type(model).__module__}.{type(model).__name__}"
+        )
+    if readout not in READOUTS:
+        raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+    if model.cls_token is None:
+        raise ValueError("DORA's gate reads the CLS key: models without a class token are not supported")
+    if getattr(model, "attn_pool", None) is not None:
+        raise ValueError("attention-pool (MAP) heads are not supported: global_pool must be one of " f"{SUPPORTED_POOLS}")
+    if readout == "model" and model.global_pool not in SUPPORTED_POOLS:
+        raise ValueError(f"global_pool={model.global_pool!r} is not supported; use one of {SUPPORTED_POOLS}")
+    if readout == "lc1":
+        head = model.head
+        if not isinstance(head, nn.Linear) or head.in_features != 2 * model.embed_dim:
+            raise ValueError(
+                "readout='lc1' concatenates CLS with the patch mean and needs model.head to be an "
+                f"nn.Linear with in_features = 2 * embed_dim = {2 * model.embed_dim}"
+            )
+    for i, blk in enumerate(model.blocks):
+        if not isinstance(blk, Block) or type(blk).forward is not Block.forward:
+            raise TypeError(f"block {i} is {type(blk).__name__}; only timm's standard pre-norm Block is supported")
+        if type(blk.attn) is not Attention:
+            raise TypeError(f"block {i} attention is {type(blk.attn).__name__}; only timm.layers.Attention is supported")
+
+
+def _check_actor(model: nn.Module, actor: Actor) -> None:
+    want = {
+        "embed_dim": model.blocks[0].attn.qkv.out_features // 3,
+        "depth": len(model.blocks),
+        "num_patches": model.patch_embed.num_patches,
+    }
+    for name, value in want.items():
+        got = getattr(actor, name)
+        if got != value:
+            raise ValueError(f"actor does not fit this backbone: actor.{name}={got} but the model has {name}={value}")
+
+
+# --------------------------------------------------------------------------------------------
+# wrap / unwrap
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _dora_class(cls: type) -> type:
+    if cls not in _CLASSES:
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits, stats = run(self, x, self._dora.policy)
+            self.dora_stats = stats
+            return logits
+
+        _CLASSES[cls] = type(f"Dora{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    return _CLASSES[cls]
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "_dora", None), _DoraState)
+
+
+def wrap(
+    model: nn.Module,
+    actor: Optional[Actor] = None,
+    *,
+    policy: Optional[Policy] = None,
+    readout: str = "model",
+    attn_backend: str = "auto",
+) -> nn.Module:
+    """Patch a timm ``VisionTransformer`` in place so that its forward prunes tokens with DORA.
+
+    Args:
+        model: a timm ViT (``VisionTransformer`` or subclass, e.g. DeiT distilled, DINOv2, models
+            with register tokens). Its weights are not modified.
+        actor: the :class:`~timm_dora.actor.Actor` (deterministic deployment rule). It is
+            registered as ``model.dora_actor`` so ``model.to(...)`` moves it too.
+        policy: instead of ``actor``, any policy callable (see :mod:`timm_dora.policy`).
+        readout: ``"model"`` follows ``model.global_pool`` (CLS token, or ``avg``/``max``/
+            ``avgmax`` over surviving patch tokens); ``"lc1"`` is DINOv2's linear readout
+            (normed CLS concatenated with the mean of normed surviving patch tokens).
+        attn_backend: ``"auto"`` or one of ``flash``, ``torch_varlen``, ``sdpa_loop``.
+
+    Wrapping again with the same actor/policy and options is a no-op; with different ones it
+    raises (call :func:`unwrap` first). After each forward ``model.dora_stats`` holds a
+    :class:`DoraStats`.
+    """
+    if (actor is None) == (policy is None):
+        raise ValueError("pass exactly one of actor= or policy=")
+    if actor is not None and not isinstance(actor, Actor):
+        raise TypeError(f"actor must be a timm_dora.Actor, got {type(actor).__name__}")
+    if attn_backend != "auto" and attn_backend not in BACKENDS:
+        raise ValueError(f"attn_backend must be 'auto' or one of {BACKENDS}, got {attn_backend!r}")
+    if is_wrapped(model):
+        state = model._dora
+        current = state.policy.actor if isinstance(state.policy, ActorPolicy) else state.policy
+        if current is (actor if actor is not None else policy) and (state.readout, state.attn_backend) == (readout, attn_backend):
+            return model
+        raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
+    check_supported(model, readout)
+    if actor is not None:
+        _check_actor(model, actor)
+        policy = ActorPolicy(actor)
+    original = type(model)
+    model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original)
+    if actor is not None:
+        p = next(model.parameters())
+        model.add_module("dora_actor", actor.to(device=p.device, dtype=p.dtype))
+    model.__class__ = _dora_class(original)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Undo :func:`wrap`: the original class, no actor submodule, native forward."""
+    if not is_wrapped(model):
+        raise ValueError("model is not wrapped by timm_dora")
+    model.__class__ = model._dora.original_class
+    for name in ("dora_actor",):
+        if name in model._modules:
+            del model._modules[name]
+    for name in ("_dora", "dora_stats"):
+        if name in model.__dict__:
+            delattr(model, name)
+    return model
+
+
+def set_policy(model: nn.Module, policy: Policy) -> None:
+    """Replace the policy of a wrapped model (e.g. a sampling :class:`ActorPolicy` for training)."""
+    if not is_wrapped(model):
+        raise ValueError("model is not wrapped by timm_dora")
+    model._dora.policy = policy
+
+
+# --------------------------------------------------------------------------------------------
+# the forward, composed from timm's submodules
+
+
+def attention_residual(blk: nn.Module, packed: Packed, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x + drop_path1(ls1(attn(norm1(x))))`` on packed rows; also returns the keys ``[T, d]``."""
+    attn = blk.attn
+    t = packed.total
+    y = blk.norm1(packed.x)
+    q, k, v = attn.qkv(y).view(t, 3, attn.num_heads, attn.head_dim).unbind(1)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    o = varlen_attention(q, k, v, packed, attn.scale, backend).reshape(t, -1)
+    o = attn.norm(o)
+    gate = getattr(attn, "gate", None)
+    if gate is not None:
+        o = o * gate(y).sigmoid()
+    o = attn.proj_drop(attn.proj(o))
+    return packed.x + blk.drop_path1(blk.ls1(o)), k.reshape(t, -1)
+
+
+def mlp_residual(blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows."""
+    return x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+
+
+def _segment_pool(packed: Packed, pool: str, include_prefix: bool) -> torch.Tensor:
+    x = packed.x
+    b, p = packed.batch_size, packed.num_prefix
+    if include_prefix:
+        rows, counts = None, packed.lengths
+    else:
+        rows = rows_where(packed.pos >= p, packed.total - b * p)
+        counts = packed.lengths - p
+    seg = packed.seg if rows is None else packed.seg[rows]
+    xs = x if rows is None else x[rows]
+    out = {}
+    if pool in ("avg", "avgmax"):
+        total = torch.zeros(b, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, seg, xs.float())
+        out["avg"] = (total / counts[:, None]).to(x.dtype)
+    if pool in ("max", "avgmax"):
+        init = torch.full((b, x.shape[1]), float("-inf"), dtype=x.dtype, device=x.device)
+        out["max"] = init.scatter_reduce(0, seg[:, None].expand_as(xs), xs, reduce="amax")
+    if pool == "avgmax":
+        return 0.5 * (out["max"] + out["avg"])
+    return out[pool]
+
+
+def readout(model: nn.Module, packed: Packed, mode: str) -> torch.Tensor:
+    """Logits from the final-normed packed tokens, as the model's own head would compute them."""
+    if mode == "lc1":
+        cls = packed.x[packed.starts]
+        feats = torch.cat([cls, _segment_pool(packed, "avg", include_prefix=False)], dim=-1)
+        return model.head(model.head_drop(feats))
+    if model.global_pool == "token":
+        # timm's own head on the prefix rows: CLS (and the distillation token for DeiT-distilled)
+        return model.forward_head(packed.prefix_rows())
+    feats = _segment_pool(packed, model.global_pool, bool(getattr(model, "pool_include_prefix", False)))
+    return model.head(model.head_drop(model.fc_norm(feats)))
+
+
+def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor, DoraStats]:
+    """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and stats."""
+    state: _DoraState = model._dora
+    cost = state.cost
+    if model.training and any(getattr(m, "drop_prob", 0.0) > 0 for m in model.modules() if type(m).__name__ == "DropPath"):
+        raise RuntimeError("stochastic depth is per image and cannot act on packed rows: call model.eval() first")
+    x = model.patch_embed(x)
+    x = model._pos_embed(x)
+    x = model.patch_drop(x)
+    x = model.norm_pre(x)
+    p = model.num_prefix_tokens
+    b, s, _ = x.shape
+    n0 = s - p
+    if n0 != cost.num_patches:
+        raise ValueError(
+            f"input gives {n0} patch tokens but the model (and its actor) were built for {cost.num_patches}; "
+            "DORA needs the input size the model was created with"
+        )
+    backend = select_backend(x.device.type, x.dtype, state.attn_backend)
+    packed = Packed.from_dense(x, p)
+    dev = x.device
+    depth = len(model.blocks)
+    n_visual = torch.full((b,), n0, dtype=torch.long, device=dev)
+    rho = torch.zeros(b, device=dev)
+    interventions = torch.zeros(b, dtype=torch.long, device=dev)
+    flops = torch.full((b,), 2.0 * (cost.patch_macs + cost.head_macs), dtype=torch.float64, device=dev)
+    policy_flops = torch.zeros(b, dtype=torch.float64, device=dev)
+    tokens, gates, removed_all = [], [], []
+    for l, blk in enumerate(model.blocks):
+        x_attn, keys = attention_residual(blk, packed, backend)
+        ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend)
+        dec = policy(ctx)
+        packed = packed.with_x(x_attn)
+        if dec.remove is not None:
+            packed = delete_rows(packed, dec.remove, dec.removed)
+        packed = packed.with_x(mlp_residual(blk, packed.x))
+        n_attn = n_visual + p
+        flops += 2.0 * cost.block_macs(l, n_attn, n_attn - dec.removed)
+        if dec.flops is not None:
+            flops += dec.flops
+            policy_flops += dec.flops
+        rho = dec.removed.float() / n_visual.float()
+        interventions = interventions + dec.gate.long()
+        n_visual = n_visual - dec.removed
+        tokens.append(n_visual)
+        gates.append(dec.gate)
+        removed_all.append(dec.removed)
+    packed = packed.with_x(model.norm(packed.x))
+    logits = readout(model, packed, state.readout)
+    stats = DoraStats(
+        torch.stack(tokens, 1), torch.stack(gates, 1), torch.stack(removed_all, 1), flops / 1e9, policy_flops / 1e9, backend
+    )
+    return logits, stats

@@ -1,0 +1,223 @@
+"""Per-block pruning decisions on a packed batch.
+
+A *policy* is any callable ``policy(ctx: BlockContext) -> Decision``. The wrapped forward calls it
+once per block, after the attention residual, and deletes the rows it names before the MLP.
+
+- :class:`ActorPolicy`: DORA's actor, deterministic (inference: gate ``p >= 0.5``, largest
+  feasible budget logit, the ``k`` highest selector scores) or sampled (training: Bernoulli gate,
+  masked categorical budget, Plackett-Luce order), optionally recording what training needs.
+- :class:`ReplayPolicy`: deletes recorded tokens (by position among the current visual tokens);
+  used for shadow evaluations, selector-substitution studies, tests and benchmarks.
+- :class:`NoPrune`: never prunes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .actor import Actor, gumbel_like, ordered_topk, to_padded
+from .flops import actor_controller_macs, actor_gate_macs
+from .packing import Packed
+
+__all__ = ["BlockContext", "Decision", "ActorPolicy", "ReplayPolicy", "NoPrune", "StepRecord", "rows_where"]
+
+
+def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` True entries of ``mask`` (no host sync when ``count`` is known)."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=count).squeeze(1)
+    return torch.nonzero(mask).squeeze(1)  # pragma: no cover - torch < 2.1
+
+
+@dataclass
+class BlockContext:
+    """What a policy sees at block ``block`` (after the attention residual, before the MLP)."""
+
+    block: int
+    keys: torch.Tensor  # [T, d] attention keys of every packed row, heads concatenated
+    packed: Packed  # the batch entering this block (its layout; rows are pre-attention)
+    n_visual: torch.Tensor  # [B] N_l, visual tokens entering the block
+    rho: torch.Tensor  # [B] k_{l-1} / N_{l-1} (0 at l = 0)
+    interventions: torch.Tensor  # [B] E_<l, earlier blocks where the gate opened
+    depth: int  # L
+    num_patches: int  # N0
+    backend: str  # attention backend of this forward
+
+    @property
+    def n_visual_host(self) -> List[int]:
+        p = self.packed.num_prefix
+        return [n - p for n in self.packed.lengths_host]
+
+
+@dataclass
+class Decision:
+    """One block's decision for every image.
+
+    ``gate[b]``: the policy intervened on image ``b``. ``removed[b]``: tokens it removes (``k_l``,
+    0 where the gate is off). ``remove``: ``[T]`` bool over the packed rows (``None`` when nothing
+    is removed). ``flops``: the policy's own FLOPs per image at this block (``None``: free).
+    """
+
+    gate: torch.Tensor
+    removed: torch.Tensor
+    remove: Optional[torch.Tensor] = None
+    flops: Optional[torch.Tensor] = None
+
+
+class NoPrune:
+    """A policy that never removes a token (the wrapped model then equals the native one)."""
+
+    def __call__(self, ctx: BlockContext) -> Decision:
+        b = ctx.packed.batch_size
+        dev = ctx.keys.device
+        return Decision(torch.zeros(b, dtype=torch.bool, device=dev), torch.zeros(b, dtype=torch.long, device=dev))
+
+
+def _removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """``[T]`` bool marking visual column ``col`` of image ``image`` (0 = first surviving patch)."""
+    remove = torch.zeros(packed.total, dtype=torch.bool, device=packed.x.device)
+    remove[packed.starts[image] + packed.num_prefix + col] = True
+    return remove
+
+
+class ReplayPolicy:
+    """Replays recorded deletions.
+
+    ``plan[l] = (image, col)``: two ``[R]`` int64 tensors; at block ``l`` image ``image[r]`` loses
+    the visual token at column ``col[r]`` (0-based among that image's visual tokens entering block
+    ``l``, in order). Blocks missing from the plan prune nothing. ``stop_after``: replay only blocks
+    ``<= stop_after`` (a complete-prefix shadow); later blocks run unpruned. ``check``: validate
+    the plan against the batch (costs a host sync per pruning block; off for benchmarks).
+    """
+
+    def __init__(self, plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]], stop_after: Optional[int] = None, check: bool = True):
+        self.plan = plan
+        self.stop_after = stop_after
+        self.check = check
+
+    def __call__(self, ctx: BlockContext) -> Decision:
+        b = ctx.packed.batch_size
+        dev = ctx.keys.device
+        step = self.plan.get(ctx.block)
+        if step is None or (self.stop_after is not None and ctx.block > self.stop_after):
+            return NoPrune()(ctx)
+        image, col = (t.to(dev) for t in step)
+        removed = torch.bincount(image, minlength=b)
+        if self.check and image.numel() and bool(((col < 0) | (col >= ctx.n_visual[image])).any()):
+            raise ValueError(f"replay plan at block {ctx.block} names a token beyond an image's visual tokens")
+        if self.check and bool((ctx.n_visual - removed < 1).any()):
+            raise ValueError(f"replay plan at block {ctx.block} would remove every visual token of an image")
+        return Decision(removed > 0, removed, _removal_mask(ctx.packed, image, col) if image.numel() else None)
+
+
+@dataclass
+class StepRecord:
+    """What a sampled (or deterministic) actor step observed and chose, for PPO.
+
+    Per image (``[B, ...]``): ``h``, ``cls_key``, ``gate_logit``, ``feasible``, ``gate``.
+    Per gate-active image (``[A, ...]``, in ``active`` order): ``n_visual``, ``budget_logits``
+    (masked), ``budget_index``, ``budget``, ``scores`` (selector scores padded with ``-inf``),
+    ``order``/``valid`` (the ordered selection). ``ctrl_keys``/``ctrl_lengths``: the packed
+    controller input (CLS key then visual keys of each active image).
+    """
+
+    block: int
+    h: torch.Tensor
+    cls_key: torch.Tensor
+    gate_logit: torch.Tensor
+    feasible: torch.Tensor
+    gate: torch.Tensor
+    active: torch.Tensor
+    n_visual: Optional[torch.Tensor] = None
+    ctrl_keys: Optional[torch.Tensor] = None
+    ctrl_lengths: Optional[List[int]] = None
+    budget_logits: Optional[torch.Tensor] = None
+    budget_index: Optional[torch.Tensor] = None
+    budget: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
+    order: Optional[torch.Tensor] = None
+    valid: Optional[torch.Tensor] = None
+
+
+class ActorPolicy:
+    """DORA's actor as a policy.
+
+    Args:
+        actor: the :class:`~timm_dora.actor.Actor`.
+        sample: ``False`` (default) for the deterministic deployment rule; ``True`` to sample
+            gate, budget and Plackett-Luce order as in training.
+        generator: random generator used when sampling.
+        record: keep a :class:`StepRecord` per block in :attr:`records` (cleared by :meth:`reset`).
+    """
+
+    def __init__(self, actor: Actor, *, sample: bool = False, generator: Optional[torch.Generator] = None, record: bool = False):
+        self.actor = actor
+        self.sample = sample
+        self.generator = generator
+        self.record = record
+        self.records: List[StepRecord] = []
+
+    def reset(self) -> None:
+        self.records = []
+
+    def _uniform(self, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+        return torch.rand(tuple(shape), generator=self.generator, device=device)
+
+    def __call__(self, ctx: BlockContext) -> Decision:
+        actor, packed = self.actor, ctx.packed
+        b, p, dev = packed.batch_size, packed.num_prefix, ctx.keys.device
+        if ctx.keys.shape[1] != actor.embed_dim:
+            raise ValueError(f"actor expects keys of width d={actor.embed_dim}, the backbone gives {ctx.keys.shape[1]}")
+        h = actor.history(ctx.n_visual, ctx.rho, ctx.interventions)
+        cls_key = ctx.keys[packed.starts]
+        gate_logit = actor.gate_logit(cls_key, h, ctx.block).float()
+        prob = torch.sigmoid(gate_logit)
+        feasible = actor.has_feasible_budget(ctx.n_visual)
+        if self.sample:
+            gate = (self._uniform((b,), dev) < prob) & feasible
+        else:
+            gate = (prob >= 0.5) & feasible
+        flops = torch.full((b,), 2.0 * actor_gate_macs(actor), dtype=torch.float64, device=dev)
+        removed = torch.zeros(b, dtype=torch.long, device=dev)
+        rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
+        active_host = torch.nonzero(gate).squeeze(1).tolist()  # host sync: which images enter the controller
+        if self.record:
+            self.records.append(rec)
+        if not active_host:
+            return Decision(gate, removed, None, flops)
+
+        active = torch.tensor(active_host, dtype=torch.long, device=dev)
+        n_host = ctx.n_visual_host
+        n_act_host = [n_host[i] for i in active_host]
+        n_act = ctx.n_visual[active]
+        # controller input: CLS key + visual keys of each gate-active image, packed
+        rows = rows_where(gate[packed.seg] & ((packed.pos == 0) | (packed.pos >= p)), sum(n_act_host) + len(active_host))
+        ctrl = Packed(ctx.keys[rows], n_act + 1, [n + 1 for n in n_act_host], num_prefix=1)
+        z = actor.encode(ctrl.x, ctrl, h[active], ctx.block, ctx.backend)
+
+        logits = actor.budget_logits(z[ctrl.starts], n_act)
+        if self.sample:
+            index = (logits + gumbel_like(logits, self.generator)).argmax(1)
+        else:
+            index = logits.argmax(1)
+        k = actor.budgets[index]
+
+        vis = rows_where(ctrl.pos >= 1, sum(n_act_host))
+        vseg, vcol = ctrl.seg[vis], ctrl.pos[vis] - 1
+        fraction = (k.float() / n_act.float())[vseg]
+        s = actor.selector_scores(z[vis], fraction)
+        scores = to_padded(s, vseg, vcol, len(active_host), max(n_act_host), float("-inf"))
+        noise = gumbel_like(scores, self.generator) if self.sample else None
+        order, valid = ordered_topk(scores, k, noise)
+
+        image = active[:, None].expand_as(order)[valid]
+        remove = _removal_mask(packed, image, order[valid])
+        removed[active] = k
+        flops[active] += 2.0 * actor_controller_macs(actor, n_act)
+        if self.record:
+            rec.active, rec.n_visual, rec.ctrl_keys, rec.ctrl_lengths = active, n_act, ctrl.x, ctrl.lengths_host
+            rec.budget_logits, rec.budget_index, rec.budget = logits, index, k
+            rec.scores, rec.order, rec.valid = scores, order, valid
+        return Decision(gate, removed, remove, flops)
