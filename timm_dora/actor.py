@@ -204,11 +204,14 @@ class Actor(nn.Module):
         logits = self.budget_head(z_cls).float()
         return logits.masked_fill(~self.feasible_budgets(n_visual), float("-inf"))
 
-    def selector_scores(self, z_visual: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
-        """Removal scores ``s_j = MLP_S(Z_j + W_k k/N_l)`` (``[Tv]`` float32); ``fraction`` is ``k/N_l``
-        per row."""
+    def selector_scores(self, z_visual: torch.Tensor, fraction: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        """Removal scores ``s_j = MLP_S(Z_j + W_k k/N_l)`` (``[Tv]`` float32).
+
+        ``fraction``: ``[A]`` removal fraction ``k/N_l`` per active image; ``seg``: ``[Tv]`` image
+        index of each visual row (``W_k`` runs once per image).
+        """
         cond = self.w_k(fraction[:, None].to(z_visual.dtype))
-        return self.selector(z_visual + cond).squeeze(-1).float()
+        return self.selector(z_visual + cond[seg]).squeeze(-1).float()
 
 
 # --------------------------------------------------------------------------------------------

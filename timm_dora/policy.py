@@ -206,8 +206,7 @@ class ActorPolicy:
 
         vis = rows_where(ctrl.pos >= 1, sum(n_act_host))
         vseg, vcol = ctrl.seg[vis], ctrl.pos[vis] - 1
-        fraction = (k.float() / n_act.float())[vseg]
-        s = actor.selector_scores(z[vis], fraction)
+        s = actor.selector_scores(z[vis], k.float() / n_act.float(), vseg)
         scores = to_padded(s, vseg, vcol, len(active_host), max(n_act_host), float("-inf"))
         noise = gumbel_like(scores, self.generator) if self.sample else None
         order, valid = ordered_topk(scores, k, noise)

@@ -1,0 +1,109 @@
+"""Shared test helpers: small timm models and an independent per-image reference forward."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import timm
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+# (timm name, create_model kwargs): small variants of every supported family, random weights.
+SMALL_FAMILIES = {
+    "deit": ("deit_tiny_patch16_224", dict(img_size=64)),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(img_size=64)),
+    "vit_augreg": ("vit_tiny_patch16_224", dict(img_size=64)),
+    "vit_avgpool": ("vit_tiny_patch16_224", dict(img_size=64, global_pool="avg")),
+    "dinov2_layerscale": ("vit_small_patch14_dinov2", dict(img_size=56)),
+    "dinov2_registers": ("vit_small_patch14_reg4_dinov2", dict(img_size=56)),
+}
+# The paper's backbones at full width and depth (random weights); a small image keeps CPU tests fast.
+FULL_FAMILIES = {
+    "deit_b16": ("deit_base_patch16_224", dict(img_size=64)),
+    "vit_b16": ("vit_base_patch16_224", dict(img_size=64)),
+    "vit_l16": ("vit_large_patch16_224", dict(img_size=64)),
+    "dinov2_b14": ("vit_base_patch14_dinov2", dict(img_size=56)),
+}
+
+
+def make_model(name: str, seed: int = 0, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False, num_classes=kwargs.pop("num_classes", 10), **kwargs).eval()
+    # timm inits LayerScale at 1e-5 and some heads at zero; randomise so that every term matters
+    # (scaled so that logits are O(1): the equivalence tolerance of 1e-5 is absolute)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".gamma") or "norm" in n:
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if ("norm" in n and n.endswith("weight")) else 0.0))
+            elif n.startswith("head") and n.endswith("weight"):
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    return model
+
+
+def images(model, batch: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    size = model.patch_embed.img_size
+    return torch.randn(batch, 3, size[0], size[1], generator=g)
+
+
+def random_plan(batch: int, n0: int, depth: int, blocks: Sequence[int], seed: int = 0, min_keep: int = 4):
+    """Random deletions varied per image: per block, each image removes 0..(N-min_keep) tokens."""
+    g = torch.Generator().manual_seed(seed)
+    n = [n0] * batch
+    plan: Dict[int, tuple] = {}
+    for l in blocks:
+        imgs, cols = [], []
+        for i in range(batch):
+            k = int(torch.randint(0, max(n[i] - min_keep, 0) + 1, (1,), generator=g))
+            chosen = torch.randperm(n[i], generator=g)[:k]
+            imgs += [i] * k
+            cols += chosen.tolist()
+            n[i] -= k
+        plan[l] = (torch.tensor(imgs, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
+    return plan
+
+
+def plan_for_image(plan, i: int) -> Dict[int, List[int]]:
+    return {l: col[img == i].tolist() for l, (img, col) in plan.items()}
+
+
+@torch.no_grad()
+def reference_forward(model, img: torch.Tensor, deletions: Dict[int, List[int]], readout: str = "model") -> torch.Tensor:
+    """One image, timm's own Attention/Mlp/head forwards, rows deleted by Python indexing.
+
+    Independent of timm_dora's packing: ``deletions[l]`` lists the visual columns (0-based among
+    the image's current visual tokens) removed after block ``l``'s attention residual.
+    """
+    p = model.num_prefix_tokens
+    x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(img))))
+    for l, blk in enumerate(model.blocks):
+        x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))
+        gone = set(deletions.get(l, []))
+        if gone:
+            keep = [j for j in range(x.shape[1]) if j < p or (j - p) not in gone]
+            x = x[:, keep]
+        x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+    x = model.norm(x)
+    if readout == "lc1":
+        return model.head(torch.cat([x[:, 0], x[:, p:].mean(1)], dim=-1))
+    return model.forward_head(x)
+
+
+class Recorder:
+    """Wraps a policy and records its deletions as a replay plan (image, column) per block."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.plan: Dict[int, tuple] = {}
+        self.contexts = []
+
+    def __call__(self, ctx):
+        dec = self.policy(ctx)
+        self.contexts.append(ctx)
+        if dec.remove is not None:
+            rows = dec.remove.nonzero().squeeze(1)
+            img = ctx.packed.seg[rows]
+            col = ctx.packed.pos[rows] - ctx.packed.num_prefix
+            self.plan[ctx.block] = (img, col)
+        return dec

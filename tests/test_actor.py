@@ -1,0 +1,124 @@
+"""The actor of App. A: shapes, budgets, masking and the deterministic decision rule."""
+import pytest
+import torch
+
+import timm_dora
+from timm_dora import Actor, BlockContext, Packed
+from timm_dora.actor import budget_grid, ordered_topk
+from timm_dora.policy import ActorPolicy
+
+
+def test_budget_grids_of_the_paper():
+    g196 = budget_grid(196)
+    assert g196.numel() == 96 and g196[0] == 2 and g196[-1] == 192
+    assert torch.equal(g196, torch.arange(2, 193, 2))
+    g256 = budget_grid(256)
+    assert g256.numel() == 126 and g256[-1] == 252
+    with pytest.raises(ValueError, match="no legal budget"):
+        budget_grid(5)
+
+
+def test_layer_shapes_follow_appendix_a():
+    a = Actor(768, 12, 196)
+    assert a.gate_mlp[0].in_features == 768 + 19 and a.gate_mlp[0].out_features == 64 and a.gate_mlp[2].out_features == 1
+    assert tuple(a.gate_embed.shape) == (12, 16) and tuple(a.block_embed.shape) == (12, 128)
+    assert (a.w_in.in_features, a.w_in.out_features) == (768, 128)
+    assert (a.w_h.in_features, a.w_h.out_features) == (3, 128)
+    enc = a.encoder
+    assert enc.num_heads == 4 and enc.fc1.out_features == 256 and enc.fc2.out_features == 128
+    assert isinstance(a.budget_head[0], torch.nn.LayerNorm) and a.budget_head[3].out_features == 96
+    assert (a.w_k.in_features, a.w_k.out_features) == (1, 128)
+    assert a.selector[0].out_features == 64 and a.selector[2].out_features == 1
+    assert Actor(768, 12, 256).num_budgets == 126
+
+
+def test_history_vector():
+    a = Actor(32, 5, 20)
+    h = a.history(torch.tensor([20, 10]), torch.tensor([0.0, 0.25]), torch.tensor([0, 2]))
+    assert torch.allclose(h, torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.25, 0.5]]))
+
+
+def test_infeasible_budgets_are_masked():
+    a = Actor(32, 4, 20)  # grid {2,...,16}
+    logits = a.budget_logits(torch.randn(3, 128), torch.tensor([20, 9, 6]))
+    feasible = torch.isfinite(logits)
+    assert feasible[0].all()  # N=20: every k <= 16
+    assert feasible[1].tolist() == [True, True, False, False, False, False, False, False]  # k <= 5
+    assert feasible[2].tolist() == [True] + [False] * 7  # k <= 2
+    assert a.has_feasible_budget(torch.tensor([6, 5])).tolist() == [True, False]
+
+
+def test_ordered_topk_is_the_deterministic_rule():
+    s = torch.tensor([[0.1, 3.0, -1.0, 2.0, float("-inf")], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    order, valid = ordered_topk(s, torch.tensor([2, 1]))
+    assert order.tolist()[0] == [1, 3] and order.tolist()[1][0] == 0
+    assert valid.tolist() == [[True, True], [True, False]]
+
+
+def _ctx(keys, lengths, num_prefix, block=0, depth=4, n0=None):
+    packed = Packed(torch.zeros(keys.shape[0], 1), torch.tensor(lengths), list(lengths), num_prefix)
+    nv = torch.tensor(lengths) - num_prefix
+    n0 = n0 or int(nv.max())
+    z = torch.zeros(len(lengths))
+    return BlockContext(block, keys, packed, nv, z, z.long(), depth, n0, "sdpa_loop")
+
+
+@torch.no_grad()
+def test_actor_policy_deterministic_rule_cls_and_prefix_never_removed():
+    torch.manual_seed(0)
+    a = Actor(16, 4, 12)
+    lengths = [14, 10, 8]  # 2 prefix tokens (CLS + register) + 12, 8, 6 visual
+    keys = torch.randn(sum(lengths), 16)
+    ctx = _ctx(keys, lengths, 2, n0=12)
+    # force the gate open, make budget logits prefer the largest feasible budget
+    a.gate_mlp[2].bias.fill_(1e4)
+    a.budget_head[3].weight.zero_()
+    a.budget_head[3].bias.copy_(torch.arange(a.num_budgets, dtype=torch.float))
+    pol = ActorPolicy(a, record=True)
+    dec = pol(ctx)
+    rec = pol.records[0]
+    assert dec.gate.tolist() == [True, True, True]
+    # grid {2,...,8}; largest feasible k <= N - 4: 8, 4, 2
+    assert dec.removed.tolist() == [8, 4, 2]
+    packed = ctx.packed
+    assert not dec.remove[packed.pos < 2].any()
+    per_image = torch.zeros(3, dtype=torch.long).index_add_(0, packed.seg, dec.remove.long())
+    assert per_image.tolist() == [8, 4, 2]
+    # the removed tokens are exactly the k highest selector scores of each image
+    for a_i, (start, n) in enumerate(zip([0, 14, 24], [12, 8, 6])):
+        scores = rec.scores[a_i, :n]
+        top = set(torch.topk(scores, dec.removed[a_i].item()).indices.tolist())
+        removed_cols = set((dec.remove[start + 2 : start + 2 + n]).nonzero().squeeze(1).tolist())
+        assert removed_cols == top
+
+
+@torch.no_grad()
+def test_gate_threshold_and_feasibility():
+    a = Actor(16, 4, 12)
+    lengths = [13, 6]  # 12 and 5 visual tokens: the second has no feasible budget (5 - 4 < 2)
+    ctx = _ctx(torch.randn(19, 16), lengths, 1, n0=12)
+    a.gate_mlp[2].weight.zero_()
+    a.gate_mlp[2].bias.fill_(0.0)  # p = 0.5 exactly: opens (p >= 0.5)
+    dec = ActorPolicy(a)(ctx)
+    assert dec.gate.tolist() == [True, False] and dec.removed[1] == 0
+    a.gate_mlp[2].bias.fill_(-1e-3)  # p just below 0.5: closed
+    dec = ActorPolicy(a)(ctx)
+    assert dec.gate.tolist() == [False, False] and dec.remove is None
+
+
+@torch.no_grad()
+def test_sampled_policy_respects_feasibility_and_records_log_prob_inputs():
+    torch.manual_seed(1)
+    a = Actor(16, 4, 12)
+    a.gate_mlp[2].bias.fill_(3.0)
+    lengths = [13, 9, 7]
+    ctx = _ctx(torch.randn(29, 16), lengths, 1, n0=12)
+    g = torch.Generator().manual_seed(0)
+    pol = ActorPolicy(a, sample=True, generator=g, record=True)
+    for _ in range(20):
+        dec = pol(ctx)
+        assert ((ctx.n_visual - dec.removed) >= 4).all()
+        assert torch.equal(torch.zeros(3, dtype=torch.long).index_add_(0, ctx.packed.seg, dec.remove.long() if dec.remove is not None else torch.zeros(29, dtype=torch.long)), dec.removed)
+    rec = pol.records[-1]
+    assert rec.order.shape[0] == rec.active.numel()
+

@@ -1,0 +1,211 @@
+"""The wrapped forward against native timm and against an independent per-image reference."""
+import pytest
+import torch
+
+import timm_dora
+from timm_dora import Actor, NoPrune, ReplayPolicy
+
+from helpers import FULL_FAMILIES, SMALL_FAMILIES, Recorder, images, make_model, plan_for_image, random_plan, reference_forward
+
+ALL = {**SMALL_FAMILIES, **FULL_FAMILIES}
+SMALL = list(SMALL_FAMILIES)
+
+
+def closed_gate_actor(model):
+    actor = Actor.for_model(model)
+    with torch.no_grad():
+        actor.gate_mlp[2].bias.fill_(-1e4)
+    return actor
+
+
+@pytest.mark.parametrize("family", list(ALL))
+@torch.no_grad()
+def test_gate_closed_equals_native(family):
+    name, kw = ALL[family]
+    model = make_model(name, **kw)
+    x = images(model, 3)
+    native = model(x)
+    timm_dora.wrap(model, closed_gate_actor(model))
+    out = model(x)
+    assert (out - native).abs().max().item() <= 1e-5
+    assert not model.dora_stats.gate.any()
+    assert (model.dora_stats.tokens == model.patch_embed.num_patches).all()
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, policy=NoPrune())
+    assert (model(x) - native).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", list(ALL))
+@torch.no_grad()
+def test_fuzzed_deletions_match_per_image_reference(family):
+    name, kw = ALL[family]
+    model = make_model(name, **kw)
+    b, n0, depth = 4, model.patch_embed.num_patches, len(model.blocks)
+    blocks = [0, 1, depth // 2, depth - 1]
+    plan = random_plan(b, n0, depth, blocks, seed=sum(map(ord, family)))
+    x = images(model, b)
+    timm_dora.wrap(model, policy=ReplayPolicy(plan))
+    out = model(x)
+    stats = model.dora_stats
+    for i in range(b):
+        dels = plan_for_image(plan, i)
+        ref = reference_forward(model, x[i : i + 1], dels)
+        assert (out[i] - ref[0]).abs().max().item() <= 1e-5, f"image {i}"
+        expected_k = torch.tensor([len(dels.get(l, [])) for l in range(depth)])
+        assert torch.equal(stats.removed[i], expected_k)
+        assert torch.equal(stats.tokens[i], n0 - expected_k.cumsum(0))
+    # per image variation really happened (otherwise the packed path was never exercised)
+    assert any(len(set(col)) > 1 for col in stats.tokens.T.tolist())
+
+
+@pytest.mark.parametrize("family", SMALL)
+@torch.no_grad()
+def test_actor_decisions_replay_to_reference_and_are_batch_independent(family):
+    name, kw = SMALL_FAMILIES[family]
+    model = make_model(name, **kw)
+    torch.manual_seed(3)
+    actor = Actor.for_model(model)
+    x = images(model, 5, seed=7)
+    rec = Recorder(timm_dora.ActorPolicy(actor))
+    timm_dora.wrap(model, policy=rec)
+    out = model(x)
+    stats = model.dora_stats
+    assert stats.gate.any(), "random actor never opened its gate; the test would not exercise pruning"
+    for i in range(5):
+        ref = reference_forward(model, x[i : i + 1], plan_for_image(rec.plan, i))
+        assert (out[i] - ref[0]).abs().max().item() <= 1e-5
+    # the same image alone gives the same decisions and logits: no leakage between packed images
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, actor)
+    for i in range(5):
+        single = model(x[i : i + 1])
+        assert torch.equal(model.dora_stats.removed[0], stats.removed[i])
+        assert (single[0] - out[i]).abs().max().item() <= 1e-5
+
+
+@torch.no_grad()
+def test_lc1_readout_matches_reference():
+    name, kw = FULL_FAMILIES["dinov2_b14"]
+    model = make_model(name, **kw)
+    model.head = torch.nn.Linear(2 * model.embed_dim, 10)
+    plan = random_plan(3, model.patch_embed.num_patches, len(model.blocks), [2, 5, 9], seed=5)
+    x = images(model, 3)
+    timm_dora.wrap(model, policy=ReplayPolicy(plan), readout="lc1")
+    out = model(x)
+    for i in range(3):
+        ref = reference_forward(model, x[i : i + 1], plan_for_image(plan, i), readout="lc1")
+        assert (out[i] - ref[0]).abs().max().item() <= 1e-5
+
+
+@torch.no_grad()
+def test_unwrap_restores_bit_identical_behaviour():
+    name, kw = SMALL_FAMILIES["dinov2_registers"]
+    model = make_model(name, **kw)
+    cls, keys = type(model), set(model.state_dict())
+    x = images(model, 2)
+    native = model(x)
+    timm_dora.wrap(model, Actor.for_model(model))
+    assert timm_dora.is_wrapped(model) and "dora_actor.w_in.weight" in model.state_dict()
+    model(x)
+    timm_dora.unwrap(model)
+    assert type(model) is cls and set(model.state_dict()) == keys
+    assert not hasattr(model, "dora_stats") and not timm_dora.is_wrapped(model)
+    assert torch.equal(model(x), native)
+
+
+def test_wrap_twice_is_idempotent_or_errors():
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    actor = Actor.for_model(model)
+    assert timm_dora.wrap(model, actor) is model
+    assert timm_dora.wrap(model, actor) is model  # same actor and options: no-op
+    with pytest.raises(ValueError, match="already wrapped"):
+        timm_dora.wrap(model, Actor.for_model(model))
+    with pytest.raises(ValueError, match="already wrapped"):
+        timm_dora.wrap(model, actor, readout="lc1")
+
+
+@pytest.mark.parametrize(
+    "field,kwargs", [("embed_dim", dict(embed_dim=64)), ("depth", dict(depth=6)), ("num_patches", dict(num_patches=196))]
+)
+def test_mismatched_actor_names_the_field(field, kwargs):
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    cfg = dict(embed_dim=192, depth=12, num_patches=16)
+    cfg.update(kwargs)
+    with pytest.raises(ValueError, match=f"actor.{field}="):
+        timm_dora.wrap(model, Actor(**cfg))
+    assert not timm_dora.is_wrapped(model)
+
+
+def test_unsupported_models_raise_clear_errors():
+    import timm
+
+    with pytest.raises(TypeError, match="VisionTransformer"):
+        timm_dora.wrap(torch.nn.Linear(3, 3), policy=NoPrune())
+    with pytest.raises(TypeError, match="VisionTransformer"):
+        timm_dora.wrap(timm.create_model("resnet10t"), policy=NoPrune())
+    no_cls = timm.create_model("vit_tiny_patch16_224", img_size=64, class_token=False, global_pool="avg")
+    with pytest.raises(ValueError, match="class token"):
+        timm_dora.wrap(no_cls, policy=NoPrune())
+    map_head = timm.create_model("vit_tiny_patch16_224", img_size=64, global_pool="map")
+    with pytest.raises(ValueError, match="MAP"):
+        timm_dora.wrap(map_head, policy=NoPrune())
+    post = timm.create_model("vit_tiny_patch16_224", img_size=64, block_fn=timm.models.vision_transformer.ResPostBlock)
+    with pytest.raises(TypeError, match="ResPostBlock"):
+        timm_dora.wrap(post, policy=NoPrune())
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    with pytest.raises(ValueError, match="lc1"):
+        timm_dora.wrap(model, policy=NoPrune(), readout="lc1")
+    with pytest.raises(ValueError, match="readout"):
+        timm_dora.wrap(model, policy=NoPrune(), readout="gap")
+    with pytest.raises(ValueError, match="attn_backend"):
+        timm_dora.wrap(model, policy=NoPrune(), attn_backend="xformers")
+    with pytest.raises(ValueError, match="exactly one"):
+        timm_dora.wrap(model)
+    with pytest.raises(ValueError, match="not wrapped"):
+        timm_dora.unwrap(model)
+
+
+def test_wrong_input_size_and_impossible_backend_raise():
+    model = make_model("deit_tiny_patch16_224", img_size=64, dynamic_img_size=True)
+    timm_dora.wrap(model, Actor.for_model(model))
+    with pytest.raises(ValueError, match="16"):
+        model(torch.randn(1, 3, 96, 96))
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, policy=NoPrune(), attn_backend="torch_varlen")
+    with pytest.raises(ValueError, match="cannot run on device 'cpu'"):
+        model(torch.randn(1, 3, 64, 64))
+
+
+def test_bad_replay_plan_raises():
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    plan = {0: (torch.tensor([0]), torch.tensor([16]))}
+    timm_dora.wrap(model, policy=ReplayPolicy(plan))
+    with pytest.raises(ValueError, match="beyond"):
+        model(images(model, 1))
+
+
+def test_real_vit_tiny_gate_closed_reproduces_native_predictions():
+    import csv
+
+    import timm
+    from PIL import Image
+
+    from helpers import SHARED
+
+    weights = SHARED / "weights" / "vit_tiny_patch16_224.augreg_in21k_ft_in1k.safetensors"
+    data = SHARED / "data" / "imagenet-mini"
+    if not weights.exists():
+        pytest.skip("../shared weights not present")
+    model = timm.create_model(
+        "vit_tiny_patch16_224.augreg_in21k_ft_in1k", pretrained=True, pretrained_cfg_overlay=dict(file=str(weights))
+    ).eval()
+    cfg = timm.data.resolve_data_config({}, model=model)
+    tf = timm.data.create_transform(**cfg)
+    rows = [r for r in csv.DictReader(open(data / "labels.csv")) if r["split"] == "test"][:6]
+    x = torch.stack([tf(Image.open(data / r["path"]).convert("RGB")) for r in rows])
+    with torch.no_grad():
+        native = model(x)
+        timm_dora.wrap(model, closed_gate_actor(model))
+        wrapped = model(x)
+    assert (wrapped - native).abs().max().item() <= 1e-4
+    assert torch.equal(wrapped.argmax(1), native.argmax(1))
