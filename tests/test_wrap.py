@@ -159,8 +159,11 @@ def test_unsupported_models_raise_clear_errors():
         timm_dora.wrap(model, policy=NoPrune(), readout="gap")
     with pytest.raises(ValueError, match="attn_backend"):
         timm_dora.wrap(model, policy=NoPrune(), attn_backend="xformers")
-    with pytest.raises(ValueError, match="exactly one"):
-        timm_dora.wrap(model)
+    with pytest.raises(ValueError, match="not both"):
+        timm_dora.wrap(model, Actor.for_model(model), policy=NoPrune())
+    unregistered = make_model("vit_small_patch16_224", img_size=64)
+    with pytest.raises(ValueError, match="no pretrained DORA actor is registered"):
+        timm_dora.wrap(unregistered)
     with pytest.raises(ValueError, match="not wrapped"):
         timm_dora.unwrap(model)
 

@@ -13,6 +13,7 @@ deletion, varlen attention), :mod:`~timm_dora.flops` (GFLOPs accounting), :mod:`
 (the timm integration).
 """
 from .actor import Actor
+from . import hub  # noqa: F401  (attaches Actor.from_pretrained / save_pretrained / push_to_hub)
 from .flops import native_gflops
 from .packing import Packed
 from .patch import DoraStats, is_wrapped, run, set_policy, unwrap, wrap

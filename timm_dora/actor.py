@@ -233,7 +233,7 @@ def to_padded(values: torch.Tensor, seg: torch.Tensor, col: torch.Tensor, rows: 
 def gumbel_like(scores: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Standard Gumbel noise with the shape of ``scores`` (float32)."""
     u = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=torch.float32)
-    return -torch.log(-torch.log(u.clamp_min(1e-20)).clamp_min(1e-20))
+    return -torch.log((-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20))
 
 
 def ordered_topk(scores: torch.Tensor, k: torch.Tensor, noise: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:

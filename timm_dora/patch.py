@@ -18,7 +18,8 @@ a pruned batch has no dense ``[B, N, d]`` form.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+import os
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -156,43 +157,50 @@ def is_wrapped(model: nn.Module) -> bool:
 
 def wrap(
     model: nn.Module,
-    actor: Optional[Actor] = None,
+    actor: Union[Actor, str, "os.PathLike[str]", None] = None,
     *,
     policy: Optional[Policy] = None,
     readout: str = "model",
     attn_backend: str = "auto",
+    **hub_kwargs,
 ) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes tokens with DORA.
 
     Args:
         model: a timm ViT (``VisionTransformer`` or subclass, e.g. DeiT distilled, DINOv2, models
             with register tokens). Its weights are not modified.
-        actor: the :class:`~timm_dora.actor.Actor` (deterministic deployment rule). It is
-            registered as ``model.dora_actor`` so ``model.to(...)`` moves it too.
-        policy: instead of ``actor``, any policy callable (see :mod:`timm_dora.policy`).
+        actor: an :class:`~timm_dora.actor.Actor`; a local folder, ``"hf-hub:org/name"`` or Hub
+            repo id of a pretrained actor; or ``None`` for the actor published for the model's
+            ``pretrained_cfg`` (see :mod:`timm_dora.hub`). It runs with the deterministic
+            deployment rule and is registered as ``model.dora_actor``, so ``model.to(...)``
+            moves it too.
+        policy: instead of an actor, any policy callable (see :mod:`timm_dora.policy`).
         readout: ``"model"`` follows ``model.global_pool`` (CLS token, or ``avg``/``max``/
             ``avgmax`` over surviving patch tokens); ``"lc1"`` is DINOv2's linear readout
             (normed CLS concatenated with the mean of normed surviving patch tokens).
         attn_backend: ``"auto"`` or one of ``flash``, ``torch_varlen``, ``sdpa_loop``.
+        hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
+            ``force_download`` when the actor is loaded from the Hub.
 
     Wrapping again with the same actor/policy and options is a no-op; with different ones it
     raises (call :func:`unwrap` first). After each forward ``model.dora_stats`` holds a
     :class:`DoraStats`.
     """
-    if (actor is None) == (policy is None):
-        raise ValueError("pass exactly one of actor= or policy=")
-    if actor is not None and not isinstance(actor, Actor):
-        raise TypeError(f"actor must be a timm_dora.Actor, got {type(actor).__name__}")
+    if actor is not None and policy is not None:
+        raise ValueError("pass an actor or a policy, not both")
     if attn_backend != "auto" and attn_backend not in BACKENDS:
         raise ValueError(f"attn_backend must be 'auto' or one of {BACKENDS}, got {attn_backend!r}")
     if is_wrapped(model):
         state = model._dora
         current = state.policy.actor if isinstance(state.policy, ActorPolicy) else state.policy
-        if current is (actor if actor is not None else policy) and (state.readout, state.attn_backend) == (readout, attn_backend):
+        if current is (actor if policy is None else policy) and (state.readout, state.attn_backend) == (readout, attn_backend):
             return model
         raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
     check_supported(model, readout)
-    if actor is not None:
+    if policy is None:
+        from .hub import resolve_actor
+
+        actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
         _check_actor(model, actor)
         policy = ActorPolicy(actor)
     original = type(model)

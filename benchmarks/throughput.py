@@ -1,0 +1,236 @@
+"""Throughput benchmark following the paper's App. E.5 protocol (not a test).
+
+GPU-resident preprocessed inputs (random images: throughput does not depend on pixel or weight
+values), bf16 weights and activations, batch 320, ``--batches`` distinct batches cycled, per repeat
+200 warm-up and 200 timed forwards with a CUDA synchronisation right before and after the timed
+loop, 5 repeats, median. Configurations per backbone:
+
+- ``native``: the unwrapped timm model (its fused SDPA attention).
+- ``gate_off``: wrapped with an actor whose gate never opens (the actor's gate runs every block).
+- ``fixed``: wrapped with a fixed replay policy with per-image variable budgets at fixed blocks
+  (deletion, compaction, packing and varlen attention, no actor), one per ``--reductions`` target.
+- ``actor``: wrapped with a random-weight actor whose gate is forced open at the same blocks as the
+  fixed policy (all of DORA's inference work: gate, controller, selection, packing).
+- ``oracle``: a dense run with a static schedule removing the fixed policy's mean count at the
+  same blocks (``x[:, :n]`` slicing, zero selection or packing overhead): the ceiling at equal
+  GFLOPs.
+
+Usage (prints a table; writes JSON with device, versions and the command):
+
+    python benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
+        --out benchmarks/results/throughput_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import timm  # noqa: E402
+
+import timm_dora  # noqa: E402
+from timm_dora import Actor, ReplayPolicy  # noqa: E402
+from timm_dora.flops import backbone_cost  # noqa: E402
+from timm_dora.patch import attention_residual, mlp_residual  # noqa: E402
+
+
+def fixed_plan(batch: int, n0: int, blocks: List[int], mean_k: List[int], spread: int, seed: int, device):
+    """Per-image variable budgets: image i removes ``mean_k[j] + u_i`` at ``blocks[j]``, u_i uniform
+    in ``[-spread, spread]`` (even), random columns."""
+    g = torch.Generator().manual_seed(seed)
+    n = [n0] * batch
+    plan = {}
+    for l, mk in zip(blocks, mean_k):
+        imgs, cols = [], []
+        for i in range(batch):
+            k = mk + 2 * int(torch.randint(-spread // 2, spread // 2 + 1, (1,), generator=g))
+            k = max(0, min(k, n[i] - 4))
+            imgs += [i] * k
+            cols += torch.randperm(n[i], generator=g)[:k].tolist()
+            n[i] -= k
+        plan[l] = (torch.tensor(imgs, device=device), torch.tensor(cols, device=device))
+    return plan
+
+
+def schedule_for_reduction(model, target: float, blocks: List[int]):
+    """Equal per-intervention removal counts reaching about ``target`` GFLOPs reduction."""
+    cost = backbone_cost(model)
+    n0, p, depth = cost.num_patches, cost.num_prefix, len(cost.qkv_macs)
+    native = cost.native_macs()
+    best = None
+    for k in range(0, n0 // len(blocks) + 1, 2):
+        n, macs = n0, cost.patch_macs + cost.head_macs
+        ks = []
+        for l in range(depth):
+            kk = min(k, n - 4) if l in blocks else 0
+            macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n + p - kk])))
+            n -= kk
+            ks.append(kk)
+        red = 1 - macs / native
+        if best is None or abs(red - target) < abs(best[0] - target):
+            best = (red, [ks[l] for l in blocks])
+    return best[1]
+
+
+def oracle_forward(model, ks: Dict[int, int]):
+    """Dense static schedule: the same blocks' own submodules, tokens dropped by slicing."""
+
+    def fwd(x):
+        x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+        for l, blk in enumerate(model.blocks):
+            x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))
+            if ks.get(l):
+                x = x[:, : x.shape[1] - ks[l]]
+            x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+        return model.forward_head(model.norm(x))
+
+    return fwd
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_forward(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: int, repeats: int):
+    ms, ips = [], []
+    batch = inputs[0].shape[0]
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for i in range(warmup):
+                fn(inputs[i % len(inputs)])
+            _sync()
+            t0 = time.perf_counter()
+            for i in range(iters):
+                fn(inputs[i % len(inputs)])
+            _sync()
+            t = time.perf_counter() - t0
+            ms.append(1000 * t / iters)
+            ips.append(batch * iters / t)
+    return {"ms_per_batch": statistics.median(ms), "images_per_s": statistics.median(ips), "repeats_images_per_s": ips}
+
+
+def gflops_of(model, plan, inputs):
+    timm_dora.set_policy(model, ReplayPolicy(plan, check=False))
+    with torch.inference_mode():
+        model(inputs[0])
+    return model.dora_stats
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["deit_base_patch16_224", "vit_tiny_patch16_224"])
+    ap.add_argument("--batch", type=int, default=320)
+    ap.add_argument("--batches", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--reductions", type=float, nargs="+", default=[0.38, 0.55])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6, 9])
+    ap.add_argument("--spread", type=int, default=16, help="per-image budget spread around the mean")
+    ap.add_argument("--configs", nargs="+", default=["native", "gate_off", "fixed", "actor", "oracle"])
+    ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
+    ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
+    ap.add_argument("--out", type=str, default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "timm_dora": timm_dora.__version__,
+        "python": platform.python_version(),
+        "protocol": {k: getattr(args, k) for k in ("batch", "batches", "warmup", "iters", "repeats")},
+        "dtype": str(dtype).replace("torch.", ""),
+        "rows": [],
+    }
+    for name in args.models:
+        torch.manual_seed(0)
+        kw = {} if args.img_size is None else {"img_size": args.img_size}
+        model = timm.create_model(name, pretrained=False, **kw).eval().to(dev, dtype)
+        cost = backbone_cost(model)
+        native_gflops = 2 * cost.native_macs() / 1e9
+        inputs = [torch.randn(args.batch, 3, *model.patch_embed.img_size, device=dev, dtype=dtype) for _ in range(args.batches)]
+        rows = []
+
+        def add(config, fn, gflops, **extra):
+            r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
+            row = {"model": name, "config": config, "gflops": gflops, **extra, **r}
+            rows.append(row)
+            print(f"{name:28s} {config:22s} {gflops:8.3f} GFLOPs {r['images_per_s']:10.1f} img/s {r['ms_per_batch']:8.3f} ms/batch", flush=True)
+
+        if "native" in args.configs:
+            add("native", model, native_gflops)
+        actor = Actor.for_model(model).to(dev, dtype)
+        if "gate_off" in args.configs:
+            with torch.no_grad():
+                actor.gate_mlp[2].bias.fill_(-1e4)
+            timm_dora.wrap(model, actor)
+            with torch.inference_mode():
+                model(inputs[0])
+            add("gate_off", model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
+            timm_dora.unwrap(model)
+        for red in args.reductions:
+            mean_k = schedule_for_reduction(model, red, args.blocks)
+            plan = fixed_plan(args.batch, cost.num_patches, args.blocks, mean_k, args.spread, 0, dev)
+            timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False))
+            stats = gflops_of(model, plan, inputs)
+            g = float(stats.gflops.mean())
+            per_block_k = stats.removed.float().mean(0)
+            tag = f"@{int(round(100 * (1 - g / native_gflops)))}%"
+            if "fixed" in args.configs:
+                add("fixed" + tag, model, g, backend=stats.backend, blocks=args.blocks, mean_k=mean_k,
+                    tokens_range=[int(stats.tokens[:, -1].min()), int(stats.tokens[:, -1].max())])
+            timm_dora.unwrap(model)
+            if "actor" in args.configs:
+                forced = Actor.for_model(model).to(dev, dtype)
+                with torch.no_grad():  # gate open exactly at the fixed policy's blocks:
+                    # hidden unit 0 reads gate-embedding channel 0, set to 10 at those blocks only
+                    hidden, out = forced.gate_mlp[0], forced.gate_mlp[2]
+                    hidden.weight.zero_()
+                    hidden.bias.zero_()
+                    hidden.weight[0, model.embed_dim] = 1.0
+                    forced.gate_embed.zero_()
+                    forced.gate_embed[args.blocks, 0] = 10.0
+                    out.weight.zero_()
+                    out.weight[0, 0] = 10.0
+                    out.bias.fill_(-5.0)
+                timm_dora.wrap(model, forced)
+                with torch.inference_mode():
+                    model(inputs[0])
+                s = model.dora_stats
+                add("actor(random)" + tag, model, float(s.gflops.mean()), backend=s.backend,
+                    gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
+                timm_dora.unwrap(model)
+            if "oracle" in args.configs:
+                ks = {l: int(round(float(per_block_k[l]))) for l in args.blocks}
+                fwd = oracle_forward(model, ks)
+                n, macs = cost.num_patches, cost.patch_macs + cost.head_macs
+                for l in range(len(model.blocks)):
+                    kk = ks.get(l, 0)
+                    macs += float(cost.block_macs(l, torch.tensor([n + cost.num_prefix]), torch.tensor([n + cost.num_prefix - kk])))
+                    n -= kk
+                add("oracle" + tag, fwd, 2 * macs / 1e9, static_k=ks)
+        results["rows"] += rows
+        del model, inputs
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

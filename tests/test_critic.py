@@ -1,0 +1,141 @@
+"""The privileged critic (paper App. D.1): scalar state, shapes, budget dependence, packing."""
+import math
+
+import pytest
+import torch
+
+from timm_dora.critic import SCALAR_DIM, Critic, native_features, scalar_state, trajectory_scalar_states
+
+D, L, M, C = 32, 3, 6, 10
+
+
+def _critic(seed=0):
+    torch.manual_seed(seed)
+    return Critic(embed_dim=D, depth=L, num_budgets=M, num_classes=C).eval()
+
+
+def _inputs(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    s = len(lengths)
+    tokens = torch.randn(sum(lengths), D, generator=g)
+    q = torch.rand(s, SCALAR_DIM, generator=g)
+    z = torch.randn(s, C, generator=g)
+    return tokens, q, z
+
+
+def test_native_features_by_hand():
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]], dtype=torch.float64)
+    phi = native_features(p.log(), tau_b=0.1)
+    h0 = -(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2))
+    h1 = -(2 * 0.4 * math.log(0.4) + 0.2 * math.log(0.2))
+    assert phi.shape == (2, 4) and phi.dtype == torch.float32
+    assert phi[0].tolist() == pytest.approx([0.5, 0.2, h0, 0.0], abs=1e-6)
+    assert phi[1].tolist() == pytest.approx([0.4, 0.0, h1, 1.0], abs=1e-6)
+
+
+def test_scalar_state_layout_is_ten_numbers():
+    assert SCALAR_DIM == 10  # [N/N0, l/(L-1), C_<l, E_<l/(L-1), D_{l-1}] + phi^N (4) + [a/300]
+    phi = torch.tensor([[0.9, 0.8, 0.1, 0.0]])
+    q = scalar_state(torch.tensor([6]), 1, 3, 8, torch.tensor([0.25]), torch.tensor([1]), torch.tensor([0.3]), phi, 150.0)
+    assert q.shape == (1, 10)
+    assert q[0].tolist() == pytest.approx([0.75, 0.5, 0.25, 0.5, 0.3, 0.9, 0.8, 0.1, 0.0, 0.5], abs=1e-7)
+
+
+def test_trajectory_scalar_states_by_hand():
+    k = torch.tensor([[2, 0, 4]])
+    d = torch.tensor([[0.3, 0.3, 0.5]])
+    phi = torch.tensor([[0.9, 0.8, 0.1, 0.0]])
+    q = trajectory_scalar_states(k, d, phi, 30.0, num_patches=8)
+    assert q.shape == (1, 3, 10)
+    tail = [0.9, 0.8, 0.1, 0.0, 0.1]
+    assert q[0, 0].tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0, 0.0] + tail, abs=1e-7)
+    assert q[0, 1].tolist() == pytest.approx([0.75, 0.5, 0.25, 0.5, 0.3] + tail, abs=1e-7)
+    assert q[0, 2].tolist() == pytest.approx([0.75, 1.0, 0.25, 0.5, 0.3] + tail, abs=1e-7)
+
+
+def test_architecture_sizes():
+    c = Critic(embed_dim=768, depth=12, num_budgets=96)
+    assert c.u_dim == 384
+    assert c.gate_head[0].in_features == c.budget_head[0].in_features == 384
+    assert c.selector_head[0].in_features == 417 and c.selector_head[0].out_features == 128
+    assert c.scalar_proj.in_features == 10 and c.logit_proj.in_features == 1000
+    assert c.block_embed.shape == (12, 256) and c.type_embed.shape == (2, 256)
+    assert c.budget_embed.weight.shape == (96, 32)
+    assert len(c.blocks) == 2 and c.blocks[0].fc1.out_features == 512 and c.blocks[0].num_heads == 4
+
+
+@torch.no_grad()
+def test_output_shapes_and_budget_dependence():
+    critic = _critic()
+    lengths = [5, 3, 5]
+    tokens, q, z = _inputs(lengths)
+    block = torch.tensor([0, 2, 1])
+    a = critic(tokens, lengths, block, q, z, torch.tensor([0, 1, 2]), torch.tensor([0.5, 0.5, 0.25]))
+    b = critic(tokens, lengths, block, q, z, torch.tensor([5, 3, 0]), torch.tensor([0.75, 0.25, 0.5]))
+    assert a.gate.shape == a.budget.shape == a.selector.shape == (3,) and a.u.shape == (3, 384)
+    assert torch.equal(a.gate, b.gate) and torch.equal(a.budget, b.budget)
+    assert (a.selector != b.selector).all()
+    # the fraction alone moves V^S too
+    c = critic(tokens, lengths, block, q, z, torch.tensor([0, 1, 2]), torch.tensor([0.1, 0.1, 0.1]))
+    assert (c.selector != a.selector).all()
+    assert critic(tokens, lengths, block, q, z).selector is None
+    # the privileged inputs and the block index matter
+    assert not torch.equal(critic(tokens, lengths, block, q, z + 1).gate, a.gate)
+    assert not torch.equal(critic(tokens, lengths, block, q * 0, z).gate, a.gate)
+    assert not torch.equal(critic(tokens, lengths, torch.tensor([1, 2, 1]), q, z).gate[0], a.gate[0])
+
+
+@torch.no_grad()
+def test_packed_batch_equals_per_sequence():
+    critic = _critic()
+    lengths = [7, 2, 4]
+    tokens, q, z = _inputs(lengths, seed=3)
+    block = torch.tensor([2, 0, 1])
+    joint = critic(tokens, lengths, block, q, z)
+    offset = 0
+    for i, n in enumerate(lengths):
+        alone = critic(tokens[offset:offset + n], [n], block[i:i + 1], q[i:i + 1], z[i:i + 1])
+        assert torch.allclose(alone.gate, joint.gate[i:i + 1], atol=1e-6)
+        assert torch.allclose(alone.u, joint.u[i:i + 1], atol=1e-6)
+        offset += n
+    # changing one sequence's tokens leaves the others' values untouched
+    t2 = tokens.clone()
+    t2[:7] += 1.0
+    moved = critic(t2, lengths, block, q, z)
+    assert moved.gate[0] != joint.gate[0]
+    assert torch.allclose(moved.gate[1:], joint.gate[1:], atol=1e-6)
+
+
+@torch.no_grad()
+def test_token_types_and_order_matter():
+    critic = _critic()
+    lengths = [6]
+    tokens, q, z = _inputs(lengths, seed=4)
+    base = critic(tokens, lengths, 1, q, z).gate
+    assert not torch.allclose(critic(tokens, lengths, 1, q, z, num_prefix=2).gate, base)
+    # permuting visual tokens (no positional embedding) does not change the value; swapping CLS does
+    perm = torch.tensor([0, 3, 1, 5, 2, 4])
+    assert torch.allclose(critic(tokens[perm], lengths, 1, q, z).gate, base, atol=1e-6)
+    swap = torch.tensor([1, 0, 2, 3, 4, 5])
+    assert not torch.allclose(critic(tokens[swap], lengths, 1, q, z).gate, base, atol=1e-6)
+
+
+def test_gradients_reach_every_parameter():
+    critic = _critic()
+    lengths = [4, 6]
+    tokens, q, z = _inputs(lengths, seed=5)
+    out = critic(tokens, lengths, torch.tensor([0, 2]), q, z, torch.tensor([1, 4]), torch.tensor([0.5, 0.4]))
+    (out.gate.sum() + out.budget.sum() + out.selector.sum()).backward()
+    missing = [n for n, p in critic.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+
+
+def test_input_validation():
+    critic = _critic()
+    tokens, q, z = _inputs([3, 3])
+    with pytest.raises(ValueError):
+        critic(tokens, [3, 2], 0, q, z)
+    with pytest.raises(ValueError):
+        critic(tokens, [3, 3], 0, q[:, :9], z)
+    with pytest.raises(ValueError):
+        critic(tokens, [3, 3], L, q, z)
