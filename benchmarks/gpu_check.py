@@ -47,21 +47,28 @@ def on(plan, device):
 
 
 @torch.no_grad()
-def check(name, kw, batch, dtype):
+def check(name, kw, batch, mode):
+    """``mode``: ``bf16`` (weights and activations in bf16) or ``autocast`` (fp32 weights and
+    residual stream, bf16 matrix products under ``torch.autocast``)."""
     torch.manual_seed(0)
     cpu = timm.create_model(name, pretrained=False, num_classes=1000, **kw).eval()
     with torch.no_grad():  # non-trivial head so the logits carry signal
         torch.nn.init.normal_(cpu.head.weight, std=cpu.head.in_features ** -0.5)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     gpu = copy.deepcopy(cpu).to("cuda", dtype)
+    ctx = torch.autocast("cuda", torch.bfloat16, enabled=mode == "autocast")
     n0, depth = cpu.patch_embed.num_patches, len(cpu.blocks)
     x = torch.randn(batch, 3, *cpu.patch_embed.img_size)
-    out = {"model": name, "num_patches": n0}
+    out = {"model": name, "mode": mode, "num_patches": n0}
+    with ctx:  # the floor: native timm in this precision against native fp32 on the CPU
+        out["native_rel_err"] = rel_err(gpu(x.to("cuda", dtype)), cpu(x))
 
     plan = random_plan(batch, n0, depth, [0, 2, depth // 2, depth - 2], seed=1)
     timm_dora.wrap(cpu, policy=ReplayPolicy(plan))
     ref = cpu(x)
     timm_dora.wrap(gpu, policy=ReplayPolicy(on(plan, "cuda")))
-    got = gpu(x.to("cuda", dtype))
+    with ctx:
+        got = gpu(x.to("cuda", dtype))
     out["fuzzed_rel_err"] = rel_err(got, ref)
     out["fuzzed_backend"] = gpu.dora_stats.backend
     out["fuzzed_tokens_final"] = gpu.dora_stats.tokens[:, -1].tolist()
@@ -72,7 +79,8 @@ def check(name, kw, batch, dtype):
         actor.gate_mlp[2].bias.fill_(0.3)
     rec = Recorder(ActorPolicy(actor.to("cuda", dtype)))
     timm_dora.wrap(gpu, policy=rec)
-    got = gpu(x.to("cuda", dtype))
+    with ctx:
+        got = gpu(x.to("cuda", dtype))
     stats = gpu.dora_stats
     timm_dora.set_policy(cpu, ReplayPolicy({l: (i.cpu(), c.cpu()) for l, (i, c) in rec.plan.items()}))
     ref = cpu(x)
@@ -90,7 +98,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows = [check(n, kw, args.batch, torch.bfloat16) for n, kw in MODELS]
+    rows = [check(n, kw, args.batch, mode) for mode in ("bf16", "autocast") for n, kw in MODELS]
     ok = all(r["fuzzed_rel_err"] <= 1e-2 and r["actor_rel_err"] <= 1e-2 for r in rows)
     res = {
         "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
@@ -98,13 +106,13 @@ def main():
         "torch": torch.__version__,
         "timm": timm.__version__,
         "python": platform.python_version(),
-        "dtype": "bfloat16 (GPU) vs float32 (CPU reference)",
+        "dtype": "GPU bf16 weights+activations ('bf16') or fp32 weights with bf16 autocast ('autocast') vs float32 CPU reference",
         "tolerance": 1e-2,
         "passed": ok,
         "rows": rows,
     }
     for r in rows:
-        print(f"{r['model']:32s} fuzzed {r['fuzzed_rel_err']:.2e} ({r['fuzzed_backend']})  actor {r['actor_rel_err']:.2e} gate {r['actor_gate_rate']:.2f}")
+        print(f"{r['mode']:8s} {r['model']:30s} native {r['native_rel_err']:.2e}  fuzzed {r['fuzzed_rel_err']:.2e} ({r['fuzzed_backend']})  actor {r['actor_rel_err']:.2e} gate {r['actor_gate_rate']:.2f}")
     print("PASSED" if ok else "FAILED")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -311,7 +311,10 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             f"input gives {n0} patch tokens but the model (and its actor) were built for {cost.num_patches}; "
             "DORA needs the input size the model was created with"
         )
-    backend = select_backend(x.device.type, x.dtype, state.attn_backend)
+    dtype = x.dtype
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")  # attention inputs come out of autocast linears
+    backend = select_backend(x.device.type, dtype, state.attn_backend)
     packed = Packed.from_dense(x, p)
     dev = x.device
     depth = len(model.blocks)
