@@ -122,3 +122,14 @@ def test_sampled_policy_respects_feasibility_and_records_log_prob_inputs():
     rec = pol.records[-1]
     assert rec.order.shape[0] == rec.active.numel()
 
+
+
+def test_plackett_luce_ignores_padding_that_points_at_a_chosen_column():
+    # regression: padded order entries pointing at column 0 must not un-mark a chosen column 0
+    from timm_dora.actor import plackett_luce_log_prob
+
+    s = torch.tensor([[2.0, 0.5, -1.0, 0.0]])
+    order = torch.tensor([[0, 0, 0]])
+    valid = torch.tensor([[True, False, False]])
+    expected = 2.0 - torch.logsumexp(s[0], 0)
+    assert torch.allclose(plackett_luce_log_prob(s, order, valid), expected[None])

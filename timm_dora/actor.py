@@ -17,7 +17,7 @@ packed batch is :mod:`timm_dora.policy`; counting their FLOPs is :mod:`timm_dora
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -182,19 +182,24 @@ class Actor(nn.Module):
 
     # ---------------------------------------------------------------------------------------
     # networks
-    def gate_logit(self, cls_key: torch.Tensor, h: torch.Tensor, block: int) -> torch.Tensor:
-        """Gate logit ``[B]``; ``p^G = sigmoid(logit)``."""
+    def gate_logit(self, cls_key: torch.Tensor, h: torch.Tensor, block: Union[int, torch.Tensor]) -> torch.Tensor:
+        """Gate logit ``[B]``; ``p^G = sigmoid(logit)``. ``block``: one index, or ``[B]`` indices."""
         e = self.gate_embed[block].expand(cls_key.shape[0], -1)
         inp = torch.cat([cls_key, e.to(cls_key.dtype), h.to(cls_key.dtype)], dim=-1)
         return self.gate_mlp(inp).squeeze(-1)
 
-    def encode(self, keys: torch.Tensor, packed: Packed, h: torch.Tensor, block: int, backend: str) -> torch.Tensor:
+    def encode(self, keys: torch.Tensor, packed: Packed, h: torch.Tensor, block: Union[int, torch.Tensor], backend: str) -> torch.Tensor:
         """Shared encoder ``Z_l`` on packed controller sequences.
 
         ``keys``: ``[T, d]`` rows of ``packed`` (one sequence per gate-active image: its CLS key
-        first, then its visual keys). ``h``: ``[A, 3]`` history per sequence. Returns ``[T, 128]``.
+        first, then its visual keys). ``h``: ``[A, 3]`` history per sequence. ``block``: one index,
+        or ``[A]`` indices (sequences from different blocks, as in PPO minibatches). Returns
+        ``[T, 128]``.
         """
-        x = self.w_in(keys) + self.block_embed[block].to(keys.dtype)
+        emb = self.block_embed[block]
+        if emb.dim() == 2:
+            emb = emb[packed.seg]
+        x = self.w_in(keys) + emb.to(keys.dtype)
         cls_rows = packed.starts
         x = x.index_add(0, cls_rows, self.w_h(h.to(keys.dtype)))
         return self.encoder(x, packed, backend)
@@ -265,8 +270,8 @@ def plackett_luce_log_prob(scores: torch.Tensor, order: torch.Tensor, valid: tor
     if order.shape[1] == 0:
         return scores.new_zeros(a)
     chosen = torch.where(valid, scores.gather(1, order), torch.full_like(order, float("-inf"), dtype=scores.dtype))
-    taken = torch.zeros((a, w), dtype=torch.bool, device=scores.device)
-    taken.scatter_(1, torch.where(valid, order, torch.zeros_like(order)), valid)
+    safe = torch.where(valid, order, torch.zeros_like(order))
+    taken = torch.zeros((a, w), dtype=torch.long, device=scores.device).scatter_add_(1, safe, valid.long()) > 0
     lse_rest = torch.logsumexp(scores.masked_fill(taken, float("-inf")), dim=1)  # [A]
     suffix = torch.logcumsumexp(chosen.flip(1), dim=1).flip(1)  # lse(s_{i_t..i_k})
     denom = torch.logaddexp(lse_rest[:, None], suffix)

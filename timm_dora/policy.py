@@ -19,7 +19,7 @@ import torch
 
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
 from .flops import actor_controller_macs, actor_gate_macs
-from .packing import Packed
+from .packing import Packed, select_backend
 
 __all__ = ["BlockContext", "Decision", "ActorPolicy", "ReplayPolicy", "NoPrune", "StepRecord", "rows_where"]
 
@@ -170,8 +170,13 @@ class ActorPolicy:
         b, p, dev = packed.batch_size, packed.num_prefix, ctx.keys.device
         if ctx.keys.shape[1] != actor.embed_dim:
             raise ValueError(f"actor expects keys of width d={actor.embed_dim}, the backbone gives {ctx.keys.shape[1]}")
+        keys, backend = ctx.keys, ctx.backend
+        dtype = actor.w_in.weight.dtype
+        if keys.dtype != dtype:  # e.g. an fp32 actor in training on a bf16 backbone
+            keys = keys.to(dtype)
+            backend = select_backend(dev.type, dtype)
         h = actor.history(ctx.n_visual, ctx.rho, ctx.interventions)
-        cls_key = ctx.keys[packed.starts]
+        cls_key = keys[packed.starts]
         gate_logit = actor.gate_logit(cls_key, h, ctx.block).float()
         prob = torch.sigmoid(gate_logit)
         feasible = actor.has_feasible_budget(ctx.n_visual)
@@ -194,8 +199,8 @@ class ActorPolicy:
         n_act = ctx.n_visual[active]
         # controller input: CLS key + visual keys of each gate-active image, packed
         rows = rows_where(gate[packed.seg] & ((packed.pos == 0) | (packed.pos >= p)), sum(n_act_host) + len(active_host))
-        ctrl = Packed(ctx.keys[rows], n_act + 1, [n + 1 for n in n_act_host], num_prefix=1)
-        z = actor.encode(ctrl.x, ctrl, h[active], ctx.block, ctx.backend)
+        ctrl = Packed(keys[rows], n_act + 1, [n + 1 for n in n_act_host], num_prefix=1)
+        z = actor.encode(ctrl.x, ctrl, h[active], ctx.block, backend)
 
         logits = actor.budget_logits(z[ctrl.starts], n_act)
         if self.sample:

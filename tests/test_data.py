@@ -1,0 +1,272 @@
+"""timm_dora.data: datasets, transforms, disjointness, shards, preload and the resumable sampler."""
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from PIL import Image
+
+from timm_dora.data import (
+    ImageFolderDataset,
+    LabelsCSVDataset,
+    RolloutSampler,
+    check_disjoint,
+    eval_transform,
+    fixed_shards,
+    open_split,
+    preload,
+    train_transform,
+)
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+MINI = SHARED / "data" / "imagenet-mini"
+needs_mini = pytest.mark.skipif(not (MINI / "labels.csv").is_file(), reason="shared imagenet-mini not available")
+
+SYNSETS = ["n01440764", "n01443537", "n01484850"]
+GLOBAL = {"n01440764": 0, "n01443537": 1, "n01484850": 2}
+
+
+def _image(path: Path, seed: int, size=(40, 30)) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    arr = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(path)
+    return path
+
+
+def _write_csv(path: Path, rows, header=("path", "label", "synset", "set", "split")):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+@pytest.fixture
+def fake_csv(tmp_path):
+    """10 images (PNG + JPEG) in a flat folder; splits a (5), b (3), c (2); labels 5, 7, 9 cycling."""
+    rows = []
+    splits = ["a"] * 5 + ["b"] * 3 + ["c"] * 2
+    for i, sp in enumerate(splits):
+        name = f"imgs/im{i}.{'png' if i % 2 else 'jpg'}"
+        _image(tmp_path / name, seed=i, size=(40 + i, 30 + 2 * i))
+        rows.append([name, [5, 7, 9][i % 3], f"n{i:08d}", "fake", sp])
+    return _write_csv(tmp_path / "labels.csv", rows)
+
+
+@pytest.fixture
+def fake_tree(tmp_path):
+    """root/<synset>/k.png with 2 images per class, plus a split subfolder layout."""
+    root = tmp_path / "tree"
+    for c, syn in enumerate(SYNSETS):
+        for k in range(2):
+            _image(root / "val" / syn / f"{k}.png", seed=100 + 10 * c + k)
+    return root
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10).eval()
+
+
+# ---------------------------------------------------------------------------- LabelsCSVDataset
+def test_csv_split_selection_and_labels(fake_csv):
+    ds = LabelsCSVDataset(fake_csv, "b")
+    assert len(ds) == 3
+    assert ds.labels == [9, 5, 7]  # rows 5, 6, 7 of the CSV; label = [5, 7, 9][row % 3]
+    assert all(Path(p).is_absolute() and Path(p).exists() for p in ds.paths)
+    assert [Path(p).name for p in ds.paths] == ["im5.png", "im6.jpg", "im7.png"]
+    assert ds.synsets == ["n00000005", "n00000006", "n00000007"]
+    img, label, index = ds[1]
+    assert isinstance(img, Image.Image) and img.mode == "RGB" and img.size == (46, 42)
+    assert (label, index) == (5, 1)
+    assert len(LabelsCSVDataset(fake_csv, "a")) == 5 and len(LabelsCSVDataset(fake_csv, "c")) == 2
+
+
+def test_csv_root_override(fake_csv, tmp_path):
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "imgs", moved / "imgs")
+    ds = LabelsCSVDataset(fake_csv, "c", root=moved)
+    assert all(p.startswith(str(moved.resolve())) for p in ds.paths)
+
+
+def test_csv_errors(fake_csv, tmp_path):
+    with pytest.raises(FileNotFoundError, match="labels CSV not found"):
+        LabelsCSVDataset(tmp_path / "nope.csv", "a")
+    with pytest.raises(ValueError, match=r"unknown split 'train'; available: 'a', 'b', 'c'"):
+        LabelsCSVDataset(fake_csv, "train")
+    bad = _write_csv(tmp_path / "bad.csv", [["imgs/im0.jpg", "n0"]], header=("path", "synset"))
+    with pytest.raises(ValueError, match="missing column.*label, split"):
+        LabelsCSVDataset(bad, "a")
+    empty = _write_csv(tmp_path / "empty.csv", [])
+    with pytest.raises(ValueError, match="no rows"):
+        LabelsCSVDataset(empty, "a")
+    badlabel = _write_csv(tmp_path / "badlabel.csv", [["imgs/im0.jpg", "x", "", "", "a"]])
+    with pytest.raises(ValueError, match=r"badlabel.csv:2: label 'x'"):
+        LabelsCSVDataset(badlabel, "a")
+    gone = _write_csv(tmp_path / "gone.csv", [["imgs/missing.jpg", 1, "", "", "a"]])
+    with pytest.raises(FileNotFoundError, match="1 image file.*missing.jpg"):
+        LabelsCSVDataset(gone, "a")
+
+
+# ---------------------------------------------------------------------------- ImageFolderDataset
+def test_image_folder_sorted_labels(fake_tree):
+    ds = ImageFolderDataset(fake_tree / "val")
+    assert ds.classes == SYNSETS and ds.labels == [0, 0, 1, 1, 2, 2]
+    assert [Path(p).parent.name for p in ds.paths] == [s for s in SYNSETS for _ in range(2)]
+    img, label, index = ds[3]
+    assert label == 1 and index == 3 and img.mode == "RGB"
+
+
+def test_image_folder_class_maps(fake_tree, tmp_path):
+    # classes.txt ("synset name" lines in label order): only two folders present -> global indices
+    shutil.rmtree(fake_tree / "val" / SYNSETS[0])
+    txt = tmp_path / "classes.txt"
+    txt.write_text("".join(f"{s}\tclass {i}\n" for i, s in enumerate(SYNSETS)))
+    assert ImageFolderDataset(fake_tree / "val", class_map=txt).labels == [1, 1, 2, 2]
+    assert ImageFolderDataset(fake_tree / "val").labels == [0, 0, 1, 1]  # local, sorted
+    # labels.csv-style synset column, and a dict
+    lab = _write_csv(tmp_path / "map.csv", [[f"x/{s}.jpg", 10 + i, s, "s", "a"] for i, s in enumerate(SYNSETS)])
+    assert ImageFolderDataset(fake_tree / "val", class_map=lab).labels == [11, 11, 12, 12]
+    assert ImageFolderDataset(fake_tree / "val", class_map={SYNSETS[1]: 4, SYNSETS[2]: 3}).labels == [4, 4, 3, 3]
+    with pytest.raises(ValueError, match=f"not in the class map: {SYNSETS[2]}"):
+        ImageFolderDataset(fake_tree / "val", class_map={SYNSETS[1]: 0})
+
+
+def test_image_folder_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ImageFolderDataset(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no images"):
+        ImageFolderDataset(tmp_path / "empty")
+    _image(tmp_path / "loose" / "a.png", 0)
+    with pytest.raises(ValueError, match="directly under the root"):
+        ImageFolderDataset(tmp_path / "loose")
+
+
+def test_open_split(fake_csv, fake_tree, tmp_path):
+    assert isinstance(open_split(fake_csv, "b"), LabelsCSVDataset)
+    assert len(open_split(fake_csv.parent, "a")) == 5  # a folder holding labels.csv
+    ds = open_split(fake_tree, "val")  # subfolder named by the split
+    assert isinstance(ds, ImageFolderDataset) and len(ds) == 6
+    assert len(open_split(fake_tree / "val", "test")) == 6  # no such subfolder: the folder itself
+    with pytest.raises(FileNotFoundError):
+        open_split(tmp_path / "missing", "a")
+
+
+# ---------------------------------------------------------------------------- transforms / preload
+@needs_mini
+def test_eval_transform_matches_timm_on_real_image():
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    tf = eval_transform(model)
+    ref = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+    path = MINI / "val1300" / sorted(p.name for p in (MINI / "val1300").iterdir())[0]
+    img = Image.open(path).convert("RGB")
+    x = tf(img)
+    assert x.shape == (3, 224, 224)
+    assert torch.equal(x, ref(img))
+    assert torch.equal(train_transform(model, augment=False)(img), x)
+
+
+def test_transforms_use_model_input_size(small_model):
+    img = Image.new("RGB", (90, 70), (120, 30, 200))
+    assert eval_transform(small_model)(img).shape == (3, 64, 64)  # built with img_size=64
+    aug = train_transform(small_model, augment=True)
+    names = [type(t).__name__ for t in aug.transforms]
+    assert names[:2] == ["RandomResizedCropAndInterpolation", "RandomHorizontalFlip"]
+    assert not any("Jitter" in n or "Erasing" in n or "Augment" in n for n in names)
+    assert aug.transforms[0].scale == (0.5, 1.0)
+    assert aug(img).shape == (3, 64, 64)
+
+
+def test_preload(fake_csv, small_model):
+    ds = LabelsCSVDataset(fake_csv, "a", transform=eval_transform(small_model))
+    images, labels = preload(ds, dtype=torch.float16, batch_size=2)
+    assert images.shape == (5, 3, 64, 64) and images.dtype == torch.float16
+    assert labels.tolist() == ds.labels and labels.dtype == torch.long
+    assert torch.equal(images[3], ds[3][0].half())
+    with pytest.raises(TypeError, match="tensors"):
+        preload(LabelsCSVDataset(fake_csv, "a"))
+
+
+# ---------------------------------------------------------------------------- check_disjoint
+def test_check_disjoint(fake_csv, tmp_path):
+    splits = {s: LabelsCSVDataset(fake_csv, s) for s in ("a", "b", "c")}
+    check_disjoint(splits)
+    # the same file in two splits (one path spelled through '..')
+    rows = list(csv.reader(open(fake_csv)))[1:]
+    rows.append(["imgs/../imgs/im6.jpg", 9, "", "", "c"])
+    dup = _write_csv(tmp_path / "dup.csv", rows)
+    with pytest.raises(ValueError, match=r"splits 'b' and 'c' overlap: 1 shared file\(s\), e.g. .*im6.jpg"):
+        check_disjoint({s: LabelsCSVDataset(dup, s) for s in ("a", "b", "c")})
+    # a byte-identical copy under another name: caught by content, not by path
+    shutil.copy(tmp_path / "imgs" / "im2.jpg", tmp_path / "imgs" / "copy_of_2.jpg")
+    rows = list(csv.reader(open(fake_csv)))[1:] + [["imgs/copy_of_2.jpg", 9, "", "", "c"]]
+    cp = _write_csv(tmp_path / "copy.csv", rows)
+    sets = {s: LabelsCSVDataset(cp, s) for s in ("a", "b", "c")}
+    with pytest.raises(ValueError, match=r"'a' and 'c' overlap: 1 file\(s\) with identical content.*im2.jpg \(a\) == .*copy_of_2.jpg \(c\)"):
+        check_disjoint(sets)
+    check_disjoint(sets, content=False)
+    check_disjoint({"x": [str(tmp_path / "imgs" / "im0.jpg")], "y": [str(tmp_path / "imgs" / "im1.png")]})
+
+
+@needs_mini
+def test_real_splits_disjoint_and_sized():
+    sizes = {"rollout": 700, "qc": 150, "dev": 150, "test": 1300}
+    splits = {s: LabelsCSVDataset(MINI / "labels.csv", s) for s in sizes}
+    assert {s: len(d) for s, d in splits.items()} == sizes
+    assert all(0 <= y < 1000 for d in splits.values() for y in d.labels)
+    check_disjoint(splits)
+
+
+# ---------------------------------------------------------------------------- shards and sampler
+def test_fixed_shards():
+    shards = fixed_shards(150, 8)
+    assert [len(s) for s in shards] == [19, 19, 19, 19, 19, 19, 18, 18]
+    assert [i for s in shards for i in s] == list(range(150))  # contiguous, full coverage
+    assert fixed_shards(150, 8) == shards
+    assert fixed_shards(16, 8) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    with pytest.raises(ValueError):
+        fixed_shards(5, 8)
+    with pytest.raises(ValueError):
+        fixed_shards(5, 0)
+
+
+def test_rollout_sampler_epochs():
+    s = RolloutSampler(10, 4, torch.Generator().manual_seed(3))
+    batches = [next(s) for _ in range(5)]  # 20 indices = exactly 2 permutations
+    assert all(len(b) == 4 for b in batches)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
+    assert flat[:10] != flat[10:]  # a fresh permutation each epoch
+    g = torch.Generator().manual_seed(3)
+    assert flat[:10] == torch.randperm(10, generator=g).tolist()
+    assert [next(RolloutSampler(10, 4, 3)) for _ in range(1)][0] == batches[0]  # int seed
+    assert len(next(RolloutSampler(3, 7, 0))) == 7  # batch > n spans several permutations
+
+
+def test_rollout_sampler_exact_resume():
+    s = RolloutSampler(10, 4, torch.Generator().manual_seed(0))
+    for _ in range(3):
+        next(s)
+    state = s.state_dict()
+    expected = [next(s), next(s)]  # crosses an epoch boundary (12 -> 20 indices)
+    fresh = RolloutSampler(10, 4, torch.Generator().manual_seed(12345))
+    fresh.load_state_dict(state)
+    assert [next(fresh), next(fresh)] == expected
+    assert fresh.epoch == s.epoch == 2
+    with pytest.raises(ValueError, match="n=10, batch=4"):
+        RolloutSampler(11, 4).load_state_dict(state)
+    # the state survives torch.save / torch.load (checkpoint files)
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    again = RolloutSampler(10, 4)
+    again.load_state_dict(torch.load(buf))
+    assert [next(again), next(again)] == expected

@@ -1,0 +1,81 @@
+"""End to end: the timm-dora-train CLI on a tiny random ViT and generated images (CPU)."""
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from timm_dora import Actor
+from timm_dora.train import main
+
+ARGS = [
+    "--model", "vit_tiny_patch16_224", "--img-size", "64", "--num-classes", "4", "--device", "cpu",
+    "--updates", "4", "--rollout-images", "6", "--checkpoint-every", "2", "--feedback-cadence", "2",
+    "--qc-shards", "2", "--gate-minibatch", "16", "--controller-minibatch", "4", "--critic-minibatch", "16",
+    "--actor-epochs", "2", "--critic-epochs", "2", "--no-progress", "--a-init", "5",
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imgs")
+    g = torch.Generator().manual_seed(0)
+    rows = ["path,label,synset,set,split"]
+    for i, split in enumerate(["rollout"] * 10 + ["qc"] * 4 + ["dev"] * 4):
+        arr = (torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(arr).save(root / f"{i}.png")
+        rows.append(f"{i}.png,{i % 4},n{i % 4:08d},x,{split}")
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    return root / "labels.csv"
+
+
+@pytest.fixture
+def one_thread():
+    """CPU float reductions are bit-reproducible run to run only single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cli_trains_logs_checkpoints_and_resumes_exactly(data, tmp_path, one_thread):
+    full = tmp_path / "full"
+    assert main(ARGS + ["--data", str(data), "--out", str(full)]) == 0
+    m = read_metrics(full)
+    assert [r["update"] for r in m] == [1, 2, 3, 4]
+    for key in ("a_u", "return_mean", "compression", "gflops", "entropy_gate", "loss_value", "rollout_images_per_s"):
+        assert all(key in r for r in m), key
+    assert "d_u" in m[1] and "d_u" not in m[0]  # feedback every 2 updates, after the rollout
+    assert m[2]["a_u"] == m[1]["a_next"]  # a_{u+1} applies from the next rollout on
+    sel = json.loads((full / "selection.json").read_text())
+    assert {c["name"] for c in sel["checkpoints"]} == {"u00002", "u00004"}
+    actor = Actor.from_pretrained(full / "selected")
+    assert actor.num_patches == 16 and actor.depth == 12
+
+    # interrupted after the checkpoint at u=2 (a crash leaves the state at that checkpoint), resumed
+    part = tmp_path / "part"
+    assert main(ARGS + ["--data", str(data), "--out", str(part), "--updates", "2"]) == 0
+    assert main(ARGS + ["--data", str(data), "--out", str(part), "--resume"]) == 0
+    assert _without_timings(read_metrics(part)) == _without_timings(m)
+    a = Actor.from_pretrained(full / "checkpoints" / "u00004").state_dict()
+    b = Actor.from_pretrained(part / "checkpoints" / "u00004").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _without_timings(rows):
+    return [{k: v for k, v in r.items() if k not in ("rollout_images_per_s", "update_s")} for r in rows]
+
+
+def test_cli_refuses_overlapping_splits_and_existing_runs(data, tmp_path):
+    bad = data.parent / "overlap.csv"
+    lines = data.read_text().splitlines()
+    bad.write_text("\n".join(lines + [lines[1].replace(",rollout", ",dev")]) + "\n")
+    with pytest.raises(ValueError, match="overlap"):
+        main(ARGS + ["--data", str(bad), "--out", str(tmp_path / "o")])
+    out = tmp_path / "run"
+    assert main(ARGS + ["--data", str(data), "--out", str(out), "--updates", "2"]) == 0
+    assert main(ARGS + ["--data", str(data), "--out", str(out)]) == 2

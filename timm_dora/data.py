@@ -1,0 +1,485 @@
+"""The data that the training and evaluation commands read (paper App. E.1).
+
+Preprocessing
+    :func:`eval_transform` is the backbone's own deterministic timm preprocessing (bicubic resize of
+    the short side to ``size / crop_pct``, center crop, normalisation with the ``pretrained_cfg``
+    mean/std). Every split uses it. :func:`train_transform` optionally adds light augmentation
+    (random-resized crop with scale (0.5, 1) and horizontal flip) for small rollout pools; the
+    paper trains without stochastic augmentation, so it is off by default in the commands.
+
+Datasets
+    :class:`LabelsCSVDataset` reads one split of a ``path,label,synset,set,split`` CSV (the format
+    of ``shared/data/imagenet-mini/labels.csv``); :class:`ImageFolderDataset` reads a
+    ``root/<class>/<image>`` tree. Both return ``(image, label, index)`` and expose ``paths``
+    (absolute, resolved) and ``labels``. :func:`open_split` picks one from a command-line spec.
+
+Protocol helpers
+    :func:`check_disjoint` refuses overlapping splits (same file, or a byte-identical copy under
+    another name), :func:`fixed_shards` cuts the QC pool into fixed shards, :func:`preload` stacks a
+    small pool into one tensor, and :class:`RolloutSampler` draws rollout batches from successive
+    random permutations with a resumable state.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from PIL import Image
+from timm.data import create_transform, resolve_data_config
+from timm.data.readers.img_extensions import get_img_extensions
+from timm.utils.misc import natural_key
+
+__all__ = [
+    "ImageFolderDataset",
+    "LabelsCSVDataset",
+    "RolloutSampler",
+    "check_disjoint",
+    "data_config",
+    "eval_transform",
+    "fixed_shards",
+    "open_split",
+    "preload",
+    "train_transform",
+]
+
+PathLike = Union[str, os.PathLike]
+CSV_REQUIRED_COLUMNS = ("path", "label", "split")  # ``synset`` and ``set`` are optional
+
+
+# --------------------------------------------------------------------------------------------
+# Transforms
+# --------------------------------------------------------------------------------------------
+def data_config(model: torch.nn.Module, **overrides: Any) -> Dict[str, Any]:
+    """timm's data config for ``model`` (``resolve_data_config({}, model=model)``).
+
+    One correction: timm keeps the *pretrained* ``input_size`` in ``pretrained_cfg`` when a model
+    is built with another ``img_size`` (e.g. DINOv2 is 518 there, 224 in the paper); the size the
+    model was built for (``model.patch_embed.img_size``) wins. ``overrides`` are passed to timm as
+    ``args`` (e.g. ``crop_pct=0.875`` for a 256-pixel resize before a 224 crop).
+    """
+    args = dict(overrides)
+    img_size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if "input_size" not in args and "img_size" not in args and img_size is not None:
+        h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        cfg_size = tuple(getattr(model, "pretrained_cfg", {}).get("input_size", (3, 224, 224)))
+        if cfg_size[1:] != (h, w):
+            args["input_size"] = (cfg_size[0], int(h), int(w))
+    return resolve_data_config(args, model=model)
+
+
+def eval_transform(model: torch.nn.Module, **overrides: Any) -> Callable:
+    """The backbone's deterministic preprocessing: ``create_transform(**data_config(model))``.
+
+    For the shared backbones this is exactly timm's own eval transform, e.g. ViT-Tiny AugReg:
+    bicubic resize to 248, center crop 224, mean = std = 0.5.
+    """
+    return create_transform(**data_config(model, **overrides), is_training=False)
+
+
+def train_transform(model: torch.nn.Module, augment: bool = False, **overrides: Any) -> Callable:
+    """Rollout preprocessing. ``augment=False``: identical to :func:`eval_transform`.
+
+    ``augment=True``: timm's training transform at the model's input size, mean/std and
+    interpolation, kept light for small rollout pools: ``RandomResizedCrop(scale=(0.5, 1.0))``
+    with timm's default aspect ratios, horizontal flip with p = 0.5, no colour jitter, no
+    auto-augment, no random erasing. Randomness comes from the global ``random``/``torch`` RNGs
+    (seed them, or the DataLoader workers, for reproducible augmentation).
+    """
+    cfg = data_config(model, **overrides)
+    if not augment:
+        return create_transform(**cfg, is_training=False)
+    return create_transform(
+        input_size=cfg["input_size"],
+        is_training=True,
+        scale=(0.5, 1.0),
+        hflip=0.5,
+        color_jitter=None,
+        auto_augment=None,
+        re_prob=0.0,
+        interpolation=cfg["interpolation"],
+        mean=cfg["mean"],
+        std=cfg["std"],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------------------------
+class _ImageList(torch.utils.data.Dataset):
+    """A list of image files with integer labels; items are ``(image, label, index)``.
+
+    With ``transform=None`` the image is the RGB ``PIL.Image``; with a timm transform it is a
+    ``[3, H, W]`` float tensor.
+    """
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[int], transform: Optional[Callable] = None):
+        self.paths: List[str] = list(paths)
+        self.labels: List[int] = [int(x) for x in labels]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> Tuple[Any, int, int]:
+        with open(self.paths[index], "rb") as f:
+            img = Image.open(f).convert("RGB")
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, self.labels[index], index
+
+    @property
+    def num_classes(self) -> int:
+        """``max(label) + 1`` (labels are global indices, not necessarily all present)."""
+        return max(self.labels) + 1 if self.labels else 0
+
+
+class LabelsCSVDataset(_ImageList):
+    """Rows of one ``split`` of a labels CSV (columns ``path,label,synset,set,split``).
+
+    ``path`` is relative to ``root`` (default: the CSV's folder) or absolute; ``label`` is the
+    0-based class index (ImageNet-1k index for imagenet-mini). Only ``path``, ``label`` and
+    ``split`` are required; ``synset`` is kept in :attr:`synsets` when present. Rows keep the
+    CSV's order. Raises ``FileNotFoundError`` for a missing CSV or image file and ``ValueError``
+    for missing columns, a bad label, an unknown split (listing the available ones) or an empty one.
+    """
+
+    def __init__(
+        self,
+        csv_path: PathLike,
+        split: str,
+        transform: Optional[Callable] = None,
+        root: Optional[PathLike] = None,
+    ):
+        csv_path = Path(csv_path)
+        if not csv_path.is_file():
+            raise FileNotFoundError(f"labels CSV not found: {csv_path}")
+        root = Path(root) if root is not None else csv_path.resolve().parent
+        with open(csv_path, newline="") as f:
+            reader = csv.DictReader(f)
+            columns = [c.strip() for c in (reader.fieldnames or [])]
+            missing = [c for c in CSV_REQUIRED_COLUMNS if c not in columns]
+            if missing:
+                raise ValueError(
+                    f"{csv_path}: missing column(s) {', '.join(missing)} "
+                    f"(found: {', '.join(columns) or 'none'}; expected path,label,synset,set,split)"
+                )
+            reader.fieldnames = columns
+            rows = list(reader)
+        if not rows:
+            raise ValueError(f"{csv_path}: no rows (empty labels CSV)")
+        available = sorted({(r["split"] or "").strip() for r in rows})
+        if split not in available:
+            raise ValueError(
+                f"{csv_path}: unknown split {split!r}; available: {', '.join(repr(s) for s in available) or 'none'}"
+            )
+        paths, labels, synsets = [], [], []
+        for line, r in enumerate(rows, start=2):  # line 1 is the header
+            if (r["split"] or "").strip() != split:
+                continue
+            rel = (r["path"] or "").strip()
+            try:
+                label = int(r["label"])
+            except (TypeError, ValueError):
+                raise ValueError(f"{csv_path}:{line}: label {r['label']!r} is not an integer") from None
+            if not rel:
+                raise ValueError(f"{csv_path}:{line}: empty path")
+            paths.append(str((root / rel).resolve()))
+            labels.append(label)
+            synsets.append((r.get("synset") or "").strip())
+        if not paths:
+            raise ValueError(f"{csv_path}: split {split!r} is empty")
+        absent = [p for p in paths if not os.path.isfile(p)]
+        if absent:
+            raise FileNotFoundError(
+                f"{csv_path}: {len(absent)} image file(s) of split {split!r} not found under {root}, e.g. {absent[0]}"
+            )
+        super().__init__(paths, labels, transform)
+        self.csv_path = str(csv_path.resolve())
+        self.root = str(root.resolve())
+        self.split = split
+        self.synsets: List[str] = synsets
+
+
+def _load_class_map(class_map: Union[PathLike, Mapping[str, int]]) -> Dict[str, int]:
+    """``{folder name: label}`` from a dict, a CSV with ``synset,label`` columns, or a text file.
+
+    Text file: one class per line in label order; the first whitespace-separated token is the
+    folder name (``classes.txt``'s ``synset<TAB>name`` lines, or timm's plain one-name-per-line
+    class maps). CSV: every (synset, label) pair, e.g. ``labels.csv``; conflicts are errors.
+    """
+    if isinstance(class_map, Mapping):
+        return {str(k): int(v) for k, v in class_map.items()}
+    path = Path(class_map)
+    if not path.is_file():
+        raise FileNotFoundError(f"class map not found: {path}")
+    out: Dict[str, int] = {}
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            cols = [c.strip() for c in (reader.fieldnames or [])]
+            missing = [c for c in ("synset", "label") if c not in cols]
+            if missing:
+                raise ValueError(f"class map {path}: missing column(s) {', '.join(missing)}")
+            reader.fieldnames = cols
+            for line, r in enumerate(reader, start=2):
+                name, label = r["synset"].strip(), int(r["label"])
+                if out.setdefault(name, label) != label:
+                    raise ValueError(f"class map {path}:{line}: {name!r} maps to both {out[name]} and {label}")
+        return out
+    with open(path) as f:
+        names = [ln.split()[0] for ln in f if ln.strip()]
+    for i, name in enumerate(names):
+        if name in out:
+            raise ValueError(f"class map {path}: {name!r} listed twice (lines {out[name] + 1} and {i + 1})")
+        out[name] = i
+    return out
+
+
+class ImageFolderDataset(_ImageList):
+    """Images under ``root/<class>/...`` (timm ``ImageDataset`` folder semantics).
+
+    Images are found recursively (timm's image extensions); the class of an image is the name of
+    its leaf folder; samples are in timm's natural-sort order of their paths. Labels:
+
+    * ``class_map=None``: index of the folder name among the sorted (natural order) folder names,
+      as timm and torchvision do: labels are local to this tree.
+    * ``class_map``: ``{folder name: label}`` given as a dict, a CSV with ``synset,label``
+      columns (e.g. ``labels.csv``) or a text file with one class per line in label order whose
+      first token is the folder name (e.g. ``classes.txt``): labels are global (ImageNet-1k
+      indices for synset folders). A folder absent from the map is an error, not skipped.
+
+    ``class_to_idx`` holds the mapping used. Images directly under ``root`` are an error.
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        transform: Optional[Callable] = None,
+        class_map: Optional[Union[PathLike, Mapping[str, int]]] = None,
+    ):
+        root = Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"image folder not found: {root}")
+        exts = get_img_extensions(as_set=True)
+        found: List[Tuple[str, str]] = []
+        for dirpath, _, files in os.walk(root, followlinks=True):
+            for name in files:
+                if os.path.splitext(name)[1].lower() in exts:
+                    found.append((os.path.join(dirpath, name), os.path.basename(dirpath)))
+        if not found:
+            raise ValueError(f"no images found under {root}")
+        root_abs = os.path.abspath(root)
+        loose = [p for p, _ in found if os.path.dirname(os.path.abspath(p)) == root_abs]
+        if loose:
+            raise ValueError(f"{root}: {len(loose)} image(s) directly under the root, not in a class folder, e.g. {loose[0]}")
+        found.sort(key=lambda pc: natural_key(pc[0]))
+        classes = sorted({c for _, c in found}, key=natural_key)
+        if class_map is None:
+            class_to_idx = {c: i for i, c in enumerate(classes)}
+        else:
+            class_to_idx = _load_class_map(class_map)
+            unknown = [c for c in classes if c not in class_to_idx]
+            if unknown:
+                raise ValueError(f"{root}: folder(s) not in the class map: {', '.join(unknown[:5])}"
+                                 + (" ..." if len(unknown) > 5 else ""))
+        super().__init__([str(Path(p).resolve()) for p, _ in found], [class_to_idx[c] for _, c in found], transform)
+        self.root = str(root.resolve())
+        self.classes = classes
+        self.class_to_idx = class_to_idx
+
+
+def open_split(
+    spec: PathLike,
+    split: str,
+    transform: Optional[Callable] = None,
+    class_map: Optional[Union[PathLike, Mapping[str, int]]] = None,
+) -> _ImageList:
+    """The dataset named by a command-line ``spec``.
+
+    * a ``.csv`` file, or a folder holding ``labels.csv``: :class:`LabelsCSVDataset` of ``split``;
+    * any other folder: :class:`ImageFolderDataset` of ``spec/split`` if that subfolder exists,
+      else of ``spec`` itself (``split`` ignored; ``class_map`` as in :class:`ImageFolderDataset`).
+    """
+    spec = Path(spec)
+    if spec.is_file():
+        return LabelsCSVDataset(spec, split, transform)
+    if spec.is_dir():
+        if (spec / "labels.csv").is_file():
+            return LabelsCSVDataset(spec / "labels.csv", split, transform)
+        folder = spec / split if split and (spec / split).is_dir() else spec
+        return ImageFolderDataset(folder, transform, class_map=class_map)
+    raise FileNotFoundError(f"data spec not found (expected a labels CSV or an image folder): {spec}")
+
+
+# --------------------------------------------------------------------------------------------
+# Protocol helpers
+# --------------------------------------------------------------------------------------------
+_HASH_BYTES = 64 * 1024
+
+
+def _content_key(path: str) -> Tuple[int, str]:
+    with open(path, "rb") as f:
+        head = f.read(_HASH_BYTES)
+    return os.path.getsize(path), hashlib.sha1(head).hexdigest()
+
+
+def check_disjoint(datasets: Mapping[str, Any], content: bool = True) -> None:
+    """Raise ``ValueError`` if any two splits share an image.
+
+    ``datasets`` maps split names to datasets with a ``paths`` attribute (or to sequences of
+    paths). Two checks per pair: the same resolved absolute path, then (``content=True``) the
+    same file bytes under another name, compared by (file size, SHA-1 of the first 64 KiB): one
+    small read per file, exact for files up to 64 KiB and, for JPEGs, practically exact beyond.
+    It does not catch re-encoded or resized copies. The message names both splits, the overlap
+    count and one example.
+    """
+    names = list(datasets)
+    paths = {}
+    for name in names:
+        ds = datasets[name]
+        ps = getattr(ds, "paths", ds)
+        paths[name] = [os.path.realpath(p) for p in ps]
+    keys: Dict[str, Dict[Tuple[int, str], str]] = {}
+    if content:
+        for name in names:
+            keys[name] = {}
+            for p in paths[name]:
+                keys[name].setdefault(_content_key(p), p)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            shared = sorted(set(paths[a]) & set(paths[b]))
+            if shared:
+                raise ValueError(
+                    f"splits {a!r} and {b!r} overlap: {len(shared)} shared file(s), e.g. {shared[0]}"
+                )
+            if content:
+                same = sorted(set(keys[a]) & set(keys[b]), key=lambda k: keys[a][k])
+                if same:
+                    k = same[0]
+                    raise ValueError(
+                        f"splits {a!r} and {b!r} overlap: {len(same)} file(s) with identical content "
+                        f"(size + SHA-1 of the first 64 KiB), e.g. {keys[a][k]} ({a}) == {keys[b][k]} ({b})"
+                    )
+
+
+def fixed_shards(n: int, num_shards: int) -> List[List[int]]:
+    """Split ``range(n)`` into ``num_shards`` contiguous, near-equal index lists.
+
+    The first ``n % num_shards`` shards get one extra index (150 into 8: six of 19, two of 18).
+    Deterministic, so the QC shards used round robin by the accuracy feedback are the same in
+    every run and on resume.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if n < num_shards:
+        raise ValueError(f"cannot cut {n} items into {num_shards} non-empty shards")
+    base, extra = divmod(n, num_shards)
+    shards, start = [], 0
+    for s in range(num_shards):
+        size = base + (1 if s < extra else 0)
+        shards.append(list(range(start, start + size)))
+        start += size
+    return shards
+
+
+@torch.no_grad()
+def preload(
+    dataset: torch.utils.data.Dataset,
+    device: Optional[Union[str, torch.device]] = None,
+    dtype: Optional[torch.dtype] = None,
+    batch_size: int = 64,
+    num_workers: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """All of ``dataset`` (transformed to tensors) as ``(images [N, C, H, W], labels [N] int64)``.
+
+    Row ``i`` is ``dataset[i]``. ``dtype`` applies to the images only; each batch is converted and
+    copied into a preallocated tensor on ``device``, so peak memory is one copy of the pool (1,300
+    images at 224 px in float32 are ~0.8 GB). Meant for the small pools here; with an augmenting
+    transform it freezes one draw of the augmentation.
+    """
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("cannot preload an empty dataset")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    images: Optional[torch.Tensor] = None
+    labels = torch.empty(n, dtype=torch.long)
+    pos = 0
+    for batch in loader:
+        x, y, idx = batch[0], batch[1], batch[2]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("preload needs a transform that returns tensors (e.g. eval_transform(model))")
+        if images is None:
+            images = torch.empty((n,) + tuple(x.shape[1:]), dtype=dtype or x.dtype, device=device)
+        k = x.shape[0]
+        assert torch.equal(torch.as_tensor(idx), torch.arange(pos, pos + k)), "loader order changed"
+        images[pos:pos + k] = x.to(device=images.device, dtype=images.dtype)
+        labels[pos:pos + k] = torch.as_tensor(y, dtype=torch.long)
+        pos += k
+    return images, labels.to(device=images.device)
+
+
+class RolloutSampler:
+    """Endless stream of index batches over ``range(n)`` from successive random permutations.
+
+    Each permutation is ``torch.randperm(n, generator=generator)``; a batch that reaches the end
+    of one permutation continues into the next, so every batch has exactly ``batch`` indices
+    (an index can repeat within a batch only across such a boundary, or when ``batch > n``).
+    ``generator`` is a ``torch.Generator`` or an int seed. :meth:`state_dict` /
+    :meth:`load_state_dict` save and restore the current permutation, the position in it, the
+    epoch count and the generator state, so a resumed run yields exactly the batches the
+    uninterrupted one would have.
+
+        sampler = RolloutSampler(len(pool), 64, seed)
+        idx = next(sampler)              # list of 64 ints
+    """
+
+    def __init__(self, n: int, batch: int, generator: Union[torch.Generator, int, None] = None):
+        if n < 1 or batch < 1:
+            raise ValueError(f"need n >= 1 and batch >= 1, got n={n}, batch={batch}")
+        if generator is None or isinstance(generator, int):
+            seed = 0 if generator is None else generator
+            generator = torch.Generator().manual_seed(seed)
+        self.n, self.batch, self.generator = int(n), int(batch), generator
+        self.permutation: Optional[torch.Tensor] = None
+        self.position = 0  # next index into ``permutation``
+        self.epoch = 0  # permutations drawn so far
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return self
+
+    def __next__(self) -> List[int]:
+        out: List[int] = []
+        while len(out) < self.batch:
+            if self.permutation is None or self.position >= self.n:
+                self.permutation = torch.randperm(self.n, generator=self.generator)
+                self.position = 0
+                self.epoch += 1
+            take = min(self.batch - len(out), self.n - self.position)
+            out.extend(self.permutation[self.position:self.position + take].tolist())
+            self.position += take
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "n": self.n,
+            "batch": self.batch,
+            "permutation": None if self.permutation is None else self.permutation.clone(),
+            "position": self.position,
+            "epoch": self.epoch,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state["n"]) != self.n or int(state["batch"]) != self.batch:
+            raise ValueError(
+                f"sampler state is for n={state['n']}, batch={state['batch']}; this sampler has n={self.n}, batch={self.batch}"
+            )
+        perm = state["permutation"]
+        self.permutation = None if perm is None else torch.as_tensor(perm, dtype=torch.long).clone()
+        self.position = int(state["position"])
+        self.epoch = int(state["epoch"])
+        self.generator.set_state(state["generator"])

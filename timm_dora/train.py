@@ -1,0 +1,509 @@
+"""Training DORA actors with the paper's PPO recipe (Sec. 3.3-3.5, App. B-E), and the CLI.
+
+    timm-dora-train --model vit_tiny_patch16_224.augreg_in21k_ft_in1k --weights W.safetensors \\
+        --data ../shared/data/imagenet-mini/labels.csv --out runs/vit_tiny
+
+One update ``u`` (App. C/D):
+
+1. draw ``rollout_images`` images from the rollout pool; the fidelity coefficient ``a_u`` is fixed
+   for this rollout and its update;
+2. Native logits, a sampled rollout on the frozen bf16 backbone (hard deletion through the
+   inference code, :func:`timm_dora.rollout.collect`) and the complete-prefix shadows
+   (:func:`timm_dora.rollout.shadow_divergences`), all under ``no_grad``;
+3. every ``feedback_cadence`` updates, after the rollout and before the update: the deterministic
+   actor on the next QC shard, paired Top-1 drop ``d_u``, ``a_{u+1}`` by the clipped rule;
+4. rewards ``r_l = 25 dC_l - a_u (D_l - D_{l-1})``; old critic values; GAE with the shared
+   lambda-return; advantages standardised per decision type over eligible transitions;
+5. ``actor_epochs`` of clipped PPO: gate (minibatch 512), budget + selector (minibatch 64, symmetric
+   PCGrad on the shared controller, clipped to 0.5); ``critic_epochs`` of clipped Huber value
+   regression on normalised returns (minibatch 128); separate Adam optimisers.
+
+Checkpoints are saved every ``checkpoint_every`` updates (the actor with ``save_pretrained`` and the
+full training state for exact resume); each is evaluated on the dev split, and at the end the
+selection rule (lowest dev GFLOPs with a Native-relative drop <= the target, else the final one,
+flagged) picks the actor written to ``OUT/selected``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .actor import Actor
+from .critic import Critic, native_features, trajectory_scalar_states
+from .feedback import FeedbackController, paired_drop
+from .packing import select_backend
+from .patch import run, wrap
+from .policy import ActorPolicy, NoPrune
+from .ppo import (
+    PPOConfig, RunningMeanStd, actor_parameter_groups, apply_pcgrad, clipped_surrogate, clipped_value_loss,
+    gae_shared_return, standardize,
+)
+from .rewards import step_rewards, token_layer_compression
+from .rollout import Trajectory, collect, evaluate_controller, evaluate_gate, gather_packed, shadow_divergences
+from .selection import CheckpointRecord, select_checkpoint
+
+__all__ = ["TrainConfig", "Trainer", "main"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; defaults are the paper's (``ppo``) or marked ours."""
+
+    model: str
+    data: str  # labels CSV (with a split column) or an ImageFolder root for the rollout split
+    out: str
+    weights: Optional[str] = None  # local weights file (timm pretrained_cfg_overlay)
+    pretrained: bool = False  # let timm fetch the pretrained weights instead
+    img_size: Optional[int] = None  # override the model's input size (small tests)
+    num_classes: Optional[int] = None
+    rollout_split: str = "rollout"
+    qc_split: str = "qc"
+    dev_split: str = "dev"
+    qc_data: Optional[str] = None  # separate ImageFolder roots (default: --data with the split)
+    dev_data: Optional[str] = None
+    augment: bool = False  # light augmentation of rollout images (small pools)
+    readout: str = "model"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    target_drop: float = 0.01
+    a_init: float = 30.0
+    fixed_coefficient: bool = False  # ablation
+    terminal_only: bool = False  # ablation
+    feedback_cadence: int = 8
+    qc_shards: int = 8
+    tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
+    checkpoint_every: int = 50
+    shadow_chunk: int = 512
+    eval_batch: int = 256
+    tensorboard: bool = False
+    progress: bool = True
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+
+    @property
+    def total_updates(self) -> int:
+        return self.ppo.updates
+
+
+def _chunks(idx: torch.Tensor, size: int):
+    for s in range(0, idx.numel(), size):
+        yield idx[s : s + size]
+
+
+class Trainer:
+    """Holds the frozen wrapped backbone, the actor, the critic, optimisers and all training state."""
+
+    def __init__(self, cfg: TrainConfig):
+        from . import data as D
+        import timm
+
+        self.cfg = cfg
+        self.dev = torch.device(cfg.device)
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.ppo.seed)
+        kw = {}
+        if cfg.img_size:
+            kw["img_size"] = cfg.img_size
+        if cfg.num_classes:
+            kw["num_classes"] = cfg.num_classes
+        if cfg.weights:
+            kw.update(pretrained=True, pretrained_cfg_overlay=dict(file=str(cfg.weights)))
+        else:
+            kw["pretrained"] = cfg.pretrained
+        model = timm.create_model(cfg.model, **kw).eval().requires_grad_(False)
+        self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
+        self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout)
+        self.num_patches = model.patch_embed.num_patches
+        self.depth = len(model.blocks)
+
+        # data: the backbone's own preprocessing (App. E.1); splits must be disjoint
+        ev = D.eval_transform(model)
+        tr = D.train_transform(model, cfg.augment)
+        self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
+        qc_set = D.open_split(cfg.qc_data or cfg.data, cfg.qc_split, ev)
+        dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
+        D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})
+        self.rollout_pool = None if cfg.augment else D.preload(self.rollout_set, self.dev)
+        self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
+        self.dev_x, self.dev_y = D.preload(dev_set, self.dev)
+        self.qc_shard_idx = D.fixed_shards(len(qc_set), cfg.qc_shards)
+
+        # learners
+        self.actor = Actor.for_model(model).to(self.dev)
+        self.critic = Critic.for_model(model).to(self.dev)
+        p = cfg.ppo
+        g = actor_parameter_groups(self.actor)
+        self.groups = g
+        self.opts = {
+            "gate": torch.optim.Adam(g["gate"], lr=p.lr_gate),
+            "shared": torch.optim.Adam(g["shared"], lr=p.lr_shared),
+            "budget": torch.optim.Adam(g["budget"], lr=p.lr_budget),
+            "selector": torch.optim.Adam(g["selector"], lr=p.lr_selector),
+            "critic": torch.optim.Adam(self.critic.parameters(), lr=p.lr_critic),
+        }
+        self.rms = RunningMeanStd()
+        self.feedback = FeedbackController(
+            a_init=cfg.a_init, target=cfg.target_drop, cadence=cfg.feedback_cadence,
+            num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient,
+        )
+        self.sampler = D.RolloutSampler(len(self.rollout_set), p.rollout_images, torch.Generator().manual_seed(p.seed))
+        self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # actor sampling
+        self.cpu_gen = torch.Generator().manual_seed(p.seed + 1)  # minibatch order
+        self.u = 0
+        self.checkpoints: List[Dict] = []
+        # Native references on QC and dev (fixed backbone)
+        self.qc_native = self._predict(self.qc_x, NoPrune())[0] == self.qc_y
+        dev_native, _ = self._predict(self.dev_x, NoPrune())
+        self.dev_native_top1 = 100.0 * float((dev_native == self.dev_y).float().mean())
+        self._tb = None
+
+    # ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _predict(self, x: torch.Tensor, policy) -> tuple:
+        preds, gflops = [], []
+        for s in range(0, x.shape[0], self.cfg.eval_batch):
+            logits, stats = run(self.model, x[s : s + self.cfg.eval_batch].to(self.dtype), policy)
+            preds.append(logits.argmax(1))
+            gflops.append(stats.gflops)
+        return torch.cat(preds), torch.cat(gflops)
+
+    def _rollout_images(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.rollout_pool is not None:
+            return self.rollout_pool[0][idx.to(self.dev)].to(self.dtype)
+        torch.manual_seed(self.cfg.ppo.seed * 100_003 + self.u)  # augmentation randomness, resumable
+        return torch.stack([self.rollout_set[int(i)][0] for i in idx]).to(self.dev, self.dtype)
+
+    # ---------------------------------------------------------------------------------------
+    def step(self) -> Dict[str, float]:
+        """One PPO update (rollout, shadows, feedback, update); returns its metrics."""
+        cfg, p = self.cfg, self.cfg.ppo
+        self.u += 1
+        u = self.u
+        t0 = time.perf_counter()
+        idx = torch.tensor(next(self.sampler))
+        x = self._rollout_images(idx)
+        a_u = self.feedback.coefficient
+        self.actor.eval()
+        with torch.no_grad():
+            z_native = run(self.model, x, NoPrune())[0].float()
+            traj = collect(self.model, self.actor, x, self.gen, z_native)
+            d = shadow_divergences(self.model, x, traj, p.kd_temperature, cfg.shadow_chunk)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        t_rollout = time.perf_counter() - t0
+        m: Dict[str, float] = {"update": u, "a_u": a_u}
+        if self.feedback.due(u):
+            shard = self.feedback.next_shard()
+            sel = torch.tensor(self.qc_shard_idx[shard], device=self.dev)
+            pred, _ = self._predict(self.qc_x[sel], ActorPolicy(self.actor))
+            drop = paired_drop(self.qc_native[sel], pred == self.qc_y[sel])
+            self.feedback.update(u, drop, shard)
+            m.update(d_u=drop, qc_shard=shard, a_next=self.feedback.coefficient)
+        rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
+        m.update(self._ppo_update(traj, d, rewards, a_u))
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        t_all = time.perf_counter() - t0
+        comp = token_layer_compression(traj.k, self.num_patches)
+        m.update(
+            return_mean=float(rewards.sum(1).mean()), compression=float(comp.mean()),
+            gflops=float(traj.gflops.mean()), d_final=float(d[:, -1].mean()),
+            gate_rate=float(traj.gate.float().mean()), interventions=float((traj.k > 0).sum(1).float().mean()),
+            rollout_images_per_s=x.shape[0] / t_rollout, update_s=t_all,
+        )
+        return m
+
+    def _values(self, traj: Trajectory, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor, grad: bool = False):
+        tokens, lengths = gather_packed(traj.tokens, traj.token_lengths, idx)
+        u = self.critic.encode(tokens, lengths, traj.block[idx], q[idx], zn[idx], traj.num_prefix)
+        return u
+
+    def _ppo_update(self, traj: Trajectory, d: torch.Tensor, rewards: torch.Tensor, a_u: float) -> Dict[str, float]:
+        p, dev = self.cfg.ppo, self.dev
+        b, depth = traj.k.shape
+        t_all = torch.arange(b * depth, device=dev)
+        phi = native_features(traj.z_native, self.cfg.tau_b)
+        q = trajectory_scalar_states(traj.k, d, phi, a_u, self.num_patches).transpose(0, 1).reshape(b * depth, -1)
+        zn = traj.z_native.repeat(depth, 1)  # transition t = l * B + b
+        ci = traj.ctrl_t
+        n_ctrl = traj.ctrl_lengths - 1
+        frac = self.actor.budgets[traj.budget_index].float() / n_ctrl.clamp_min(1).float()  # k_l / N_l
+
+        # old values (normalised units) and the shared lambda-return
+        self.critic.eval()
+        with torch.no_grad():
+            vg, vb = torch.empty(b * depth, device=dev), torch.empty(b * depth, device=dev)
+            for mb in _chunks(t_all, 1024):
+                u = self._values(traj, q, zn, mb)
+                vg[mb], vb[mb] = self.critic.gate_value(u), self.critic.budget_value(u)
+            vs = torch.empty(ci.numel(), device=dev)
+            for mb in _chunks(torch.arange(ci.numel(), device=dev), 1024):
+                u = self._values(traj, q, zn, ci[mb])
+                vs[mb] = self.critic.selector_value(u, traj.budget_index[mb], frac[mb])
+        vg_ret = self.rms.denormalize(vg)
+        adv_g, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
+        ret_t = ret.T.reshape(-1)
+        adv_g = standardize(ret_t - vg_ret, traj.feasible, p.adv_eps)
+        ones = torch.ones(ci.numel(), dtype=torch.bool, device=dev)
+        adv_b = standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones, p.adv_eps)
+        adv_s = standardize(ret_t[ci] - self.rms.denormalize(vs), ones, p.adv_eps)
+        self.rms.update(ret_t)
+        target = self.rms.normalize(ret_t)
+
+        stats: Dict[str, List[float]] = {k: [] for k in ("loss_gate", "loss_budget", "loss_selector", "loss_value",
+                                                       "entropy_gate", "entropy_budget", "entropy_selector")}
+        self.actor.train()
+        feas = torch.nonzero(traj.feasible).squeeze(1)
+        clip = p.max_grad_norm
+        backend = select_backend(dev.type, torch.float32)  # the actor trains in fp32
+        for _ in range(p.actor_epochs):
+            perm = feas[torch.randperm(feas.numel(), generator=self.cpu_gen).to(dev)]
+            for mb in _chunks(perm, p.gate_minibatch):
+                lp, ent = evaluate_gate(self.actor, traj, mb)
+                loss = clipped_surrogate(lp, traj.gate_logp_old[mb], adv_g[mb], p.clip_eps).mean() - p.entropy_gate * ent.mean()
+                self.opts["gate"].zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.groups["gate"], clip)
+                self.opts["gate"].step()
+                stats["loss_gate"].append(float(loss.detach()))
+                stats["entropy_gate"].append(float(ent.mean().detach()))
+            perm = torch.randperm(ci.numel(), generator=self.cpu_gen).to(dev)
+            for mb in _chunks(perm, p.controller_minibatch):
+                lb, hb, ls, hs = evaluate_controller(self.actor, traj, mb, backend)
+                loss_b = clipped_surrogate(lb, traj.budget_logp_old[mb], adv_b[mb], p.clip_eps).mean() - p.entropy_budget * hb.mean()
+                loss_s = clipped_surrogate(ls, traj.selector_logp_old[mb], adv_s[mb], p.clip_eps).mean() - p.entropy_selector * hs.mean()
+                shared = self.groups["shared"]
+                gb = torch.autograd.grad(loss_b, shared, retain_graph=True, allow_unused=True)
+                gs = torch.autograd.grad(loss_s, shared, retain_graph=True, allow_unused=True)
+                for name in ("shared", "budget", "selector"):
+                    self.opts[name].zero_grad(set_to_none=True)
+                (loss_b + loss_s).backward()  # private head gradients (shared ones are replaced below)
+                apply_pcgrad(shared, gb, gs, clip, p.pcgrad_eps)
+                torch.nn.utils.clip_grad_norm_(self.groups["budget"], clip)
+                torch.nn.utils.clip_grad_norm_(self.groups["selector"], clip)
+                for name in ("shared", "budget", "selector"):
+                    self.opts[name].step()
+                stats["loss_budget"].append(float(loss_b.detach()))
+                stats["loss_selector"].append(float(loss_s.detach()))
+                stats["entropy_budget"].append(float(hb.mean().detach()))
+                stats["entropy_selector"].append(float(hs.mean().detach()))
+        self.actor.eval()
+
+        self.critic.train()
+        for _ in range(p.critic_epochs):
+            perm = torch.randperm(b * depth, generator=self.cpu_gen).to(dev)
+            for mb in _chunks(perm, p.critic_minibatch):
+                u = self._values(traj, q, zn, mb)
+                loss = clipped_value_loss(self.critic.gate_value(u), vg[mb], target[mb], p.value_clip, p.huber_delta).mean()
+                c = traj.ctrl_of[mb]
+                on = c >= 0
+                if bool(on.any()):
+                    cm = c[on]
+                    vbn = self.critic.budget_value(u[on])
+                    vsn = self.critic.selector_value(u[on], traj.budget_index[cm], frac[cm])
+                    loss = loss + clipped_value_loss(vbn, vb[mb][on], target[mb][on], p.value_clip, p.huber_delta).mean()
+                    loss = loss + clipped_value_loss(vsn, vs[cm], target[mb][on], p.value_clip, p.huber_delta).mean()
+                self.opts["critic"].zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), clip)
+                self.opts["critic"].step()
+                stats["loss_value"].append(float(loss.detach()))
+        self.critic.eval()
+        return {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items()}
+
+    # ---------------------------------------------------------------------------------------
+    def evaluate_dev(self) -> CheckpointRecord:
+        pred, gflops = self._predict(self.dev_x, ActorPolicy(self.actor))
+        top1 = 100.0 * float((pred == self.dev_y).float().mean())
+        return CheckpointRecord(f"u{self.u:05d}", top1, self.dev_native_top1, float(gflops.mean()))
+
+    def state_dict(self) -> Dict:
+        return {
+            "u": self.u,
+            "actor": self.actor.state_dict(),
+            "critic": self.critic.state_dict(),
+            "opts": {k: o.state_dict() for k, o in self.opts.items()},
+            "rms": self.rms.state_dict(),
+            "feedback": self.feedback.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "gen": self.gen.get_state(),
+            "cpu_gen": self.cpu_gen.get_state(),
+            "checkpoints": self.checkpoints,
+            "config": _config_dict(self.cfg),
+        }
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.u = int(state["u"])
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        for k, o in self.opts.items():
+            o.load_state_dict(state["opts"][k])
+        self.rms.load_state_dict(state["rms"])
+        self.feedback.load_state_dict(state["feedback"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.gen.set_state(state["gen"])
+        self.cpu_gen.set_state(state["cpu_gen"])
+        self.checkpoints = list(state["checkpoints"])
+
+    def save_checkpoint(self) -> CheckpointRecord:
+        rec = self.evaluate_dev()
+        folder = self.out / "checkpoints" / rec.name
+        self.actor.save_pretrained(folder, backbone=self.model, extra=self._training_facts(rec))
+        self.checkpoints.append(dataclasses.asdict(rec))
+        torch.save(self.state_dict(), self.out / "state.pt")
+        return rec
+
+    def _training_facts(self, rec: CheckpointRecord, selection: Optional[Dict] = None) -> Dict:
+        facts = {
+            "updates": self.u, "target_drop": self.cfg.target_drop, "a_u": self.feedback.coefficient,
+            "dev_top1": rec.top1, "dev_native_top1": rec.native_top1, "dev_gflops": rec.gflops,
+            "model": self.cfg.model, "data": self.cfg.data,
+        }
+        if selection:
+            facts["selection"] = selection
+        return facts
+
+    def select(self) -> Dict:
+        """Apply the dev selection rule and write the chosen actor to ``OUT/selected``."""
+        recs = [CheckpointRecord(**r) for r in self.checkpoints]
+        choice = select_checkpoint(recs, target_pp=100.0 * self.cfg.target_drop)
+        actor = Actor.from_pretrained(self.out / "checkpoints" / choice.record.name)
+        summary = {"selected": dataclasses.asdict(choice.record), "violates": choice.violates,
+                   "target_pp": 100.0 * self.cfg.target_drop, "checkpoints": self.checkpoints}
+        actor.save_pretrained(self.out / "selected", backbone=self.model,
+                              extra={**actor.pretrained_config.get("training", {}), "selection": summary})
+        (self.out / "selection.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def fit(self) -> Dict:
+        """Run (or resume) to ``total_updates``; checkpoint, log, select."""
+        cfg = self.cfg
+        log = open(self.out / "metrics.jsonl", "a")
+        bar = None
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.total_updates, initial=self.u, desc="DORA PPO", dynamic_ncols=True)
+        try:
+            while self.u < cfg.total_updates:
+                m = self.step()
+                if self.u % cfg.checkpoint_every == 0 or self.u == cfg.total_updates:
+                    rec = self.save_checkpoint()
+                    m.update(dev_top1=rec.top1, dev_gflops=rec.gflops, dev_native_top1=rec.native_top1)
+                log.write(json.dumps(m) + "\n")
+                log.flush()
+                self._tensorboard(m)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(a=f"{m['a_u']:.1f}", C=f"{m['compression']:.3f}", G=f"{m['gflops']:.2f}")
+        finally:
+            log.close()
+            if bar is not None:
+                bar.close()
+        return self.select()
+
+    def _tensorboard(self, m: Dict) -> None:
+        if not self.cfg.tensorboard:
+            return
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out / "tb"))
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and k != "update" and math.isfinite(v):
+                self._tb.add_scalar(k, v, self.u)
+
+
+def _config_dict(cfg: TrainConfig) -> Dict:
+    return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="timm-dora-train",
+        description="Train a DORA actor for a timm ViT with the paper's PPO recipe.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model", required=True, help="timm model name, e.g. vit_tiny_patch16_224.augreg_in21k_ft_in1k")
+    ap.add_argument("--data", required=True, help="labels CSV (path,label,...,split) or ImageFolder root")
+    ap.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, selected/)")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/state.pt exactly")
+    skip = {"model", "data", "out", "ppo"}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        _add(ap, f.name, f.type, f.default)
+    for f in dataclasses.fields(PPOConfig):
+        if f.name != "total_images":  # = rollout_images * updates
+            _add(ap, f.name, f.type, f.default, prefix="ppo")
+    return ap
+
+
+def _add(ap, name, typ, default, prefix=None):
+    flag = "--" + name.replace("_", "-")
+    dest = f"{prefix}__{name}" if prefix else name
+    typ = str(typ)
+    if "bool" in typ:
+        ap.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default)
+    elif "int" in typ and "Optional" not in typ:
+        ap.add_argument(flag, dest=dest, type=int, default=default)
+    elif "float" in typ:
+        ap.add_argument(flag, dest=dest, type=float, default=default)
+    elif "Optional[int]" in typ:
+        ap.add_argument(flag, dest=dest, type=int, default=default)
+    else:
+        ap.add_argument(flag, dest=dest, type=str, default=default)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    ppo_kw = {k.split("__", 1)[1]: v for k, v in vars(args).items() if k.startswith("ppo__")}
+    top = {k: v for k, v in vars(args).items() if not k.startswith("ppo__") and k != "resume"}
+    ppo_kw["total_images"] = ppo_kw["rollout_images"] * ppo_kw["updates"]
+    return TrainConfig(ppo=PPOConfig(**ppo_kw), **top)
+
+
+def _truncate_log(path: Path, last_update: int) -> None:
+    if path.exists():
+        lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["update"] <= last_update]
+        path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    out = Path(cfg.out)
+    if (out / "state.pt").exists() and not args.resume:
+        print(f"{out}/state.pt exists: pass --resume to continue it, or choose another --out", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg)
+    if args.resume:
+        state_file = out / "state.pt"
+        if not state_file.exists():
+            print(f"--resume: no {state_file}", file=sys.stderr)
+            return 2
+        trainer.load_state_dict(torch.load(state_file, map_location=trainer.dev, weights_only=True))
+        _truncate_log(out / "metrics.jsonl", trainer.u)  # drop lines logged after the checkpoint
+    (out / "config.json").write_text(json.dumps(_config_dict(cfg), indent=1))
+    summary = trainer.fit()
+    sel = summary["selected"]
+    flag = " (VIOLATES the target: no checkpoint met it)" if summary["violates"] else ""
+    print(f"selected {sel['name']}: dev top-1 {sel['top1']:.2f} (native {sel['native_top1']:.2f}), "
+          f"{sel['gflops']:.3f} GFLOPs{flag} -> {out / 'selected'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
