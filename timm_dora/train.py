@@ -93,6 +93,27 @@ class TrainConfig:
         return self.ppo.updates
 
 
+def create_backbone(name: str, weights: Optional[str] = None, pretrained: bool = False, **kwargs) -> nn.Module:
+    """A frozen timm model in eval mode; ``weights``: a local safetensors file of its state dict.
+
+    The file is loaded with ``load_state_dict`` (strict) rather than through
+    ``pretrained_cfg_overlay``, which some timm versions route to their JAX ``.npz`` loader for
+    AugReg models. The model keeps its ``pretrained_cfg`` (architecture and tag).
+    """
+    import timm
+
+    if weights is not None:
+        if not str(weights).endswith(".safetensors"):
+            raise ValueError(f"--weights must be a .safetensors file (pickle checkpoints are not loaded): {weights}")
+        from safetensors.torch import load_file
+
+        model = timm.create_model(name, pretrained=False, **kwargs)
+        model.load_state_dict(load_file(str(weights)))
+    else:
+        model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    return model.eval().requires_grad_(False)
+
+
 def _chunks(idx: torch.Tensor, size: int):
     for s in range(0, idx.numel(), size):
         yield idx[s : s + size]
@@ -103,7 +124,6 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         from . import data as D
-        import timm
 
         self.cfg = cfg
         self.dev = torch.device(cfg.device)
@@ -115,11 +135,7 @@ class Trainer:
             kw["img_size"] = cfg.img_size
         if cfg.num_classes:
             kw["num_classes"] = cfg.num_classes
-        if cfg.weights:
-            kw.update(pretrained=True, pretrained_cfg_overlay=dict(file=str(cfg.weights)))
-        else:
-            kw["pretrained"] = cfg.pretrained
-        model = timm.create_model(cfg.model, **kw).eval().requires_grad_(False)
+        model = create_backbone(cfg.model, cfg.weights, pretrained=cfg.pretrained, **kw)
         self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
         self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout)
         self.num_patches = model.patch_embed.num_patches
