@@ -19,6 +19,14 @@ Attention backends, chosen once per (device type, dtype) by :func:`select_backen
 ``sdpa_loop``
     exact reference path for any device and dtype: one ``scaled_dot_product_attention`` call per
     sequence. Used on CPU and for fp32 on CUDA.
+
+Training-only backend (never chosen by ``"auto"``, refused by :func:`timm_dora.wrap`):
+
+``padded``
+    scatters the sequences into a zero-padded ``[B, S_max]`` batch and runs one masked SDPA call
+    (padded keys masked out, padded query rows dropped). Same maths, one kernel instead of one per
+    sequence; the actor and critic use it for their many small fp32 PPO minibatches, where the
+    per-sequence loop is launch-bound.
 """
 from __future__ import annotations
 
@@ -33,13 +41,15 @@ import torch.nn.functional as F
 __all__ = [
     "Packed",
     "BACKENDS",
+    "TRAINING_BACKENDS",
     "select_backend",
     "varlen_attention",
     "delete_rows",
     "segment_ids",
 ]
 
-BACKENDS = ("flash", "torch_varlen", "sdpa_loop")
+BACKENDS = ("flash", "torch_varlen", "sdpa_loop")  # inference backends, in "auto" order
+TRAINING_BACKENDS = BACKENDS + ("padded",)
 
 
 def segment_ids(lengths: torch.Tensor, total: int) -> torch.Tensor:
@@ -189,13 +199,14 @@ def select_backend(device_type: str, dtype: torch.dtype, preference: str = "auto
         "flash": cuda and half and _flash_available(),
         "torch_varlen": cuda and half and _torch_varlen() is not None,
         "sdpa_loop": True,
+        "padded": True,
     }
     if preference == "auto":
         for name in BACKENDS:
             if usable[name]:
                 return name
     if preference not in usable:
-        raise ValueError(f"unknown attention backend {preference!r}; choose 'auto' or one of {BACKENDS}")
+        raise ValueError(f"unknown attention backend {preference!r}; choose 'auto' or one of {TRAINING_BACKENDS}")
     if not usable[preference]:
         raise ValueError(
             f"attention backend {preference!r} cannot run on device {device_type!r} with {dtype}: "
@@ -239,6 +250,15 @@ def varlen_attention(
             return varlen_attn(q, k, v, cu, cu, n, n, scale=scale)
         # older signature: fold the scale into q (default scale is hd ** -0.5)
         return varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu, cu, n, n)
+    if backend == "padded":
+        b, n = packed.batch_size, packed.max_len
+        seg, pos = packed.seg, packed.pos
+        qp, kp, vp = (t.new_zeros(b, n, *t.shape[1:]).index_put_((seg, pos), t) for t in (q, k, v))
+        valid = torch.arange(n, device=q.device)[None, :] < packed.lengths[:, None]  # [B, S] keys
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
+        )
+        return out.transpose(1, 2)[seg, pos]
     if backend != "sdpa_loop":
         raise ValueError(f"unknown attention backend {backend!r}")
     outs = []

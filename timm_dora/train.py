@@ -41,7 +41,6 @@ import torch.nn as nn
 from .actor import Actor
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
-from .packing import select_backend
 from .patch import run, wrap
 from .policy import ActorPolicy, NoPrune
 from .ppo import (
@@ -82,6 +81,7 @@ class TrainConfig:
     qc_shards: int = 8
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
     checkpoint_every: int = 50
+    max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit
     shadow_chunk: int = 512
     eval_batch: int = 256
     tensorboard: bool = False
@@ -155,7 +155,7 @@ class Trainer:
 
         # learners
         self.actor = Actor.for_model(model).to(self.dev)
-        self.critic = Critic.for_model(model).to(self.dev)
+        self.critic = Critic.for_model(model, backend="padded").to(self.dev)
         p = cfg.ppo
         g = actor_parameter_groups(self.actor)
         self.groups = g
@@ -280,7 +280,7 @@ class Trainer:
         self.actor.train()
         feas = torch.nonzero(traj.feasible).squeeze(1)
         clip = p.max_grad_norm
-        backend = select_backend(dev.type, torch.float32)  # the actor trains in fp32
+        backend = "padded"  # fp32 training minibatches: one masked kernel, not one per sequence
         for _ in range(p.actor_epochs):
             perm = feas[torch.randperm(feas.numel(), generator=self.cpu_gen).to(dev)]
             for mb in _chunks(perm, p.gate_minibatch):
@@ -409,10 +409,12 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.total_updates, initial=self.u, desc="DORA PPO", dynamic_ncols=True)
+        start = time.perf_counter()
         try:
             while self.u < cfg.total_updates:
                 m = self.step()
-                if self.u % cfg.checkpoint_every == 0 or self.u == cfg.total_updates:
+                out_of_time = cfg.max_minutes > 0 and time.perf_counter() - start > 60 * cfg.max_minutes
+                if self.u % cfg.checkpoint_every == 0 or self.u == cfg.total_updates or out_of_time:
                     rec = self.save_checkpoint()
                     m.update(dev_top1=rec.top1, dev_gflops=rec.gflops, dev_native_top1=rec.native_top1)
                 log.write(json.dumps(m) + "\n")
@@ -421,6 +423,9 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(a=f"{m['a_u']:.1f}", C=f"{m['compression']:.3f}", G=f"{m['gflops']:.2f}")
+                if out_of_time:
+                    print(f"--max-minutes reached after update {self.u}: stopping (resume with --resume)", file=sys.stderr)
+                    break
         finally:
             log.close()
             if bar is not None:
