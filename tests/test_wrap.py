@@ -54,6 +54,14 @@ def test_fuzzed_deletions_match_per_image_reference(family):
         expected_k = torch.tensor([len(dels.get(l, [])) for l in range(depth)])
         assert torch.equal(stats.removed[i], expected_k)
         assert torch.equal(stats.tokens[i], n0 - expected_k.cumsum(0))
+        # removed patches by original grid index: replay the plan's columns on a list of ids
+        alive = list(range(n0))
+        for l in range(depth):
+            gone = [alive[c] for c in dels.get(l, [])]
+            rp = stats.removed_patches[l]
+            got = [] if rp is None else sorted(rp[1][rp[0] == i].tolist())
+            assert got == sorted(gone), (i, l)
+            alive = [a for a in alive if a not in set(gone)]
     # per image variation really happened (otherwise the packed path was never exercised)
     assert any(len(set(col)) > 1 for col in stats.tokens.T.tolist())
 

@@ -70,18 +70,22 @@ class Packed:
         lengths: ``[B]`` int64 tokens per sequence (prefix tokens included), on ``x.device``.
         lengths_host: the same lengths as a Python list (kernels need the maximum on the host).
         num_prefix: prefix tokens at the start of every sequence; they are never removed.
+        ids: optional ``[T]`` int64 original position of each row in its image's unpruned
+            sequence (carried through deletions; used to report which patches were removed).
     """
 
     x: torch.Tensor
     lengths: torch.Tensor
     lengths_host: List[int]
     num_prefix: int
+    ids: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_dense(cls, x: torch.Tensor, num_prefix: int) -> "Packed":
+    def from_dense(cls, x: torch.Tensor, num_prefix: int, track_ids: bool = False) -> "Packed":
         b, s, d = x.shape
         lengths = torch.full((b,), s, dtype=torch.long, device=x.device)
-        return cls(x.reshape(b * s, d), lengths, [s] * b, num_prefix)
+        ids = torch.arange(s, device=x.device).repeat(b) if track_ids else None
+        return cls(x.reshape(b * s, d), lengths, [s] * b, num_prefix, ids)
 
     @property
     def batch_size(self) -> int:
@@ -129,7 +133,7 @@ class Packed:
 
     def with_x(self, x: torch.Tensor) -> "Packed":
         """Same layout, new row values (cached index tensors are shared)."""
-        new = Packed(x, self.lengths, self.lengths_host, self.num_prefix)
+        new = Packed(x, self.lengths, self.lengths_host, self.num_prefix, self.ids)
         for name in ("cu_seqlens", "starts", "seg", "pos"):
             if name in self.__dict__:
                 new.__dict__[name] = self.__dict__[name]
@@ -163,7 +167,8 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor) -> 
         index = torch.nonzero_static(keep, size=total).squeeze(1)
     else:  # pragma: no cover - torch < 2.1
         index = torch.nonzero(keep).squeeze(1)
-    return Packed(packed.x.index_select(0, index), lengths, lengths_host, packed.num_prefix)
+    ids = None if packed.ids is None else packed.ids.index_select(0, index)
+    return Packed(packed.x.index_select(0, index), lengths, lengths_host, packed.num_prefix, ids)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ a pruned batch has no dense ``[B, N, d]`` form.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import os
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -47,6 +47,9 @@ class DoraStats:
         gflops: ``[B]`` GFLOPs of the complete forward of each image, actor included (App. E.4).
         policy_gflops: ``[B]`` the policy's (actor's) share of ``gflops``.
         backend: the attention backend that ran the packed blocks.
+        removed_patches: per block, ``None`` or ``(image, patch)``: two ``[R]`` int64 tensors
+            naming each removed token by its image and its index in the patch grid
+            (``0 .. N0-1``, row-major), for pictures of per-image trajectories.
     """
 
     tokens: torch.Tensor
@@ -55,6 +58,7 @@ class DoraStats:
     gflops: torch.Tensor
     policy_gflops: torch.Tensor
     backend: str
+    removed_patches: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
     def summary(self) -> Dict[str, object]:
         """Batch means as plain Python numbers (one host sync)."""
@@ -315,7 +319,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # attention inputs come out of autocast linears
     backend = select_backend(x.device.type, dtype, state.attn_backend)
-    packed = Packed.from_dense(x, p)
+    packed = Packed.from_dense(x, p, track_ids=True)
     dev = x.device
     depth = len(model.blocks)
     n_visual = torch.full((b,), n0, dtype=torch.long, device=dev)
@@ -323,14 +327,17 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     interventions = torch.zeros(b, dtype=torch.long, device=dev)
     flops = torch.full((b,), 2.0 * (cost.patch_macs + cost.head_macs), dtype=torch.float64, device=dev)
     policy_flops = torch.zeros(b, dtype=torch.float64, device=dev)
-    tokens, gates, removed_all = [], [], []
+    tokens, gates, removed_all, removed_patches = [], [], [], []
     for l, blk in enumerate(model.blocks):
         x_attn, keys = attention_residual(blk, packed, backend)
         ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend)
         dec = policy(ctx)
         packed = packed.with_x(x_attn)
         if dec.remove is not None:
+            removed_patches.append((packed.seg[dec.remove], packed.ids[dec.remove] - p))
             packed = delete_rows(packed, dec.remove, dec.removed)
+        else:
+            removed_patches.append(None)
         packed = packed.with_x(mlp_residual(blk, packed.x))
         n_attn = n_visual + p
         flops += 2.0 * cost.block_macs(l, n_attn, n_attn - dec.removed)
@@ -346,6 +353,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     packed = packed.with_x(model.norm(packed.x))
     logits = readout(model, packed, state.readout)
     stats = DoraStats(
-        torch.stack(tokens, 1), torch.stack(gates, 1), torch.stack(removed_all, 1), flops / 1e9, policy_flops / 1e9, backend
+        torch.stack(tokens, 1), torch.stack(gates, 1), torch.stack(removed_all, 1), flops / 1e9, policy_flops / 1e9, backend,
+        removed_patches,
     )
     return logits, stats
