@@ -1,0 +1,39 @@
+"""The ``timm-dora`` command: ``eval``, ``bench`` and ``viz`` subcommands.
+
+Each subcommand lives in its own module, which provides ``add_parser(subparsers)`` registering its
+arguments and setting ``func`` (called with the parsed arguments, returning an exit code). Modules
+are imported lazily so that optional dependencies (matplotlib for ``viz``) are only needed by the
+command that uses them. Training has its own command, ``timm-dora-train`` (:mod:`timm_dora.train`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "eval": ("timm_dora.evaluate", "top-1, GFLOPs and policy statistics of native and wrapped models"),
+    "bench": ("timm_dora.bench", "throughput with the paper's App. E.5 timing protocol"),
+    "viz": ("timm_dora.viz", "pictures: pruning trajectories, policy statistics, training dynamics"),
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="timm-dora", description="DORA token pruning for timm ViTs")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        if argv[:1] == [name]:  # import only the module of the command being run
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_text)
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
