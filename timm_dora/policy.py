@@ -21,7 +21,7 @@ from .actor import Actor, gumbel_like, ordered_topk, to_padded
 from .flops import actor_controller_macs, actor_gate_macs
 from .packing import Packed, select_backend
 
-__all__ = ["BlockContext", "Decision", "ActorPolicy", "ReplayPolicy", "NoPrune", "StepRecord", "rows_where"]
+__all__ = ["BlockContext", "Decision", "ActorPolicy", "ReplayPolicy", "NoPrune", "RolloutNoise", "StepRecord", "rows_where"]
 
 
 def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -141,6 +141,30 @@ class StepRecord:
     valid: Optional[torch.Tensor] = None
 
 
+@dataclass
+class RolloutNoise:
+    """Sampling noise drawn up front per (block, image): uniforms for the gate, Gumbel noise for
+    the budget and for the Plackett-Luce order (column ``j`` = the image's ``j``-th surviving
+    visual token). A sampled image then gets the same draws whatever batch or process it runs in,
+    which is what makes data-parallel rollouts equal to single-process ones."""
+
+    gate: torch.Tensor  # [L, B]
+    budget: torch.Tensor  # [L, B, M]
+    selector: torch.Tensor  # [L, B, N0]
+
+    @classmethod
+    def draw(cls, depth: int, batch: int, num_budgets: int, num_patches: int,
+             generator: Optional[torch.Generator] = None, device=None) -> "RolloutNoise":
+        gate = torch.rand((depth, batch), generator=generator, device=device)
+        budget = gumbel_like(torch.empty((depth, batch, num_budgets), device=device), generator)
+        selector = gumbel_like(torch.empty((depth, batch, num_patches), device=device), generator)
+        return cls(gate, budget, selector)
+
+    def rows(self, index: torch.Tensor) -> "RolloutNoise":
+        """The noise of images ``index`` (e.g. one process's share of a global batch)."""
+        return RolloutNoise(self.gate[:, index], self.budget[:, index], self.selector[:, index])
+
+
 class ActorPolicy:
     """DORA's actor as a policy.
 
@@ -150,13 +174,16 @@ class ActorPolicy:
             gate, budget and Plackett-Luce order as in training.
         generator: random generator used when sampling.
         record: keep a :class:`StepRecord` per block in :attr:`records` (cleared by :meth:`reset`).
+        noise: pre-drawn :class:`RolloutNoise` for the batch (used instead of ``generator``).
     """
 
-    def __init__(self, actor: Actor, *, sample: bool = False, generator: Optional[torch.Generator] = None, record: bool = False):
+    def __init__(self, actor: Actor, *, sample: bool = False, generator: Optional[torch.Generator] = None,
+                 record: bool = False, noise: Optional[RolloutNoise] = None):
         self.actor = actor
         self.sample = sample
         self.generator = generator
         self.record = record
+        self.noise = noise
         self.records: List[StepRecord] = []
 
     def reset(self) -> None:
@@ -181,7 +208,8 @@ class ActorPolicy:
         prob = torch.sigmoid(gate_logit)
         feasible = actor.has_feasible_budget(ctx.n_visual)
         if self.sample:
-            gate = (self._uniform((b,), dev) < prob) & feasible
+            u = self.noise.gate[ctx.block] if self.noise is not None else self._uniform((b,), dev)
+            gate = (u < prob) & feasible
         else:
             gate = (prob >= 0.5) & feasible
         flops = torch.full((b,), 2.0 * actor_gate_macs(actor), dtype=torch.float64, device=dev)
@@ -204,7 +232,8 @@ class ActorPolicy:
 
         logits = actor.budget_logits(z[ctrl.starts], n_act)
         if self.sample:
-            index = (logits + gumbel_like(logits, self.generator)).argmax(1)
+            g = self.noise.budget[ctx.block][active] if self.noise is not None else gumbel_like(logits, self.generator)
+            index = (logits + g).argmax(1)
         else:
             index = logits.argmax(1)
         k = actor.budgets[index]
@@ -213,7 +242,10 @@ class ActorPolicy:
         vseg, vcol = ctrl.seg[vis], ctrl.pos[vis] - 1
         s = actor.selector_scores(z[vis], k.float() / n_act.float(), vseg)
         scores = to_padded(s, vseg, vcol, len(active_host), max(n_act_host), float("-inf"))
-        noise = gumbel_like(scores, self.generator) if self.sample else None
+        noise = None
+        if self.sample:
+            noise = (self.noise.selector[ctx.block][active][:, : scores.shape[1]] if self.noise is not None
+                     else gumbel_like(scores, self.generator))
         order, valid = ordered_topk(scores, k, noise)
 
         image = active[:, None].expand_as(order)[valid]

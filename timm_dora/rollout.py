@@ -24,7 +24,7 @@ import torch.nn as nn
 from .actor import Actor, masked_categorical, plackett_luce_log_prob, selector_entropy, to_padded
 from .packing import Packed
 from .patch import run
-from .policy import ActorPolicy, BlockContext, Decision, NoPrune, ReplayPolicy
+from .policy import ActorPolicy, BlockContext, Decision, NoPrune, ReplayPolicy, RolloutNoise
 from .rewards import fidelity_divergence, fill_gate_off
 
 __all__ = ["Trajectory", "collect", "shadow_divergences", "gather_packed", "evaluate_gate", "evaluate_controller"]
@@ -117,14 +117,15 @@ class _Recording:
 
 @torch.no_grad()
 def collect(model: nn.Module, actor: Actor, images: torch.Tensor, generator: Optional[torch.Generator] = None,
-            z_native: Optional[torch.Tensor] = None) -> Trajectory:
+            z_native: Optional[torch.Tensor] = None, noise: Optional[RolloutNoise] = None) -> Trajectory:
     """Sample one rollout on ``images`` with the wrapped ``model`` (see module docstring).
 
-    ``z_native``: the Native logits, computed here (unpruned forward) when not given.
+    ``z_native``: the Native logits, computed here (unpruned forward) when not given. ``noise``:
+    pre-drawn sampling noise for these images (else ``generator`` draws it block by block).
     """
     if z_native is None:
         z_native = run(model, images, NoPrune())[0].float()
-    policy = ActorPolicy(actor, sample=True, generator=generator, record=True)
+    policy = ActorPolicy(actor, sample=True, generator=generator, record=True, noise=noise)
     rec = _Recording(policy)
     logits, stats = run(model, images, rec)
     b, depth = stats.removed.shape

@@ -42,7 +42,7 @@ from .actor import Actor
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
 from .patch import run, wrap
-from .policy import ActorPolicy, NoPrune
+from .policy import ActorPolicy, NoPrune, RolloutNoise
 from .ppo import (
     PPOConfig, RunningMeanStd, actor_parameter_groups, apply_pcgrad, clipped_surrogate, clipped_value_loss,
     gae_shared_return, standardize,
@@ -114,6 +114,66 @@ def create_backbone(name: str, weights: Optional[str] = None, pretrained: bool =
     return model.eval().requires_grad_(False)
 
 
+class _Comm:
+    """Data-parallel collectives through ``torch.distributed``; no-ops in a single process."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.on = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.on else 0
+        self.world = dist.get_world_size() if self.on else 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) in place; returns ``t``."""
+        if self.on:
+            self.dist.all_reduce(t)
+        return t
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Equal-shaped tensors of all processes concatenated along dim 0 in rank order."""
+        if not self.on:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self.dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    def broadcast_object(self, obj):
+        if not self.on:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.on:
+            self.dist.barrier()
+
+    def sum_list(self, grads, params) -> List[torch.Tensor]:
+        """Sum a list of per-parameter gradients (``None`` = zero) across processes."""
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+        self.sum_(flat)
+        out, offset = [], 0
+        for p in params:
+            out.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
+    def sum_grads(self, params) -> None:
+        """Replace each ``p.grad`` by its sum across processes. A parameter no process used keeps
+        ``grad = None`` (as in a single process, where Adam then skips it)."""
+        if not self.on:
+            return
+        used = self.sum_(torch.tensor([float(p.grad is not None) for p in params]))
+        for p, g, u in zip(params, self.sum_list([p.grad for p in params], params), used.tolist()):
+            p.grad = g.clone() if u > 0 else None
+
+
 def _chunks(idx: torch.Tensor, size: int):
     for s in range(0, idx.numel(), size):
         yield idx[s : s + size]
@@ -126,7 +186,11 @@ class Trainer:
         from . import data as D
 
         self.cfg = cfg
+        self.comm = _Comm()
         self.dev = torch.device(cfg.device)
+        if cfg.ppo.rollout_images % self.comm.world:
+            raise ValueError(f"--rollout-images {cfg.ppo.rollout_images} must be divisible by the number of processes {self.comm.world}")
+        self.local_batch = cfg.ppo.rollout_images // self.comm.world
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.ppo.seed)
@@ -172,7 +236,7 @@ class Trainer:
             num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient,
         )
         self.sampler = D.RolloutSampler(len(self.rollout_set), p.rollout_images, torch.Generator().manual_seed(p.seed))
-        self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # actor sampling
+        self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # rollout noise, same on every process
         self.cpu_gen = torch.Generator().manual_seed(p.seed + 1)  # minibatch order
         self.u = 0
         self.checkpoints: List[Dict] = []
@@ -195,33 +259,43 @@ class Trainer:
     def _rollout_images(self, idx: torch.Tensor) -> torch.Tensor:
         if self.rollout_pool is not None:
             return self.rollout_pool[0][idx.to(self.dev)].to(self.dtype)
-        torch.manual_seed(self.cfg.ppo.seed * 100_003 + self.u)  # augmentation randomness, resumable
-        return torch.stack([self.rollout_set[int(i)][0] for i in idx]).to(self.dev, self.dtype)
+        out = []
+        for i in idx.tolist():  # augmentation seeded per (update, image): resumable, and equal for any world size
+            torch.manual_seed((self.cfg.ppo.seed * 1_000_003 + self.u) * 1_000_003 + i)
+            out.append(self.rollout_set[i][0])
+        return torch.stack(out).to(self.dev, self.dtype)
 
     # ---------------------------------------------------------------------------------------
     def step(self) -> Dict[str, float]:
-        """One PPO update (rollout, shadows, feedback, update); returns its metrics."""
-        cfg, p = self.cfg, self.cfg.ppo
+        """One PPO update (rollout, shadows, feedback, update); returns its metrics (global over
+        all processes)."""
+        cfg, p, comm = self.cfg, self.cfg.ppo, self.comm
         self.u += 1
         u = self.u
         t0 = time.perf_counter()
-        idx = torch.tensor(next(self.sampler))
-        x = self._rollout_images(idx)
+        batch = p.rollout_images
+        idx = torch.tensor(next(self.sampler))  # the global batch, identical on every process
+        mine = torch.arange(comm.rank * self.local_batch, (comm.rank + 1) * self.local_batch)
+        noise = RolloutNoise.draw(self.depth, batch, self.actor.num_budgets, self.num_patches, self.gen, self.dev)
+        x = self._rollout_images(idx[mine])
         a_u = self.feedback.coefficient
         self.actor.eval()
         with torch.no_grad():
             z_native = run(self.model, x, NoPrune())[0].float()
-            traj = collect(self.model, self.actor, x, self.gen, z_native)
+            traj = collect(self.model, self.actor, x, z_native=z_native, noise=noise.rows(mine.to(self.dev)))
             d = shadow_divergences(self.model, x, traj, p.kd_temperature, cfg.shadow_chunk)
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
         t_rollout = time.perf_counter() - t0
         m: Dict[str, float] = {"update": u, "a_u": a_u}
-        if self.feedback.due(u):
+        if self.feedback.due(u):  # once, on the first process, then shared
             shard = self.feedback.next_shard()
-            sel = torch.tensor(self.qc_shard_idx[shard], device=self.dev)
-            pred, _ = self._predict(self.qc_x[sel], ActorPolicy(self.actor))
-            drop = paired_drop(self.qc_native[sel], pred == self.qc_y[sel])
+            drop = None
+            if comm.main:
+                sel = torch.tensor(self.qc_shard_idx[shard], device=self.dev)
+                pred, _ = self._predict(self.qc_x[sel], ActorPolicy(self.actor))
+                drop = paired_drop(self.qc_native[sel], pred == self.qc_y[sel])
+            drop = comm.broadcast_object(drop)
             self.feedback.update(u, drop, shard)
             m.update(d_u=drop, qc_shard=shard, a_next=self.feedback.coefficient)
         rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
@@ -230,23 +304,47 @@ class Trainer:
             torch.cuda.synchronize()
         t_all = time.perf_counter() - t0
         comp = token_layer_compression(traj.k, self.num_patches)
-        m.update(
-            return_mean=float(rewards.sum(1).mean()), compression=float(comp.mean()),
-            gflops=float(traj.gflops.mean()), d_final=float(d[:, -1].mean()),
-            gate_rate=float(traj.gate.float().mean()), interventions=float((traj.k > 0).sum(1).float().mean()),
-            rollout_images_per_s=x.shape[0] / t_rollout, update_s=t_all,
-        )
+        sums = comm.sum_(torch.stack([
+            rewards.sum(1).sum(), comp.sum(), traj.gflops.sum(), d[:, -1].sum(),
+            traj.gate.float().sum() / self.depth, (traj.k > 0).sum().float(),
+        ]).double().cpu())
+        keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions")
+        m.update({k: float(v) / batch for k, v in zip(keys, sums)})
+        m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all)
         return m
 
-    def _values(self, traj: Trajectory, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor, grad: bool = False):
+    def _values(self, traj: Trajectory, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         tokens, lengths = gather_packed(traj.tokens, traj.token_lengths, idx)
-        u = self.critic.encode(tokens, lengths, traj.block[idx], q[idx], zn[idx], traj.num_prefix)
-        return u
+        return self.critic.encode(tokens, lengths, traj.block[idx], q[idx], zn[idx], traj.num_prefix)
+
+    def _standardize(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Advantage standardisation over the eligible transitions of *all* processes."""
+        if self.comm.world == 1:
+            return standardize(adv, mask, self.cfg.ppo.adv_eps)
+        sel = adv[mask].double()
+        n, s1, s2 = self.comm.sum_(torch.stack([sel.new_tensor(float(sel.numel())), sel.sum(), (sel * sel).sum()]).cpu())
+        if n == 0:
+            return torch.zeros_like(adv)
+        mean = s1 / n
+        std = (s2 / n - mean * mean).clamp_min(0).sqrt() if n > 1 else torch.zeros_like(mean)
+        return torch.where(mask, (adv - float(mean)) / (float(std) + self.cfg.ppo.adv_eps), torch.zeros_like(adv))
+
+    def _local(self, t_global: torch.Tensor) -> torch.Tensor:
+        """This process's transitions among global transition ids ``l * B + g``, as local ids."""
+        batch, bl = self.cfg.ppo.rollout_images, self.local_batch
+        g = t_global % batch
+        own = t_global[(g // bl) == self.comm.rank]
+        return (own // batch) * bl + (own % batch) % bl
 
     def _ppo_update(self, traj: Trajectory, d: torch.Tensor, rewards: torch.Tensor, a_u: float) -> Dict[str, float]:
-        p, dev = self.cfg.ppo, self.dev
+        """One PPO update. Minibatches are drawn over the global batch (identically on every
+        process); each process evaluates the transitions it holds, losses are sums divided by the
+        global minibatch counts, and gradients are summed across processes before PCGrad,
+        clipping and the optimiser steps, so the maths equals the single-process update."""
+        p, dev, comm = self.cfg.ppo, self.dev, self.comm
         b, depth = traj.k.shape
-        t_all = torch.arange(b * depth, device=dev)
+        batch = p.rollout_images
+        t_loc = torch.arange(b * depth, device=dev)
         phi = native_features(traj.z_native, self.cfg.tau_b)
         q = trajectory_scalar_states(traj.k, d, phi, a_u, self.num_patches).transpose(0, 1).reshape(b * depth, -1)
         zn = traj.z_native.repeat(depth, 1)  # transition t = l * B + b
@@ -258,7 +356,7 @@ class Trainer:
         self.critic.eval()
         with torch.no_grad():
             vg, vb = torch.empty(b * depth, device=dev), torch.empty(b * depth, device=dev)
-            for mb in _chunks(t_all, 1024):
+            for mb in _chunks(t_loc, 1024):
                 u = self._values(traj, q, zn, mb)
                 vg[mb], vb[mb] = self.critic.gate_value(u), self.critic.budget_value(u)
             vs = torch.empty(ci.numel(), device=dev)
@@ -266,73 +364,103 @@ class Trainer:
                 u = self._values(traj, q, zn, ci[mb])
                 vs[mb] = self.critic.selector_value(u, traj.budget_index[mb], frac[mb])
         vg_ret = self.rms.denormalize(vg)
-        adv_g, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
+        _, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
         ret_t = ret.T.reshape(-1)
-        adv_g = standardize(ret_t - vg_ret, traj.feasible, p.adv_eps)
+        adv_g = self._standardize(ret_t - vg_ret, traj.feasible)
         ones = torch.ones(ci.numel(), dtype=torch.bool, device=dev)
-        adv_b = standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones, p.adv_eps)
-        adv_s = standardize(ret_t[ci] - self.rms.denormalize(vs), ones, p.adv_eps)
-        self.rms.update(ret_t)
+        adv_b = self._standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones)
+        adv_s = self._standardize(ret_t[ci] - self.rms.denormalize(vs), ones)
+        self.rms.update(comm.gather(ret_t.view(depth, b).T.contiguous()).T.reshape(-1))  # global, t order
         target = self.rms.normalize(ret_t)
+
+        def global_mask(local: torch.Tensor) -> torch.Tensor:  # [L*b] local -> [L*B] global t order
+            return comm.gather(local.view(depth, b).T.contiguous().float()).T.reshape(-1).bool()
+
+        feas_g = torch.nonzero(global_mask(traj.feasible)).squeeze(1).cpu()
+        on_mask_g = global_mask(traj.ctrl_of >= 0).cpu()
+        on_g = torch.nonzero(on_mask_g).squeeze(1)
 
         stats: Dict[str, List[float]] = {k: [] for k in ("loss_gate", "loss_budget", "loss_selector", "loss_value",
                                                        "entropy_gate", "entropy_budget", "entropy_selector")}
-        self.actor.train()
-        feas = torch.nonzero(traj.feasible).squeeze(1)
+
+        def log(name: str, value: torch.Tensor) -> None:
+            stats[name].append(float(comm.sum_(value.detach().double().cpu().reshape(1))))
+
         clip = p.max_grad_norm
         backend = "padded"  # fp32 training minibatches: one masked kernel, not one per sequence
+        self.actor.train()
         for _ in range(p.actor_epochs):
-            perm = feas[torch.randperm(feas.numel(), generator=self.cpu_gen).to(dev)]
+            perm = feas_g[torch.randperm(feas_g.numel(), generator=self.cpu_gen)]
             for mb in _chunks(perm, p.gate_minibatch):
-                lp, ent = evaluate_gate(self.actor, traj, mb)
-                loss = clipped_surrogate(lp, traj.gate_logp_old[mb], adv_g[mb], p.clip_eps).mean() - p.entropy_gate * ent.mean()
+                idx = self._local(mb).to(dev)
+                lp, ent = evaluate_gate(self.actor, traj, idx)
+                surr = clipped_surrogate(lp, traj.gate_logp_old[idx], adv_g[idx], p.clip_eps).sum()
+                loss = (surr - p.entropy_gate * ent.sum()) / mb.numel()
                 self.opts["gate"].zero_grad(set_to_none=True)
                 loss.backward()
+                comm.sum_grads(self.groups["gate"])
                 torch.nn.utils.clip_grad_norm_(self.groups["gate"], clip)
                 self.opts["gate"].step()
-                stats["loss_gate"].append(float(loss.detach()))
-                stats["entropy_gate"].append(float(ent.mean().detach()))
-            perm = torch.randperm(ci.numel(), generator=self.cpu_gen).to(dev)
+                log("loss_gate", loss)
+                log("entropy_gate", ent.sum() / mb.numel())
+            perm = on_g[torch.randperm(on_g.numel(), generator=self.cpu_gen)]
+            shared = self.groups["shared"]
+            private = self.groups["budget"] + self.groups["selector"]
             for mb in _chunks(perm, p.controller_minibatch):
-                lb, hb, ls, hs = evaluate_controller(self.actor, traj, mb, backend)
-                loss_b = clipped_surrogate(lb, traj.budget_logp_old[mb], adv_b[mb], p.clip_eps).mean() - p.entropy_budget * hb.mean()
-                loss_s = clipped_surrogate(ls, traj.selector_logp_old[mb], adv_s[mb], p.clip_eps).mean() - p.entropy_selector * hs.mean()
-                shared = self.groups["shared"]
+                idx = traj.ctrl_of[self._local(mb).to(dev)]
+                n = mb.numel()
+                if idx.numel():
+                    lb, hb, ls, hs = evaluate_controller(self.actor, traj, idx, backend)
+                    loss_b = (clipped_surrogate(lb, traj.budget_logp_old[idx], adv_b[idx], p.clip_eps).sum() - p.entropy_budget * hb.sum()) / n
+                    loss_s = (clipped_surrogate(ls, traj.selector_logp_old[idx], adv_s[idx], p.clip_eps).sum() - p.entropy_selector * hs.sum()) / n
+                    hb_sum, hs_sum = hb.sum(), hs.sum()
+                else:  # this process holds none of the minibatch: zero contribution, same collectives
+                    loss_b = loss_s = sum(q.sum() for q in shared + private) * 0.0
+                    hb_sum = hs_sum = torch.zeros((), device=dev)
                 gb = torch.autograd.grad(loss_b, shared, retain_graph=True, allow_unused=True)
                 gs = torch.autograd.grad(loss_s, shared, retain_graph=True, allow_unused=True)
+                gb, gs = comm.sum_list(gb, shared), comm.sum_list(gs, shared)
                 for name in ("shared", "budget", "selector"):
                     self.opts[name].zero_grad(set_to_none=True)
                 (loss_b + loss_s).backward()  # private head gradients (shared ones are replaced below)
+                comm.sum_grads(private)
                 apply_pcgrad(shared, gb, gs, clip, p.pcgrad_eps)
                 torch.nn.utils.clip_grad_norm_(self.groups["budget"], clip)
                 torch.nn.utils.clip_grad_norm_(self.groups["selector"], clip)
                 for name in ("shared", "budget", "selector"):
                     self.opts[name].step()
-                stats["loss_budget"].append(float(loss_b.detach()))
-                stats["loss_selector"].append(float(loss_s.detach()))
-                stats["entropy_budget"].append(float(hb.mean().detach()))
-                stats["entropy_selector"].append(float(hs.mean().detach()))
+                log("loss_budget", loss_b)
+                log("loss_selector", loss_s)
+                log("entropy_budget", hb_sum / n)
+                log("entropy_selector", hs_sum / n)
         self.actor.eval()
 
         self.critic.train()
+        cparams = list(self.critic.parameters())
         for _ in range(p.critic_epochs):
-            perm = torch.randperm(b * depth, generator=self.cpu_gen).to(dev)
+            perm = torch.randperm(batch * depth, generator=self.cpu_gen)
             for mb in _chunks(perm, p.critic_minibatch):
-                u = self._values(traj, q, zn, mb)
-                loss = clipped_value_loss(self.critic.gate_value(u), vg[mb], target[mb], p.value_clip, p.huber_delta).mean()
-                c = traj.ctrl_of[mb]
-                on = c >= 0
-                if bool(on.any()):
-                    cm = c[on]
-                    vbn = self.critic.budget_value(u[on])
-                    vsn = self.critic.selector_value(u[on], traj.budget_index[cm], frac[cm])
-                    loss = loss + clipped_value_loss(vbn, vb[mb][on], target[mb][on], p.value_clip, p.huber_delta).mean()
-                    loss = loss + clipped_value_loss(vsn, vs[cm], target[mb][on], p.value_clip, p.huber_delta).mean()
+                idx = self._local(mb).to(dev)
+                n_on = int(on_mask_g[mb].sum())
+                if idx.numel():
+                    u = self._values(traj, q, zn, idx)
+                    loss = clipped_value_loss(self.critic.gate_value(u), vg[idx], target[idx], p.value_clip, p.huber_delta).sum() / mb.numel()
+                    c = traj.ctrl_of[idx]
+                    on = c >= 0
+                    if bool(on.any()):
+                        cm = c[on]
+                        vbn = self.critic.budget_value(u[on])
+                        vsn = self.critic.selector_value(u[on], traj.budget_index[cm], frac[cm])
+                        loss = loss + clipped_value_loss(vbn, vb[idx][on], target[idx][on], p.value_clip, p.huber_delta).sum() / n_on
+                        loss = loss + clipped_value_loss(vsn, vs[cm], target[idx][on], p.value_clip, p.huber_delta).sum() / n_on
+                else:
+                    loss = sum(q.sum() for q in cparams) * 0.0
                 self.opts["critic"].zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), clip)
+                comm.sum_grads(cparams)
+                torch.nn.utils.clip_grad_norm_(cparams, clip)
                 self.opts["critic"].step()
-                stats["loss_value"].append(float(loss.detach()))
+                log("loss_value", loss)
         self.critic.eval()
         return {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items()}
 
@@ -371,11 +499,17 @@ class Trainer:
         self.checkpoints = list(state["checkpoints"])
 
     def save_checkpoint(self) -> CheckpointRecord:
-        rec = self.evaluate_dev()
-        folder = self.out / "checkpoints" / rec.name
-        self.actor.save_pretrained(folder, backbone=self.model, extra=self._training_facts(rec))
+        """Evaluate on dev and save actor + training state (first process only; shared record)."""
+        rec = None
+        if self.comm.main:
+            rec = self.evaluate_dev()
+            folder = self.out / "checkpoints" / rec.name
+            self.actor.save_pretrained(folder, backbone=self.model, extra=self._training_facts(rec))
+        rec = self.comm.broadcast_object(rec)
         self.checkpoints.append(dataclasses.asdict(rec))
-        torch.save(self.state_dict(), self.out / "state.pt")
+        if self.comm.main:
+            torch.save(self.state_dict(), self.out / "state.pt")
+        self.comm.barrier()
         return rec
 
     def _training_facts(self, rec: CheckpointRecord, selection: Optional[Dict] = None) -> Dict:
@@ -402,10 +536,10 @@ class Trainer:
 
     def fit(self) -> Dict:
         """Run (or resume) to ``total_updates``; checkpoint, log, select."""
-        cfg = self.cfg
-        log = open(self.out / "metrics.jsonl", "a")
+        cfg, main = self.cfg, self.comm.main
+        log = open(self.out / "metrics.jsonl", "a") if main else None
         bar = None
-        if cfg.progress:
+        if cfg.progress and main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.total_updates, initial=self.u, desc="DORA PPO", dynamic_ncols=True)
@@ -413,13 +547,14 @@ class Trainer:
         try:
             while self.u < cfg.total_updates:
                 m = self.step()
-                out_of_time = cfg.max_minutes > 0 and time.perf_counter() - start > 60 * cfg.max_minutes
+                out_of_time = self.comm.broadcast_object(cfg.max_minutes > 0 and time.perf_counter() - start > 60 * cfg.max_minutes)
                 if self.u % cfg.checkpoint_every == 0 or self.u == cfg.total_updates or out_of_time:
                     rec = self.save_checkpoint()
                     m.update(dev_top1=rec.top1, dev_gflops=rec.gflops, dev_native_top1=rec.native_top1)
-                log.write(json.dumps(m) + "\n")
-                log.flush()
-                self._tensorboard(m)
+                if main:
+                    log.write(json.dumps(m) + "\n")
+                    log.flush()
+                    self._tensorboard(m)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(a=f"{m['a_u']:.1f}", C=f"{m['compression']:.3f}", G=f"{m['gflops']:.2f}")
@@ -427,10 +562,12 @@ class Trainer:
                     print(f"--max-minutes reached after update {self.u}: stopping (resume with --resume)", file=sys.stderr)
                     break
         finally:
-            log.close()
+            if log is not None:
+                log.close()
             if bar is not None:
                 bar.close()
-        return self.select()
+        summary = self.select() if main else None
+        return self.comm.broadcast_object(summary)
 
     def _tensorboard(self, m: Dict) -> None:
         if not self.cfg.tensorboard:
@@ -502,9 +639,40 @@ def _truncate_log(path: Path, last_update: int) -> None:
         path.write_text("".join(ln + "\n" for ln in lines))
 
 
+def _init_distributed(cfg: TrainConfig) -> bool:
+    """Join the process group when launched by ``torchrun`` (WORLD_SIZE > 1): NCCL on CUDA (one
+    GPU per process, ``LOCAL_RANK``), gloo on CPU. Returns whether this call created the group."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    if cfg.device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        cfg.device = f"cuda:{local}"
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """``timm-dora-train``; also ``torchrun --nproc_per_node N -m timm_dora.train ...`` (data parallel)."""
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
+    created = _init_distributed(cfg)
+    try:
+        return _main(args, cfg)
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _main(args: argparse.Namespace, cfg: TrainConfig) -> int:
     out = Path(cfg.out)
     if (out / "state.pt").exists() and not args.resume:
         print(f"{out}/state.pt exists: pass --resume to continue it, or choose another --out", file=sys.stderr)
@@ -515,10 +683,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not state_file.exists():
             print(f"--resume: no {state_file}", file=sys.stderr)
             return 2
-        trainer.load_state_dict(torch.load(state_file, map_location=trainer.dev, weights_only=True))
-        _truncate_log(out / "metrics.jsonl", trainer.u)  # drop lines logged after the checkpoint
-    (out / "config.json").write_text(json.dumps(_config_dict(cfg), indent=1))
+        trainer.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=True))
+        if trainer.comm.main:
+            _truncate_log(out / "metrics.jsonl", trainer.u)  # drop lines logged after the checkpoint
+        trainer.comm.barrier()
+    if trainer.comm.main:
+        (out / "config.json").write_text(json.dumps(_config_dict(cfg), indent=1))
     summary = trainer.fit()
+    if not trainer.comm.main:
+        return 0
     sel = summary["selected"]
     flag = " (VIOLATES the target: no checkpoint met it)" if summary["violates"] else ""
     print(f"selected {sel['name']}: dev top-1 {sel['top1']:.2f} (native {sel['native_top1']:.2f}), "

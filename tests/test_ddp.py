@@ -1,0 +1,61 @@
+"""Data-parallel training (torchrun semantics) with two gloo processes on the CPU."""
+import json
+import os
+import socket
+
+import torch
+import torch.multiprocessing as mp
+
+from timm_dora import Actor
+from timm_dora.train import main
+
+from test_train import ARGS, data, read_metrics  # noqa: F401  (the `data` fixture)
+
+# 4 images per rollout so that 1 and 2 processes see the same global batch
+DDP_ARGS = ARGS + ["--rollout-images", "4"]
+
+
+def _worker(rank: int, world: int, port: int, argv):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    assert main(argv) == 0
+
+
+def _launch(world: int, argv):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, port, argv), nprocs=world, start_method="spawn")
+
+
+def _close(a, b, rtol=1e-4, atol=1e-5):
+    skip = {"rollout_images_per_s", "update_s"}
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if k in skip:
+                continue
+            assert abs(x[k] - y[k]) <= atol + rtol * abs(y[k]), (x["update"], k, x[k], y[k])
+
+
+def test_two_processes_equal_one_and_resume_with_another_world_size(data, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    _launch(1, DDP_ARGS + ["--data", str(data), "--out", str(one)])
+    _launch(2, DDP_ARGS + ["--data", str(data), "--out", str(two)])
+    m1, m2 = read_metrics(one), read_metrics(two)
+    assert [r["update"] for r in m2] == [1, 2, 3, 4]
+    _close(m2, m1)
+    a1 = Actor.from_pretrained(one / "checkpoints" / "u00004").state_dict()
+    a2 = Actor.from_pretrained(two / "checkpoints" / "u00004").state_dict()
+    # Parameters whose true gradient is exactly zero (the selector's and budget head's output
+    # biases: PL and softmax are shift-invariant) receive float noise that Adam scales to +-lr per
+    # step, so weights agree to a few learning-rate steps, not to rounding.
+    assert all(torch.allclose(a1[k], a2[k], rtol=1e-4, atol=2e-4) for k in a1)
+    assert json.loads((two / "selection.json").read_text())["selected"]["name"] == json.loads((one / "selection.json").read_text())["selected"]["name"]
+
+    # two processes up to the checkpoint at u=2, then resumed by one process
+    mixed = tmp_path / "mixed"
+    _launch(2, DDP_ARGS + ["--data", str(data), "--out", str(mixed), "--updates", "2"])
+    _launch(1, DDP_ARGS + ["--data", str(data), "--out", str(mixed), "--resume"])
+    _close(read_metrics(mixed), m1)
