@@ -124,6 +124,9 @@ class _Comm:
         self.on = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.on else 0
         self.world = dist.get_world_size() if self.on else 1
+        # NCCL reduces device tensors only; gloo takes CPU tensors
+        nccl = self.on and dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     @property
     def main(self) -> bool:
@@ -132,16 +135,20 @@ class _Comm:
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) in place; returns ``t``."""
         if self.on:
-            self.dist.all_reduce(t)
+            x = t.to(self.device)
+            self.dist.all_reduce(x)
+            if x is not t:
+                t.copy_(x)
         return t
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Equal-shaped tensors of all processes concatenated along dim 0 in rank order."""
         if not self.on:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        self.dist.all_gather(parts, t.contiguous())
-        return torch.cat(parts)
+        x = t.contiguous().to(self.device)
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self.dist.all_gather(parts, x)
+        return torch.cat(parts).to(t.device)
 
     def broadcast_object(self, obj):
         if not self.on:
