@@ -21,9 +21,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .packing import Packed, varlen_attention
+from .packing import Packed, PackedTransformerBlock
 
 __all__ = [
     "Actor",
@@ -49,30 +48,6 @@ def budget_grid(num_patches: int, step: int = 2, min_keep: int = 4) -> torch.Ten
             f"{min_keep + step} visual tokens"
         )
     return torch.arange(step, num_patches - min_keep + 1, step, dtype=torch.long)
-
-
-class _EncoderBlock(nn.Module):
-    """Pre-LN Transformer block on packed controller sequences (no padding)."""
-
-    def __init__(self, width: int, num_heads: int, ffn_dim: int) -> None:
-        super().__init__()
-        if width % num_heads:
-            raise ValueError(f"width={width} is not divisible by num_heads={num_heads}")
-        self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, width)
-
-    def forward(self, x: torch.Tensor, packed: Packed, backend: str) -> torch.Tensor:
-        t, w = x.shape
-        hd = w // self.num_heads
-        q, k, v = self.qkv(self.norm1(x)).view(t, 3, self.num_heads, hd).unbind(1)
-        o = varlen_attention(q, k, v, packed, hd ** -0.5, backend).reshape(t, w)
-        x = x + self.proj(o)
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
 class Actor(nn.Module):
@@ -125,7 +100,7 @@ class Actor(nn.Module):
         self.w_in = nn.Linear(embed_dim, width)
         self.block_embed = nn.Parameter(torch.zeros(depth, width))
         self.w_h = nn.Linear(3, width, bias=False)
-        self.encoder = _EncoderBlock(width, num_heads, ffn_dim)
+        self.encoder = PackedTransformerBlock(width, num_heads, ffn_dim)
         # budget head
         self.budget_head = nn.Sequential(
             nn.LayerNorm(width), nn.Linear(width, budget_hidden), nn.GELU(), nn.Linear(budget_hidden, self.num_budgets)

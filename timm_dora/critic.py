@@ -37,10 +37,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .actor import budget_grid
-from .packing import Packed, segment_ids, select_backend, varlen_attention
+from .packing import Packed, PackedTransformerBlock, segment_ids, select_backend
 from .rewards import compression_before
 
 __all__ = [
@@ -147,29 +146,6 @@ def trajectory_scalar_states(
     return torch.stack(steps, dim=1)
 
 
-class _Block(nn.Module):
-    """Pre-LN Transformer block (attention + GELU FFN) on packed sequences."""
-
-    def __init__(self, width: int, num_heads: int, ffn_dim: int) -> None:
-        super().__init__()
-        if width % num_heads:
-            raise ValueError(f"width={width} is not divisible by num_heads={num_heads}")
-        self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, width)
-
-    def forward(self, x: torch.Tensor, packed: Packed, backend: str) -> torch.Tensor:
-        t, w = x.shape
-        hd = w // self.num_heads
-        q, k, v = self.qkv(self.norm1(x)).view(t, 3, self.num_heads, hd).unbind(1)
-        x = x + self.proj(varlen_attention(q, k, v, packed, hd ** -0.5, backend).reshape(t, w))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
 def _mlp(inp: int, hidden: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(inp, hidden), nn.GELU(), nn.Linear(hidden, 1))
 
@@ -226,7 +202,7 @@ class Critic(nn.Module):
         self.block_embed = nn.Parameter(torch.zeros(depth, width))
         self.type_embed = nn.Parameter(torch.zeros(2, width))  # 0: CLS (prefix), 1: visual
         self.value_token = nn.Parameter(torch.zeros(width))
-        self.blocks = nn.ModuleList(_Block(width, num_heads, ffn_dim) for _ in range(num_layers))
+        self.blocks = nn.ModuleList(PackedTransformerBlock(width, num_heads, ffn_dim) for _ in range(num_layers))
         self.norm = nn.LayerNorm(width) if final_norm else nn.Identity()
         self.scalar_proj = nn.Linear(SCALAR_DIM, proj_dim)
         self.logit_proj = nn.Linear(num_classes, proj_dim)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "varlen_attention",
     "delete_rows",
     "segment_ids",
+    "PackedTransformerBlock",
 ]
 
 BACKENDS = ("flash", "torch_varlen", "sdpa_loop")  # inference backends, in "auto" order
@@ -273,3 +275,30 @@ def varlen_attention(
         )
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, 0)
+
+
+class PackedTransformerBlock(nn.Module):
+    """Pre-LN Transformer block (attention + GELU FFN) on packed sequences, no padding.
+
+    The actor's shared encoder (width 128, 4 heads, FFN 256) and the critic's token branch (width
+    256, 4 heads, FFN 512) are made of it.
+    """
+
+    def __init__(self, width: int, num_heads: int, ffn_dim: int) -> None:
+        super().__init__()
+        if width % num_heads:
+            raise ValueError(f"width={width} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, width)
+
+    def forward(self, x: torch.Tensor, packed: Packed, backend: str) -> torch.Tensor:
+        t, w = x.shape
+        hd = w // self.num_heads
+        q, k, v = self.qkv(self.norm1(x)).view(t, 3, self.num_heads, hd).unbind(1)
+        x = x + self.proj(varlen_attention(q, k, v, packed, hd ** -0.5, backend).reshape(t, w))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))

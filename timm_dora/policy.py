@@ -12,7 +12,7 @@ once per block, after the attention residual, and deletes the rows it names befo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
