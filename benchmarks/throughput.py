@@ -3,7 +3,7 @@
 GPU-resident preprocessed inputs (random images: throughput does not depend on pixel or weight
 values), bf16 weights and activations, batch 320, ``--batches`` distinct batches cycled, per repeat
 200 warm-up and 200 timed forwards with a CUDA synchronisation right before and after the timed
-loop, 5 repeats, median. Configurations per backbone:
+loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations per backbone:
 
 - ``native``: the unwrapped timm model (its fused SDPA attention).
 - ``gate_off``: wrapped with an actor whose gate never opens (the actor's gate runs every block).
@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -39,6 +37,7 @@ import timm  # noqa: E402
 
 import timm_dora  # noqa: E402
 from timm_dora import Actor, ReplayPolicy  # noqa: E402
+from timm_dora import bench  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
 from timm_dora.patch import attention_residual, mlp_residual  # noqa: E402
 
@@ -96,27 +95,10 @@ def oracle_forward(model, ks: Dict[int, int]):
     return fwd
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def time_forward(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: int, repeats: int):
-    ms, ips = [], []
-    batch = inputs[0].shape[0]
-    with torch.inference_mode():
-        for _ in range(repeats):
-            for i in range(warmup):
-                fn(inputs[i % len(inputs)])
-            _sync()
-            t0 = time.perf_counter()
-            for i in range(iters):
-                fn(inputs[i % len(inputs)])
-            _sync()
-            t = time.perf_counter() - t0
-            ms.append(1000 * t / iters)
-            ips.append(batch * iters / t)
-    return {"ms_per_batch": statistics.median(ms), "images_per_s": statistics.median(ips), "repeats_images_per_s": ips}
+    """The App. E.5 protocol of :func:`timm_dora.bench.time_forward`, keeping this script's row fields."""
+    r = bench.time_forward(fn, inputs, warmup=warmup, iters=iters, repeats=repeats)
+    return {k: r[k] for k in ("ms_per_batch", "images_per_s", "repeats_images_per_s")}
 
 
 def gflops_of(model, plan, inputs):

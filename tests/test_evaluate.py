@@ -1,0 +1,157 @@
+"""``timm-dora eval`` and ``timm-dora bench`` end to end through the CLI on a tiny model and a
+generated labels CSV of PNG images."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from timm_dora import Actor
+from timm_dora.cli import main
+from timm_dora.data import eval_transform, open_split, preload
+from timm_dora.evaluate import load_model
+
+from helpers import make_model
+
+MODEL = "vit_tiny_patch16_224"
+IMG = 64  # 16 patches: enough for the actor's budget grid
+CLASSES = 10
+
+
+def make_dataset(root: Path, n_test: int = 10, n_dev: int = 3) -> Path:
+    """PNG images with labels 0..9 in a labels CSV (splits ``test`` and ``dev``)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n_test + n_dev):
+        arr = (torch.rand(70 + i, 80, 3, generator=g) * 255).to(torch.uint8).numpy()
+        name = f"img/{i:03d}.png"
+        (root / "img").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(arr).save(root / name)
+        rows.append([name, i % CLASSES, f"n{i:08d}", "gen", "test" if i < n_test else "dev"])
+    path = root / "labels.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "label", "synset", "set", "split"])
+        w.writerows(rows)
+    return path
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    csv_path = make_dataset(root)
+    model = make_model(MODEL, img_size=IMG, num_classes=CLASSES)
+    weights = save_weights(model, root / "backbone.safetensors")
+    torch.manual_seed(0)
+    actor = Actor.for_model(model)
+    with torch.no_grad():
+        actor.gate_mlp[2].bias.fill_(0.0)  # the gate opens for some images/blocks
+    actor.save_pretrained(root / "actor", backbone=model)
+    return root, csv_path, weights, root / "actor"
+
+
+def _eval(root, csv_path, weights, *extra):
+    out = root / f"res_{len(list(root.glob('res_*.json')))}.json"
+    rc = main(["eval", "--model", MODEL, "--weights", str(weights), "--img-size", str(IMG), "--num-classes", str(CLASSES),
+               "--data", str(csv_path), "--split", "test", "--device", "cpu", "--batch", "4", "--workers", "0",
+               "--quiet", "--out", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_eval_tome_json_and_native_top1(setup_files, capsys):
+    root, csv_path, weights, _ = setup_files
+    res = _eval(root, csv_path, weights, "--method", "tome", "--r", "2")
+    for key in ("command", "device", "torch", "timm", "timm_dora", "dtype", "model", "weights", "data", "preprocessing", "rows"):
+        assert key in res, key
+    assert res["dtype"] == "float32" and res["data"] == {"spec": str(csv_path), "split": "test", "images": 10}
+    assert "--method tome" in res["command"] and "--r 2" in res["command"] and res["command"].startswith("timm-dora eval")
+    native, tome = res["rows"]
+    assert native["method"] == "native" and tome["method"] == "tome(r=2)"
+    for row in (native, tome):
+        for key in ("top1", "top5", "correct1", "correct5", "gflops", "gflops_min", "gflops_max", "images", "agreement"):
+            assert key in row, key
+        assert row["images"] == 10 and row["top5"] >= row["top1"]
+    assert native["gflops_min"] == native["gflops_max"] == pytest.approx(native["gflops"])
+    assert tome["gflops"] < native["gflops"]
+    assert [b["budget_mean"] for b in tome["per_block"]][:3] == [2, 2, 2] and tome["per_block"][0]["gate_rate"] == 1.0
+    # native top-1 equals a direct computation with the same weights and preprocessing
+    model = load_model(MODEL, str(weights), img_size=IMG, num_classes=CLASSES)
+    x, y = preload(open_split(csv_path, "test", eval_transform(model)))
+    with torch.no_grad():
+        direct = 100.0 * float((model(x).argmax(1) == y).float().mean())
+    assert native["top1"] == pytest.approx(direct, abs=1e-9)
+    assert native["correct1"] == int((model(x).argmax(1) == y).sum())
+    printed = capsys.readouterr().out
+    assert "native" in printed and "tome(r=2)" in printed
+
+
+def test_eval_dora_per_block_statistics(setup_files):
+    root, csv_path, weights, actor = setup_files
+    res = _eval(root, csv_path, weights, "--method", "dora", "--actor", str(actor))
+    native, dora = res["rows"]
+    assert dora["method"] == "dora" and dora["attn_backend"] == "sdpa_loop"
+    assert dora["gflops_min"] <= dora["gflops"] <= dora["gflops_max"]
+    blocks = dora["per_block"]
+    assert len(blocks) == 12 and any(b["gate_rate"] > 0 for b in blocks)
+    for b in blocks:
+        assert 0.0 <= b["gate_rate"] <= 1.0
+        if b["gate_rate"] > 0:
+            assert 2 <= b["budget_min"] <= b["budget_mean"] <= b["budget_max"]
+        else:
+            assert b["budget_min"] is None and b["budget_mean"] is None
+    assert native["top1"] == _eval(root, csv_path, weights, "--method", "native")["rows"][0]["top1"]
+
+
+def test_eval_selector_substitution_reports_dora_and_substitute(setup_files):
+    root, csv_path, weights, actor = setup_files
+    res = _eval(root, csv_path, weights, "--method", "similarity", "--actor", str(actor), "--limit", "6")
+    names = [r["method"] for r in res["rows"]]
+    assert names == ["native", "dora", "similarity"]
+    dora, sim = res["rows"][1], res["rows"][2]
+    assert [b["gate_rate"] for b in sim["per_block"]] == [b["gate_rate"] for b in dora["per_block"]]
+    assert [b["budget_mean"] for b in sim["per_block"]] == [b["budget_mean"] for b in dora["per_block"]]
+
+
+def test_eval_static_schedule(setup_files):
+    root, csv_path, weights, _ = setup_files
+    res = _eval(root, csv_path, weights, "--method", "static", "--schedule", "2:4,5:4", "--rule", "cls_sim")
+    row = res["rows"][1]
+    assert row["method"] == "static-cls_sim(2:4,5:4)" and row["config"]["schedule"] == {"2": 4, "5": 4}
+    assert row["per_block"][2]["budget_mean"] == 4 and row["per_block"][5]["tokens_mean"] == 8
+
+
+def test_bench_cli_smoke(setup_files):
+    root, csv_path, weights, _ = setup_files
+    out = root / "bench.json"
+    rc = main(["bench", "--model", MODEL, "--weights", str(weights), "--img-size", str(IMG), "--num-classes", str(CLASSES),
+               "--device", "cpu", "--method", "tome", "--r", "2", "--data", str(csv_path), "--batch", "4", "--batches", "3",
+               "--warmup", "1", "--iters", "2", "--repeats", "2", "--workers", "0", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["inputs"]["inputs"] == "real" and res["inputs"]["batches"] == 2  # 10 images -> 2 full batches of 4
+    assert res["protocol"]["iters"] == 2 and res["protocol"]["repeats"] == 2
+    for row in res["rows"]:
+        assert row["images_per_s"] > 0 and row["ms_per_batch"] > 0 and len(row["repeats_images_per_s"]) == 2
+        assert row["attention_ops"]
+    assert [r["method"] for r in res["rows"]] == ["native", "tome(r=2)"]
+
+
+def test_time_forward_protocol():
+    from timm_dora.bench import time_forward
+
+    calls = []
+    res = time_forward(lambda x: calls.append(x.shape[0]), [torch.zeros(3, 1), torch.zeros(3, 1)], warmup=2, iters=5, repeats=3)
+    assert len(calls) == 3 * (2 + 5) and res["batch"] == 3 and len(res["repeats_ms_per_batch"]) == 3
+    assert res["images_per_s"] > 0
