@@ -80,6 +80,24 @@ def schedule_for_reduction(model, target: float, blocks: List[int]):
     return best[1]
 
 
+def gate_forced_actor(model, blocks: List[int]) -> Actor:
+    """An untrained actor whose gate opens exactly at ``blocks`` (budgets and tokens still chosen by
+    its random budget head and selector): hidden unit 0 of the gate reads gate-embedding channel 0,
+    set to 10 at those blocks only."""
+    actor = Actor.for_model(model)
+    with torch.no_grad():
+        hidden, out = actor.gate_mlp[0], actor.gate_mlp[2]
+        hidden.weight.zero_()
+        hidden.bias.zero_()
+        hidden.weight[0, actor.embed_dim] = 1.0
+        actor.gate_embed.zero_()
+        actor.gate_embed[blocks, 0] = 10.0
+        out.weight.zero_()
+        out.weight[0, 0] = 10.0
+        out.bias.fill_(-5.0)
+    return actor
+
+
 def oracle_forward(model, ks: Dict[int, int]):
     """Dense static schedule: the same blocks' own submodules, tokens dropped by slicing."""
 
@@ -177,18 +195,7 @@ def main(argv=None):
                     tokens_range=[int(stats.tokens[:, -1].min()), int(stats.tokens[:, -1].max())])
             timm_dora.unwrap(model)
             if "actor" in args.configs:
-                forced = Actor.for_model(model).to(dev, dtype)
-                with torch.no_grad():  # gate open exactly at the fixed policy's blocks:
-                    # hidden unit 0 reads gate-embedding channel 0, set to 10 at those blocks only
-                    hidden, out = forced.gate_mlp[0], forced.gate_mlp[2]
-                    hidden.weight.zero_()
-                    hidden.bias.zero_()
-                    hidden.weight[0, model.embed_dim] = 1.0
-                    forced.gate_embed.zero_()
-                    forced.gate_embed[args.blocks, 0] = 10.0
-                    out.weight.zero_()
-                    out.weight[0, 0] = 10.0
-                    out.bias.fill_(-5.0)
+                forced = gate_forced_actor(model, args.blocks).to(dev, dtype)
                 timm_dora.wrap(model, forced)
                 with torch.inference_mode():
                     model(inputs[0])

@@ -14,8 +14,8 @@ With this rule native DeiT-B/16 at 224 is 35.13 GFLOPs and DINOv2-B/14 at 224 (2
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List
+from dataclasses import dataclass, field
+from typing import Dict, List
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,7 @@ class BackboneCost:
     head_macs: int  # per image (classifier, incl. a distillation head)
     num_prefix: int
     num_patches: int
+    _per_device: Dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def block_macs(self, block: int, n_attn: torch.Tensor, n_mlp: torch.Tensor) -> torch.Tensor:
         """MACs of one block for ``n_attn`` tokens in attention and ``n_mlp`` in the MLP (both
@@ -50,6 +51,18 @@ class BackboneCost:
             + 2 * n_attn * n_attn * self.attn_dim[block]
             + n_mlp.double() * self.mlp_macs[block]
         )
+
+    def blocks_macs(self, n_attn: torch.Tensor, n_mlp: torch.Tensor) -> torch.Tensor:
+        """:meth:`block_macs` of every block at once: ``n_attn``, ``n_mlp`` are ``[B, L]``."""
+        key = str(n_attn.device)
+        if key not in self._per_device:  # copy the per-block constants to the device once
+            self._per_device[key] = torch.tensor(
+                [[q + pr for q, pr in zip(self.qkv_macs, self.proj_macs)], self.attn_dim, self.mlp_macs],
+                dtype=torch.float64, device=n_attn.device,
+            )
+        linear, attn_dim, mlp = self._per_device[key]
+        n_attn = n_attn.double()
+        return n_attn * linear + 2 * n_attn * n_attn * attn_dim + n_mlp.double() * mlp
 
     def native_macs(self) -> float:
         n = torch.tensor([self.num_prefix + self.num_patches])

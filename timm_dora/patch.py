@@ -28,6 +28,7 @@ from .actor import Actor
 from .flops import BackboneCost, backbone_cost
 from .packing import Packed, delete_rows, select_backend, varlen_attention, BACKENDS
 from .policy import ActorPolicy, BlockContext, Decision, rows_where
+from torch.profiler import record_function
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "set_policy", "DoraStats", "run", "READOUTS", "SUPPORTED_POOLS"]
 
@@ -325,35 +326,40 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     n_visual = torch.full((b,), n0, dtype=torch.long, device=dev)
     rho = torch.zeros(b, device=dev)
     interventions = torch.zeros(b, dtype=torch.long, device=dev)
-    flops = torch.full((b,), 2.0 * (cost.patch_macs + cost.head_macs), dtype=torch.float64, device=dev)
-    policy_flops = torch.zeros(b, dtype=torch.float64, device=dev)
-    tokens, gates, removed_all, removed_patches = [], [], [], []
+    entering, gates, removed_all, removed_patches, policy_flops = [], [], [], [], []
     for l, blk in enumerate(model.blocks):
-        x_attn, keys = attention_residual(blk, packed, backend)
-        ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend)
-        dec = policy(ctx)
+        with record_function("dora.attention"):
+            x_attn, keys = attention_residual(blk, packed, backend)
+        with record_function("dora.policy"):
+            dec = policy(BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend))
         packed = packed.with_x(x_attn)
-        if dec.remove is not None:
-            removed_patches.append((packed.seg[dec.remove], packed.ids[dec.remove] - p))
-            packed = delete_rows(packed, dec.remove, dec.removed)
-        else:
+        if dec.remove is None:
             removed_patches.append(None)
-        packed = packed.with_x(mlp_residual(blk, packed.x))
-        n_attn = n_visual + p
-        flops += 2.0 * cost.block_macs(l, n_attn, n_attn - dec.removed)
-        if dec.flops is not None:
-            flops += dec.flops
-            policy_flops += dec.flops
+        else:
+            with record_function("dora.compact"):
+                before = packed
+                packed = delete_rows(before, dec.remove, dec.removed)
+                rows = rows_where(dec.remove, before.total - packed.total)
+                removed_patches.append((before.seg[rows], before.ids[rows] - p))
+        with record_function("dora.mlp"):
+            packed = packed.with_x(mlp_residual(blk, packed.x))
+        entering.append(n_visual)
         rho = dec.removed.float() / n_visual.float()
         interventions = interventions + dec.gate.long()
         n_visual = n_visual - dec.removed
-        tokens.append(n_visual)
         gates.append(dec.gate)
         removed_all.append(dec.removed)
-    packed = packed.with_x(model.norm(packed.x))
-    logits = readout(model, packed, state.readout)
+        if dec.flops is not None:
+            policy_flops.append(dec.flops)
+    with record_function("dora.readout"):
+        packed = packed.with_x(model.norm(packed.x))
+        logits = readout(model, packed, state.readout)
+    # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
+    removed = torch.stack(removed_all, 1)
+    n_attn = torch.stack(entering, 1) + p
+    own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
+    flops = 2.0 * (cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_attn - removed).sum(1)) + own
     stats = DoraStats(
-        torch.stack(tokens, 1), torch.stack(gates, 1), torch.stack(removed_all, 1), flops / 1e9, policy_flops / 1e9, backend,
-        removed_patches,
+        n0 - removed.cumsum(1), torch.stack(gates, 1), removed, flops / 1e9, own / 1e9, backend, removed_patches,
     )
     return logits, stats
