@@ -176,7 +176,7 @@ class Actor(nn.Module):
             emb = emb[packed.seg]
         x = self.w_in(keys) + emb.to(keys.dtype)
         cls_rows = packed.starts
-        x = x.index_add(0, cls_rows, self.w_h(h.to(keys.dtype)))
+        x = x.index_add(0, cls_rows, self.w_h(h.to(keys.dtype)).to(x.dtype))  # autocast may make them differ
         return self.encoder(x, packed, backend)
 
     def budget_logits(self, z_cls: torch.Tensor, n_visual: torch.Tensor) -> torch.Tensor:
@@ -216,17 +216,21 @@ def gumbel_like(scores: torch.Tensor, generator: Optional[torch.Generator] = Non
     return -torch.log((-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20))
 
 
-def ordered_topk(scores: torch.Tensor, k: torch.Tensor, noise: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def ordered_topk(scores: torch.Tensor, k: torch.Tensor, noise: Optional[torch.Tensor] = None,
+                 kmax: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Ordered selection of ``k[a]`` columns per row of a padded score matrix.
 
     Without ``noise`` this is the deterministic rule (the ``k`` highest scores, ties to the lower
     index). With Gumbel ``noise`` it is an exact Plackett-Luce sample without replacement (the
     Gumbel-top-k construction). Padding must be ``-inf``.
 
-    Returns ``(order, valid)``: ``order[a, t]`` is the column chosen ``t``-th (``[A, K]`` with
-    ``K = max k``), ``valid[a, t] = t < k[a]``.
+    Returns ``(order, valid)``: ``order[a, t]`` is the column chosen ``t``-th (``[A, K]``),
+    ``valid[a, t] = t < k[a]``. ``K`` is ``kmax`` when given (a host-side upper bound on ``k``,
+    which saves a device-to-host read), else ``max k``.
     """
-    kmax = int(k.max()) if k.numel() else 0
+    if kmax is None:
+        kmax = int(k.max()) if k.numel() else 0
+    kmax = min(kmax, scores.shape[1])
     keyed = scores if noise is None else scores + noise
     order = torch.sort(keyed, dim=1, descending=True, stable=True).indices[:, :kmax]
     valid = torch.arange(kmax, device=scores.device)[None, :] < k[:, None]

@@ -75,11 +75,19 @@ class NoPrune:
         return Decision(torch.zeros(b, dtype=torch.bool, device=dev), torch.zeros(b, dtype=torch.long, device=dev))
 
 
-def _removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """``[T]`` bool marking visual column ``col`` of image ``image`` (0 = first surviving patch)."""
-    remove = torch.zeros(packed.total, dtype=torch.bool, device=packed.x.device)
-    remove[packed.starts[image] + packed.num_prefix + col] = True
-    return remove
+def _removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[T]`` bool marking visual column ``col`` of image ``image`` (0 = first surviving patch).
+
+    ``valid`` (same shape as ``col``) masks entries out without boolean indexing (no host sync).
+    """
+    rows = packed.starts[image] + packed.num_prefix + col
+    if valid is None:
+        remove = torch.zeros(packed.total, dtype=torch.bool, device=packed.x.device)
+        remove[rows] = True
+        return remove
+    rows = torch.where(valid, rows, torch.zeros_like(rows))  # masked entries add 0 at row 0
+    hits = torch.zeros(packed.total, dtype=torch.long, device=packed.x.device)
+    return hits.index_add_(0, rows.reshape(-1), valid.reshape(-1).long()) > 0
 
 
 class ReplayPolicy:
@@ -104,7 +112,7 @@ class ReplayPolicy:
         if step is None or (self.stop_after is not None and ctx.block > self.stop_after):
             return NoPrune()(ctx)
         image, col = (t.to(dev) for t in step)
-        removed = torch.bincount(image, minlength=b)
+        removed = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, image, torch.ones_like(image))
         if self.check and image.numel() and bool(((col < 0) | (col >= ctx.n_visual[image])).any()):
             raise ValueError(f"replay plan at block {ctx.block} names a token beyond an image's visual tokens")
         if self.check and bool((ctx.n_visual - removed < 1).any()):
@@ -215,13 +223,13 @@ class ActorPolicy:
         flops = torch.full((b,), 2.0 * actor_gate_macs(actor), dtype=torch.float64, device=dev)
         removed = torch.zeros(b, dtype=torch.long, device=dev)
         rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
-        active_host = torch.nonzero(gate).squeeze(1).tolist()  # host sync: which images enter the controller
+        active = torch.nonzero(gate).squeeze(1)
+        active_host = active.tolist()  # the one host sync of a block: which images enter the controller
         if self.record:
             self.records.append(rec)
         if not active_host:
             return Decision(gate, removed, None, flops)
 
-        active = torch.tensor(active_host, dtype=torch.long, device=dev)
         n_host = ctx.n_visual_host
         n_act_host = [n_host[i] for i in active_host]
         n_act = ctx.n_visual[active]
@@ -246,10 +254,9 @@ class ActorPolicy:
         if self.sample:
             noise = (self.noise.selector[ctx.block][active][:, : scores.shape[1]] if self.noise is not None
                      else gumbel_like(scores, self.generator))
-        order, valid = ordered_topk(scores, k, noise)
+        order, valid = ordered_topk(scores, k, noise, kmax=max(n_act_host) - actor.min_keep)  # k <= N_l - 4
 
-        image = active[:, None].expand_as(order)[valid]
-        remove = _removal_mask(packed, image, order[valid])
+        remove = _removal_mask(packed, active[:, None].expand_as(order), order, valid)
         removed[active] = k
         flops[active] += 2.0 * actor_controller_macs(actor, n_act)
         if self.record:
