@@ -220,3 +220,18 @@ def test_real_vit_tiny_gate_closed_reproduces_native_predictions():
         wrapped = model(x)
     assert (wrapped - native).abs().max().item() <= 1e-4
     assert torch.equal(wrapped.argmax(1), native.argmax(1))
+
+
+@torch.no_grad()
+def test_fp32_model_with_actor_runs_under_bf16_autocast():
+    # regression: the encoder mixed an autocast (bf16) W_h output into an fp32 sum
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    actor = Actor.for_model(model)
+    actor.gate_mlp[2].bias.fill_(1e4)  # every block tries to prune: the controller runs
+    x = images(model, 3)
+    timm_dora.wrap(model, actor)
+    ref = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert model.dora_stats.gate.any()
+    assert out.shape == ref.shape and torch.isfinite(out).all()
