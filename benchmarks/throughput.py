@@ -39,7 +39,6 @@ import timm_dora  # noqa: E402
 from timm_dora import Actor, ReplayPolicy  # noqa: E402
 from timm_dora import bench  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
-from timm_dora.patch import attention_residual, mlp_residual  # noqa: E402
 
 
 def fixed_plan(batch: int, n0: int, blocks: List[int], mean_k: List[int], spread: int, seed: int, device):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import timm_dora
+
 from timm_dora import Actor, BlockContext, Packed
 from timm_dora.actor import budget_grid, ordered_topk
 from timm_dora.policy import ActorPolicy
