@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from .actor import budget_grid
-from .packing import Packed, PackedTransformerBlock, segment_ids, select_backend
+from .packing import Packed, PackedTransformerBlock, select_backend
 from .rewards import compression_before
 
 __all__ = [
@@ -254,20 +254,20 @@ class Critic(nn.Module):
             raise ValueError(f"z_native must be [S={s}, {self.num_classes}], got {tuple(z_native.shape)}")
         dtype = self.token_proj.weight.dtype
         n = torch.tensor(lengths, dtype=torch.long, device=dev)
-        seg = segment_ids(n, tokens.shape[0])
-        starts = torch.cumsum(n, 0) - n
-        pos = torch.arange(tokens.shape[0], device=dev) - starts[seg]
+        layout = Packed(tokens, n, lengths, num_prefix)
+        seg, pos = layout.seg, layout.pos
         blk = torch.as_tensor(block, dtype=torch.long, device=dev).expand(s)
         if bool(((blk < 0) | (blk >= self.depth)).any()):
             raise ValueError(f"block index out of range [0, {self.depth})")
         x = self.token_proj(tokens.to(dtype))
         x = x + self.block_embed[blk][seg] + self.type_embed[(pos >= num_prefix).long()]
         # prepend the value token: sequence i occupies rows starts[i] + i .. starts[i] + i + n_i
-        rows = torch.arange(tokens.shape[0], device=dev) + seg + 1
-        value_rows = starts + torch.arange(s, device=dev)
         seq = x.new_zeros(tokens.shape[0] + s, self.width)
-        seq = seq.index_copy(0, rows, x).index_copy(0, value_rows, self.value_token.expand(s, -1))
         packed = Packed(seq, n + 1, [m + 1 for m in lengths], num_prefix=1)
+        value_rows = packed.starts
+        seq = seq.index_copy(0, layout.seg + torch.arange(tokens.shape[0], device=dev) + 1, x)
+        seq = seq.index_copy(0, value_rows, self.value_token.expand(s, -1))
+        packed = packed.with_x(seq)
         backend = select_backend(dev.type, dtype, self.backend)
         for blk_mod in self.blocks:
             seq = blk_mod(seq, packed, backend)

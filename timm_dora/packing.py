@@ -46,6 +46,7 @@ __all__ = [
     "select_backend",
     "varlen_attention",
     "delete_rows",
+    "rows_where",
     "segment_ids",
     "PackedTransformerBlock",
 ]
@@ -148,6 +149,13 @@ class Packed:
         return x[idx]
 
 
+def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` True entries of ``mask`` (no host sync when ``count`` is known)."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=count).squeeze(1)
+    return torch.nonzero(mask).squeeze(1)  # pragma: no cover - torch < 2.1
+
+
 def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor) -> Packed:
     """Physically delete rows of a packed batch, keeping the order of the survivors.
 
@@ -164,11 +172,7 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor) -> 
     lengths = packed.lengths - removed
     lengths_host = lengths.tolist()
     total = sum(lengths_host)
-    keep = ~remove
-    if hasattr(torch, "nonzero_static"):
-        index = torch.nonzero_static(keep, size=total).squeeze(1)
-    else:  # pragma: no cover - torch < 2.1
-        index = torch.nonzero(keep).squeeze(1)
+    index = rows_where(~remove, total)
     ids = None if packed.ids is None else packed.ids.index_select(0, index)
     return Packed(packed.x.index_select(0, index), lengths, lengths_host, packed.num_prefix, ids)
 

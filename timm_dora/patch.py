@@ -26,8 +26,8 @@ import torch.nn as nn
 
 from .actor import Actor
 from .flops import BackboneCost, backbone_cost
-from .packing import Packed, delete_rows, select_backend, varlen_attention, BACKENDS
-from .policy import ActorPolicy, BlockContext, Decision, rows_where
+from .packing import Packed, delete_rows, rows_where, select_backend, varlen_attention, BACKENDS
+from .policy import ActorPolicy, BlockContext, Decision
 from torch.profiler import record_function
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "set_policy", "DoraStats", "run", "READOUTS", "SUPPORTED_POOLS"]

@@ -19,16 +19,9 @@ import torch
 
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
 from .flops import actor_controller_macs, actor_gate_macs
-from .packing import Packed, select_backend
+from .packing import Packed, rows_where, select_backend
 
-__all__ = ["BlockContext", "Decision", "ActorPolicy", "ReplayPolicy", "NoPrune", "RolloutNoise", "StepRecord", "rows_where"]
-
-
-def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the ``count`` True entries of ``mask`` (no host sync when ``count`` is known)."""
-    if hasattr(torch, "nonzero_static"):
-        return torch.nonzero_static(mask, size=count).squeeze(1)
-    return torch.nonzero(mask).squeeze(1)  # pragma: no cover - torch < 2.1
+__all__ = ["BlockContext", "Decision", "ActorPolicy", "ReplayPolicy", "NoPrune", "RolloutNoise", "StepRecord"]
 
 
 @dataclass

@@ -64,7 +64,6 @@ class Trajectory:
     plan: Plan  # the recorded deletions, replayable
     # per transition (t = l * B + b)
     block: torch.Tensor  # [B*L]
-    n_visual: torch.Tensor  # [B*L] N_l
     cls_key: torch.Tensor  # [B*L, d]
     h: torch.Tensor  # [B*L, 3]
     feasible: torch.Tensor  # [B*L] bool
@@ -100,13 +99,11 @@ class _Recording:
         self.policy = policy
         self.tokens: List[torch.Tensor] = []
         self.lengths: List[torch.Tensor] = []
-        self.n_visual: List[torch.Tensor] = []
         self.plan: Plan = {}
 
     def __call__(self, ctx: BlockContext) -> Decision:
         self.tokens.append(ctx.packed.x)
         self.lengths.append(ctx.packed.lengths)
-        self.n_visual.append(ctx.n_visual)
         dec = self.policy(ctx)
         rec = self.policy.records[-1]
         if rec.order is not None:
@@ -165,7 +162,7 @@ def collect(model: nn.Module, actor: Actor, images: torch.Tensor, generator: Opt
         ctrl_lengths = budget_index = torch.zeros(0, dtype=torch.long, device=dev)
     return Trajectory(
         z_native=z_native, z_final=logits.float(), k=stats.removed, gflops=stats.gflops, plan=rec.plan,
-        block=torch.arange(depth, device=dev).repeat_interleave(b), n_visual=torch.cat(rec.n_visual),
+        block=torch.arange(depth, device=dev).repeat_interleave(b),
         cls_key=cls_key, h=torch.cat([r.h for r in records]), feasible=feasible, gate=gate, gate_logp_old=gate_logp,
         tokens=torch.cat(rec.tokens).float(), token_lengths=torch.cat(rec.lengths), ctrl_of=ctrl_of,
         ctrl_t=ctrl_t, ctrl_keys=ctrl_keys, ctrl_lengths=ctrl_lengths, budget_index=budget_index,

@@ -489,7 +489,7 @@ class Trainer:
             "gen": self.gen.get_state(),
             "cpu_gen": self.cpu_gen.get_state(),
             "checkpoints": self.checkpoints,
-            "config": _config_dict(self.cfg),
+            "config": dataclasses.asdict(self.cfg),
         }
 
     def load_state_dict(self, state: Dict) -> None:
@@ -519,15 +519,12 @@ class Trainer:
         self.comm.barrier()
         return rec
 
-    def _training_facts(self, rec: CheckpointRecord, selection: Optional[Dict] = None) -> Dict:
-        facts = {
+    def _training_facts(self, rec: CheckpointRecord) -> Dict:
+        return {
             "updates": self.u, "target_drop": self.cfg.target_drop, "a_u": self.feedback.coefficient,
             "dev_top1": rec.top1, "dev_native_top1": rec.native_top1, "dev_gflops": rec.gflops,
             "model": self.cfg.model, "data": self.cfg.data,
         }
-        if selection:
-            facts["selection"] = selection
-        return facts
 
     def select(self) -> Dict:
         """Apply the dev selection rule and write the chosen actor to ``OUT/selected``."""
@@ -586,10 +583,6 @@ class Trainer:
         for k, v in m.items():
             if isinstance(v, (int, float)) and k != "update" and math.isfinite(v):
                 self._tb.add_scalar(k, v, self.u)
-
-
-def _config_dict(cfg: TrainConfig) -> Dict:
-    return dataclasses.asdict(cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,7 +688,7 @@ def _main(args: argparse.Namespace, cfg: TrainConfig) -> int:
             _truncate_log(out / "metrics.jsonl", trainer.u)  # drop lines logged after the checkpoint
         trainer.comm.barrier()
     if trainer.comm.main:
-        (out / "config.json").write_text(json.dumps(_config_dict(cfg), indent=1))
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     summary = trainer.fit()
     if not trainer.comm.main:
         return 0
