@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import timm  # noqa: E402
 import timm_dora  # noqa: E402
 from helpers import Recorder, random_plan  # noqa: E402
 from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
+from timm_dora.evaluate import environment  # noqa: E402
 
 MODELS = [
     ("deit_base_patch16_224", {}),
@@ -101,11 +101,7 @@ def main():
     rows = [check(n, kw, args.batch, mode) for mode in ("bf16", "autocast") for n, kw in MODELS]
     ok = all(r["fuzzed_rel_err"] <= 1e-2 and r["actor_rel_err"] <= 1e-2 for r in rows)
     res = {
-        "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "python": platform.python_version(),
+        **environment(torch.device("cuda"), "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:])),
         "dtype": "GPU bf16 weights+activations ('bf16') or fp32 weights with bf16 autocast ('autocast') vs float32 CPU reference",
         "tolerance": 1e-2,
         "passed": ok,

@@ -35,6 +35,7 @@ import timm  # noqa: E402
 import timm_dora  # noqa: E402
 from throughput import fixed_plan, gate_forced_actor, schedule_for_reduction  # noqa: E402
 from timm_dora import Actor, ReplayPolicy  # noqa: E402
+from timm_dora.evaluate import environment  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
 
 SCOPES = ("dora.attention", "dora.policy", "dora.compact", "dora.mlp", "dora.readout")
@@ -91,8 +92,8 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    res = {"command": "python benchmarks/profile_forward.py " + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name(0),
-           "torch": torch.__version__, "timm": timm.__version__, "batch": args.batch, "rows": []}
+    res = {**environment(dev, "python benchmarks/profile_forward.py " + " ".join(sys.argv[1:])),
+           "batch": args.batch, "rows": []}
     for name in args.models:
         torch.manual_seed(0)
         model = timm.create_model(name).eval().to(dev, dtype)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -38,6 +37,7 @@ import timm  # noqa: E402
 import timm_dora  # noqa: E402
 from timm_dora import Actor, ReplayPolicy  # noqa: E402
 from timm_dora import bench  # noqa: E402
+from timm_dora.evaluate import environment  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
 
 
@@ -145,12 +145,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "timm_dora": timm_dora.__version__,
-        "python": platform.python_version(),
+        **environment(dev, " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))),
         "protocol": {k: getattr(args, k) for k in ("batch", "batches", "warmup", "iters", "repeats")},
         "dtype": str(dtype).replace("torch.", ""),
         "rows": [],
