@@ -669,6 +669,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if created:
             import torch.distributed as dist
 
+            dist.barrier()  # leave together: a peer tearing down gloo early can abort the other
             dist.destroy_process_group()
 
 
