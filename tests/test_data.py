@@ -270,3 +270,17 @@ def test_rollout_sampler_exact_resume():
     again = RolloutSampler(10, 4)
     again.load_state_dict(torch.load(buf))
     assert [next(again), next(again)] == expected
+
+
+def test_keep_decoded_reads_each_file_once_and_transforms_every_time(fake_csv, monkeypatch):
+    calls = []
+    real_open = Image.open
+    monkeypatch.setattr("timm_dora.data.Image.open", lambda f: calls.append(1) or real_open(f))
+    flips = iter([True, False, True])
+    ds = LabelsCSVDataset(fake_csv, "a", transform=lambda im: im.transpose(Image.FLIP_LEFT_RIGHT) if next(flips) else im)
+    ds.keep_decoded()
+    first, second, third = ds[0][0], ds[0][0], ds[0][0]
+    assert len(calls) == 1  # decoded once
+    plain = real_open(ds.paths[0]).convert("RGB")
+    assert list(second.getdata()) == list(plain.getdata())  # the cached image itself is untouched
+    assert list(first.getdata()) == list(third.getdata()) != list(plain.getdata())

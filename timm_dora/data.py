@@ -120,13 +120,24 @@ class _ImageList(torch.utils.data.Dataset):
         self.paths: List[str] = list(paths)
         self.labels: List[int] = [int(x) for x in labels]
         self.transform = transform
+        self._decoded: Optional[Dict[int, Any]] = None
+
+    def keep_decoded(self) -> None:
+        """Keep every decoded RGB image in memory after its first read (random transforms still
+        run on every access): for small pools that are augmented anew each pass."""
+        if self._decoded is None:
+            self._decoded = {}
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> Tuple[Any, int, int]:
-        with open(self.paths[index], "rb") as f:
-            img = Image.open(f).convert("RGB")
+        img = None if self._decoded is None else self._decoded.get(index)
+        if img is None:
+            with open(self.paths[index], "rb") as f:
+                img = Image.open(f).convert("RGB")
+            if self._decoded is not None:
+                self._decoded[index] = img
         if self.transform is not None:
             img = self.transform(img)
         return img, self.labels[index], index

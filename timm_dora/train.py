@@ -220,6 +220,8 @@ class Trainer:
         dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
         D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})
         self.rollout_pool = None if cfg.augment else D.preload(self.rollout_set, self.dev)
+        if cfg.augment:
+            self.rollout_set.keep_decoded()  # decode each file once; the random crop/flip still run per update
         self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
         self.dev_x, self.dev_y = D.preload(dev_set, self.dev)
         self.qc_shard_idx = D.fixed_shards(len(qc_set), cfg.qc_shards)
@@ -387,11 +389,11 @@ class Trainer:
         on_mask_g = global_mask(traj.ctrl_of >= 0).cpu()
         on_g = torch.nonzero(on_mask_g).squeeze(1)
 
-        stats: Dict[str, List[float]] = {k: [] for k in ("loss_gate", "loss_budget", "loss_selector", "loss_value",
-                                                       "entropy_gate", "entropy_budget", "entropy_selector")}
+        stats: Dict[str, List[torch.Tensor]] = {k: [] for k in ("loss_gate", "loss_budget", "loss_selector", "loss_value",
+                                                              "entropy_gate", "entropy_budget", "entropy_selector")}
 
-        def log(name: str, value: torch.Tensor) -> None:
-            stats[name].append(float(comm.sum_(value.detach().double().cpu().reshape(1))))
+        def log(name: str, value: torch.Tensor) -> None:  # kept on the device: read once, after the update
+            stats[name].append(value.detach().double().reshape(1))
 
         clip = p.max_grad_norm
         backend = "padded"  # fp32 training minibatches: one masked kernel, not one per sequence
@@ -469,7 +471,15 @@ class Trainer:
                 self.opts["critic"].step()
                 log("loss_value", loss)
         self.critic.eval()
-        return {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items()}
+        # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
+        names = [k for k, v in stats.items() if v]
+        flat = comm.sum_(torch.cat([t for k in names for t in stats[k]]).cpu()) if names else torch.zeros(0)
+        out, at = {k: float("nan") for k in stats}, 0
+        for k in names:
+            n = len(stats[k])
+            out[k] = float(flat[at : at + n].mean())
+            at += n
+        return out
 
     # ---------------------------------------------------------------------------------------
     def evaluate_dev(self) -> CheckpointRecord:
