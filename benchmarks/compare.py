@@ -7,7 +7,8 @@ For each backbone (default: the two real ones in ``../shared/weights``, ViT-Ti A
 2. top-1/top-5 and GFLOPs (App. E.4) of every configuration on all of them, in one pass (native,
    ToMe for every ``--r``, static schedules for every ``--static-reductions`` target at
    ``--static-blocks`` with the ``cls_sim`` rule and the zero-overhead ``slice`` speed reference,
-   DORA when ``--actor`` is given);
+   DORA when ``--actor`` is given, and then the App. F.1 selector substitutions ``--selectors``
+   that keep DORA's gates and budgets);
 3. throughput of every configuration with the App. E.5 protocol (:func:`timm_dora.bench.time_forward`)
    on full batches of those same images (1,300 test images give 4 batches of 320);
 4. with a DORA row, the accuracy-matched table (App. E.2, :mod:`timm_dora.matching`).
@@ -40,6 +41,7 @@ from timm_dora.data import eval_transform, open_split, preload  # noqa: E402
 from timm_dora.evaluate import (  # noqa: E402
     DoraMethod,
     NativeMethod,
+    SelectorMethod,
     StaticMethod,
     ToMeMethod,
     environment,
@@ -109,6 +111,14 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
             f"{row['images_per_s']:9.0f} img/s  {', '.join(res['attention_ops'])}", t0)
     if dora is not None:
         dora.close()
+    # App. F.1 selector substitutions: DORA's own gates and budgets, another selector (accuracy only)
+    selector_rows = []
+    for sel in (args.selectors if actor else []):
+        m = SelectorMethod(model, sel, actor, seed=args.seed)
+        rows_s = evaluate(model, [m], tensor_batches(images, labels, args.batch), device=device, native=False)
+        m.close()
+        selector_rows += [r for r in rows_s if r["method"] == sel]
+        log(f"{name}: selector {sel:14s} top-1 {selector_rows[-1]['top1']:6.2f}", t0)
 
     payload = {
         **environment(device, args.command),
@@ -122,6 +132,7 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
                      "repeats": args.repeats, "statistic": "median over repeats", "inputs": info},
         "static_schedules": [{str(b): k for b, k in s.items()} for s in schedules],
         "rows": rows,
+        "selector_substitution": selector_rows,
     }
     print(format_rows(rows, per_block=dora is not None))
     if dora is not None:
@@ -144,6 +155,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--r", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 14, 16], help="ToMe sweep (r per block)")
     ap.add_argument("--static-reductions", type=float, nargs="+", default=[0.2, 0.3, 0.4], help="static GFLOPs-reduction targets")
     ap.add_argument("--static-blocks", type=int, nargs="+", default=[3, 6, 9])
+    ap.add_argument("--selectors", nargs="*", default=["random", "similarity", "attention-wpr"],
+                    help="App. F.1 selector substitutions run with the DORA actor (accuracy only)")
     ap.add_argument("--batch", type=int, default=320)
     ap.add_argument("--batches", type=int, default=25, help="at most this many timing batches (full batches of the split)")
     ap.add_argument("--warmup", type=int, default=200)

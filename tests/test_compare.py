@@ -48,3 +48,9 @@ def test_compare_smoke(tmp_path):
     assert "compare.py" in res["command"] and res["torch"] == torch.__version__
     assert "| Backbone | Method |" in res["matched"]["table"]
     assert [r["method"] for r in res["matched"]["rows"]][-2:] == ["Average of baselines", "DORA"]
+    # App. F.1: every substitution keeps DORA's gates and budgets: identical per-block statistics
+    dora = next(r for r in res["rows"] if r["method"] == "dora")
+    subs = {r["method"]: r for r in res["selector_substitution"]}
+    assert sorted(subs) == ["attention-wpr", "random", "similarity"]
+    for r in subs.values():
+        assert r["images"] == 6 and r["per_block"] == dora["per_block"]
