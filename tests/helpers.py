@@ -1,9 +1,13 @@
 """Shared test helpers: small timm models and an independent per-image reference forward."""
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+import huggingface_hub.constants
+import pytest
 import timm
 import torch
 
@@ -107,3 +111,29 @@ class Recorder:
             col = ctx.packed.pos[rows] - ctx.packed.num_prefix
             self.plan[ctx.block] = (img, col)
         return dec
+
+
+def hub_cache(cache_dir, repo_id, commits, refs):
+    """Lay folders out as huggingface_hub's cache does: blobs by hash, snapshot symlinks, refs."""
+    root = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"
+    for commit, folder in commits.items():
+        snap = root / "snapshots" / commit
+        snap.mkdir(parents=True)
+        for f in sorted(Path(folder).iterdir()):
+            data = f.read_bytes()
+            blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(exist_ok=True)
+            blob.write_bytes(data)
+            (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    (root / "refs").mkdir()
+    for ref, commit in refs.items():
+        (root / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
+    return root
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """HF_HUB_OFFLINE=1; huggingface_hub reads it at import, so patch its constant as well."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert huggingface_hub.constants.is_offline_mode()

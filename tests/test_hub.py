@@ -1,8 +1,6 @@
 """Pretrained actors: save/load round trip, the huggingface_hub cache path, resolution, errors, publish."""
-import hashlib
 import importlib.util
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import timm_dora
 import timm_dora.hub as hub
 from timm_dora import Actor
 
-from helpers import images, make_model
+from helpers import hub_cache, images, make_model, offline  # noqa: F401 (offline: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "deit_tiny_patch16_224"
@@ -52,32 +50,6 @@ def decisions(model, actor):
 def same_weights(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def hub_cache(cache_dir, repo_id, commits, refs):
-    """Lay folders out as huggingface_hub's cache does: blobs by hash, snapshot symlinks, refs."""
-    root = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"
-    for commit, folder in commits.items():
-        snap = root / "snapshots" / commit
-        snap.mkdir(parents=True)
-        for f in sorted(Path(folder).iterdir()):
-            data = f.read_bytes()
-            blob = root / "blobs" / hashlib.sha256(data).hexdigest()
-            blob.parent.mkdir(exist_ok=True)
-            blob.write_bytes(data)
-            (snap / f.name).symlink_to(os.path.relpath(blob, snap))
-    (root / "refs").mkdir()
-    for ref, commit in refs.items():
-        (root / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
-    return root
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    """HF_HUB_OFFLINE=1; huggingface_hub reads it at import, so patch its constant as well."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert huggingface_hub.constants.is_offline_mode()
 
 
 @pytest.fixture
