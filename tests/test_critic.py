@@ -139,3 +139,17 @@ def test_input_validation():
         critic(tokens, [3, 3], 0, q[:, :9], z)
     with pytest.raises(ValueError):
         critic(tokens, [3, 3], L, q, z)
+
+
+@torch.no_grad()
+def test_encode_takes_device_lengths_and_checks_blocks():
+    critic = _critic()
+    lengths = [5, 3, 5]
+    tokens, q, z = _inputs(lengths)
+    block = torch.tensor([0, 2, 1])
+    u = critic.encode(tokens, lengths, block, q, z)
+    assert torch.equal(critic.encode(tokens, lengths, block, q, z, device_lengths=torch.tensor(lengths)), u)
+    with pytest.raises(RuntimeError, match="out of range"):  # a device assertion for tensors (no host read)
+        critic.encode(tokens, lengths, torch.tensor([0, L, 1]), q, z)
+    with pytest.raises(ValueError, match="out of range"):
+        critic.encode(tokens, lengths, -1, q, z)

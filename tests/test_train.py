@@ -1,9 +1,11 @@
 """End to end: the timm-dora-train CLI on a tiny random ViT and generated images (CPU)."""
+import collections
 import json
 
 import pytest
 import torch
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from timm_dora import Actor
 from timm_dora.train import main
@@ -79,3 +81,75 @@ def test_cli_refuses_overlapping_splits_and_existing_runs(data, tmp_path):
     out = tmp_path / "run"
     assert main(ARGS + ["--data", str(data), "--out", str(out), "--updates", "2"]) == 0
     assert main(ARGS + ["--data", str(data), "--out", str(out)]) == 2
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the operations of a PPO update that make the host wait for an accelerator: scalar
+    reads, ``nonzero``, boolean-mask indexing, ``repeat_interleave`` without ``output_size``, and
+    (patched in the test) ``tolist`` / ``cpu``. On the CPU they run alike, so counting them there
+    shows what a CUDA update would wait on. Adam's steps are skipped: its step counters live on the
+    host unless it is ``capturable`` or ``fused``."""
+
+    OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
+    INDEX = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+
+    def __init__(self):
+        super().__init__()
+        self.counts, self.steps, self.in_step = collections.Counter(), collections.Counter(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.in_step and (
+            func in self.OPS
+            or (func in self.INDEX and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]))
+            or (func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None)
+        ):
+            self.counts[str(func)] += 1
+        return func(*args, **kwargs)
+
+
+def test_ppo_update_host_reads_do_not_grow_with_minibatches(data, tmp_path, monkeypatch, one_thread):
+    """One PPO update waits for the device a fixed number of times, however many minibatches it has."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from timm_dora.ppo import PPOConfig
+    from timm_dora.train import TrainConfig, Trainer
+
+    reads = _HostReads()
+
+    def counted(name):
+        method = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            reads.counts[name] += 1
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    def counting(update):
+        def wrapper(self, *args):
+            with monkeypatch.context() as m, reads:
+                for name in ("tolist", "cpu"):
+                    m.setattr(torch.Tensor, name, counted(name))
+                return update(self, *args)
+        return wrapper
+
+    monkeypatch.setattr(Trainer, "_ppo_update", counting(Trainer._ppo_update))
+    pre = register_optimizer_step_pre_hook(lambda opt, *a: setattr(reads, "in_step", True))
+    post = register_optimizer_step_post_hook(lambda opt, *a: (setattr(reads, "in_step", False), reads.steps.update([opt])))
+    results = []
+    try:
+        for gate, ctrl, critic in ((16, 4, 16), (5, 2, 7)):
+            ppo = PPOConfig(updates=1, total_images=6, rollout_images=6, gate_minibatch=gate, controller_minibatch=ctrl,
+                            critic_minibatch=critic, actor_epochs=2, critic_epochs=2)
+            trainer = Trainer(TrainConfig(model="vit_tiny_patch16_224", data=str(data), out=str(tmp_path / str(gate)), img_size=64,
+                                          num_classes=4, device="cpu", qc_shards=2, progress=False, a_init=5.0, ppo=ppo))
+            reads.counts.clear()
+            reads.steps.clear()
+            trainer.step()
+            results.append((dict(reads.counts), {k: reads.steps[o] for k, o in trainer.opts.items()}))
+    finally:
+        pre.remove()
+        post.remove()
+    (reads_a, steps_a), (reads_b, steps_b) = results
+    assert all(steps_a[k] < steps_b[k] for k in ("gate", "shared", "critic")), (steps_a, steps_b)
+    assert reads_a == reads_b and sum(reads_a.values()) <= 32, (reads_a, reads_b)

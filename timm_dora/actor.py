@@ -198,9 +198,13 @@ class Actor(nn.Module):
 # distributions and ragged selection
 
 
-def masked_categorical(logits: torch.Tensor) -> torch.distributions.Categorical:
-    """Categorical over budgets whose masked entries (``-inf``) have probability 0."""
-    return torch.distributions.Categorical(logits=logits)
+def masked_categorical(logits: torch.Tensor, validate_args: Optional[bool] = None) -> torch.distributions.Categorical:
+    """Categorical over budgets whose masked entries (``-inf``) have probability 0.
+
+    ``validate_args`` as in ``torch.distributions`` (``False`` skips the checks, each a host
+    synchronisation on an accelerator).
+    """
+    return torch.distributions.Categorical(logits=logits, validate_args=validate_args)
 
 
 def to_padded(values: torch.Tensor, seg: torch.Tensor, col: torch.Tensor, rows: int, width: int, fill: float) -> torch.Tensor:

@@ -233,6 +233,7 @@ class Critic(nn.Module):
         q: torch.Tensor,
         z_native: torch.Tensor,
         num_prefix: int = 1,
+        device_lengths: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``u_l`` (``[S, 384]``) for ``S`` packed sequences.
 
@@ -240,9 +241,13 @@ class Critic(nn.Module):
             tokens: ``[T, d]`` rows of ``H_l`` for all sequences back to back; each sequence is
                 its prefix tokens (CLS first) then its surviving visual tokens, in order.
             lengths: ``S`` host ints, rows per sequence (prefix included).
-            block: ``l`` per sequence (int or ``[S]`` long); sequences may come from different blocks.
+            block: ``l`` per sequence (int or ``[S]`` long); sequences may come from different
+                blocks. An index outside ``[0, L)`` raises ``ValueError`` for an int; for a tensor it
+                fails an asynchronous device assertion (``RuntimeError``; no host synchronisation).
             q: ``[S, 10]`` scalar states; ``z_native``: ``[S, num_classes]`` Native logits.
             num_prefix: leading prefix tokens of each sequence (type CLS).
+            device_lengths: ``lengths`` as an int64 tensor on ``tokens``' device when the caller
+                has it (saves a host-to-device copy, which waits for the device).
         """
         lengths = [int(n) for n in lengths]
         s, dev = len(lengths), tokens.device
@@ -252,13 +257,16 @@ class Critic(nn.Module):
             raise ValueError(f"q must be [S={s}, {SCALAR_DIM}], got {tuple(q.shape)}")
         if z_native.shape != (s, self.num_classes):
             raise ValueError(f"z_native must be [S={s}, {self.num_classes}], got {tuple(z_native.shape)}")
+        range_msg = f"block index out of range [0, {self.depth})"
+        if isinstance(block, torch.Tensor):
+            torch._assert_async(((block >= 0) & (block < self.depth)).all(), range_msg)
+        elif not 0 <= block < self.depth:
+            raise ValueError(range_msg)
         dtype = self.token_proj.weight.dtype
-        n = torch.tensor(lengths, dtype=torch.long, device=dev)
+        n = torch.tensor(lengths, dtype=torch.long, device=dev) if device_lengths is None else device_lengths
         layout = Packed(tokens, n, lengths, num_prefix)
         seg, pos = layout.seg, layout.pos
         blk = torch.as_tensor(block, dtype=torch.long, device=dev).expand(s)
-        if bool(((blk < 0) | (blk >= self.depth)).any()):
-            raise ValueError(f"block index out of range [0, {self.depth})")
         x = self.token_proj(tokens.to(dtype))
         x = x + self.block_embed[blk][seg] + self.type_embed[(pos >= num_prefix).long()]
         # prepend the value token: sequence i occupies rows starts[i] + i .. starts[i] + i + n_i

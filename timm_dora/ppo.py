@@ -215,7 +215,7 @@ def apply_pcgrad(
     grads_selector: Sequence[Optional[torch.Tensor]],
     max_norm: float = 0.5,
     eps: float = 1e-12,
-) -> float:
+) -> torch.Tensor:
     """Write the PCGrad-combined gradient into ``p.grad`` of the shared controller parameters.
 
     ``grads_budget`` / ``grads_selector``: gradients of the budget and selector PPO losses
@@ -224,7 +224,8 @@ def apply_pcgrad(
     gradients (:func:`pcgrad_symmetric` on the concatenation over all of ``params``) are summed,
     the sum is clipped to ``max_norm`` (``torch.nn.utils.clip_grad_norm_`` semantics) and stored
     in ``p.grad`` (replacing any previous value). The budget/selector private heads keep their
-    own gradients; this touches only ``params``. Returns the norm before clipping.
+    own gradients; this touches only ``params``. Returns the norm before clipping, a 0-dim tensor
+    as from ``clip_grad_norm_`` (reading it waits for the device).
     """
     params = list(params)
     g_b, g_s = pcgrad_symmetric(_flat(grads_budget, params), _flat(grads_selector, params), eps)
@@ -234,7 +235,7 @@ def apply_pcgrad(
         n = p.numel()
         p.grad = total[offset:offset + n].view_as(p).clone()
         offset += n
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def actor_parameter_groups(actor: nn.Module) -> Dict[str, List[nn.Parameter]]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from .actor import Actor, masked_categorical, plackett_luce_log_prob, selector_entropy, to_padded
-from .packing import Packed
+from .packing import Packed, rows_where
 from .patch import run
 from .policy import ActorPolicy, BlockContext, Decision, NoPrune, ReplayPolicy, RolloutNoise
 from .rewards import fidelity_divergence, fill_gate_off
@@ -32,14 +32,17 @@ __all__ = ["Trajectory", "collect", "shadow_divergences", "gather_packed", "eval
 Plan = Dict[int, Tuple[torch.Tensor, torch.Tensor]]
 
 
-def gather_packed(x: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
+def gather_packed(x: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor,
+                  idx_lengths: Optional[List[int]] = None) -> Tuple[torch.Tensor, List[int]]:
     """Rows of the sequences ``idx`` of a packed ``x`` with per-sequence ``lengths``.
 
     Returns the gathered rows (sequence order of ``idx``) and their lengths as host ints.
+    ``idx_lengths``: those host ints (``lengths[idx]``) when the caller already has them; without
+    them they are read from the device (a host synchronisation).
     """
     starts = torch.cumsum(lengths, 0) - lengths
     n = lengths[idx]
-    n_host = n.tolist()
+    n_host = n.tolist() if idx_lengths is None else idx_lengths
     total = sum(n_host)
     seq = torch.repeat_interleave(torch.arange(len(n_host), device=x.device), n, output_size=total)
     first = torch.cumsum(n, 0) - n
@@ -79,7 +82,7 @@ class Trajectory:
     budget_index: torch.Tensor  # [A]
     budget_logp_old: torch.Tensor  # [A]
     order: torch.Tensor  # [A, K] sampled order (columns among the visual tokens)
-    valid: torch.Tensor  # [A, K]
+    valid: torch.Tensor  # [A, K] True on the first k columns of each row (the budget), False after
     selector_logp_old: torch.Tensor  # [A]
     num_prefix: int
 
@@ -224,28 +227,37 @@ def shadow_divergences(model: nn.Module, images: torch.Tensor, traj: Trajectory,
 
 
 def evaluate_gate(actor: Actor, traj: Trajectory, idx: torch.Tensor):
-    """Log-prob and entropy of the recorded gate decisions ``idx`` under the current actor."""
+    """Log-prob and entropy of the recorded gate decisions ``idx`` under the current actor.
+
+    The distribution skips argument validation (a host synchronisation per check).
+    """
     logit = actor.gate_logit(traj.cls_key[idx], traj.h[idx], traj.block[idx]).float()
-    dist = torch.distributions.Bernoulli(logits=logit)
+    dist = torch.distributions.Bernoulli(logits=logit, validate_args=False)
     return dist.log_prob(traj.gate[idx].float()), dist.entropy()
 
 
-def evaluate_controller(actor: Actor, traj: Trajectory, idx: torch.Tensor, backend: str):
-    """Budget and selector log-probs and entropies of the controller transitions ``idx``."""
-    keys, lengths = gather_packed(traj.ctrl_keys, traj.ctrl_lengths, idx)
+def evaluate_controller(actor: Actor, traj: Trajectory, idx: torch.Tensor, backend: str,
+                        lengths: Optional[List[int]] = None, width: Optional[int] = None):
+    """Budget and selector log-probs and entropies of the controller transitions ``idx``.
+
+    ``lengths``: ``traj.ctrl_lengths[idx]`` and ``width``: ``traj.valid[idx].sum(1).max()`` (the
+    columns of ``traj.order`` any of these rows uses), as host ints. Each one not given is read
+    from the device; with both the call never waits for the device.
+    """
+    keys, lengths = gather_packed(traj.ctrl_keys, traj.ctrl_lengths, idx, lengths)
+    if width is None:
+        width = int(traj.valid[idx].sum(1).max())
     t = traj.ctrl_t[idx]
     n = traj.ctrl_lengths[idx] - 1
     packed = Packed(keys, traj.ctrl_lengths[idx], lengths, num_prefix=1)
     z = actor.encode(keys, packed, traj.h[t], traj.block[t], backend)
-    dist = masked_categorical(actor.budget_logits(z[packed.starts], n))
+    dist = masked_categorical(actor.budget_logits(z[packed.starts], n), validate_args=False)
     bi = traj.budget_index[idx]
     k = actor.budgets[bi]
-    vis = torch.nonzero(packed.pos >= 1).squeeze(1)
+    vis = rows_where(packed.pos >= 1, packed.total - len(lengths))
     vseg = packed.seg[vis]
     s = actor.selector_scores(z[vis], k.float() / n.float(), vseg)
-    scores = to_padded(s, vseg, packed.pos[vis] - 1, len(lengths), int(n.max()), float("-inf"))
-    order, valid = traj.order[idx], traj.valid[idx]
-    keep = valid.any(0)
-    order, valid = order[:, keep], valid[:, keep]
+    scores = to_padded(s, vseg, packed.pos[vis] - 1, len(lengths), max(lengths) - 1, float("-inf"))
+    order, valid = traj.order[idx, :width], traj.valid[idx, :width]
     order = torch.where(valid, order, torch.zeros_like(order))
     return dist.log_prob(bi), dist.entropy(), plackett_luce_log_prob(scores, order, valid), selector_entropy(scores)

@@ -41,6 +41,7 @@ import torch.nn as nn
 from .actor import Actor
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
+from .packing import rows_where
 from .patch import run, wrap
 from .policy import ActorPolicy, NoPrune, RolloutNoise
 from .ppo import (
@@ -181,9 +182,14 @@ class _Comm:
             p.grad = g.clone() if u > 0 else None
 
 
-def _chunks(idx: torch.Tensor, size: int):
-    for s in range(0, idx.numel(), size):
-        yield idx[s : s + size]
+@dataclass
+class _Minibatch:
+    """Global transition ids of one PPO minibatch (identical on every process) and this process's
+    share of them as local ids: on the host (``local``) and on the device (``idx``)."""
+
+    ids: List[int]
+    local: List[int]
+    idx: Optional[torch.Tensor] = None
 
 
 class Trainer:
@@ -322,9 +328,10 @@ class Trainer:
         m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all)
         return m
 
-    def _values(self, traj: Trajectory, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        tokens, lengths = gather_packed(traj.tokens, traj.token_lengths, idx)
-        return self.critic.encode(tokens, lengths, traj.block[idx], q[idx], zn[idx], traj.num_prefix)
+    def _values(self, traj: Trajectory, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor, lengths: List[int]) -> torch.Tensor:
+        """``u_l`` of the transitions ``idx``; ``lengths``: their token counts (host ints)."""
+        tokens, _ = gather_packed(traj.tokens, traj.token_lengths, idx, lengths)
+        return self.critic.encode(tokens, lengths, traj.block[idx], q[idx], zn[idx], traj.num_prefix, traj.token_lengths[idx])
 
     def _standardize(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantage standardisation over the eligible transitions of *all* processes."""
@@ -338,24 +345,49 @@ class Trainer:
         std = (s2 / n - mean * mean).clamp_min(0).sqrt() if n > 1 else torch.zeros_like(mean)
         return torch.where(mask, (adv - float(mean)) / (float(std) + self.cfg.ppo.adv_eps), torch.zeros_like(adv))
 
-    def _local(self, t_global: torch.Tensor) -> torch.Tensor:
+    def _local(self, t_global: List[int]) -> List[int]:
         """This process's transitions among global transition ids ``l * B + g``, as local ids."""
-        batch, bl = self.cfg.ppo.rollout_images, self.local_batch
-        g = t_global % batch
-        own = t_global[(g // bl) == self.comm.rank]
-        return (own // batch) * bl + (own % batch) % bl
+        batch, bl, rank = self.cfg.ppo.rollout_images, self.local_batch, self.comm.rank
+        return [(t // batch) * bl + (t % batch) % bl for t in t_global if (t % batch) // bl == rank]
+
+    def _epoch(self, pool: List[int], size: int) -> List[_Minibatch]:
+        """Minibatches of one epoch over the global transitions ``pool``, shuffled on the host."""
+        ids = [pool[i] for i in torch.randperm(len(pool), generator=self.cpu_gen).tolist()]
+        return [_Minibatch(ids[s : s + size], self._local(ids[s : s + size])) for s in range(0, len(ids), size)]
 
     def _ppo_update(self, traj: Trajectory, d: torch.Tensor, rewards: torch.Tensor, a_u: float) -> Dict[str, float]:
         """One PPO update. Minibatches are drawn over the global batch (identically on every
         process); each process evaluates the transitions it holds, losses are sums divided by the
         global minibatch counts, and gradients are summed across processes before PCGrad,
-        clipping and the optimiser steps, so the maths equals the single-process update."""
+        clipping and the optimiser steps, so the maths equals the single-process update.
+
+        The integers the minibatch shapes depend on come to the host in one transfer and all
+        minibatch indices go to the device in one, so in a single process the minibatch loops never
+        wait for the device (with several, ``_Comm.sum_grads`` still reads back, after each
+        gradient all-reduce, which parameters any process used)."""
         p, dev, comm = self.cfg.ppo, self.dev, self.comm
         b, depth = traj.k.shape
         batch = p.rollout_images
-        t_loc = torch.arange(b * depth, device=dev)
+        n_t, n_c = b * depth, traj.ctrl_t.numel()
+        # host copies: global feasible and gate-on flags in t order, then this process's layout
+        flags = torch.stack([traj.feasible, traj.ctrl_of >= 0]).long().view(2, depth, b).permute(2, 1, 0)
+        flags = comm.gather(flags.contiguous()).permute(2, 1, 0).reshape(-1)  # [2, L, B] flattened
+        host = torch.cat([flags, traj.token_lengths, traj.ctrl_of, traj.ctrl_t, traj.ctrl_lengths, traj.valid.sum(1)])
+        sizes = [batch * depth] * 2 + [n_t] * 2 + [n_c] * 3
+        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_t_h, ctrl_len_h, width_h = (t.tolist() for t in host.cpu().split(sizes))
+        # minibatches, drawn in the order the loops use them; their local ids go to the device at once
+        feas_g = [t for t, f in enumerate(feas_h) if f]
+        on_g = [t for t, o in enumerate(on_h) if o]
+        actor_epochs = [(self._epoch(feas_g, p.gate_minibatch), self._epoch(on_g, p.controller_minibatch))
+                        for _ in range(p.actor_epochs)]
+        critic_mbs = [mb for _ in range(p.critic_epochs) for mb in self._epoch(list(range(batch * depth)), p.critic_minibatch)]
+        mbs = [mb for gate_mbs, ctrl_mbs in actor_epochs for mb in gate_mbs + ctrl_mbs] + critic_mbs
+        flat = torch.tensor([t for mb in mbs for t in mb.local], dtype=torch.long).to(dev)
+        for mb, idx in zip(mbs, flat.split([len(mb.local) for mb in mbs])):
+            mb.idx = idx
+
         phi = native_features(traj.z_native, self.cfg.tau_b)
-        q = trajectory_scalar_states(traj.k, d, phi, a_u, self.num_patches).transpose(0, 1).reshape(b * depth, -1)
+        q = trajectory_scalar_states(traj.k, d, phi, a_u, self.num_patches).transpose(0, 1).reshape(n_t, -1)
         zn = traj.z_native.repeat(depth, 1)  # transition t = l * B + b
         ci = traj.ctrl_t
         n_ctrl = traj.ctrl_lengths - 1
@@ -363,31 +395,26 @@ class Trainer:
 
         # old values (normalised units) and the shared lambda-return
         self.critic.eval()
+        chunk = 1024
         with torch.no_grad():
-            vg, vb = torch.empty(b * depth, device=dev), torch.empty(b * depth, device=dev)
-            for mb in _chunks(t_loc, 1024):
-                u = self._values(traj, q, zn, mb)
-                vg[mb], vb[mb] = self.critic.gate_value(u), self.critic.budget_value(u)
-            vs = torch.empty(ci.numel(), device=dev)
-            for mb in _chunks(torch.arange(ci.numel(), device=dev), 1024):
-                u = self._values(traj, q, zn, ci[mb])
-                vs[mb] = self.critic.selector_value(u, traj.budget_index[mb], frac[mb])
+            vg, vb = torch.empty(n_t, device=dev), torch.empty(n_t, device=dev)
+            t_loc = torch.arange(n_t, device=dev)
+            for s in range(0, n_t, chunk):
+                u = self._values(traj, q, zn, t_loc[s : s + chunk], tok_len_h[s : s + chunk])
+                vg[s : s + chunk], vb[s : s + chunk] = self.critic.gate_value(u), self.critic.budget_value(u)
+            vs = torch.empty(n_c, device=dev)
+            for s in range(0, n_c, chunk):
+                u = self._values(traj, q, zn, ci[s : s + chunk], [tok_len_h[t] for t in ctrl_t_h[s : s + chunk]])
+                vs[s : s + chunk] = self.critic.selector_value(u, traj.budget_index[s : s + chunk], frac[s : s + chunk])
         vg_ret = self.rms.denormalize(vg)
         _, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
         ret_t = ret.T.reshape(-1)
         adv_g = self._standardize(ret_t - vg_ret, traj.feasible)
-        ones = torch.ones(ci.numel(), dtype=torch.bool, device=dev)
+        ones = torch.ones(n_c, dtype=torch.bool, device=dev)
         adv_b = self._standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones)
         adv_s = self._standardize(ret_t[ci] - self.rms.denormalize(vs), ones)
         self.rms.update(comm.gather(ret_t.view(depth, b).T.contiguous()).T.reshape(-1))  # global, t order
         target = self.rms.normalize(ret_t)
-
-        def global_mask(local: torch.Tensor) -> torch.Tensor:  # [L*b] local -> [L*B] global t order
-            return comm.gather(local.view(depth, b).T.contiguous().float()).T.reshape(-1).bool()
-
-        feas_g = torch.nonzero(global_mask(traj.feasible)).squeeze(1).cpu()
-        on_mask_g = global_mask(traj.ctrl_of >= 0).cpu()
-        on_g = torch.nonzero(on_mask_g).squeeze(1)
 
         stats: Dict[str, List[torch.Tensor]] = {k: [] for k in ("loss_gate", "loss_budget", "loss_selector", "loss_value",
                                                               "entropy_gate", "entropy_budget", "entropy_selector")}
@@ -398,28 +425,28 @@ class Trainer:
         clip = p.max_grad_norm
         backend = "padded"  # fp32 training minibatches: one masked kernel, not one per sequence
         self.actor.train()
-        for _ in range(p.actor_epochs):
-            perm = feas_g[torch.randperm(feas_g.numel(), generator=self.cpu_gen)]
-            for mb in _chunks(perm, p.gate_minibatch):
-                idx = self._local(mb).to(dev)
+        shared = self.groups["shared"]
+        private = self.groups["budget"] + self.groups["selector"]
+        for gate_mbs, ctrl_mbs in actor_epochs:
+            for mb in gate_mbs:
+                idx, n = mb.idx, len(mb.ids)
                 lp, ent = evaluate_gate(self.actor, traj, idx)
                 surr = clipped_surrogate(lp, traj.gate_logp_old[idx], adv_g[idx], p.clip_eps).sum()
-                loss = (surr - p.entropy_gate * ent.sum()) / mb.numel()
+                loss = (surr - p.entropy_gate * ent.sum()) / n
                 self.opts["gate"].zero_grad(set_to_none=True)
                 loss.backward()
                 comm.sum_grads(self.groups["gate"])
                 torch.nn.utils.clip_grad_norm_(self.groups["gate"], clip)
                 self.opts["gate"].step()
                 log("loss_gate", loss)
-                log("entropy_gate", ent.sum() / mb.numel())
-            perm = on_g[torch.randperm(on_g.numel(), generator=self.cpu_gen)]
-            shared = self.groups["shared"]
-            private = self.groups["budget"] + self.groups["selector"]
-            for mb in _chunks(perm, p.controller_minibatch):
-                idx = traj.ctrl_of[self._local(mb).to(dev)]
-                n = mb.numel()
-                if idx.numel():
-                    lb, hb, ls, hs = evaluate_controller(self.actor, traj, idx, backend)
+                log("entropy_gate", ent.sum() / n)
+            for mb in ctrl_mbs:
+                n = len(mb.ids)
+                if mb.local:
+                    c = [ctrl_of_h[t] for t in mb.local]
+                    idx = traj.ctrl_of[mb.idx]
+                    lengths, width = [ctrl_len_h[i] for i in c], max(width_h[i] for i in c)
+                    lb, hb, ls, hs = evaluate_controller(self.actor, traj, idx, backend, lengths, width)
                     loss_b = (clipped_surrogate(lb, traj.budget_logp_old[idx], adv_b[idx], p.clip_eps).sum() - p.entropy_budget * hb.sum()) / n
                     loss_s = (clipped_surrogate(ls, traj.selector_logp_old[idx], adv_s[idx], p.clip_eps).sum() - p.entropy_selector * hs.sum()) / n
                     hb_sum, hs_sum = hb.sum(), hs.sum()
@@ -446,30 +473,29 @@ class Trainer:
 
         self.critic.train()
         cparams = list(self.critic.parameters())
-        for _ in range(p.critic_epochs):
-            perm = torch.randperm(batch * depth, generator=self.cpu_gen)
-            for mb in _chunks(perm, p.critic_minibatch):
-                idx = self._local(mb).to(dev)
-                n_on = int(on_mask_g[mb].sum())
-                if idx.numel():
-                    u = self._values(traj, q, zn, idx)
-                    loss = clipped_value_loss(self.critic.gate_value(u), vg[idx], target[idx], p.value_clip, p.huber_delta).sum() / mb.numel()
+        for mb in critic_mbs:
+            idx = mb.idx
+            if mb.local:
+                u = self._values(traj, q, zn, idx, [tok_len_h[t] for t in mb.local])
+                loss = clipped_value_loss(self.critic.gate_value(u), vg[idx], target[idx], p.value_clip, p.huber_delta).sum() / len(mb.ids)
+                n_on = sum(ctrl_of_h[t] >= 0 for t in mb.local)
+                if n_on:
+                    n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
                     c = traj.ctrl_of[idx]
-                    on = c >= 0
-                    if bool(on.any()):
-                        cm = c[on]
-                        vbn = self.critic.budget_value(u[on])
-                        vsn = self.critic.selector_value(u[on], traj.budget_index[cm], frac[cm])
-                        loss = loss + clipped_value_loss(vbn, vb[idx][on], target[idx][on], p.value_clip, p.huber_delta).sum() / n_on
-                        loss = loss + clipped_value_loss(vsn, vs[cm], target[idx][on], p.value_clip, p.huber_delta).sum() / n_on
-                else:
-                    loss = sum(q.sum() for q in cparams) * 0.0
-                self.opts["critic"].zero_grad(set_to_none=True)
-                loss.backward()
-                comm.sum_grads(cparams)
-                torch.nn.utils.clip_grad_norm_(cparams, clip)
-                self.opts["critic"].step()
-                log("loss_value", loss)
+                    on = rows_where(c >= 0, n_on)
+                    cm, t_on = c[on], idx[on]
+                    vbn = self.critic.budget_value(u[on])
+                    vsn = self.critic.selector_value(u[on], traj.budget_index[cm], frac[cm])
+                    loss = loss + clipped_value_loss(vbn, vb[t_on], target[t_on], p.value_clip, p.huber_delta).sum() / n_on_g
+                    loss = loss + clipped_value_loss(vsn, vs[cm], target[t_on], p.value_clip, p.huber_delta).sum() / n_on_g
+            else:
+                loss = sum(q.sum() for q in cparams) * 0.0
+            self.opts["critic"].zero_grad(set_to_none=True)
+            loss.backward()
+            comm.sum_grads(cparams)
+            torch.nn.utils.clip_grad_norm_(cparams, clip)
+            self.opts["critic"].step()
+            log("loss_value", loss)
         self.critic.eval()
         # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
         names = [k for k, v in stats.items() if v]
