@@ -33,7 +33,7 @@ for name in $NAMES; do
   OMP_NUM_THREADS=3 PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
     --model "${m%%-approx}" --weights "$CARRY/$m.bf16.safetensors" --data "$CARRY/data/labels.csv" \
     --out "$RUNS/$name" --target-drop "${TARGET[$name]}" --augment --qc-shards 1 \
-    --checkpoint-every 25 --max-minutes "$MINUTES" --no-progress $resume ${EXTRA:-} \
+    --checkpoint-every ${EVERY:-25} --max-minutes "$MINUTES" --no-progress $resume ${EXTRA:-} \
     > "$RUNS/$name.log" 2>&1 &
   pids+=($!)
 done
@@ -41,6 +41,6 @@ rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 for name in $NAMES; do
   tail -n 3 "$RUNS/$name.log"
-  tar -czf "$OUT/$name.tgz" -C "$RUNS" "$name.log" "$name/metrics.jsonl" "$name/selection.json" "$name/selected" "$name/config.json" 2>/dev/null
+  tar -czf "$OUT/$name.tgz" -C "$RUNS" "$name.log" "$name/metrics.jsonl" "$name/selection.json" "$name/selected" "$name/checkpoints" "$name/config.json" 2>/dev/null
 done
 exit $rc
