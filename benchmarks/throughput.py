@@ -15,6 +15,9 @@ loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations p
   same blocks (``x[:, :n]`` slicing, zero selection or packing overhead): the ceiling at equal
   GFLOPs.
 
+Each row also records ``peak_memory_mib`` on CUDA: the peak allocated memory over its timed
+forwards (weights and the cycled input batches included, so rows of one backbone compare).
+
 Usage (prints a table; writes JSON with device, versions and the command):
 
     python benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
@@ -160,7 +163,12 @@ def main(argv=None):
         rows = []
 
         def add(config, fn, gflops, **extra):
+            if dev.type == "cuda":  # peak memory of the timed forwards (weights and inputs included)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
+            if dev.type == "cuda":
+                r["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
             row = {"model": name, "config": config, "gflops": gflops, **extra, **r}
             rows.append(row)
             print(f"{name:28s} {config:22s} {gflops:8.3f} GFLOPs {r['images_per_s']:10.1f} img/s {r['ms_per_batch']:8.3f} ms/batch", flush=True)
