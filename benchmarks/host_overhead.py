@@ -7,7 +7,8 @@ the dispatcher and the per-op fixed cost. Per configuration this reports
 
 - ``us_median``: median wall microseconds of one forward over ``--repeats`` forwards, each timed
   alone after ``--warmup`` forwards, the configurations interleaved (``us_p10``/``us_p90`` for
-  spread; ``us_over_native``: the median minus native's);
+  spread; ``us_over_native``: the median minus native's) and ``cpu_us_median``, the same for
+  the CPU time of the (single) thread, which other processes on a shared machine do not inflate;
 - ``aten_ops``: aten ops dispatched per forward (a ``TorchDispatchMode`` counts them; on CUDA
   nearly every one is a kernel launch);
 - ``sync_ops``: ops that force a host-device synchronisation on CUDA:
@@ -109,9 +110,12 @@ def count_ops(fn, x):
 
 
 def wall_us(fns, x, warmup, repeats, rounds=20):
-    """Median, p10 and p90 wall microseconds of one forward of each of ``fns`` (a dict), the
-    configurations interleaved in ``rounds`` rounds so that slow drifts of the machine hit all alike."""
-    times = {name: [] for name in fns}
+    """Per configuration of ``fns`` (a dict): median, p10 and p90 wall microseconds of one forward,
+    and the median CPU time of this thread (``cpu``: unaffected by other processes taking the
+    core, which wall time on a shared machine is not). The configurations are interleaved in
+    ``rounds`` rounds so that slow drifts of the machine hit all alike."""
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
     with torch.inference_mode():
         for fn in fns.values():
             for _ in range(warmup):
@@ -119,13 +123,15 @@ def wall_us(fns, x, warmup, repeats, rounds=20):
         for _ in range(rounds):
             for name, fn in fns.items():
                 for _ in range(max(1, repeats // rounds)):
-                    t0 = time.perf_counter_ns()
+                    c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
                     fn(x)
-                    times[name].append((time.perf_counter_ns() - t0) / 1e3)
+                    wall[name].append((time.perf_counter_ns() - t0) / 1e3)
+                    cpu[name].append((time.thread_time_ns() - c0) / 1e3)
     out = {}
-    for name, t in times.items():
+    for name, t in wall.items():
         t.sort()
-        out[name] = (statistics.median(t), t[len(t) // 10], t[(9 * len(t)) // 10])
+        out[name] = {"us_median": statistics.median(t), "us_p10": t[len(t) // 10], "us_p90": t[(9 * len(t)) // 10],
+                     "cpu_us_median": statistics.median(cpu[name])}
     return out
 
 
@@ -174,9 +180,9 @@ def main(argv=None):
         if configs[name] is not None:
             timm_dora.wrap(models[name], **configs[name])
     times = wall_us(models, x, args.warmup, args.repeats)
-    native_us = times["native"][0] if "native" in times else None
+    native = times.get("native")
     for name, m in models.items():
-        us, p10, p90 = times[name]
+        t = times[name]
         c = count_ops(m, x)
         with torch.inference_mode():
             logits = m(x)
@@ -185,12 +191,14 @@ def main(argv=None):
             s = m.dora_stats
             check.update(gflops_mean=float(s.gflops.mean()), tokens_last=s.tokens[:, -1].tolist(),
                          gate_rate=s.gate.float().mean(0).tolist())
-        row = {"config": name, "us_median": us, "us_p10": p10, "us_p90": p90,
-               "us_over_native": None if native_us is None else us - native_us, "aten_ops": sum(c.ops.values()),
+        over = {} if native is None else {"us_over_native": t["us_median"] - native["us_median"],
+                                          "cpu_us_over_native": t["cpu_us_median"] - native["cpu_us_median"]}
+        row = {"config": name, **t, **over, "aten_ops": sum(c.ops.values()),
                "sync_ops": sum(c.syncs.values()), "syncs_by_reason": dict(c.syncs),
                "ops_by_name": dict(c.ops.most_common()), "check": check}
         res["rows"].append(row)
-        print(f"{name:9s} {us:9.1f} us (p10 {p10:8.1f}, p90 {p90:8.1f})  aten ops {row['aten_ops']:5d}  "
+        print(f"{name:9s} {t['us_median']:9.1f} us (p10 {t['us_p10']:8.1f}, p90 {t['us_p90']:8.1f}, "
+              f"cpu {t['cpu_us_median']:8.1f})  aten ops {row['aten_ops']:5d}  "
               f"syncs {row['sync_ops']:3d} {dict(c.syncs)}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

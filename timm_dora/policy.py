@@ -12,8 +12,9 @@ once per block, after the attention residual, and deletes the rows it names befo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+import functools
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -21,7 +22,40 @@ from .actor import Actor, gumbel_like, ordered_topk, to_padded
 from .flops import actor_controller_macs, actor_gate_macs
 from .packing import Packed, rows_where, select_backend
 
-__all__ = ["BlockContext", "Decision", "ActorPolicy", "ReplayPolicy", "NoPrune", "RolloutNoise", "StepRecord"]
+__all__ = [
+    "BlockContext", "Decision", "ForwardConstants", "ActorPolicy", "ReplayPolicy", "NoPrune", "RolloutNoise", "StepRecord",
+]
+
+
+class ForwardConstants:
+    """Constant ``[B]`` tensors that every block of one forward shares, created on first use.
+
+    Policies return them instead of allocating per block; the wrapped forward recognises
+    :attr:`closed` (by identity) as "no gate opened". Never write into them.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device):
+        self.batch_size, self.device = batch_size, device
+
+    @functools.cached_property
+    def zeros(self) -> torch.Tensor:
+        """int64 zeros: no token removed."""
+        return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def closed(self) -> torch.Tensor:
+        """bool False: the gate stayed closed for every image."""
+        return torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+
+    @functools.cached_property
+    def opened(self) -> torch.Tensor:
+        """bool True (e.g. every image has a feasible budget)."""
+        return torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
+
+    @functools.cached_property
+    def no_rho(self) -> torch.Tensor:
+        """float32 zeros: ``rho`` after a block that removed nothing."""
+        return torch.zeros(self.batch_size, dtype=torch.float32, device=self.device)
 
 
 @dataclass
@@ -37,6 +71,15 @@ class BlockContext:
     depth: int  # L
     num_patches: int  # N0
     backend: str  # attention backend of this forward
+    constants: Optional[ForwardConstants] = field(default=None, repr=False)  # shared by the forward's blocks
+
+    def __post_init__(self):
+        if self.constants is None:
+            self.constants = ForwardConstants(self.packed.batch_size, self.keys.device)
+
+    def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
+        """The decision "no gate opened, nothing removed" (shared constant tensors)."""
+        return Decision(self.constants.closed, self.constants.zeros, None, flops)
 
     @property
     def n_visual_host(self) -> List[int]:
@@ -49,23 +92,22 @@ class Decision:
     """One block's decision for every image.
 
     ``gate[b]``: the policy intervened on image ``b``. ``removed[b]``: tokens it removes (``k_l``,
-    0 where the gate is off). ``remove``: ``[T]`` bool over the packed rows (``None`` when nothing
-    is removed). ``flops``: the policy's own FLOPs per image at this block (``None``: free).
+    0 where the gate is off). ``remove``: ``[T]`` bool over the packed rows; ``None`` exactly when
+    nothing is removed (``removed`` is then 0 everywhere). ``flops``: the policy's own FLOPs per
+    image at this block: a ``[B]`` tensor, a float (the same for every image) or ``None`` (free).
     """
 
     gate: torch.Tensor
     removed: torch.Tensor
     remove: Optional[torch.Tensor] = None
-    flops: Optional[torch.Tensor] = None
+    flops: Union[None, float, torch.Tensor] = None
 
 
 class NoPrune:
     """A policy that never removes a token (the wrapped model then equals the native one)."""
 
     def __call__(self, ctx: BlockContext) -> Decision:
-        b = ctx.packed.batch_size
-        dev = ctx.keys.device
-        return Decision(torch.zeros(b, dtype=torch.bool, device=dev), torch.zeros(b, dtype=torch.long, device=dev))
+        return ctx.nothing()
 
 
 def _removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -103,14 +145,16 @@ class ReplayPolicy:
         dev = ctx.keys.device
         step = self.plan.get(ctx.block)
         if step is None or (self.stop_after is not None and ctx.block > self.stop_after):
-            return NoPrune()(ctx)
+            return ctx.nothing()
         image, col = (t.to(dev) for t in step)
+        if not image.numel():
+            return ctx.nothing()
         removed = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, image, torch.ones_like(image))
-        if self.check and image.numel() and bool(((col < 0) | (col >= ctx.n_visual[image])).any()):
+        if self.check and bool(((col < 0) | (col >= ctx.n_visual[image])).any()):
             raise ValueError(f"replay plan at block {ctx.block} names a token beyond an image's visual tokens")
         if self.check and bool((ctx.n_visual - removed < 1).any()):
             raise ValueError(f"replay plan at block {ctx.block} would remove every visual token of an image")
-        return Decision(removed > 0, removed, _removal_mask(ctx.packed, image, col) if image.numel() else None)
+        return Decision(removed > 0, removed, _removal_mask(ctx.packed, image, col))
 
 
 @dataclass
@@ -213,15 +257,14 @@ class ActorPolicy:
             gate = (u < prob) & feasible
         else:
             gate = (prob >= 0.5) & feasible
-        flops = torch.full((b,), 2.0 * actor_gate_macs(actor), dtype=torch.float64, device=dev)
-        removed = torch.zeros(b, dtype=torch.long, device=dev)
+        gate_flops = 2.0 * actor_gate_macs(actor)  # the same for every image
         rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
         active = torch.nonzero(gate).squeeze(1)
         active_host = active.tolist()  # the one host sync of a block: which images enter the controller
         if self.record:
             self.records.append(rec)
         if not active_host:
-            return Decision(gate, removed, None, flops)
+            return ctx.nothing(gate_flops)
 
         n_host = ctx.n_visual_host
         n_act_host = [n_host[i] for i in active_host]
@@ -250,8 +293,9 @@ class ActorPolicy:
         order, valid = ordered_topk(scores, k, noise, kmax=max(n_act_host) - actor.min_keep)  # k <= N_l - 4
 
         remove = _removal_mask(packed, active[:, None].expand_as(order), order, valid)
-        removed[active] = k
-        flops[active] += 2.0 * actor_controller_macs(actor, n_act)
+        removed = torch.zeros(b, dtype=torch.long, device=dev).index_copy_(0, active, k)
+        flops = torch.full((b,), gate_flops, dtype=torch.float64, device=dev)
+        flops.index_add_(0, active, 2.0 * actor_controller_macs(actor, n_act))
         if self.record:
             rec.active, rec.n_visual, rec.ctrl_keys, rec.ctrl_lengths = active, n_act, ctrl.x, ctrl.lengths_host
             rec.budget_logits, rec.budget_index, rec.budget = logits, index, k
