@@ -98,21 +98,23 @@ class Packed:
     def total(self) -> int:
         return self.x.shape[0]
 
-    @property
+    @functools.cached_property
     def max_len(self) -> int:
         return max(self.lengths_host)
+
+    @functools.cached_property
+    def min_len(self) -> int:
+        return min(self.lengths_host)
 
     @property
     def uniform(self) -> bool:
         """True when all sequences have one length, so ``x`` is also a dense ``[B, S, d]``."""
-        return min(self.lengths_host) == max(self.lengths_host)
+        return self.min_len == self.max_len
 
     @functools.cached_property
     def cu_seqlens(self) -> torch.Tensor:
         """``[B+1]`` int32 cumulative lengths (the varlen kernels' layout)."""
-        cu = torch.zeros(self.batch_size + 1, dtype=torch.int32, device=self.x.device)
-        cu[1:] = torch.cumsum(self.lengths, 0)
-        return cu
+        return F.pad(torch.cumsum(self.lengths, 0, dtype=torch.int32), (1, 0))
 
     @functools.cached_property
     def starts(self) -> torch.Tensor:
@@ -135,9 +137,9 @@ class Packed:
         return x.view(self.batch_size, self.lengths_host[0], *x.shape[1:])
 
     def with_x(self, x: torch.Tensor) -> "Packed":
-        """Same layout, new row values (cached index tensors are shared)."""
+        """Same layout, new row values (cached layout values and index tensors are shared)."""
         new = Packed(x, self.lengths, self.lengths_host, self.num_prefix, self.ids)
-        for name in ("cu_seqlens", "starts", "seg", "pos"):
+        for name in _LAYOUT_CACHE:
             if name in self.__dict__:
                 new.__dict__[name] = self.__dict__[name]
         return new
@@ -147,6 +149,10 @@ class Packed:
         x = self.x if x is None else x
         idx = self.starts[:, None] + torch.arange(self.num_prefix, device=x.device)
         return x[idx]
+
+
+# cached properties that depend on the layout only (not on ``x``): shared by :meth:`Packed.with_x`
+_LAYOUT_CACHE = ("max_len", "min_len", "cu_seqlens", "starts", "seg", "pos")
 
 
 def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ class ForwardConstants:
 
     def __init__(self, batch_size: int, device: torch.device):
         self.batch_size, self.device = batch_size, device
+        self.memo: Dict[object, object] = {}  # per-forward values a policy computes once (see ActorPolicy)
 
     @functools.cached_property
     def zeros(self) -> torch.Tensor:
@@ -237,6 +238,19 @@ class ActorPolicy:
     def _uniform(self, shape: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.rand(tuple(shape), generator=self.generator, device=device)
 
+    def _gate_context(self, ctx: BlockContext, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(h_l [B, 3], gate context [L, B, 19])``, recomputed only when the history changes: the
+        forward passes the same ``N_l``, ``rho``, ``E_<l`` tensors on while no token is removed."""
+        state = (ctx.n_visual, ctx.rho, ctx.interventions)
+        key = (id(self), dtype, self.actor.gate_embed._version)
+        memo = ctx.constants.memo.get(key)
+        if memo is not None and all(a is b for a, b in zip(memo[0], state)):
+            return memo[1], memo[2]
+        h = self.actor.history(*state)
+        context = self.actor.gate_context(h, None, dtype)
+        ctx.constants.memo[key] = (state, h, context)  # holds the state tensors: their ids stay unique
+        return h, context
+
     def __call__(self, ctx: BlockContext) -> Decision:
         actor, packed = self.actor, ctx.packed
         b, p, dev = packed.batch_size, packed.num_prefix, ctx.keys.device
@@ -247,24 +261,35 @@ class ActorPolicy:
         if keys.dtype != dtype:  # e.g. an fp32 actor in training on a bf16 backbone
             keys = keys.to(dtype)
             backend = select_backend(dev.type, dtype)
-        h = actor.history(ctx.n_visual, ctx.rho, ctx.interventions)
-        cls_key = keys[packed.starts]
-        gate_logit = actor.gate_logit(cls_key, h, ctx.block).float()
+        h, context = self._gate_context(ctx, dtype)
+        if packed.uniform and not self.record:
+            cls_key = keys.view(b, packed.max_len, -1)[:, 0]  # a view: no gather while the batch is dense
+        else:
+            cls_key = keys[packed.starts]
+        gate_logit = actor.gate_logit(cls_key, h, ctx.block, context[ctx.block])
+        if gate_logit.dtype != torch.float32:
+            gate_logit = gate_logit.float()
         prob = torch.sigmoid(gate_logit)
-        feasible = actor.has_feasible_budget(ctx.n_visual)
         if self.sample:
             u = self.noise.gate[ctx.block] if self.noise is not None else self._uniform((b,), dev)
-            gate = (u < prob) & feasible
+            gate = u < prob
         else:
-            gate = (prob >= 0.5) & feasible
+            gate = prob >= 0.5
+        if packed.min_len - p - actor.min_keep >= actor.budget_step:  # every image has a feasible budget
+            feasible = ctx.constants.opened
+        else:
+            feasible = actor.has_feasible_budget(ctx.n_visual)
+            gate = gate & feasible
         gate_flops = 2.0 * actor_gate_macs(actor)  # the same for every image
-        rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
-        active = torch.nonzero(gate).squeeze(1)
-        active_host = active.tolist()  # the one host sync of a block: which images enter the controller
+        rec = None
         if self.record:
+            rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
             self.records.append(rec)
+        # the one host sync of a block: which images enter the controller
+        active_host = [i for i, g in enumerate(gate.tolist()) if g]
         if not active_host:
             return ctx.nothing(gate_flops)
+        active = rows_where(gate, len(active_host))
 
         n_host = ctx.n_visual_host
         n_act_host = [n_host[i] for i in active_host]
@@ -296,7 +321,7 @@ class ActorPolicy:
         removed = torch.zeros(b, dtype=torch.long, device=dev).index_copy_(0, active, k)
         flops = torch.full((b,), gate_flops, dtype=torch.float64, device=dev)
         flops.index_add_(0, active, 2.0 * actor_controller_macs(actor, n_act))
-        if self.record:
+        if rec is not None:
             rec.active, rec.n_visual, rec.ctrl_keys, rec.ctrl_lengths = active, n_act, ctrl.x, ctrl.lengths_host
             rec.budget_logits, rec.budget_index, rec.budget = logits, index, k
             rec.scores, rec.order, rec.valid = scores, order, valid
