@@ -162,7 +162,8 @@ def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero(mask).squeeze(1)  # pragma: no cover - torch < 2.1
 
 
-def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor) -> Packed:
+def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
+                removed_host: Optional[List[int]] = None) -> Packed:
     """Physically delete rows of a packed batch, keeping the order of the survivors.
 
     Args:
@@ -170,13 +171,18 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor) -> 
         remove: ``[T]`` bool, True for rows to delete (never a prefix row).
         removed: ``[B]`` int64 number of rows deleted from each sequence (equals the per-sequence
             count of ``remove``).
+        removed_host: the same counts as a list, when the caller knows them on the host.
 
     Returns:
         The compacted batch: one gather of the surviving rows, new lengths and ``cu_seqlens``.
-        One host synchronisation (the new lengths, which the kernels need on the host).
+        One host synchronisation (the new lengths, which the kernels need on the host), none when
+        ``removed_host`` is given.
     """
     lengths = packed.lengths - removed
-    lengths_host = lengths.tolist()
+    if removed_host is None:
+        lengths_host = lengths.tolist()
+    else:
+        lengths_host = [n - r for n, r in zip(packed.lengths_host, removed_host)]
     total = sum(lengths_host)
     index = rows_where(~remove, total)
     ids = None if packed.ids is None else packed.ids.index_select(0, index)

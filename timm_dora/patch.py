@@ -356,7 +356,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         else:
             with scope("dora.compact"):
                 before = packed
-                packed = delete_rows(before, dec.remove, dec.removed)
+                packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
                 rows = rows_where(dec.remove, before.total - packed.total)
                 removed_patches.append((before.seg[rows], before.ids[rows] - p))
             rho = dec.removed.float() / n_visual.float()

@@ -96,12 +96,14 @@ class Decision:
     0 where the gate is off). ``remove``: ``[T]`` bool over the packed rows; ``None`` exactly when
     nothing is removed (``removed`` is then 0 everywhere). ``flops``: the policy's own FLOPs per
     image at this block: a ``[B]`` tensor, a float (the same for every image) or ``None`` (free).
+    ``removed_host``: optional host copy of ``removed``; with it the deletion needs no host sync.
     """
 
     gate: torch.Tensor
     removed: torch.Tensor
     remove: Optional[torch.Tensor] = None
     flops: Union[None, float, torch.Tensor] = None
+    removed_host: Optional[List[int]] = None  # ``removed`` as a list, when the policy knows it without a sync
 
 
 class NoPrune:
@@ -133,29 +135,57 @@ class ReplayPolicy:
     the visual token at column ``col[r]`` (0-based among that image's visual tokens entering block
     ``l``, in order). Blocks missing from the plan prune nothing. ``stop_after``: replay only blocks
     ``<= stop_after`` (a complete-prefix shadow); later blocks run unpruned. ``check``: validate
-    the plan against the batch (costs a host sync per pruning block; off for benchmarks).
+    the plan against the batch (on the host, no extra sync).
+
+    The plan is read once, at construction (one device-to-host copy for all blocks): per block and
+    image the removal count and column range, so a forward never waits for the device (the new
+    lengths are known on the host). Do not modify the plan's tensors afterwards.
     """
 
     def __init__(self, plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]], stop_after: Optional[int] = None, check: bool = True):
         self.plan = plan
         self.stop_after = stop_after
         self.check = check
+        self._host = _plan_on_host(plan)
 
     def __call__(self, ctx: BlockContext) -> Decision:
         b = ctx.packed.batch_size
         dev = ctx.keys.device
         step = self.plan.get(ctx.block)
-        if step is None or (self.stop_after is not None and ctx.block > self.stop_after):
+        if step is None or (self.stop_after is not None and ctx.block > self.stop_after) or ctx.block not in self._host:
             return ctx.nothing()
+        counts, lo, hi = self._host[ctx.block]
+        if len(counts) > b:
+            raise ValueError(f"replay plan at block {ctx.block} names image {len(counts) - 1} of a batch of {b}")
+        if self.check:
+            n_host = ctx.n_visual_host
+            if any(c and (lo[i] < 0 or hi[i] >= n_host[i]) for i, c in enumerate(counts)):
+                raise ValueError(f"replay plan at block {ctx.block} names a token beyond an image's visual tokens")
+            if any(n_host[i] - c < 1 for i, c in enumerate(counts)):
+                raise ValueError(f"replay plan at block {ctx.block} would remove every visual token of an image")
         image, col = (t.to(dev) for t in step)
-        if not image.numel():
-            return ctx.nothing()
         removed = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, image, torch.ones_like(image))
-        if self.check and bool(((col < 0) | (col >= ctx.n_visual[image])).any()):
-            raise ValueError(f"replay plan at block {ctx.block} names a token beyond an image's visual tokens")
-        if self.check and bool((ctx.n_visual - removed < 1).any()):
-            raise ValueError(f"replay plan at block {ctx.block} would remove every visual token of an image")
-        return Decision(removed > 0, removed, _removal_mask(ctx.packed, image, col))
+        return Decision(removed > 0, removed, _removal_mask(ctx.packed, image, col),
+                        removed_host=counts + [0] * (b - len(counts)))
+
+
+def _plan_on_host(plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> Dict[int, Tuple[List[int], List[int], List[int]]]:
+    """Per non-empty block of a replay plan: per image (up to the highest one named) the removal
+    count and the lowest and highest column, read with one device-to-host copy."""
+    blocks = [l for l, (image, _) in plan.items() if image.numel()]
+    if not blocks:
+        return {}
+    dev = plan[blocks[0]][0].device
+    flat = torch.cat([torch.stack([plan[l][0].reshape(-1).long(), plan[l][1].reshape(-1).long().to(plan[l][0].device)]).to(dev)
+                      for l in blocks], 1).cpu()
+    out = {}
+    for l, (image, col) in zip(blocks, flat.split([plan[l][0].numel() for l in blocks], 1)):
+        m = int(image.max()) + 1
+        counts = torch.bincount(image, minlength=m)
+        lo = torch.full((m,), 0, dtype=torch.long).scatter_reduce(0, image, col, "amin", include_self=False)
+        hi = torch.full((m,), -1, dtype=torch.long).scatter_reduce(0, image, col, "amax", include_self=False)
+        out[l] = (counts.tolist(), lo.tolist(), hi.tolist())
+    return out
 
 
 @dataclass

@@ -122,7 +122,7 @@ class RecordedSelector:
         if flops_active is not None:
             flops = torch.zeros(b, dtype=torch.float64, device=dev)
             flops[pad.active] = flops_active
-        return Decision(gate, removed, remove, flops)
+        return Decision(gate, removed, remove, flops, removed_host=k_host.tolist())  # host copy: no sync to compact
 
 
 class _Padded:
