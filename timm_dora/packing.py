@@ -284,13 +284,10 @@ def varlen_attention(
         return out.transpose(1, 2)[seg, pos]
     if backend != "sdpa_loop":
         raise ValueError(f"unknown attention backend {backend!r}")
-    outs = []
-    for qi, ki, vi in zip(*(t.split(packed.lengths_host) for t in (q, k, v))):
-        o = F.scaled_dot_product_attention(
-            qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None], scale=scale
-        )
-        outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs, 0)
+    # one [1, H, T, hd] view per tensor, split into the sequences' [1, H, n, hd] views
+    outs = [F.scaled_dot_product_attention(qi, ki, vi, scale=scale)
+            for qi, ki, vi in zip(*(t.transpose(0, 1)[None].split(packed.lengths_host, 2) for t in (q, k, v)))]
+    return torch.cat(outs, 2)[0].transpose(0, 1)
 
 
 class PackedTransformerBlock(nn.Module):

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .actor import Actor
 from .flops import BackboneCost, backbone_cost
@@ -248,9 +249,16 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str) -> Tuple[to
     attn = blk.attn
     t = packed.total
     y = blk.norm1(packed.x)
-    q, k, v = attn.qkv(y).view(t, 3, attn.num_heads, attn.head_dim).unbind(1)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    o = varlen_attention(q, k, v, packed, attn.scale, backend).reshape(t, -1)
+    qkv = attn.qkv(y)
+    if packed.uniform:  # dense [B, H, S, hd] views, as timm's Attention (no per-tensor view ops)
+        q, k, v = qkv.view(packed.batch_size, packed.max_len, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        o = F.scaled_dot_product_attention(q, k, v, scale=attn.scale).transpose(1, 2).reshape(t, -1)
+        k = k.transpose(1, 2)
+    else:
+        q, k, v = qkv.view(t, 3, attn.num_heads, attn.head_dim).unbind(1)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        o = varlen_attention(q, k, v, packed, attn.scale, backend).reshape(t, -1)
     o = attn.norm(o)
     gate = getattr(attn, "gate", None)
     if gate is not None:
