@@ -20,7 +20,7 @@ import torch
 
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
 from .flops import actor_controller_macs, actor_gate_macs
-from .packing import Packed, rows_where, select_backend
+from .packing import Packed, rows_where, segment_ids, select_backend
 
 __all__ = [
     "BlockContext", "Decision", "ForwardConstants", "ActorPolicy", "ReplayPolicy", "NoPrune", "RolloutNoise", "StepRecord",
@@ -114,18 +114,18 @@ class NoPrune:
 
 
 def _removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[T]`` bool marking visual column ``col`` of image ``image`` (0 = first surviving patch).
+    """``[T]`` bool marking visual column ``col`` of image ``image`` (0 = first surviving patch;
+    ``image`` broadcasts against ``col``).
 
-    ``valid`` (same shape as ``col``) masks entries out without boolean indexing (no host sync).
+    ``valid`` (same shape as ``col``) masks entries out without boolean indexing (no host sync):
+    they mark a spare row past the end, which is cut off.
     """
     rows = packed.starts[image] + packed.num_prefix + col
-    if valid is None:
-        remove = torch.zeros(packed.total, dtype=torch.bool, device=packed.x.device)
-        remove[rows] = True
-        return remove
-    rows = torch.where(valid, rows, torch.zeros_like(rows))  # masked entries add 0 at row 0
-    hits = torch.zeros(packed.total, dtype=torch.long, device=packed.x.device)
-    return hits.index_add_(0, rows.reshape(-1), valid.reshape(-1).long()) > 0
+    if valid is not None:
+        rows = torch.where(valid, rows, packed.total)
+    remove = torch.zeros(packed.total + (valid is not None), dtype=torch.bool, device=packed.x.device)
+    remove[rows] = True
+    return remove if valid is None else remove[: packed.total]
 
 
 class ReplayPolicy:
@@ -337,8 +337,12 @@ class ActorPolicy:
             index = logits.argmax(1)
         k = actor.budgets[index]
 
-        vis = rows_where(ctrl.pos >= 1, sum(n_act_host))
-        vseg, vcol = ctrl.seg[vis], ctrl.pos[vis] - 1
+        # visual rows of the controller batch: the j-th visual token overall, of active image a at
+        # column c, sits at row j + a + 1 (a CLS row before each image's tokens)
+        j = torch.arange(sum(n_act_host), device=dev)
+        vseg = segment_ids(n_act, j.numel())
+        vis = j + vseg + 1
+        vcol = j - (torch.cumsum(n_act, 0) - n_act)[vseg]
         s = actor.selector_scores(z[vis], k.float() / n_act.float(), vseg)
         scores = to_padded(s, vseg, vcol, len(active_host), max(n_act_host), float("-inf"))
         noise = None
@@ -347,7 +351,7 @@ class ActorPolicy:
                      else gumbel_like(scores, self.generator))
         order, valid = ordered_topk(scores, k, noise, kmax=max(n_act_host) - actor.min_keep)  # k <= N_l - 4
 
-        remove = _removal_mask(packed, active[:, None].expand_as(order), order, valid)
+        remove = _removal_mask(packed, active[:, None], order, valid)
         removed = torch.zeros(b, dtype=torch.long, device=dev).index_copy_(0, active, k)
         flops = torch.full((b,), gate_flops, dtype=torch.float64, device=dev)
         flops.index_add_(0, active, 2.0 * actor_controller_macs(actor, n_act))
