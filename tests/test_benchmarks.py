@@ -20,3 +20,17 @@ def test_throughput_script_runs_every_configuration(tmp_path):
     oracle = next(r for r in res["rows"] if r["config"].startswith("oracle"))
     assert abs(fixed["gflops"] - oracle["gflops"]) / fixed["gflops"] < 0.05  # equal-GFLOPs reference
     assert all(r["images_per_s"] > 0 for r in res["rows"])
+
+
+def test_host_overhead_script_reports_every_configuration(tmp_path):
+    import host_overhead
+
+    out = tmp_path / "h.json"
+    host_overhead.main(["--warmup", "1", "--repeats", "2", "--out", str(out)])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["native", "noprune", "gate_off", "fixed", "actor"]
+    assert rows["native"]["sync_ops"] == 0 and rows["native"]["aten_ops"] > 0
+    # every wrapped configuration reproduces native where it prunes nothing
+    assert rows["noprune"]["check"]["logits_sum"] == rows["native"]["check"]["logits_sum"]
+    assert rows["gate_off"]["check"]["gate_rate"] == [0.0] * 12
+    assert rows["actor"]["check"]["gate_rate"][3] == 1.0 and rows["fixed"]["check"]["gate_rate"][3] == 1.0

@@ -51,4 +51,4 @@ def test_actor_flops_equal_flop_counter():
     a.gate_mlp[2].bias.fill_(-1e4)  # gate closed: only the gate MLP is paid
     with FlopCounterMode(display=False) as fc:
         dec = ActorPolicy(a)(ctx)
-    assert fc.get_total_flops() == int(dec.flops.item()) == 2 * ((16 + 19) * 64 + 64)
+    assert fc.get_total_flops() == int(dec.flops) == 2 * ((16 + 19) * 64 + 64)

@@ -157,11 +157,24 @@ class Actor(nn.Module):
 
     # ---------------------------------------------------------------------------------------
     # networks
-    def gate_logit(self, cls_key: torch.Tensor, h: torch.Tensor, block: Union[int, torch.Tensor]) -> torch.Tensor:
-        """Gate logit ``[B]``; ``p^G = sigmoid(logit)``. ``block``: one index, or ``[B]`` indices."""
-        e = self.gate_embed[block].expand(cls_key.shape[0], -1)
-        inp = torch.cat([cls_key, e.to(cls_key.dtype), h.to(cls_key.dtype)], dim=-1)
-        return self.gate_mlp(inp).squeeze(-1)
+    def gate_context(self, h: torch.Tensor, block: Union[None, int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The gate input after the CLS key, ``[e^G_l; h_l]`` in ``dtype``: ``[B, 19]`` for one
+        block index or ``[B]`` indices; ``[L, B, 19]`` for every block when ``block`` is ``None``
+        (one tensor serving all blocks while ``h`` does not change)."""
+        if block is None:
+            e = self.gate_embed[:, None].expand(-1, h.shape[0], -1)
+            h = h[None].expand(self.depth, -1, -1)
+        else:
+            e = self.gate_embed[block].expand(h.shape[0], -1)
+        return torch.cat([e.to(dtype), h.to(dtype)], dim=-1)
+
+    def gate_logit(self, cls_key: torch.Tensor, h: torch.Tensor, block: Union[int, torch.Tensor],
+                   context: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Gate logit ``[B]``; ``p^G = sigmoid(logit)``. ``block``: one index, or ``[B]`` indices.
+        ``context``: :meth:`gate_context` of ``h`` and ``block`` when already computed."""
+        if context is None:
+            context = self.gate_context(h, block, cls_key.dtype)
+        return self.gate_mlp(torch.cat([cls_key, context], dim=-1)).squeeze(-1)
 
     def encode(self, keys: torch.Tensor, packed: Packed, h: torch.Tensor, block: Union[int, torch.Tensor], backend: str) -> torch.Tensor:
         """Shared encoder ``Z_l`` on packed controller sequences.

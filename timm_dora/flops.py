@@ -15,7 +15,8 @@ With this rule native DeiT-B/16 at 224 is 35.13 GFLOPs and DINOv2-B/14 at 224 (2
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+import weakref
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -109,19 +110,24 @@ def actor_controller_macs(actor, n_visual: torch.Tensor) -> torch.Tensor:
 
     ``n = N_l + 1`` tokens (CLS included) go through ``W_in`` and the encoder block (QKV,
     attention matmuls, output projection, FFN); ``W_h`` runs on CLS; the budget head on ``Z_CLS``;
-    ``W_k`` once per image and the selector MLP on the ``N_l`` visual tokens.
+    ``W_k`` once per image and the selector MLP on the ``N_l`` visual tokens:
+    ``n * per_token + 2 n^2 w + fixed + (n - 1) * selector``, computed as
+    ``n * (2 w n + per_token + selector) + fixed - selector`` (integer-valued float64, exact).
     """
-    w = actor.width
+    per_token, fixed, selector, w = _controller_terms(actor)
     n = n_visual.double() + 1
-    enc = actor.encoder
-    per_token = actor.w_in.in_features * w + _linear_macs_per_row(enc)
-    budget = _linear_macs_per_row(actor.budget_head)
-    selector = _linear_macs_per_row(actor.selector)
-    return (
-        n * per_token
-        + 2 * n * n * w
-        + actor.w_h.in_features * w
-        + budget
-        + actor.w_k.in_features * w
-        + n_visual.double() * selector
-    )
+    return n * (n * (2 * w) + (per_token + selector)) + (fixed - selector)
+
+
+_CONTROLLER_TERMS: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, int, int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _controller_terms(actor) -> Tuple[int, int, int, int]:
+    """``(per_token, fixed, selector, width)`` MACs of an actor's controller, read off its modules once."""
+    terms = _CONTROLLER_TERMS.get(actor)
+    if terms is None:
+        w = actor.width
+        per_token = actor.w_in.in_features * w + _linear_macs_per_row(actor.encoder)
+        fixed = actor.w_h.in_features * w + _linear_macs_per_row(actor.budget_head) + actor.w_k.in_features * w
+        terms = _CONTROLLER_TERMS[actor] = (per_token, fixed, _linear_macs_per_row(actor.selector), w)
+    return terms

@@ -98,21 +98,23 @@ class Packed:
     def total(self) -> int:
         return self.x.shape[0]
 
-    @property
+    @functools.cached_property
     def max_len(self) -> int:
         return max(self.lengths_host)
+
+    @functools.cached_property
+    def min_len(self) -> int:
+        return min(self.lengths_host)
 
     @property
     def uniform(self) -> bool:
         """True when all sequences have one length, so ``x`` is also a dense ``[B, S, d]``."""
-        return min(self.lengths_host) == max(self.lengths_host)
+        return self.min_len == self.max_len
 
     @functools.cached_property
     def cu_seqlens(self) -> torch.Tensor:
         """``[B+1]`` int32 cumulative lengths (the varlen kernels' layout)."""
-        cu = torch.zeros(self.batch_size + 1, dtype=torch.int32, device=self.x.device)
-        cu[1:] = torch.cumsum(self.lengths, 0)
-        return cu
+        return F.pad(torch.cumsum(self.lengths, 0, dtype=torch.int32), (1, 0))
 
     @functools.cached_property
     def starts(self) -> torch.Tensor:
@@ -135,9 +137,9 @@ class Packed:
         return x.view(self.batch_size, self.lengths_host[0], *x.shape[1:])
 
     def with_x(self, x: torch.Tensor) -> "Packed":
-        """Same layout, new row values (cached index tensors are shared)."""
+        """Same layout, new row values (cached layout values and index tensors are shared)."""
         new = Packed(x, self.lengths, self.lengths_host, self.num_prefix, self.ids)
-        for name in ("cu_seqlens", "starts", "seg", "pos"):
+        for name in _LAYOUT_CACHE:
             if name in self.__dict__:
                 new.__dict__[name] = self.__dict__[name]
         return new
@@ -149,6 +151,10 @@ class Packed:
         return x[idx]
 
 
+# cached properties that depend on the layout only (not on ``x``): shared by :meth:`Packed.with_x`
+_LAYOUT_CACHE = ("max_len", "min_len", "cu_seqlens", "starts", "seg", "pos")
+
+
 def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` True entries of ``mask`` (no host sync when ``count`` is known)."""
     if hasattr(torch, "nonzero_static"):
@@ -156,7 +162,8 @@ def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero(mask).squeeze(1)  # pragma: no cover - torch < 2.1
 
 
-def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor) -> Packed:
+def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
+                removed_host: Optional[List[int]] = None) -> Packed:
     """Physically delete rows of a packed batch, keeping the order of the survivors.
 
     Args:
@@ -164,13 +171,18 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor) -> 
         remove: ``[T]`` bool, True for rows to delete (never a prefix row).
         removed: ``[B]`` int64 number of rows deleted from each sequence (equals the per-sequence
             count of ``remove``).
+        removed_host: the same counts as a list, when the caller knows them on the host.
 
     Returns:
         The compacted batch: one gather of the surviving rows, new lengths and ``cu_seqlens``.
-        One host synchronisation (the new lengths, which the kernels need on the host).
+        One host synchronisation (the new lengths, which the kernels need on the host), none when
+        ``removed_host`` is given.
     """
     lengths = packed.lengths - removed
-    lengths_host = lengths.tolist()
+    if removed_host is None:
+        lengths_host = lengths.tolist()
+    else:
+        lengths_host = [n - r for n, r in zip(packed.lengths_host, removed_host)]
     total = sum(lengths_host)
     index = rows_where(~remove, total)
     ids = None if packed.ids is None else packed.ids.index_select(0, index)
@@ -272,13 +284,10 @@ def varlen_attention(
         return out.transpose(1, 2)[seg, pos]
     if backend != "sdpa_loop":
         raise ValueError(f"unknown attention backend {backend!r}")
-    outs = []
-    for qi, ki, vi in zip(*(t.split(packed.lengths_host) for t in (q, k, v))):
-        o = F.scaled_dot_product_attention(
-            qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None], scale=scale
-        )
-        outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs, 0)
+    # one [1, H, T, hd] view per tensor, split into the sequences' [1, H, n, hd] views
+    outs = [F.scaled_dot_product_attention(qi, ki, vi, scale=scale)
+            for qi, ki, vi in zip(*(t.transpose(0, 1)[None].split(packed.lengths_host, 2) for t in (q, k, v)))]
+    return torch.cat(outs, 2)[0].transpose(0, 1)
 
 
 class PackedTransformerBlock(nn.Module):

@@ -17,17 +17,19 @@ a pruned batch has no dense ``[B, N, d]`` form.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 import os
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .actor import Actor
 from .flops import BackboneCost, backbone_cost
 from .packing import Packed, delete_rows, rows_where, select_backend, varlen_attention, BACKENDS
-from .policy import ActorPolicy, BlockContext, Decision
+from .policy import ActorPolicy, BlockContext, Decision, ForwardConstants
 from torch.profiler import record_function
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "set_policy", "DoraStats", "run", "READOUTS", "SUPPORTED_POOLS"]
@@ -247,9 +249,16 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str) -> Tuple[to
     attn = blk.attn
     t = packed.total
     y = blk.norm1(packed.x)
-    q, k, v = attn.qkv(y).view(t, 3, attn.num_heads, attn.head_dim).unbind(1)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    o = varlen_attention(q, k, v, packed, attn.scale, backend).reshape(t, -1)
+    qkv = attn.qkv(y)
+    if packed.uniform:  # dense [B, H, S, hd] views, as timm's Attention (no per-tensor view ops)
+        q, k, v = qkv.view(packed.batch_size, packed.max_len, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        o = F.scaled_dot_product_attention(q, k, v, scale=attn.scale).transpose(1, 2).reshape(t, -1)
+        k = k.transpose(1, 2)
+    else:
+        q, k, v = qkv.view(t, 3, attn.num_heads, attn.head_dim).unbind(1)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        o = varlen_attention(q, k, v, packed, attn.scale, backend).reshape(t, -1)
     o = attn.norm(o)
     gate = getattr(attn, "gate", None)
     if gate is not None:
@@ -298,6 +307,10 @@ def readout(model: nn.Module, packed: Packed, mode: str) -> torch.Tensor:
     return model.head(model.head_drop(model.fc_norm(feats)))
 
 
+def _no_scope(name: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
+
+
 def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor, DoraStats]:
     """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and stats."""
     state: _DoraState = model._dora
@@ -323,41 +336,50 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     packed = Packed.from_dense(x, p, track_ids=True)
     dev = x.device
     depth = len(model.blocks)
+    # profiler scopes only while a profiler runs (each costs two dispatcher calls otherwise)
+    scope = record_function if torch.autograd._profiler_enabled() else _no_scope
+    consts = ForwardConstants(b, dev)
     n_visual = torch.full((b,), n0, dtype=torch.long, device=dev)
-    rho = torch.zeros(b, device=dev)
-    interventions = torch.zeros(b, dtype=torch.long, device=dev)
+    rho, interventions = consts.no_rho, consts.zeros
     entering, gates, removed_all, removed_patches, policy_flops = [], [], [], [], []
+    scalar_flops = 0.0
     for l, blk in enumerate(model.blocks):
-        with record_function("dora.attention"):
+        with scope("dora.attention"):
             x_attn, keys = attention_residual(blk, packed, backend)
-        with record_function("dora.policy"):
-            dec = policy(BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend))
+        with scope("dora.policy"):
+            dec = policy(BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts))
         packed = packed.with_x(x_attn)
-        if dec.remove is None:
-            removed_patches.append(None)
-        else:
-            with record_function("dora.compact"):
-                before = packed
-                packed = delete_rows(before, dec.remove, dec.removed)
-                rows = rows_where(dec.remove, before.total - packed.total)
-                removed_patches.append((before.seg[rows], before.ids[rows] - p))
-        with record_function("dora.mlp"):
-            packed = packed.with_x(mlp_residual(blk, packed.x))
         entering.append(n_visual)
-        rho = dec.removed.float() / n_visual.float()
-        interventions = interventions + dec.gate.long()
-        n_visual = n_visual - dec.removed
         gates.append(dec.gate)
         removed_all.append(dec.removed)
-        if dec.flops is not None:
+        if isinstance(dec.flops, torch.Tensor):
             policy_flops.append(dec.flops)
-    with record_function("dora.readout"):
+        elif dec.flops is not None:
+            scalar_flops += dec.flops
+        if dec.gate is not consts.closed:
+            interventions = interventions + dec.gate.long()
+        if dec.remove is None:  # nothing removed: N_l unchanged, rho_{l+1} = 0
+            removed_patches.append(None)
+            rho = consts.no_rho
+        else:
+            with scope("dora.compact"):
+                before = packed
+                packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
+                rows = rows_where(dec.remove, before.total - packed.total)
+                removed_patches.append((before.seg[rows], before.ids[rows] - p))
+            rho = dec.removed.float() / n_visual.float()
+            n_visual = n_visual - dec.removed
+        with scope("dora.mlp"):
+            packed = packed.with_x(mlp_residual(blk, packed.x))
+    with scope("dora.readout"):
         packed = packed.with_x(model.norm(packed.x))
         logits = readout(model, packed, state.readout)
     # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
     removed = torch.stack(removed_all, 1)
     n_attn = torch.stack(entering, 1) + p
     own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
+    if scalar_flops:
+        own = own + scalar_flops  # integer-valued float64 sums: exact in any order
     flops = 2.0 * (cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_attn - removed).sum(1)) + own
     stats = DoraStats(
         n0 - removed.cumsum(1), torch.stack(gates, 1), removed, flops / 1e9, own / 1e9, backend, removed_patches,

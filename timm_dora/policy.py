@@ -12,16 +12,51 @@ once per block, after the attention residual, and deletes the rows it names befo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+import functools
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
 from .flops import actor_controller_macs, actor_gate_macs
-from .packing import Packed, rows_where, select_backend
+from .packing import Packed, rows_where, segment_ids, select_backend
 
-__all__ = ["BlockContext", "Decision", "ActorPolicy", "ReplayPolicy", "NoPrune", "RolloutNoise", "StepRecord"]
+__all__ = [
+    "BlockContext", "Decision", "ForwardConstants", "ActorPolicy", "ReplayPolicy", "NoPrune", "RolloutNoise", "StepRecord",
+]
+
+
+class ForwardConstants:
+    """Constant ``[B]`` tensors that every block of one forward shares, created on first use.
+
+    Policies return them instead of allocating per block; the wrapped forward recognises
+    :attr:`closed` (by identity) as "no gate opened". Never write into them.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device):
+        self.batch_size, self.device = batch_size, device
+        self.memo: Dict[object, object] = {}  # per-forward values a policy computes once (see ActorPolicy)
+
+    @functools.cached_property
+    def zeros(self) -> torch.Tensor:
+        """int64 zeros: no token removed."""
+        return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def closed(self) -> torch.Tensor:
+        """bool False: the gate stayed closed for every image."""
+        return torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+
+    @functools.cached_property
+    def opened(self) -> torch.Tensor:
+        """bool True (e.g. every image has a feasible budget)."""
+        return torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
+
+    @functools.cached_property
+    def no_rho(self) -> torch.Tensor:
+        """float32 zeros: ``rho`` after a block that removed nothing."""
+        return torch.zeros(self.batch_size, dtype=torch.float32, device=self.device)
 
 
 @dataclass
@@ -37,6 +72,15 @@ class BlockContext:
     depth: int  # L
     num_patches: int  # N0
     backend: str  # attention backend of this forward
+    constants: Optional[ForwardConstants] = field(default=None, repr=False)  # shared by the forward's blocks
+
+    def __post_init__(self):
+        if self.constants is None:
+            self.constants = ForwardConstants(self.packed.batch_size, self.keys.device)
+
+    def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
+        """The decision "no gate opened, nothing removed" (shared constant tensors)."""
+        return Decision(self.constants.closed, self.constants.zeros, None, flops)
 
     @property
     def n_visual_host(self) -> List[int]:
@@ -49,38 +93,39 @@ class Decision:
     """One block's decision for every image.
 
     ``gate[b]``: the policy intervened on image ``b``. ``removed[b]``: tokens it removes (``k_l``,
-    0 where the gate is off). ``remove``: ``[T]`` bool over the packed rows (``None`` when nothing
-    is removed). ``flops``: the policy's own FLOPs per image at this block (``None``: free).
+    0 where the gate is off). ``remove``: ``[T]`` bool over the packed rows; ``None`` exactly when
+    nothing is removed (``removed`` is then 0 everywhere). ``flops``: the policy's own FLOPs per
+    image at this block: a ``[B]`` tensor, a float (the same for every image) or ``None`` (free).
+    ``removed_host``: optional host copy of ``removed``; with it the deletion needs no host sync.
     """
 
     gate: torch.Tensor
     removed: torch.Tensor
     remove: Optional[torch.Tensor] = None
-    flops: Optional[torch.Tensor] = None
+    flops: Union[None, float, torch.Tensor] = None
+    removed_host: Optional[List[int]] = None  # ``removed`` as a list, when the policy knows it without a sync
 
 
 class NoPrune:
     """A policy that never removes a token (the wrapped model then equals the native one)."""
 
     def __call__(self, ctx: BlockContext) -> Decision:
-        b = ctx.packed.batch_size
-        dev = ctx.keys.device
-        return Decision(torch.zeros(b, dtype=torch.bool, device=dev), torch.zeros(b, dtype=torch.long, device=dev))
+        return ctx.nothing()
 
 
 def _removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[T]`` bool marking visual column ``col`` of image ``image`` (0 = first surviving patch).
+    """``[T]`` bool marking visual column ``col`` of image ``image`` (0 = first surviving patch;
+    ``image`` broadcasts against ``col``).
 
-    ``valid`` (same shape as ``col``) masks entries out without boolean indexing (no host sync).
+    ``valid`` (same shape as ``col``) masks entries out without boolean indexing (no host sync):
+    they mark a spare row past the end, which is cut off.
     """
     rows = packed.starts[image] + packed.num_prefix + col
-    if valid is None:
-        remove = torch.zeros(packed.total, dtype=torch.bool, device=packed.x.device)
-        remove[rows] = True
-        return remove
-    rows = torch.where(valid, rows, torch.zeros_like(rows))  # masked entries add 0 at row 0
-    hits = torch.zeros(packed.total, dtype=torch.long, device=packed.x.device)
-    return hits.index_add_(0, rows.reshape(-1), valid.reshape(-1).long()) > 0
+    if valid is not None:
+        rows = torch.where(valid, rows, packed.total)
+    remove = torch.zeros(packed.total + (valid is not None), dtype=torch.bool, device=packed.x.device)
+    remove[rows] = True
+    return remove if valid is None else remove[: packed.total]
 
 
 class ReplayPolicy:
@@ -90,27 +135,57 @@ class ReplayPolicy:
     the visual token at column ``col[r]`` (0-based among that image's visual tokens entering block
     ``l``, in order). Blocks missing from the plan prune nothing. ``stop_after``: replay only blocks
     ``<= stop_after`` (a complete-prefix shadow); later blocks run unpruned. ``check``: validate
-    the plan against the batch (costs a host sync per pruning block; off for benchmarks).
+    the plan against the batch (on the host, no extra sync).
+
+    The plan is read once, at construction (one device-to-host copy for all blocks): per block and
+    image the removal count and column range, so a forward never waits for the device (the new
+    lengths are known on the host). Do not modify the plan's tensors afterwards.
     """
 
     def __init__(self, plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]], stop_after: Optional[int] = None, check: bool = True):
         self.plan = plan
         self.stop_after = stop_after
         self.check = check
+        self._host = _plan_on_host(plan)
 
     def __call__(self, ctx: BlockContext) -> Decision:
         b = ctx.packed.batch_size
         dev = ctx.keys.device
         step = self.plan.get(ctx.block)
-        if step is None or (self.stop_after is not None and ctx.block > self.stop_after):
-            return NoPrune()(ctx)
+        if step is None or (self.stop_after is not None and ctx.block > self.stop_after) or ctx.block not in self._host:
+            return ctx.nothing()
+        counts, lo, hi = self._host[ctx.block]
+        if len(counts) > b:
+            raise ValueError(f"replay plan at block {ctx.block} names image {len(counts) - 1} of a batch of {b}")
+        if self.check:
+            n_host = ctx.n_visual_host
+            if any(c and (lo[i] < 0 or hi[i] >= n_host[i]) for i, c in enumerate(counts)):
+                raise ValueError(f"replay plan at block {ctx.block} names a token beyond an image's visual tokens")
+            if any(n_host[i] - c < 1 for i, c in enumerate(counts)):
+                raise ValueError(f"replay plan at block {ctx.block} would remove every visual token of an image")
         image, col = (t.to(dev) for t in step)
         removed = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, image, torch.ones_like(image))
-        if self.check and image.numel() and bool(((col < 0) | (col >= ctx.n_visual[image])).any()):
-            raise ValueError(f"replay plan at block {ctx.block} names a token beyond an image's visual tokens")
-        if self.check and bool((ctx.n_visual - removed < 1).any()):
-            raise ValueError(f"replay plan at block {ctx.block} would remove every visual token of an image")
-        return Decision(removed > 0, removed, _removal_mask(ctx.packed, image, col) if image.numel() else None)
+        return Decision(removed > 0, removed, _removal_mask(ctx.packed, image, col),
+                        removed_host=counts + [0] * (b - len(counts)))
+
+
+def _plan_on_host(plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> Dict[int, Tuple[List[int], List[int], List[int]]]:
+    """Per non-empty block of a replay plan: per image (up to the highest one named) the removal
+    count and the lowest and highest column, read with one device-to-host copy."""
+    blocks = [l for l, (image, _) in plan.items() if image.numel()]
+    if not blocks:
+        return {}
+    dev = plan[blocks[0]][0].device
+    flat = torch.cat([torch.stack([plan[l][0].reshape(-1).long(), plan[l][1].reshape(-1).long().to(plan[l][0].device)]).to(dev)
+                      for l in blocks], 1).cpu()
+    out = {}
+    for l, (image, col) in zip(blocks, flat.split([plan[l][0].numel() for l in blocks], 1)):
+        m = int(image.max()) + 1
+        counts = torch.bincount(image, minlength=m)
+        lo = torch.full((m,), 0, dtype=torch.long).scatter_reduce(0, image, col, "amin", include_self=False)
+        hi = torch.full((m,), -1, dtype=torch.long).scatter_reduce(0, image, col, "amax", include_self=False)
+        out[l] = (counts.tolist(), lo.tolist(), hi.tolist())
+    return out
 
 
 @dataclass
@@ -193,6 +268,19 @@ class ActorPolicy:
     def _uniform(self, shape: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.rand(tuple(shape), generator=self.generator, device=device)
 
+    def _gate_context(self, ctx: BlockContext, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(h_l [B, 3], gate context [L, B, 19])``, recomputed only when the history changes: the
+        forward passes the same ``N_l``, ``rho``, ``E_<l`` tensors on while no token is removed."""
+        state = (ctx.n_visual, ctx.rho, ctx.interventions)
+        key = (id(self), dtype, self.actor.gate_embed._version)
+        memo = ctx.constants.memo.get(key)
+        if memo is not None and all(a is b for a, b in zip(memo[0], state)):
+            return memo[1], memo[2]
+        h = self.actor.history(*state)
+        context = self.actor.gate_context(h, None, dtype)
+        ctx.constants.memo[key] = (state, h, context)  # holds the state tensors: their ids stay unique
+        return h, context
+
     def __call__(self, ctx: BlockContext) -> Decision:
         actor, packed = self.actor, ctx.packed
         b, p, dev = packed.batch_size, packed.num_prefix, ctx.keys.device
@@ -203,25 +291,35 @@ class ActorPolicy:
         if keys.dtype != dtype:  # e.g. an fp32 actor in training on a bf16 backbone
             keys = keys.to(dtype)
             backend = select_backend(dev.type, dtype)
-        h = actor.history(ctx.n_visual, ctx.rho, ctx.interventions)
-        cls_key = keys[packed.starts]
-        gate_logit = actor.gate_logit(cls_key, h, ctx.block).float()
+        h, context = self._gate_context(ctx, dtype)
+        if packed.uniform and not self.record:
+            cls_key = keys.view(b, packed.max_len, -1)[:, 0]  # a view: no gather while the batch is dense
+        else:
+            cls_key = keys[packed.starts]
+        gate_logit = actor.gate_logit(cls_key, h, ctx.block, context[ctx.block])
+        if gate_logit.dtype != torch.float32:
+            gate_logit = gate_logit.float()
         prob = torch.sigmoid(gate_logit)
-        feasible = actor.has_feasible_budget(ctx.n_visual)
         if self.sample:
             u = self.noise.gate[ctx.block] if self.noise is not None else self._uniform((b,), dev)
-            gate = (u < prob) & feasible
+            gate = u < prob
         else:
-            gate = (prob >= 0.5) & feasible
-        flops = torch.full((b,), 2.0 * actor_gate_macs(actor), dtype=torch.float64, device=dev)
-        removed = torch.zeros(b, dtype=torch.long, device=dev)
-        rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
-        active = torch.nonzero(gate).squeeze(1)
-        active_host = active.tolist()  # the one host sync of a block: which images enter the controller
+            gate = prob >= 0.5
+        if packed.min_len - p - actor.min_keep >= actor.budget_step:  # every image has a feasible budget
+            feasible = ctx.constants.opened
+        else:
+            feasible = actor.has_feasible_budget(ctx.n_visual)
+            gate = gate & feasible
+        gate_flops = 2.0 * actor_gate_macs(actor)  # the same for every image
+        rec = None
         if self.record:
+            rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
             self.records.append(rec)
+        # the one host sync of a block: which images enter the controller
+        active_host = [i for i, g in enumerate(gate.tolist()) if g]
         if not active_host:
-            return Decision(gate, removed, None, flops)
+            return ctx.nothing(gate_flops)
+        active = rows_where(gate, len(active_host))
 
         n_host = ctx.n_visual_host
         n_act_host = [n_host[i] for i in active_host]
@@ -239,8 +337,12 @@ class ActorPolicy:
             index = logits.argmax(1)
         k = actor.budgets[index]
 
-        vis = rows_where(ctrl.pos >= 1, sum(n_act_host))
-        vseg, vcol = ctrl.seg[vis], ctrl.pos[vis] - 1
+        # visual rows of the controller batch: the j-th visual token overall, of active image a at
+        # column c, sits at row j + a + 1 (a CLS row before each image's tokens)
+        j = torch.arange(sum(n_act_host), device=dev)
+        vseg = segment_ids(n_act, j.numel())
+        vis = j + vseg + 1
+        vcol = j - (torch.cumsum(n_act, 0) - n_act)[vseg]
         s = actor.selector_scores(z[vis], k.float() / n_act.float(), vseg)
         scores = to_padded(s, vseg, vcol, len(active_host), max(n_act_host), float("-inf"))
         noise = None
@@ -249,10 +351,11 @@ class ActorPolicy:
                      else gumbel_like(scores, self.generator))
         order, valid = ordered_topk(scores, k, noise, kmax=max(n_act_host) - actor.min_keep)  # k <= N_l - 4
 
-        remove = _removal_mask(packed, active[:, None].expand_as(order), order, valid)
-        removed[active] = k
-        flops[active] += 2.0 * actor_controller_macs(actor, n_act)
-        if self.record:
+        remove = _removal_mask(packed, active[:, None], order, valid)
+        removed = torch.zeros(b, dtype=torch.long, device=dev).index_copy_(0, active, k)
+        flops = torch.full((b,), gate_flops, dtype=torch.float64, device=dev)
+        flops.index_add_(0, active, 2.0 * actor_controller_macs(actor, n_act))
+        if rec is not None:
             rec.active, rec.n_visual, rec.ctrl_keys, rec.ctrl_lengths = active, n_act, ctrl.x, ctrl.lengths_host
             rec.budget_logits, rec.budget_index, rec.budget = logits, index, k
             rec.scores, rec.order, rec.valid = scores, order, valid

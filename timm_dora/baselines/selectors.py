@@ -115,14 +115,13 @@ class RecordedSelector:
         s, flops_active = self.scores(ctx, pad)
         s = s.float().masked_fill(~pad.valid[:, ctx.packed.num_prefix:], float("-inf"))
         k = removed[pad.active]
-        order, valid = ordered_topk(s, k)
-        image = pad.active[:, None].expand_as(order)[valid]
-        remove = _removal_mask(ctx.packed, image, order[valid])
+        order, valid = ordered_topk(s, k, kmax=int(k_host.max()))  # bound on the host: no sync
+        remove = _removal_mask(ctx.packed, pad.active[:, None], order, valid)  # masked, not indexed: no sync
         flops = None
         if flops_active is not None:
             flops = torch.zeros(b, dtype=torch.float64, device=dev)
             flops[pad.active] = flops_active
-        return Decision(gate, removed, remove, flops)
+        return Decision(gate, removed, remove, flops, removed_host=k_host.tolist())  # host copy: no sync to compact
 
 
 class _Padded:
