@@ -4,8 +4,8 @@
 #   CARRY=.carryE OUT=/tmp/report bash benchmarks/report_device.sh
 #
 # CARRY: bf16 backbone weights (the backbone runs in bf16), data/labels.csv with the test rows of
-# ../shared/data/imagenet-mini and data/val1300, actors/<name> (vit_sel, deit_sel: the published
-# actors; other DeiT-Ti checkpoints for the trade-off). Reduced timing protocol (the device
+# ../shared/data/imagenet-mini and data/val1300, actors/deit_uNNNNN (other DeiT-Ti checkpoints,
+# for the trade-off). The published actors come from hub/. Reduced timing protocol (the device
 # budget is 30 minutes a session): 30 + 30 forwards x 3 repeats for compare.py, 50 + 50 x 3 for
 # throughput.py; the full App. E.5 protocol is their default.
 set -u -o pipefail
@@ -19,14 +19,14 @@ WV=$C/$V.bf16.safetensors
 WD=$C/deit_tiny_patch16_224.fb_in1k-approx.bf16.safetensors
 step() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@" || echo "!! exit $? : $*"; }
 
-step 230 python3 benchmarks/compare.py --models $V $D --weights "$WV" "$WD" \
-  --actor "$C/actors/vit_sel" "$C/actors/deit_sel" --data "$C/data/labels.csv" --split test \
+step 200 python3 benchmarks/compare.py --models $V $D --weights "$WV" "$WD" \
+  --actor hub/$V hub/$D --data "$C/data/labels.csv" --split test \
   --warmup 30 --iters 30 --repeats 3 --out "$R"
 for a in $(ls "$C/actors" | grep '^deit_u'); do
   step 40 python3 -m timm_dora.cli eval --model $D --weights "$WD" --actor "$C/actors/$a" \
     --data "$C/data/labels.csv" --split test --quiet --out "$R/eval_$a.json"
 done
-step 150 python3 benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
+step 130 python3 benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
   --warmup 50 --iters 50 --repeats 3 --out "$R/throughput_h100.json"
 step 45 python3 benchmarks/profile_forward.py --out "$R/profile_h100.json"
 step 45 python3 benchmarks/gpu_check.py --out "$R/gpu_check_h100.json"
