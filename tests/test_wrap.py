@@ -235,3 +235,43 @@ def test_fp32_model_with_actor_runs_under_bf16_autocast():
         out = model(x)
     assert model.dora_stats.gate.any()
     assert out.shape == ref.shape and torch.isfinite(out).all()
+
+
+@torch.no_grad()
+def test_no_activation_outlives_its_use():
+    """Peak memory: while block l's MLP runs, the wrapped forward holds no reference to block l's
+    keys, to the rows before a deletion, or to the patch embedding (native timm holds none either)."""
+    import weakref
+
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    x = images(model, 3)
+    seen = {}
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, ctx):
+            seen[ctx.block] = {"keys": weakref.ref(ctx.keys), "rows": weakref.ref(ctx.packed.x)}
+            return self.inner(ctx)
+
+    def embed_hook(module, args, out):
+        seen["embed"] = weakref.ref(out)
+
+    dead = {}
+
+    def mlp_hook(l):
+        def hook(module, args):
+            dead[l] = {k: r() is None for k, r in seen[l].items()}
+            dead[l]["embed"] = seen["embed"]() is None
+        return hook
+
+    plan = random_plan(x.shape[0], model.patch_embed.num_patches, len(model.blocks), blocks=[1, 3], seed=0)
+    timm_dora.wrap(model, policy=Spy(ReplayPolicy(plan)))
+    hooks = [model.norm_pre.register_forward_hook(embed_hook)]
+    hooks += [blk.mlp.register_forward_pre_hook(mlp_hook(l)) for l, blk in enumerate(model.blocks)]
+    model(x)
+    for h in hooks:
+        h.remove()
+    assert (model.dora_stats.removed[:, [1, 3]].sum(0) > 0).all()  # blocks 1 and 3 deleted rows
+    assert dead == {l: {"keys": True, "rows": True, "embed": True} for l in range(len(model.blocks))}

@@ -335,6 +335,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     backend = select_backend(x.device.type, dtype, state.attn_backend)
     packed = Packed.from_dense(x, p, track_ids=True)
     dev = x.device
+    del x  # the packed view is the only reference: freed once block 0 replaces it (as native does)
     depth = len(model.blocks)
     # profiler scopes only while a profiler runs (each costs two dispatcher calls otherwise)
     scope = record_function if torch.autograd._profiler_enabled() else _no_scope
@@ -349,6 +350,9 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         with scope("dora.policy"):
             dec = policy(BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts))
         packed = packed.with_x(x_attn)
+        # no extra activation may outlive its use: the keys (possibly a view of the whole qkv
+        # output) are dead before the MLP, the pre-deletion rows before the next attention
+        del keys, x_attn
         entering.append(n_visual)
         gates.append(dec.gate)
         removed_all.append(dec.removed)
@@ -367,6 +371,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
                 packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
                 rows = rows_where(dec.remove, before.total - packed.total)
                 removed_patches.append((before.seg[rows], before.ids[rows] - p))
+                del before, rows
             rho = dec.removed.float() / n_visual.float()
             n_visual = n_visual - dec.removed
         with scope("dora.mlp"):
