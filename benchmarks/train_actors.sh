@@ -9,6 +9,14 @@
 # RUNS/<name>/state.pt when it exists. The PPO update is host-bound (small kernels), so four
 # processes share one GPU at little cost to each.
 #
+# Resuming across GPU calls (nothing on the device survives a call): SAVE_STATE=1 returns each run's
+# state.pt in parts of < 16 MB (OUT/<name>.state.part.*) next to <name>.tgz (metrics, selection,
+# the selected and the last checkpoint). Put them back under CARRY/resume/<name>/ (tgz unpacked
+# there: metrics.jsonl, checkpoints/...; the parts as they are) and the next call continues the run
+# exactly (e.g. `tar -xzf <name>.tgz -C CARRY/resume; cp <name>.state.part.* CARRY/resume/<name>/`).
+# Only the selected checkpoint needs to travel: a later selection picks it or a newer one.
+# One backbone per call fits the 64 MiB carry (bf16 weights 11 MB + data 30 MB + state 18.5 MB).
+#
 # Choices beyond the paper's recipe (said in the model cards): --augment (700-image pool), one QC
 # shard of all 150 QC images (--qc-shards 1: 8 shards of 19 images would move d_u in 5.3 pp steps,
 # coarser than the 1 pp target), training stopped by wall time rather than at 1,171 updates.
@@ -28,6 +36,11 @@ NAMES=${NAMES:-"vit_tiny_t1.0 deit_tiny_t1.0 vit_tiny_t0.5 vit_tiny_t1.5"}
 pids=()
 for name in $NAMES; do
   m=${MODEL[$name]}
+  if [ -d "$CARRY/resume/$name" ] && [ ! -f "$RUNS/$name/state.pt" ]; then
+    mkdir -p "$RUNS/$name"
+    cat "$CARRY/resume/$name"/*state.part.* > "$RUNS/$name/state.pt"
+    cp -r "$CARRY/resume/$name/metrics.jsonl" "$CARRY/resume/$name/checkpoints" "$RUNS/$name/"
+  fi
   resume=""
   [ -f "$RUNS/$name/state.pt" ] && resume="--resume"
   OMP_NUM_THREADS=3 PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
@@ -41,6 +54,12 @@ rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 for name in $NAMES; do
   tail -n 3 "$RUNS/$name.log"
-  tar -czf "$OUT/$name.tgz" -C "$RUNS" "$name.log" "$name/metrics.jsonl" "$name/selection.json" "$name/selected" "$name/checkpoints" "$name/config.json" 2>/dev/null
+  keep=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['selected']['name'])" "$RUNS/$name/selection.json")
+  last=$(ls "$RUNS/$name/checkpoints" | tail -n 1)
+  tar -czf "$OUT/$name.tgz" -C "$RUNS" "$name.log" "$name/metrics.jsonl" "$name/selection.json" "$name/selected" \
+    "$name/checkpoints/$keep" "$name/checkpoints/$last" "$name/config.json" 2>/dev/null
+  if [ "${SAVE_STATE:-0}" = 1 ]; then
+    split -b 15000000 "$RUNS/$name/state.pt" "$OUT/$name.state.part."
+  fi
 done
 exit $rc
