@@ -2,9 +2,11 @@
 
     python examples/prune_vit_tiny.py            # uses ../shared weights and images when present
 
-With no trained actor yet, the actor here is freshly initialised (random decisions): the point is
-the API and the statistics, not the accuracy. Load a trained one with
-``timm_dora.wrap(model, "path/or/hf-hub:org/name")``.
+The actor is the one published for this backbone in the repository's ``hub/`` folder (the same
+files as the Hub repo ``timm-dora/vit_tiny_patch16_224.augreg_in21k_ft_in1k``; a short training run
+that prunes little, see its model card). Any actor loads the same way:
+``timm_dora.wrap(model, "path/or/hf-hub:org/name")``; ``timm_dora.wrap(model)`` with no actor
+downloads the registered one.
 """
 import csv
 import sys
@@ -15,18 +17,20 @@ import torch
 
 import timm_dora
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+ACTOR = REPO / "hub" / "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 WEIGHTS = SHARED / "weights" / "vit_tiny_patch16_224.augreg_in21k_ft_in1k.safetensors"
 DATA = SHARED / "data" / "imagenet-mini"
 
 
 def main(n_images: int = 16) -> None:
     pretrained = WEIGHTS.exists()
-    model = timm.create_model(
-        "vit_tiny_patch16_224.augreg_in21k_ft_in1k",
-        pretrained=pretrained,
-        pretrained_cfg_overlay=dict(file=str(WEIGHTS)) if pretrained else None,
-    ).eval()
+    model = timm.create_model("vit_tiny_patch16_224.augreg_in21k_ft_in1k").eval()
+    if pretrained:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(WEIGHTS)))
     if pretrained and (DATA / "labels.csv").exists():
         from PIL import Image
 
@@ -40,9 +44,11 @@ def main(n_images: int = 16) -> None:
 
     with torch.no_grad():
         native = model(x)
-        torch.manual_seed(0)
-        actor = timm_dora.Actor.for_model(model)  # untrained: replace with a trained actor
-        timm_dora.wrap(model, actor)
+        if (ACTOR / "model.safetensors").exists():
+            timm_dora.wrap(model, str(ACTOR))  # the published actor
+        else:
+            torch.manual_seed(0)
+            timm_dora.wrap(model, timm_dora.Actor.for_model(model))  # untrained (random decisions)
         pruned = model(x)
     s = model.dora_stats
     print(f"attention backend: {s.backend}")
