@@ -44,7 +44,16 @@ def test_published_actor_reproduces_recorded_decisions(ref_path, tmp_path, offli
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the reference was recorded single-threaded
+    try:
+        _check(ref, name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(ref: dict, name: str) -> None:
+    """Wrap the real backbone with the registered actor and compare with the recorded run."""
     model = create_backbone(name, str(SHARED / "weights" / ref["weights"]))
     ds = open_split(str(SHARED / "data" / "imagenet-mini" / "labels.csv"), "test", eval_transform(model))
     n = len(ref["images"])
