@@ -26,7 +26,7 @@ for a in $(ls "$C/actors" | grep '^deit_u'); do
   step 40 python3 -m timm_dora.cli eval --model $D --weights "$WD" --actor "$C/actors/$a" \
     --data "$C/data/labels.csv" --split test --quiet --out "$R/eval_$a.json"
 done
-step 130 python3 benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
+step 170 python3 benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
   --warmup 50 --iters 50 --repeats 3 --out "$R/throughput_h100.json"
 step 45 python3 benchmarks/profile_forward.py --out "$R/profile_h100.json"
 step 45 python3 benchmarks/gpu_check.py --out "$R/gpu_check_h100.json"

@@ -7,10 +7,14 @@ loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations p
 
 - ``native``: the unwrapped timm model (its fused SDPA attention).
 - ``gate_off``: wrapped with an actor whose gate never opens (the actor's gate runs every block).
+- ``gate_off_spec``: the same with ``speculate=True`` (each block's MLP is enqueued before the
+  host reads the gate, so the GPU queue does not drain at the read).
 - ``fixed``: wrapped with a fixed replay policy with per-image variable budgets at fixed blocks
   (deletion, compaction, packing and varlen attention, no actor), one per ``--reductions`` target.
 - ``actor``: wrapped with a random-weight actor whose gate is forced open at the same blocks as the
   fixed policy (all of DORA's inference work: gate, controller, selection, packing).
+- ``actor_spec``: the same with ``speculate=True`` (the speculative MLP is wasted at the blocks
+  where the gate opens; its FLOPs are not in the row's GFLOPs).
 - ``oracle``: a dense run with a static schedule removing the fixed policy's mean count at the
   same blocks (``x[:, :n]`` slicing, zero selection or packing overhead): the ceiling at equal
   GFLOPs.
@@ -139,7 +143,8 @@ def main(argv=None):
     ap.add_argument("--reductions", type=float, nargs="+", default=[0.38, 0.55])
     ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6, 9])
     ap.add_argument("--spread", type=int, default=16, help="per-image budget spread around the mean")
-    ap.add_argument("--configs", nargs="+", default=["native", "gate_off", "fixed", "actor", "oracle"])
+    ap.add_argument("--configs", nargs="+",
+                    default=["native", "gate_off", "gate_off_spec", "fixed", "actor", "actor_spec", "oracle"])
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
@@ -176,14 +181,15 @@ def main(argv=None):
         if "native" in args.configs:
             add("native", model, native_gflops)
         actor = Actor.for_model(model).to(dev, dtype)
-        if "gate_off" in args.configs:
-            with torch.no_grad():
-                actor.gate_mlp[2].bias.fill_(-1e4)
-            timm_dora.wrap(model, actor)
-            with torch.inference_mode():
-                model(inputs[0])
-            add("gate_off", model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
-            timm_dora.unwrap(model)
+        with torch.no_grad():
+            actor.gate_mlp[2].bias.fill_(-1e4)
+        for config, speculate in (("gate_off", False), ("gate_off_spec", True)):
+            if config in args.configs:
+                timm_dora.wrap(model, actor, speculate=speculate)
+                with torch.inference_mode():
+                    model(inputs[0])
+                add(config, model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
+                timm_dora.unwrap(model)
         for red in args.reductions:
             mean_k = schedule_for_reduction(model, red, args.blocks)
             plan = fixed_plan(args.batch, cost.num_patches, args.blocks, mean_k, args.spread, 0, dev)
@@ -196,13 +202,15 @@ def main(argv=None):
                 add("fixed" + tag, model, g, backend=stats.backend, blocks=args.blocks, mean_k=mean_k,
                     tokens_range=[int(stats.tokens[:, -1].min()), int(stats.tokens[:, -1].max())])
             timm_dora.unwrap(model)
-            if "actor" in args.configs:
-                forced = gate_forced_actor(model, args.blocks).to(dev, dtype)
-                timm_dora.wrap(model, forced)
+            forced = gate_forced_actor(model, args.blocks).to(dev, dtype)  # one actor: equal decisions
+            for config, speculate in (("actor", False), ("actor_spec", True)):
+                if config not in args.configs:
+                    continue
+                timm_dora.wrap(model, forced, speculate=speculate)
                 with torch.inference_mode():
                     model(inputs[0])
                 s = model.dora_stats
-                add("actor(random)" + tag, model, float(s.gflops.mean()), backend=s.backend,
+                add(config + "(random)" + tag, model, float(s.gflops.mean()), backend=s.backend,
                     gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
                 timm_dora.unwrap(model)
             if "oracle" in args.configs:

@@ -15,7 +15,11 @@ def test_throughput_script_runs_every_configuration(tmp_path):
                      "--spread", "4", "--reductions", "0.4", "--out", str(out)])
     res = json.loads(out.read_text())
     configs = [r["config"] for r in res["rows"]]
-    assert configs[:2] == ["native", "gate_off"] and any(c.startswith("oracle") for c in configs)
+    assert configs[:3] == ["native", "gate_off", "gate_off_spec"] and any(c.startswith("oracle") for c in configs)
+    rows = {r["config"].split("@")[0]: r for r in res["rows"]}
+    for plain, spec in (("gate_off", "gate_off_spec"), ("actor(random)", "actor_spec(random)")):
+        assert rows[spec]["gflops"] == rows[plain]["gflops"]  # the speculative MLP is not counted
+    assert rows["actor_spec(random)"]["gate_rate"] == rows["actor(random)"]["gate_rate"]
     fixed = next(r for r in res["rows"] if r["config"].startswith("fixed"))
     oracle = next(r for r in res["rows"] if r["config"].startswith("oracle"))
     assert abs(fixed["gflops"] - oracle["gflops"]) / fixed["gflops"] < 0.05  # equal-GFLOPs reference

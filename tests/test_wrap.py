@@ -1,4 +1,7 @@
 """The wrapped forward against native timm and against an independent per-image reference."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -275,3 +278,57 @@ def test_no_activation_outlives_its_use():
         h.remove()
     assert (model.dora_stats.removed[:, [1, 3]].sum(0) > 0).all()  # blocks 1 and 3 deleted rows
     assert dead == {l: {"keys": True, "rows": True, "embed": True} for l in range(len(model.blocks))}
+
+
+def test_speculation_keeps_keys_only_until_the_gate_is_read():
+    """With ``speculate=True`` the block's keys and pre-attention rows stay alive through the
+    speculative MLP (the controller may still need them) and are dead when the gate has been read:
+    at the MLP on the survivors of a pruning block nothing extra is alive. The patch embedding is
+    alive only during block 0's speculative MLP (block 0's input rows are a view of it)."""
+    import weakref
+
+    from timm_dora import ActorPolicy
+
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    x = images(model, 3)
+    seen, alive = {}, {}
+
+    class Spy:
+        speculate = True
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, ctx):
+            raise AssertionError("a speculating policy is called through begin")
+
+        def begin(self, ctx):
+            seen[ctx.block] = {"keys": weakref.ref(ctx.keys), "rows": weakref.ref(ctx.packed.x)}
+            return self.inner.begin(ctx)
+
+    def embed_hook(module, args, out):
+        seen["embed"] = weakref.ref(out)
+
+    def mlp_hook(l):
+        def hook(module, args):
+            state = {k: r() is not None for k, r in seen[l].items()}
+            state["embed"] = seen["embed"]() is not None
+            alive.setdefault(l, []).append(state)
+        return hook
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from throughput import gate_forced_actor
+
+    timm_dora.wrap(model, policy=Spy(ActorPolicy(gate_forced_actor(model, [1, 3]), speculate=True)))
+    hooks = [model.norm_pre.register_forward_hook(embed_hook)]
+    hooks += [blk.mlp.register_forward_pre_hook(mlp_hook(l)) for l, blk in enumerate(model.blocks)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    assert (model.dora_stats.removed[:, [1, 3]].sum(0) > 0).all()
+    speculative = {"keys": True, "rows": True}
+    want = {l: [{**speculative, "embed": l == 0}] for l in range(len(model.blocks))}
+    for l in (1, 3):  # the MLP on the survivors, after the gate was read
+        want[l].append({"keys": False, "rows": False, "embed": False})
+    assert alive == want

@@ -10,6 +10,12 @@ The wrapped model's ``forward`` composes each block's own submodules (``norm1``,
 3. the policy decides from the block's keys; the chosen rows are deleted for real;
 4. the MLP residual on the survivors only.
 
+With a speculating policy (``wrap(..., speculate=True)``) steps 3-4 run in two phases: the policy
+enqueues its gate and an asynchronous copy of the gate vector to the host, the MLP of the unpruned
+batch is enqueued, and only then does the host wait (for the gate copy, not the MLP). When nothing
+is removed that MLP is the block's output; otherwise it is discarded and step 4 runs on the
+survivors. Results are identical either way.
+
 As in ToMe, wrapping swaps the instance's class for a subclass that overrides ``forward``;
 ``unwrap`` puts the original class back, so native behaviour is restored bit for bit. Other
 methods (``forward_features``, ``forward_head``, ``forward_intermediates``) stay timm's, unpruned:
@@ -169,6 +175,7 @@ def wrap(
     policy: Optional[Policy] = None,
     readout: str = "model",
     attn_backend: str = "auto",
+    speculate: bool = False,
     **hub_kwargs,
 ) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes tokens with DORA.
@@ -186,6 +193,13 @@ def wrap(
             ``avgmax`` over surviving patch tokens); ``"lc1"`` is DINOv2's linear readout
             (normed CLS concatenated with the mean of normed surviving patch tokens).
         attn_backend: ``"auto"`` or one of ``flash``, ``torch_varlen``, ``sdpa_loop``.
+        speculate: inference only, opt-in: each block enqueues its MLP on the unpruned batch
+            before the host reads the actor's gate, so the GPU does not idle at that read
+            (``ActorPolicy(actor, speculate=True)``). Outputs, decisions and statistics are
+            identical; GFLOPs do not count the speculative MLP, which is wasted compute at blocks
+            where some gate opens (and keeps the block's keys and input rows alive while it
+            runs). Pays when gates rarely open. With ``policy=``, construct the policy with
+            ``speculate=True`` instead (it must offer ``begin``, see :mod:`timm_dora.policy`).
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
@@ -197,10 +211,18 @@ def wrap(
         raise ValueError("pass an actor or a policy, not both")
     if attn_backend != "auto" and attn_backend not in BACKENDS:
         raise ValueError(f"attn_backend must be 'auto' or one of {BACKENDS}, got {attn_backend!r}")
+    if policy is not None:
+        _check_policy(policy)
+        if speculate and not getattr(policy, "speculate", False):
+            raise ValueError(
+                "speculate=True with policy=: speculation is the policy's option, construct it with "
+                "speculate=True (e.g. ActorPolicy(actor, speculate=True))"
+            )
     if is_wrapped(model):
         state = model._dora
         current = state.policy.actor if isinstance(state.policy, ActorPolicy) else state.policy
-        if current is (actor if policy is None else policy) and (state.readout, state.attn_backend) == (readout, attn_backend):
+        same_speculate = policy is not None or getattr(state.policy, "speculate", False) == speculate
+        if current is (actor if policy is None else policy) and (state.readout, state.attn_backend) == (readout, attn_backend) and same_speculate:
             return model
         raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
     check_supported(model, readout)
@@ -209,7 +231,7 @@ def wrap(
 
         actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
         _check_actor(model, actor)
-        policy = ActorPolicy(actor)
+        policy = ActorPolicy(actor, speculate=speculate)
     original = type(model)
     model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original)
     if actor is not None:
@@ -237,7 +259,18 @@ def set_policy(model: nn.Module, policy: Policy) -> None:
     """Replace the policy of a wrapped model (e.g. a sampling :class:`ActorPolicy` for training)."""
     if not is_wrapped(model):
         raise ValueError("model is not wrapped by timm_dora")
+    _check_policy(policy)
     model._dora.policy = policy
+
+
+def _check_policy(policy: Policy) -> None:
+    if not callable(policy):
+        raise TypeError(f"a policy must be callable as policy(ctx) -> Decision; got {type(policy).__name__}")
+    if getattr(policy, "speculate", False) and not callable(getattr(policy, "begin", None)):
+        raise TypeError(
+            f"{type(policy).__name__} has speculate=True but does not support speculation: it needs a "
+            "begin(ctx) -> finish method (see timm_dora.policy; ActorPolicy has one)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,6 +350,11 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     cost = state.cost
     if model.training and any(getattr(m, "drop_prob", 0.0) > 0 for m in model.modules() if type(m).__name__ == "DropPath"):
         raise RuntimeError("stochastic depth is per image and cannot act on packed rows: call model.eval() first")
+    speculate = bool(getattr(policy, "speculate", False))
+    if speculate:
+        _check_policy(policy)
+        if model.training:
+            raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
     x = model.patch_embed(x)
     x = model._pos_embed(x)
     x = model.patch_drop(x)
@@ -347,12 +385,27 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     for l, blk in enumerate(model.blocks):
         with scope("dora.attention"):
             x_attn, keys = attention_residual(blk, packed, backend)
-        with scope("dora.policy"):
-            dec = policy(BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts))
+        ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts)
+        del keys
+        speculative = None  # the MLP of the unpruned batch, enqueued before the host waits
+        if speculate:
+            with scope("dora.policy"):
+                finish = policy.begin(ctx)  # enqueues the gate and its copy to the host
+            del ctx
+            with scope("dora.mlp_speculative"):
+                speculative = mlp_residual(blk, x_attn)
+            with scope("dora.policy"):
+                dec = finish()  # waits for the gate copy, not for the MLP
+            del finish  # frees the keys and the pre-attention rows
+        else:
+            with scope("dora.policy"):
+                dec = policy(ctx)
+            del ctx
         packed = packed.with_x(x_attn)
         # no extra activation may outlive its use: the keys (possibly a view of the whole qkv
-        # output) are dead before the MLP, the pre-deletion rows before the next attention
-        del keys, x_attn
+        # output) are dead before the MLP (before the non-speculative one), the pre-deletion rows
+        # before the next attention
+        del x_attn
         entering.append(n_visual)
         gates.append(dec.gate)
         removed_all.append(dec.removed)
@@ -366,6 +419,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             removed_patches.append(None)
             rho = consts.no_rho
         else:
+            speculative = None  # some gate opened: the speculative MLP is discarded
             with scope("dora.compact"):
                 before = packed
                 packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
@@ -374,8 +428,12 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
                 del before, rows
             rho = dec.removed.float() / n_visual.float()
             n_visual = n_visual - dec.removed
-        with scope("dora.mlp"):
-            packed = packed.with_x(mlp_residual(blk, packed.x))
+        if speculative is not None:
+            packed = packed.with_x(speculative)
+            del speculative
+        else:
+            with scope("dora.mlp"):
+                packed = packed.with_x(mlp_residual(blk, packed.x))
     with scope("dora.readout"):
         packed = packed.with_x(model.norm(packed.x))
         logits = readout(model, packed, state.readout)

@@ -9,12 +9,20 @@ once per block, after the attention residual, and deletes the rows it names befo
 - :class:`ReplayPolicy`: deletes recorded tokens (by position among the current visual tokens);
   used for shadow evaluations, selector-substitution studies, tests and benchmarks.
 - :class:`NoPrune`: never prunes.
+
+Speculation (opt-in, :class:`ActorPolicy` ``speculate=True``): a policy whose ``speculate``
+attribute is true also offers ``begin(ctx) -> finish``. ``begin`` only *enqueues* the work up to
+the decision's one host read (for the actor: the gate and an asynchronous copy of the gate vector
+into pinned host memory, followed by a CUDA event); the wrapped forward then enqueues the MLP of
+the unpruned batch and only then calls ``finish()``, which waits for that copy (not for the MLP)
+and returns the same :class:`Decision` as ``policy(ctx)``. When the decision removes nothing the
+speculative MLP result is the block's output; otherwise it is discarded.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -241,6 +249,36 @@ class RolloutNoise:
         return RolloutNoise(self.gate[:, index], self.budget[:, index], self.selector[:, index])
 
 
+def host_reader(t: torch.Tensor) -> Callable[[], list]:
+    """Start copying ``t`` to the host; the returned callable waits for that copy only and gives
+    ``t.tolist()``. On CUDA: an asynchronous copy into pinned memory followed by an event (the
+    stream's later work keeps running); elsewhere a plain synchronous copy."""
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+
+        def read() -> list:
+            done.synchronize()
+            return host.tolist()
+
+        return read
+    return t.cpu().tolist
+
+
+class _GateStep(NamedTuple):
+    """What :meth:`ActorPolicy.begin` computed before the gate vector is read on the host."""
+
+    ctx: BlockContext
+    keys: torch.Tensor  # in the actor's dtype
+    backend: str
+    h: torch.Tensor
+    gate: torch.Tensor
+    gate_flops: float
+    rec: Optional[StepRecord]
+
+
 class ActorPolicy:
     """DORA's actor as a policy.
 
@@ -251,11 +289,16 @@ class ActorPolicy:
         generator: random generator used when sampling.
         record: keep a :class:`StepRecord` per block in :attr:`records` (cleared by :meth:`reset`).
         noise: pre-drawn :class:`RolloutNoise` for the batch (used instead of ``generator``).
+        speculate: let the wrapped forward run each block's MLP on the unpruned batch while the
+            gate vector travels to the host (:meth:`begin`); decisions, outputs and statistics
+            are identical, the MLP is recomputed on the survivors where a gate opens (inference
+            only; pays when gates rarely open).
     """
 
     def __init__(self, actor: Actor, *, sample: bool = False, generator: Optional[torch.Generator] = None,
-                 record: bool = False, noise: Optional[RolloutNoise] = None):
+                 record: bool = False, noise: Optional[RolloutNoise] = None, speculate: bool = False):
         self.actor = actor
+        self.speculate = bool(speculate)
         self.sample = sample
         self.generator = generator
         self.record = record
@@ -282,6 +325,17 @@ class ActorPolicy:
         return h, context
 
     def __call__(self, ctx: BlockContext) -> Decision:
+        step = self._gate(ctx)
+        return self._decide(step, step.gate.tolist())  # the one host sync of a block
+
+    def begin(self, ctx: BlockContext) -> Callable[[], Decision]:
+        """Speculative first phase: enqueue the gate and the copy of the gate vector to the host;
+        the returned ``finish()`` waits for that copy and returns ``self(ctx)``'s decision."""
+        step = self._gate(ctx)
+        read = host_reader(step.gate)
+        return lambda: self._decide(step, read())
+
+    def _gate(self, ctx: BlockContext) -> _GateStep:
         actor, packed = self.actor, ctx.packed
         b, p, dev = packed.batch_size, packed.num_prefix, ctx.keys.device
         if ctx.keys.shape[1] != actor.embed_dim:
@@ -315,8 +369,15 @@ class ActorPolicy:
         if self.record:
             rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
             self.records.append(rec)
-        # the one host sync of a block: which images enter the controller
-        active_host = [i for i, g in enumerate(gate.tolist()) if g]
+        return _GateStep(ctx, keys, backend, h, gate, gate_flops, rec)
+
+    def _decide(self, step: _GateStep, gate_host: List[bool]) -> Decision:
+        """The rest of the decision once the gate vector is on the host: the controller for the
+        images whose gate opened (which enter it is the host's only question)."""
+        ctx, keys, backend, h, gate, gate_flops, rec = step
+        actor, packed = self.actor, ctx.packed
+        b, p, dev = packed.batch_size, packed.num_prefix, keys.device
+        active_host = [i for i, g in enumerate(gate_host) if g]
         if not active_host:
             return ctx.nothing(gate_flops)
         active = rows_where(gate, len(active_host))
