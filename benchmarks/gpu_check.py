@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import timm  # noqa: E402
 import timm_dora  # noqa: E402
 from helpers import Recorder, random_plan  # noqa: E402
 from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
-from timm_dora.evaluate import environment  # noqa: E402
+from timm_dora.evaluate import environment, write_json  # noqa: E402
 
 MODELS = [
     ("deit_base_patch16_224", {}),
@@ -110,8 +109,7 @@ def main():
     for r in rows:
         print(f"{r['mode']:8s} {r['model']:30s} native {r['native_rel_err']:.2e}  fuzzed {r['fuzzed_rel_err']:.2e} ({r['fuzzed_backend']})  actor {r['actor_rel_err']:.2e} gate {r['actor_gate_rate']:.2f}")
     print("PASSED" if ok else "FAILED")
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     sys.exit(0 if ok else 1)
 
 

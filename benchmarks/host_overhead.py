@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import json
 import statistics
 import sys
 import time
@@ -48,7 +47,7 @@ from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 import timm_dora  # noqa: E402
 from throughput import fixed_plan, gate_forced_actor, schedule_for_reduction  # noqa: E402
 from timm_dora import Actor, NoPrune, ReplayPolicy  # noqa: E402
-from timm_dora.evaluate import environment  # noqa: E402
+from timm_dora.evaluate import environment, write_json  # noqa: E402
 
 _SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "_unique", "_unique2",
              "unique_consecutive", "unique_dim", "equal", "is_nonzero")
@@ -200,9 +199,7 @@ def main(argv=None):
         print(f"{name:9s} {t['us_median']:9.1f} us (p10 {t['us_p10']:8.1f}, p90 {t['us_p90']:8.1f}, "
               f"cpu {t['cpu_us_median']:8.1f})  aten ops {row['aten_ops']:5d}  "
               f"syncs {row['sync_ops']:3d} {dict(c.syncs)}", flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return res
 
 

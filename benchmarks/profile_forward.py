@@ -18,7 +18,6 @@ fewer GFLOPs; ``actor``: an untrained actor whose gate is forced open at the sam
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import warnings
@@ -35,7 +34,7 @@ import timm  # noqa: E402
 import timm_dora  # noqa: E402
 from throughput import fixed_plan, gate_forced_actor, schedule_for_reduction  # noqa: E402
 from timm_dora import Actor, ReplayPolicy  # noqa: E402
-from timm_dora.evaluate import environment  # noqa: E402
+from timm_dora.evaluate import environment, write_json  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
 
 SCOPES = ("dora.attention", "dora.policy", "dora.compact", "dora.mlp", "dora.readout")
@@ -131,8 +130,7 @@ def main():
                 timm_dora.unwrap(model)
         del model
         torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

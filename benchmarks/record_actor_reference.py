@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -25,7 +24,7 @@ _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
 from timm_dora.data import eval_transform, open_split  # noqa: E402
-from timm_dora.evaluate import environment  # noqa: E402
+from timm_dora.evaluate import environment, write_json  # noqa: E402
 from timm_dora.patch import run, unwrap, wrap  # noqa: E402
 from timm_dora.train import create_backbone  # noqa: E402
 
@@ -75,8 +74,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "model": args.model, "weights": weights.name, "actor": args.actor, "actor_sha256": digest,
         "split": "test", "dtype": "float32", **ref,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=1))
+    write_json(args.out, payload)
     print(f"{args.out}: native {ref['native_correct']}/{args.images}, DORA {ref['dora_correct']}/{args.images}, "
           f"mean GFLOPs {sum(ref['gflops']) / args.images:.3f}")
 

@@ -30,7 +30,6 @@ Usage (prints a table; writes JSON with device, versions and the command):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -44,7 +43,7 @@ import timm  # noqa: E402
 import timm_dora  # noqa: E402
 from timm_dora import Actor, ReplayPolicy  # noqa: E402
 from timm_dora import bench  # noqa: E402
-from timm_dora.evaluate import environment  # noqa: E402
+from timm_dora.evaluate import environment, write_json  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
 
 
@@ -225,9 +224,7 @@ def main(argv=None):
         results["rows"] += rows
         del model, inputs
         torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    write_json(args.out, results)
     return results
 
 
