@@ -5,7 +5,12 @@ the same deletions: on the GPU in bf16 (packed varlen attention) and on the CPU 
 per-sequence path, itself tested against an independent per-image reference in tests/). Deletions
 are (a) a fuzzed replay plan varied per image and (b) what a random-weight actor decided on the
 GPU, replayed on the CPU. Reports ||logits_gpu - logits_cpu|| / ||logits_cpu|| (target <= 1e-2)
-and which attention backend ran. Writes JSON; exits non-zero on a failure.
+and which attention backend ran. In bf16 it also runs both deletions again with
+``cuda_graphs=True`` (the dense phase replayed from CUDA graphs) and compares with the default GPU
+path (``graphs_*``: decisions equal, largest logit difference, bitwise equal), and compares the
+direct ``aten::_flash_attention_forward`` call of the ``torch_varlen`` backend with
+``torch.nn.attention.varlen.varlen_attn`` on the same packed batch. Writes JSON; exits non-zero
+on a failure.
 
     python benchmarks/gpu_check.py --out benchmarks/results/gpu_check_h100.json
 """
@@ -89,7 +94,44 @@ def check(name, kw, batch, mode):
     out["actor_gflops_mean"] = float(stats.gflops.mean())
     out["actor_gflops_range"] = [float(stats.gflops.min()), float(stats.gflops.max())]
     out["gflops_equal_cpu"] = bool(torch.allclose(stats.gflops.cpu() - stats.policy_gflops.cpu(), cpu.dora_stats.gflops))
+    if mode == "bf16":
+        timm_dora.unwrap(gpu)
+        xg = x.to("cuda", dtype)
+        for tag, kw in (("fuzzed", dict(policy=ReplayPolicy(on(plan, "cuda")))),
+                        ("actor", dict(actor=actor)), ("closed", dict(actor=_closed(actor)))):
+            runs = []
+            for graphs in (False, True):
+                timm_dora.wrap(gpu, cuda_graphs=graphs, **kw)
+                with torch.inference_mode():
+                    gpu(xg)  # first call captures; the second replays
+                    runs.append((gpu(xg), gpu.dora_stats))
+                timm_dora.unwrap(gpu)
+            (a, sa), (b, sb) = runs
+            out[f"graphs_{tag}_decisions_equal"] = bool(torch.equal(sa.removed, sb.removed) and torch.equal(sa.gate, sb.gate))
+            out[f"graphs_{tag}_max_abs_diff"] = float((a.float() - b.float()).abs().max())
+            out[f"graphs_{tag}_bitwise"] = bool(torch.equal(a, b))
     return out
+
+
+def _closed(actor):
+    closed = copy.deepcopy(actor)
+    with torch.no_grad():
+        closed.gate_mlp[2].bias.fill_(-1e4)
+    return closed
+
+
+def aten_vs_varlen_attn():
+    """The ``torch_varlen`` backend's direct aten call against ``varlen_attn`` (bf16, ragged)."""
+    from timm_dora.packing import Packed, _ATEN_FLASH, _torch_varlen, varlen_attention
+
+    lengths = [197, 150, 77, 5, 120]
+    t, h, hd = sum(lengths), 12, 64
+    q, k, v = (torch.randn(t, h, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    packed = Packed(torch.zeros(t, 1, device="cuda"), torch.tensor(lengths, device="cuda"), lengths, 1)
+    ours = varlen_attention(q, k, v, packed, 0.125, "torch_varlen")
+    ref = _torch_varlen()(q, k, v, packed.cu_seqlens, packed.cu_seqlens, max(lengths), max(lengths), scale=0.125)
+    return {"aten_flash_used": bool(_ATEN_FLASH["ok"]), "max_abs_diff": float((ours.float() - ref.float()).abs().max()),
+            "bitwise": bool(torch.equal(ours, ref))}
 
 
 def main():
@@ -98,16 +140,23 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = [check(n, kw, args.batch, mode) for mode in ("bf16", "autocast") for n, kw in MODELS]
+    varlen = aten_vs_varlen_attn()
     ok = all(r["fuzzed_rel_err"] <= 1e-2 and r["actor_rel_err"] <= 1e-2 for r in rows)
+    ok = ok and all(v for r in rows for k, v in r.items() if k.endswith("_decisions_equal")) and varlen["max_abs_diff"] <= 1e-2
     res = {
         **environment(torch.device("cuda"), "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:])),
         "dtype": "GPU bf16 weights+activations ('bf16') or fp32 weights with bf16 autocast ('autocast') vs float32 CPU reference",
         "tolerance": 1e-2,
         "passed": ok,
+        "aten_flash_vs_varlen_attn": varlen,
         "rows": rows,
     }
     for r in rows:
         print(f"{r['mode']:8s} {r['model']:30s} native {r['native_rel_err']:.2e}  fuzzed {r['fuzzed_rel_err']:.2e} ({r['fuzzed_backend']})  actor {r['actor_rel_err']:.2e} gate {r['actor_gate_rate']:.2f}")
+        g = {k[7:]: v for k, v in r.items() if k.startswith("graphs_")}
+        if g:
+            print("         graphs vs default:", g)
+    print("aten flash vs varlen_attn:", varlen)
     print("PASSED" if ok else "FAILED")
     write_json(args.out, res)
     sys.exit(0 if ok else 1)

@@ -9,12 +9,16 @@ loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations p
 - ``gate_off``: wrapped with an actor whose gate never opens (the actor's gate runs every block).
 - ``gate_off_spec``: the same with ``speculate=True`` (each block's MLP is enqueued before the
   host reads the gate, so the GPU queue does not drain at the read).
+- ``gate_off_graphs``: the same with ``cuda_graphs=True`` (the whole forward stays dense: every
+  segment replayed from CUDA graphs, the MLP enqueued before each gate read).
 - ``fixed``: wrapped with a fixed replay policy with per-image variable budgets at fixed blocks
   (deletion, compaction, packing and varlen attention, no actor), one per ``--reductions`` target.
+- ``fixed_graphs``: the same with ``cuda_graphs=True`` (graphs until the first deletion).
 - ``actor``: wrapped with a random-weight actor whose gate is forced open at the same blocks as the
   fixed policy (all of DORA's inference work: gate, controller, selection, packing).
 - ``actor_spec``: the same with ``speculate=True`` (the speculative MLP is wasted at the blocks
   where the gate opens; its FLOPs are not in the row's GFLOPs).
+- ``actor_graphs``: the same with ``cuda_graphs=True``.
 - ``oracle``: a dense run with a static schedule removing the fixed policy's mean count at the
   same blocks (``x[:, :n]`` slicing, zero selection or packing overhead): the ceiling at equal
   GFLOPs.
@@ -143,7 +147,8 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6, 9])
     ap.add_argument("--spread", type=int, default=16, help="per-image budget spread around the mean")
     ap.add_argument("--configs", nargs="+",
-                    default=["native", "gate_off", "gate_off_spec", "fixed", "actor", "actor_spec", "oracle"])
+                    default=["native", "gate_off", "gate_off_spec", "gate_off_graphs", "fixed", "fixed_graphs",
+                             "actor", "actor_spec", "actor_graphs", "oracle"])
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
@@ -182,9 +187,10 @@ def main(argv=None):
         actor = Actor.for_model(model).to(dev, dtype)
         with torch.no_grad():
             actor.gate_mlp[2].bias.fill_(-1e4)
-        for config, speculate in (("gate_off", False), ("gate_off_spec", True)):
+        for config, speculate, graphs in (("gate_off", False, False), ("gate_off_spec", True, False),
+                                          ("gate_off_graphs", False, True)):
             if config in args.configs:
-                timm_dora.wrap(model, actor, speculate=speculate)
+                timm_dora.wrap(model, actor, speculate=speculate, cuda_graphs=graphs)
                 with torch.inference_mode():
                     model(inputs[0])
                 add(config, model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
@@ -201,11 +207,16 @@ def main(argv=None):
                 add("fixed" + tag, model, g, backend=stats.backend, blocks=args.blocks, mean_k=mean_k,
                     tokens_range=[int(stats.tokens[:, -1].min()), int(stats.tokens[:, -1].max())])
             timm_dora.unwrap(model)
+            if "fixed_graphs" in args.configs:
+                timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), cuda_graphs=True)
+                add("fixed_graphs" + tag, model, g, backend=stats.backend, blocks=args.blocks, mean_k=mean_k)
+                timm_dora.unwrap(model)
             forced = gate_forced_actor(model, args.blocks).to(dev, dtype)  # one actor: equal decisions
-            for config, speculate in (("actor", False), ("actor_spec", True)):
+            for config, speculate, graphs in (("actor", False, False), ("actor_spec", True, False),
+                                              ("actor_graphs", False, True)):
                 if config not in args.configs:
                     continue
-                timm_dora.wrap(model, forced, speculate=speculate)
+                timm_dora.wrap(model, forced, speculate=speculate, cuda_graphs=graphs)
                 with torch.inference_mode():
                     model(inputs[0])
                 s = model.dora_stats

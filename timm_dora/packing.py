@@ -245,6 +245,34 @@ def _varlen_accepts_scale() -> bool:
     return fn is not None and "scale" in inspect.signature(fn).parameters
 
 
+_ATEN_FLASH = {"ok": None}  # None: not tried yet; False: this torch's op refused our call
+
+
+def _aten_flash_varlen(q, k, v, cu, max_len, scale):
+    """The FlashAttention varlen kernel that ``varlen_attn`` runs, called as the aten op directly.
+
+    ``torch.nn.attention.varlen.varlen_attn`` is a ``torch.library`` custom op behind a
+    ``torch._dynamo`` guard: about 150 us of Python per call on the host (measured with cProfile on
+    the H100 machine), more than a ViT-Ti block's whole GPU time. The op underneath,
+    ``aten::_flash_attention_forward`` with cumulative sequence lengths, costs one dispatcher
+    call. Returns ``None`` (and ``varlen_attn`` is used from then on) if this torch's op does not
+    accept the call; ``benchmarks/gpu_check.py`` compares the two on the GPU.
+    """
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None:
+        _ATEN_FLASH["ok"] = False
+        return None
+    try:
+        out = op(q, k, v, cu, cu, max_len, max_len, 0.0, False, False, scale=scale)[0]
+    except (RuntimeError, TypeError):
+        if _ATEN_FLASH["ok"]:  # it worked before: a real error, not an unsupported signature
+            raise
+        _ATEN_FLASH["ok"] = False
+        return None
+    _ATEN_FLASH["ok"] = True
+    return out
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -268,6 +296,10 @@ def varlen_attention(
 
         return flash_attn_varlen_func(q, k, v, cu, cu, n, n, softmax_scale=scale)
     if backend == "torch_varlen":
+        if _ATEN_FLASH["ok"] is not False:
+            out = _aten_flash_varlen(q, k, v, cu, n, scale)
+            if out is not None:
+                return out
         varlen_attn = _torch_varlen()
         if _varlen_accepts_scale():
             return varlen_attn(q, k, v, cu, cu, n, n, scale=scale)

@@ -24,8 +24,10 @@ a pruned batch has no dense ``[B, N, d]`` form.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 import os
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -89,6 +91,9 @@ class _DoraState:
     attn_backend: str
     cost: BackboneCost
     original_class: type
+    cuda_graphs: bool = False
+    graphs: "OrderedDict" = field(default_factory=OrderedDict)  # timm_dora.graphs.DenseGraphs per batch shape
+    warned: bool = False  # the one warning that cuda_graphs could not be used
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,6 +181,7 @@ def wrap(
     readout: str = "model",
     attn_backend: str = "auto",
     speculate: bool = False,
+    cuda_graphs: bool = False,
     **hub_kwargs,
 ) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes tokens with DORA.
@@ -200,6 +206,16 @@ def wrap(
             where some gate opens (and keeps the block's keys and input rows alive while it
             runs). Pays when gates rarely open. With ``policy=``, construct the policy with
             ``speculate=True`` instead (it must offer ``begin``, see :mod:`timm_dora.policy`).
+        cuda_graphs: inference only, opt-in: until the first token is deleted the forward has
+            fixed shapes; its embedding, attention and MLP residuals (with the actor's gate) and
+            readout are captured as CUDA graphs per batch shape (on first use, up to 4 shapes
+            kept) and replayed (:mod:`timm_dora.graphs`); the rest runs as usual. The MLP of the
+            unpruned batch runs while the host reads the gate (speculation, wasted once per
+            forward at the block where a gate first opens). Needs ``eval()`` and no autograd
+            (``torch.inference_mode()``); otherwise the forward runs eagerly with one warning.
+            The graphs read the weights in place; moving or casting the model recaptures. Costs
+            memory: three ``[B*S, d]`` buffers and the graphs' pool per batch shape. Off CUDA the
+            same segments run uncaptured (identical results; how the CPU tests check it).
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
@@ -222,7 +238,8 @@ def wrap(
         state = model._dora
         current = state.policy.actor if isinstance(state.policy, ActorPolicy) else state.policy
         same_speculate = policy is not None or getattr(state.policy, "speculate", False) == speculate
-        if current is (actor if policy is None else policy) and (state.readout, state.attn_backend) == (readout, attn_backend) and same_speculate:
+        same = (state.readout, state.attn_backend, state.cuda_graphs) == (readout, attn_backend, cuda_graphs)
+        if current is (actor if policy is None else policy) and same and same_speculate:
             return model
         raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
     check_supported(model, readout)
@@ -233,7 +250,7 @@ def wrap(
         _check_actor(model, actor)
         policy = ActorPolicy(actor, speculate=speculate)
     original = type(model)
-    model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original)
+    model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, bool(cuda_graphs))
     if actor is not None:
         p = next(model.parameters())
         model.add_module("dora_actor", actor.to(device=p.device, dtype=p.dtype))
@@ -261,6 +278,7 @@ def set_policy(model: nn.Module, policy: Policy) -> None:
         raise ValueError("model is not wrapped by timm_dora")
     _check_policy(policy)
     model._dora.policy = policy
+    model._dora.graphs.clear()  # captured for the previous policy
 
 
 def _check_policy(policy: Policy) -> None:
@@ -277,32 +295,57 @@ def _check_policy(policy: Policy) -> None:
 # the forward, composed from timm's submodules
 
 
-def attention_residual(blk: nn.Module, packed: Packed, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x + drop_path1(ls1(attn(norm1(x))))`` on packed rows; also returns the keys ``[T, d]``."""
+def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The model's own token embedding: ``norm_pre(patch_drop(_pos_embed(patch_embed(x))))``."""
+    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(images))))
+
+
+def _qk_v(attn: nn.Module, y: torch.Tensor, packed: Packed):
+    """``(q, k, v)`` after ``q_norm``/``k_norm``: dense ``[B, H, S, hd]`` views on a uniform
+    batch (as timm's Attention), else ``[T, H, hd]``."""
+    qkv = attn.qkv(y)
+    if packed.uniform:  # no per-tensor view ops
+        q, k, v = qkv.view(packed.batch_size, packed.max_len, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    else:
+        q, k, v = qkv.view(packed.total, 3, attn.num_heads, attn.head_dim).unbind(1)
+    return attn.q_norm(q), attn.k_norm(k), v
+
+
+def _keys_rows(k: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """Keys as ``[T, d]`` rows (heads concatenated) from :func:`_qk_v`'s layout."""
+    return (k.transpose(1, 2) if packed.uniform else k).reshape(packed.total, -1)
+
+
+def attention_keys(blk: nn.Module, packed: Packed) -> torch.Tensor:
+    """The keys ``[T, d]`` that :func:`attention_residual` returns, recomputed from the block input
+    (``norm1``, ``qkv``, ``k_norm``: the same operations, so the same values)."""
+    _, k, _ = _qk_v(blk.attn, blk.norm1(packed.x), packed)
+    return _keys_rows(k, packed)
+
+
+def attention_residual(blk: nn.Module, packed: Packed, backend: str,
+                       out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x + drop_path1(ls1(attn(norm1(x))))`` on packed rows; also returns the keys ``[T, d]``.
+    ``out``: write the result there (a fixed buffer of a CUDA graph)."""
     attn = blk.attn
     t = packed.total
     y = blk.norm1(packed.x)
-    qkv = attn.qkv(y)
-    if packed.uniform:  # dense [B, H, S, hd] views, as timm's Attention (no per-tensor view ops)
-        q, k, v = qkv.view(packed.batch_size, packed.max_len, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = _qk_v(attn, y, packed)
+    if packed.uniform:
         o = F.scaled_dot_product_attention(q, k, v, scale=attn.scale).transpose(1, 2).reshape(t, -1)
-        k = k.transpose(1, 2)
     else:
-        q, k, v = qkv.view(t, 3, attn.num_heads, attn.head_dim).unbind(1)
-        q, k = attn.q_norm(q), attn.k_norm(k)
         o = varlen_attention(q, k, v, packed, attn.scale, backend).reshape(t, -1)
     o = attn.norm(o)
     gate = getattr(attn, "gate", None)
     if gate is not None:
         o = o * gate(y).sigmoid()
     o = attn.proj_drop(attn.proj(o))
-    return packed.x + blk.drop_path1(blk.ls1(o)), k.reshape(t, -1)
+    return torch.add(packed.x, blk.drop_path1(blk.ls1(o)), out=out), _keys_rows(k, packed)
 
 
-def mlp_residual(blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows."""
-    return x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows (into ``out`` when given)."""
+    return torch.add(x, blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x)))), out=out)
 
 
 def _segment_pool(packed: Packed, pool: str, include_prefix: bool) -> torch.Tensor:
@@ -355,25 +398,38 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         _check_policy(policy)
         if model.training:
             raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
-    x = model.patch_embed(x)
-    x = model._pos_embed(x)
-    x = model.patch_drop(x)
-    x = model.norm_pre(x)
+    graphs = None
+    if state.cuda_graphs and tuple(x.shape[-2:]) == tuple(model.patch_embed.img_size):
+        from .graphs import dense_graphs, graph_mode_reason
+
+        why = graph_mode_reason(model, x)
+        if why is None:
+            backend = select_backend(x.device.type, x.dtype, state.attn_backend)
+            graphs = dense_graphs(model, state.graphs, policy, x, backend, state.readout)
+        elif not state.warned:
+            state.warned = True
+            warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=3)
     p = model.num_prefix_tokens
-    b, s, _ = x.shape
-    n0 = s - p
-    if n0 != cost.num_patches:
-        raise ValueError(
-            f"input gives {n0} patch tokens but the model (and its actor) were built for {cost.num_patches}; "
-            "DORA needs the input size the model was created with"
-        )
-    dtype = x.dtype
-    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")  # attention inputs come out of autocast linears
-    backend = select_backend(x.device.type, dtype, state.attn_backend)
-    packed = Packed.from_dense(x, p, track_ids=True)
-    dev = x.device
-    del x  # the packed view is the only reference: freed once block 0 replaces it (as native does)
+    if graphs is not None:
+        packed = graphs.start(x)
+        b, n0, dev = packed.batch_size, graphs.num_patches, x.device
+        del x
+    else:
+        x = embed(model, x)
+        b, s, _ = x.shape
+        n0 = s - p
+        if n0 != cost.num_patches:
+            raise ValueError(
+                f"input gives {n0} patch tokens but the model (and its actor) were built for {cost.num_patches}; "
+                "DORA needs the input size the model was created with"
+            )
+        dtype = x.dtype
+        if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")  # attention inputs come out of autocast linears
+        backend = select_backend(x.device.type, dtype, state.attn_backend)
+        packed = Packed.from_dense(x, p, track_ids=True)
+        dev = x.device
+        del x  # the packed view is the only reference: freed once block 0 replaces it (as native does)
     depth = len(model.blocks)
     # profiler scopes only while a profiler runs (each costs two dispatcher calls otherwise)
     scope = record_function if torch.autograd._profiler_enabled() else _no_scope
@@ -383,24 +439,30 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     entering, gates, removed_all, removed_patches, policy_flops = [], [], [], [], []
     scalar_flops = 0.0
     for l, blk in enumerate(model.blocks):
-        with scope("dora.attention"):
-            x_attn, keys = attention_residual(blk, packed, backend)
-        ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts)
-        del keys
         speculative = None  # the MLP of the unpruned batch, enqueued before the host waits
-        if speculate:
-            with scope("dora.policy"):
-                finish = policy.begin(ctx)  # enqueues the gate and its copy to the host
-            del ctx
-            with scope("dora.mlp_speculative"):
-                speculative = mlp_residual(blk, x_attn)
-            with scope("dora.policy"):
-                dec = finish()  # waits for the gate copy, not for the MLP
-            del finish  # frees the keys and the pre-attention rows
+        mlp_done = False  # (graph phase) the replayed speculative MLP already wrote the next input
+        if graphs is not None:  # dense phase: replayed segments (see timm_dora.graphs)
+            with scope("dora.graphs"):
+                dec, mlp_done = graphs.block(l, n_visual, rho, interventions, consts)
+            x_attn = graphs.attended.x
         else:
-            with scope("dora.policy"):
-                dec = policy(ctx)
-            del ctx
+            with scope("dora.attention"):
+                x_attn, keys = attention_residual(blk, packed, backend)
+            ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts)
+            del keys
+            if speculate:
+                with scope("dora.policy"):
+                    finish = policy.begin(ctx)  # enqueues the gate and its copy to the host
+                del ctx
+                with scope("dora.mlp_speculative"):
+                    speculative = mlp_residual(blk, x_attn)
+                with scope("dora.policy"):
+                    dec = finish()  # waits for the gate copy, not for the MLP
+                del finish  # frees the keys and the pre-attention rows
+            else:
+                with scope("dora.policy"):
+                    dec = policy(ctx)
+                del ctx
         packed = packed.with_x(x_attn)
         # no extra activation may outlive its use: the keys (possibly a view of the whole qkv
         # output) are dead before the MLP (before the non-speculative one), the pre-deletion rows
@@ -415,6 +477,12 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             scalar_flops += dec.flops
         if dec.gate is not consts.closed:
             interventions = interventions + dec.gate.long()
+        if graphs is not None and dec.remove is None and dec.gate is consts.closed:
+            # still dense, history unchanged: the next block replays too
+            packed = graphs.next_input(l) if mlp_done else graphs.mlp(l)
+            removed_patches.append(None)
+            continue
+        graphs = None  # the dense phase ends here (or never began): eager and packed from now on
         if dec.remove is None:  # nothing removed: N_l unchanged, rho_{l+1} = 0
             removed_patches.append(None)
             rho = consts.no_rho
@@ -434,9 +502,13 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         else:
             with scope("dora.mlp"):
                 packed = packed.with_x(mlp_residual(blk, packed.x))
-    with scope("dora.readout"):
-        packed = packed.with_x(model.norm(packed.x))
-        logits = readout(model, packed, state.readout)
+    if graphs is not None:
+        with scope("dora.readout"):
+            logits = graphs.finish()
+    else:
+        with scope("dora.readout"):
+            packed = packed.with_x(model.norm(packed.x))
+            logits = readout(model, packed, state.readout)
     # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
     removed = torch.stack(removed_all, 1)
     n_attn = torch.stack(entering, 1) + p

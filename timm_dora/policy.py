@@ -335,6 +335,24 @@ class ActorPolicy:
         read = host_reader(step.gate)
         return lambda: self._decide(step, read())
 
+    @property
+    def graph_probe(self) -> bool:
+        """The gate can run inside a CUDA graph (deterministic, nothing recorded): see
+        :mod:`timm_dora.graphs`."""
+        return not (self.sample or self.record)
+
+    def probe(self, ctx: BlockContext) -> _GateStep:
+        """The decision's device part (the gate), without host reads: what a CUDA graph captures.
+        Finish with :meth:`decide`."""
+        return self._gate(ctx)
+
+    def decide(self, step: _GateStep, gate_host: List[bool], ctx: Optional[BlockContext] = None) -> Decision:
+        """The decision from a :meth:`probe` and its gate vector on the host. ``ctx``: the block's
+        context now (the probe's own is dropped after a capture; its keys may be computed lazily)."""
+        if ctx is not None:
+            step = step._replace(ctx=ctx, keys=None)
+        return self._decide(step, gate_host)
+
     def _gate(self, ctx: BlockContext) -> _GateStep:
         actor, packed = self.actor, ctx.packed
         b, p, dev = packed.batch_size, packed.num_prefix, ctx.keys.device
@@ -376,10 +394,14 @@ class ActorPolicy:
         images whose gate opened (which enter it is the host's only question)."""
         ctx, keys, backend, h, gate, gate_flops, rec = step
         actor, packed = self.actor, ctx.packed
-        b, p, dev = packed.batch_size, packed.num_prefix, keys.device
         active_host = [i for i, g in enumerate(gate_host) if g]
         if not active_host:
             return ctx.nothing(gate_flops)
+        if keys is None:  # a probe replayed from a CUDA graph: the keys are recomputed only now
+            keys = ctx.keys
+            if keys.dtype != actor.w_in.weight.dtype:
+                keys = keys.to(actor.w_in.weight.dtype)
+        b, p, dev = packed.batch_size, packed.num_prefix, keys.device
         active = rows_where(gate, len(active_host))
 
         n_host = ctx.n_visual_host

@@ -1,0 +1,244 @@
+"""The dense phase as fixed-shape segments (``wrap(..., cuda_graphs=True)``, issue #8).
+
+On CUDA the segments are captured as graphs; on CPU the same segments run uncaptured, so these
+tests check the path's logic (fixed buffers reused across forwards, the gate probe and the
+lazily recomputed keys, speculation, the hand-over to the packed path) against the default
+forward: every output must be identical.
+"""
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from throughput import gate_forced_actor  # noqa: E402
+
+import timm_dora  # noqa: E402
+from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
+from timm_dora.graphs import MAX_CACHED, DenseGraphs  # noqa: E402
+from timm_dora.policy import Decision  # noqa: E402
+
+from helpers import SMALL_FAMILIES, images, make_model, random_plan  # noqa: E402
+
+FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers"]
+
+
+def _actor(model, kind):
+    torch.manual_seed(3)
+    if kind == "forced":
+        return gate_forced_actor(model, [1, 4, 7])
+    actor = Actor.for_model(model)
+    with torch.no_grad():
+        actor.gate_mlp[2].bias.fill_(-1e4 if kind == "closed" else 0.0)  # 0: opens on some images/blocks
+    return actor
+
+
+def _mlp_calls(model):
+    calls = [0] * len(model.blocks)
+    hooks = [blk.mlp.register_forward_pre_hook(lambda m, a, l=l: calls.__setitem__(l, calls[l] + 1))
+             for l, blk in enumerate(model.blocks)]
+    return calls, hooks
+
+
+def _run(model, xs, **wrap_kw):
+    """Logits, stats and MLP calls per block of consecutive forwards of one wrapped model."""
+    timm_dora.wrap(model, **wrap_kw)
+    outs = []
+    try:
+        for x in xs:
+            calls, hooks = _mlp_calls(model)
+            with torch.inference_mode():
+                out = model(x)
+            for h in hooks:
+                h.remove()
+            outs.append((out, model.dora_stats, calls))
+        return outs
+    finally:
+        timm_dora.unwrap(model)
+
+
+def _assert_same(a, b):
+    (oa, sa, _), (ob, sb, _) = a, b
+    assert torch.equal(oa, ob)
+    for name in ("tokens", "gate", "removed", "gflops", "policy_gflops"):
+        assert torch.equal(getattr(sa, name), getattr(sb, name)), name
+    assert sa.backend == sb.backend
+    for pa, pb in zip(sa.removed_patches, sb.removed_patches, strict=True):
+        assert (pa is None) == (pb is None)
+        if pa is not None:
+            assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1])
+
+
+@pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graph_path_is_identical_to_the_default_forward(family, kind):
+    name, kw = SMALL_FAMILIES[family]
+    model = make_model(name, **kw)
+    xs = [images(model, 6, seed=s) for s in (1, 2, 1)]  # buffers reused; a batch seen again
+    actor = _actor(model, kind)
+    ref = _run(model, xs, actor=actor)
+    got = _run(model, xs, actor=actor, cuda_graphs=True)
+    for a, b in zip(got, ref):
+        _assert_same(a, b)
+    stats, calls = ref[0][1], got[0][2]
+    opened = stats.gate.any(0).tolist()
+    first = opened.index(True) if any(opened) else len(opened)
+    # dense phase: one (speculative) MLP per block; at the first opening the speculative MLP is
+    # wasted and the survivors' MLP runs; afterwards the default path (one MLP per block)
+    assert calls == [1] * first + [2] * (first < len(opened)) + [1] * (len(opened) - first - 1)
+    if kind == "closed":
+        assert not any(opened)
+    elif kind == "biased":
+        assert any(opened) and not all(stats.gate.all(0).tolist())
+
+
+@pytest.mark.parametrize("family", ["deit", "dinov2_registers"])
+def test_graph_path_with_host_policies(family):
+    """Policies without a gate probe decide on the host between the attention and MLP segments."""
+    name, kw = SMALL_FAMILIES[family]
+    model = make_model(name, **kw)
+    xs = [images(model, 5, seed=s) for s in (3, 4)]
+    n0 = model.patch_embed.num_patches
+    for policy in (NoPrune(), ReplayPolicy(random_plan(5, n0, len(model.blocks), [2, 5]))):
+        ref = _run(model, xs, policy=policy)
+        got = _run(model, xs, policy=policy, cuda_graphs=True)
+        for a, b in zip(got, ref):
+            _assert_same(a, b)
+        # no probe, no speculation: every MLP exactly once
+        assert all(c == [1] * len(model.blocks) for _, _, c in got)
+
+
+def test_keys_read_by_a_policy_are_recomputed_exactly():
+    """A policy that reads ``ctx.keys`` in the dense phase sees the keys of the default path."""
+    name, kw = SMALL_FAMILIES["dinov2_registers"]  # LayerScale, registers
+    model = make_model(name, **kw)
+    x = images(model, 4)
+
+    class KeySpy:
+        def __init__(self):
+            self.keys = []
+
+        def __call__(self, ctx):
+            self.keys.append(ctx.keys.clone())
+            return ctx.nothing()
+
+    spies = []
+    for graphs in (False, True):
+        spy = KeySpy()
+        _run(model, [x], policy=spy, cuda_graphs=graphs)
+        spies.append(spy)
+    assert len(spies[0].keys) == len(spies[1].keys) == len(model.blocks)
+    for a, b in zip(*(s.keys for s in spies)):
+        assert torch.equal(a, b)
+
+
+def test_a_gate_without_removal_leaves_the_dense_phase():
+    """A custom decision that opens a gate without removing changes the history the captured gate
+    assumed: the forward must continue on the default path from there."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    x = images(model, 3)
+
+    def policy(ctx):
+        if ctx.block == 2:
+            return Decision(ctx.constants.opened, ctx.constants.zeros)
+        return ctx.nothing()
+
+    ref = _run(model, [x], policy=policy)
+    got = _run(model, [x], policy=policy, cuda_graphs=True)
+    _assert_same(got[0], ref[0])
+    assert ref[0][1].gate[:, 2].all()
+
+
+def test_segments_are_cached_per_batch_shape_and_policy():
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = _actor(model, "closed")
+    timm_dora.wrap(model, actor, cuda_graphs=True)
+    cache = model._dora.graphs
+    with torch.inference_mode():
+        model(images(model, 2))
+        first = next(iter(cache.values()))
+        model(images(model, 2, seed=5))
+        assert len(cache) == 1 and next(iter(cache.values())) is first
+        for b in range(3, 3 + MAX_CACHED):
+            model(images(model, b))
+        assert len(cache) == MAX_CACHED and first not in cache.values()  # least recent dropped
+        assert all(isinstance(v, DenseGraphs) for v in cache.values())
+        timm_dora.set_policy(model, NoPrune())
+        assert len(cache) == 0  # captured for the old policy
+        model(images(model, 2))
+        assert len(cache) == 1
+    timm_dora.unwrap(model)
+
+
+def test_autograd_or_training_falls_back_with_one_warning():
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    x = images(model, 2)
+    actor = _actor(model, "biased")
+    timm_dora.wrap(model, actor)
+    with torch.no_grad():
+        ref = model(x)
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, actor, cuda_graphs=True)
+    with pytest.warns(UserWarning, match="runs eagerly: autograd is enabled"):
+        out = model(x)
+    assert torch.equal(out.detach(), ref) and len(model._dora.graphs) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        model(x)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+    assert len(model._dora.graphs) == 1
+    timm_dora.unwrap(model)
+
+
+def test_graph_option_is_part_of_the_wrap_identity_and_sizes_are_checked():
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = _actor(model, "closed")
+    timm_dora.wrap(model, actor, cuda_graphs=True)
+    assert timm_dora.wrap(model, actor, cuda_graphs=True) is model
+    with pytest.raises(ValueError, match="already wrapped"):
+        timm_dora.wrap(model, actor)
+    with torch.inference_mode(), pytest.raises(AssertionError, match=r"Input height \(80\) doesn't match model \(64\)"):
+        model(torch.randn(1, 3, 80, 80))  # another input size takes the default path: timm refuses it
+    assert len(model._dora.graphs) == 0
+    timm_dora.unwrap(model)
+
+
+def test_sampled_actor_policy_has_no_graph_probe():
+    """Sampling or recording policies draw noise or keep records: they decide on the host."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = _actor(model, "biased")
+    assert ActorPolicy(actor).graph_probe
+    assert not ActorPolicy(actor, sample=True).graph_probe
+    assert not ActorPolicy(actor, record=True).graph_probe
+    x = images(model, 4)
+    runs = []
+    for graphs in (False, True):
+        policy = ActorPolicy(actor, sample=True, record=True, generator=torch.Generator().manual_seed(0))
+        runs.append(_run(model, [x], policy=policy, cuda_graphs=graphs)[0])
+        assert len(policy.records) == len(model.blocks)
+    _assert_same(runs[1], runs[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture itself)")
+@pytest.mark.parametrize("kind", ["closed", "biased", "forced", "replay"])
+def test_captured_graphs_match_the_default_forward_on_cuda(kind):
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    xs = [images(model, 6, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1)]
+    if kind == "replay":
+        wrap_kw = dict(policy=ReplayPolicy({l: (i.cuda(), c.cuda()) for l, (i, c) in random_plan(6, 16, 12, [2, 5]).items()}))
+    else:
+        wrap_kw = dict(actor=_actor(model, kind).to("cuda", torch.bfloat16))
+    ref = _run(model, xs, **wrap_kw)
+    got = _run(model, xs, **wrap_kw, cuda_graphs=True)
+    for a, b in zip(got, ref):
+        _assert_same(a, b)
