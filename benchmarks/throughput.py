@@ -24,7 +24,9 @@ loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations p
   GFLOPs.
 
 Each row also records ``peak_memory_mib`` on CUDA: the peak allocated memory over its timed
-forwards (weights and the cycled input batches included, so rows of one backbone compare).
+forwards (weights and the cycled input batches included, so rows of one backbone compare), and
+``peak_reserved_mib``, the peak memory reserved by the allocator over the row (the cache is emptied
+before each row; graph rows capture within the row, and their pools count here).
 
 Usage (prints a table; writes JSON with device, versions and the command):
 
@@ -34,6 +36,7 @@ Usage (prints a table; writes JSON with device, versions and the command):
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -173,11 +176,16 @@ def main(argv=None):
 
         def add(config, fn, gflops, **extra):
             if dev.type == "cuda":  # peak memory of the timed forwards (weights and inputs included)
+                gc.collect()  # graphs of unwrapped rows hold memory pools until collected
                 torch.cuda.synchronize()
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
             if dev.type == "cuda":
                 r["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+                # CUDA graphs allocate their pools once, at capture, outside the timed forwards;
+                # the reserved peak (cache emptied before the row) counts them
+                r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
             row = {"model": name, "config": config, "gflops": gflops, **extra, **r}
             rows.append(row)
             print(f"{name:28s} {config:22s} {gflops:8.3f} GFLOPs {r['images_per_s']:10.1f} img/s {r['ms_per_batch']:8.3f} ms/batch", flush=True)
