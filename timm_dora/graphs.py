@@ -1,44 +1,56 @@
-"""CUDA graphs of the dense phase of a wrapped forward (``wrap(..., cuda_graphs=True)``).
+"""A wrapped forward replayed from CUDA graphs (``wrap(..., cuda_graphs=True)``).
 
-Until a block deletes its first token every image keeps all its tokens, so the forward's shapes
-are fixed by the batch shape alone: the embedding, each block's attention residual (with the
-actor's gate), each block's MLP residual and the readout are captured once per batch shape as CUDA
-graphs and replayed, one launch each instead of tens of kernel launches and module calls. That is
-what a small backbone needs: ViT-Ti's eager blocks are launch-bound on an H100 at batch 320.
+A ViT-Ti block on an H100 at batch 320 takes about 0.6 ms on the GPU and, run eagerly, about as
+much host time in module calls and kernel launches: the eager forward is launch-bound, and after
+pruning even more so. Here the forward's heavy segments are captured as CUDA graphs (one launch
+each) and only the decisions and the deletion run eagerly, between replays:
 
-Per block ``l`` of the dense phase:
+- **dense phase** (until the first deletion every image keeps all tokens; shapes are fixed by the
+  batch shape): the embedding, each block's attention residual, each block's MLP residual and the
+  readout. For a policy with a graph probe (a deterministic :class:`~timm_dora.policy.ActorPolicy`)
+  the attention segment also computes the gate and copies the gate vector into pinned host memory;
+  the MLP segment is replayed *before* the host waits for that copy (speculation: the GPU keeps
+  working while the host decides; wasted once, at the block where a gate first opens).
+- **packed phase** (after a deletion): rows are padded up to a multiple of :data:`ROWS_BUCKET`
+  and each block's attention residual and MLP residual are captured per (block, padded rows).
+  Attention runs the varlen kernel with ``cu_seqlens`` in a fixed device buffer and the longest
+  possible sequence as its maximum, so the padded rows, past the last sequence, are never read
+  (they hold garbage that row-wise LayerNorm/MLP carry along and the deletion never gathers).
+  The policy decides eagerly on the real rows; the deletion gathers the survivors into a fixed
+  buffer (one ``index_select``) and the next segment replays.
 
-1. replay ``attention[l]``: the attention residual into a fixed buffer and, for a policy with a
-   graph probe (a deterministic :class:`~timm_dora.policy.ActorPolicy`), the gate and an
-   asynchronous copy of the gate vector into pinned host memory;
-2. with a probe: record an event, replay ``mlp[l]`` (speculatively, on the unpruned batch), wait
-   for the event only, and let the policy decide from the gate vector (the GPU keeps working on the
-   MLP meanwhile); without one: the policy decides on the host (e.g. a replay plan);
-3. nothing removed: the MLP output is the block's output (replayed now if it was not already);
-   otherwise the phase ends: the speculative MLP is discarded and the ordinary (eager) path deletes
-   the rows of the attention-residual buffer and continues, packed, to the end.
+Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x[1]`` (block ``l``
+reads ``x[l % 2]``), the attention-residual output ``xa`` and, for policies that read keys, the
+keys ``k`` of packed blocks (each ``[B*S, d]``). Every segment reads and writes only these (or its
+own small outputs), so re-running one gives the same result and segments are captured lazily, the
+first time a (block, rows) pair occurs; all graphs share one memory pool.
 
-The block's keys are not kept by the graphs (one ``[T, d]`` tensor per block would stay alive):
-a policy that reads ``ctx.keys`` (the controller, once a gate opened) gets them recomputed from the
-block input with the same operations (``norm1``, ``qkv``, ``k_norm``), hence the same values.
+Keys: in the dense phase the graphs do not keep them (one ``[T, d]`` per block would stay
+alive); a policy that reads ``ctx.keys`` there (the controller, once a gate opened) gets them
+recomputed from the block input with the same operations (``norm1``, ``qkv``, ``k_norm``), so the
+same values. In the packed phase they are copied into ``k`` unless the policy says
+``reads_keys = False`` (replay plans, :class:`~timm_dora.policy.NoPrune`).
 
-Off CUDA the same segments run eagerly, unchanged (no capture): that is how the CPU tests check
-this path against the default forward. Only inference: no autograd, no autocast, ``eval()``.
+Off CUDA the same segments run uncaptured (attention on the real rows, padded afterwards): that is
+how the CPU tests check this path against the default forward. Inference only: ``eval()``, no
+autograd, no autocast, a half-precision varlen backend on CUDA.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Callable, List, Optional, Tuple
+from types import SimpleNamespace
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from .packing import Packed
+from .packing import Packed, delete_rows, varlen_attention
 from .policy import BlockContext, Decision, ForwardConstants
 
-__all__ = ["DenseGraphs", "LazyKeysContext", "dense_graphs", "graph_mode_reason"]
+__all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "graph_mode_reason", "ROWS_BUCKET", "MAX_CACHED"]
 
 MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
+ROWS_BUCKET = 256  # packed rows are padded up to a multiple of this (one graph per block and size)
 
 
 class LazyKeysContext(BlockContext):
@@ -60,30 +72,34 @@ class LazyKeysContext(BlockContext):
         self._keys = value
 
 
-def graph_mode_reason(model: nn.Module, images: torch.Tensor) -> Optional[str]:
-    """Why this forward cannot take the dense-phase graphs (``None``: it can)."""
+def graph_mode_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Optional[str]:
+    """Why this forward cannot run from graphs (``None``: it can)."""
     if model.training:
         return "the model is in training mode"
     if torch.is_grad_enabled():
         return "autograd is enabled (run under torch.inference_mode() or torch.no_grad())"
-    if images.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-        return "autocast is enabled (cast the model to bf16/fp16 instead)"
+    if images.device.type == "cuda":
+        if torch.is_autocast_enabled("cuda"):
+            return "autocast is enabled (cast the model to bf16/fp16 instead)"
+        if backend not in ("flash", "torch_varlen"):
+            return f"the {backend!r} attention backend reads sequence lengths on the host (use bf16/fp16)"
     return None
 
 
-class DenseGraphs:
-    """The dense phase of one wrapped model for one batch shape and policy.
+class GraphRunner:
+    """The graph-replayed forward of one wrapped model for one batch shape and policy.
 
-    Fixed buffers: the input images, two ``[B*S, d]`` block inputs (block ``l`` reads
-    ``x[l % 2]``, its MLP writes ``x[(l + 1) % 2]``) and the attention-residual output ``xa``.
-    On CUDA every segment is captured (one shared memory pool); elsewhere segments run eagerly.
+    :func:`timm_dora.patch.run` drives it block by block: :meth:`start`, then per block
+    :meth:`block` (attention and decision), :meth:`mlp` or :meth:`delete` (deletion and MLP), and
+    :meth:`finish` (readout).
     """
 
     def __init__(self, model: nn.Module, policy, images: torch.Tensor, backend: str, readout_mode: str):
-        from .patch import attention_residual, embed, mlp_residual, readout
+        from .patch import embed
 
-        self.model, self.policy, self.backend = model, policy, backend
+        self.model, self.policy, self.backend, self.readout_mode = model, policy, backend, readout_mode
         self.probing = bool(getattr(policy, "graph_probe", False)) and callable(getattr(policy, "probe", None))
+        self.copy_keys = bool(getattr(policy, "reads_keys", True))
         dev = images.device
         self.capture = dev.type == "cuda"
         self.images = torch.empty_like(images, memory_format=torch.contiguous_format)
@@ -91,127 +107,189 @@ class DenseGraphs:
         x0 = embed(model, self.images)
         b, s, d = x0.shape
         p = model.num_prefix_tokens
-        self.depth, self.num_patches = len(model.blocks), s - p
-        layout = Packed.from_dense(x0, p, track_ids=True)
+        self.batch, self.seq, self.depth, self.num_patches = b, s, len(model.blocks), s - p
+        dense = Packed.from_dense(x0, p, track_ids=True)
         for name in ("max_len", "min_len", "cu_seqlens", "starts", "seg", "pos"):
-            getattr(layout, name)  # layout tensors are made now, outside any capture
-        self.x = [torch.empty((b * s, d), dtype=x0.dtype, device=dev) for _ in range(2)]
+            getattr(dense, name)  # layout tensors are made now, outside any capture
+        del x0
+        self.x = [torch.empty((b * s, d), dtype=self.images.dtype, device=dev) for _ in range(2)]
         self.xa = torch.empty_like(self.x[0])
-        self.inputs = [layout.with_x(t) for t in self.x]  # block l's input layout: inputs[l % 2]
-        self.attended = layout.with_x(self.xa)
+        self.k = torch.empty_like(self.x[0]) if self.copy_keys else None
+        self.cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # cu_seqlens of the packed phase
+        self.dense_inputs = [dense.with_x(t) for t in self.x]  # block l's dense input: [l % 2]
+        self.dense_attended = dense.with_x(self.xa)
         self.gate_host = torch.zeros((self.depth, b), dtype=torch.bool, pin_memory=self.capture)
         self.consts = ForwardConstants(b, dev)
         for name in ("zeros", "closed", "opened", "no_rho"):
             getattr(self.consts, name)
         self.full = torch.full((b,), self.num_patches, dtype=torch.long, device=dev)
-        self.steps: List[object] = [None] * self.depth
+        self.steps: Dict[int, object] = {}
         self.logits: Optional[torch.Tensor] = None
-        del x0
-        blocks = list(model.blocks)
-
-        def run_embed():
-            self.x[0].copy_(embed(model, self.images).reshape(b * s, d))
-
-        def run_attention(l: int):
-            def f():
-                src = self.inputs[l % 2]
-                _, keys = attention_residual(blocks[l], src, backend, out=self.xa)
-                if self.probing:
-                    ctx = BlockContext(l, keys, src, self.full, self.consts.no_rho, self.consts.zeros,
-                                       self.depth, self.num_patches, backend, self.consts)
-                    step = policy.probe(ctx)
-                    self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
-                    self.steps[l] = step._replace(ctx=None, keys=None)  # the keys are not kept
-            return f
-
-        def run_mlp(l: int):
-            return lambda: mlp_residual(blocks[l], self.xa, out=self.x[(l + 1) % 2])
-
-        def run_readout():
-            final = self.inputs[self.depth % 2]
-            self.logits = readout(model, final.with_x(model.norm(final.x)), readout_mode)
-
-        self.segments = {"embed": run_embed, "readout": run_readout}
-        for l in range(self.depth):
-            self.segments[("attention", l)] = run_attention(l)
-            self.segments[("mlp", l)] = run_mlp(l)
-        self.graphs = {}
-        if self.capture:
-            self._capture()
-
-    def _capture(self) -> None:
-        order = ["embed"] + [(k, l) for l in range(self.depth) for k in ("attention", "mlp")] + ["readout"]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (lazy initialisations must not happen in a capture)
-            for name in order:
-                self.segments[name]()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        # the gate's context (history and block embeddings) is memoised per forward constants: made
-        # again inside block 0's capture, so every replay recomputes it from the actor's weights
-        self.consts.memo.clear()
-        pool = torch.cuda.graph_pool_handle()
-        for name in order:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.segments[name]()
-            self.graphs[name] = g
-
-    def replay(self, name) -> None:
-        g = self.graphs.get(name)
-        if g is not None:
-            g.replay()
-        else:
-            self.segments[name]()
+        self.graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.cur: Optional[Packed] = None  # the packed phase's current rows (real layout), else None
+        self.scale = [blk.attn.scale for blk in model.blocks]
 
     # ------------------------------------------------------------------------------------------
-    def start(self, images: torch.Tensor) -> Packed:
-        """Copy the batch into the fixed input and embed it; returns block 0's input."""
+    # segments: each reads and writes fixed buffers only, so running one again gives the same result
+
+    def _segment(self, key: tuple) -> Callable[[], None]:
+        from .patch import attention_residual, embed, mlp_residual, readout
+
+        kind, l = key[0], key[1] if len(key) > 1 else None
+        model, b, s = self.model, self.batch, self.seq
+        if kind == "embed":
+            return lambda: self.x[0].copy_(embed(model, self.images).reshape(b * s, -1))
+        if kind == "readout":
+            def readout_dense():
+                final = self.dense_inputs[self.depth % 2]
+                self.logits = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
+            return readout_dense
+        blk = model.blocks[l]
+        if kind == "attention":  # dense
+            def attention_dense():
+                src = self.dense_inputs[l % 2]
+                _, keys = attention_residual(blk, src, self.backend, out=self.xa)
+                if self.probing:
+                    ctx = BlockContext(l, keys, src, self.full, self.consts.no_rho, self.consts.zeros,
+                                       self.depth, self.num_patches, self.backend, self.consts)
+                    step = self.policy.probe(ctx)
+                    self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
+                    self.steps[l] = step._replace(ctx=None, keys=None)  # the keys are not kept
+            return attention_dense
+        if kind == "mlp":  # dense or packed: xa -> x[(l + 1) % 2]
+            rows = key[2]
+            return lambda: mlp_residual(blk, self.xa[:rows], out=self.x[(l + 1) % 2][:rows])
+        if kind == "mlp_compacted":  # the survivors, gathered into x[l % 2] -> x[(l + 1) % 2]
+            rows = key[2]
+            return lambda: mlp_residual(blk, self.x[l % 2][:rows], out=self.x[(l + 1) % 2][:rows])
+        if kind == "attention_packed":
+            rows = key[2]
+            static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq)
+            scale = self.scale[l]
+
+            def attend(q, k, v):
+                if self.capture:  # the kernel reads cu_seqlens from the fixed buffer
+                    return varlen_attention(q, k, v, static, scale, self.backend)
+                real = self.cur  # uncaptured: the real rows, padded afterwards
+                t = real.total
+                o = varlen_attention(q[:t], k[:t], v[:t], real, scale, self.backend)
+                return F.pad(o, (0, 0, 0, 0, 0, rows - t))
+
+            def attention_packed():
+                src = SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False)
+                _, keys = attention_residual(blk, src, self.backend, out=self.xa[:rows], attend=attend)
+                if self.copy_keys:
+                    self.k[:rows].copy_(keys)
+            return attention_packed
+        raise KeyError(key)
+
+    def _run(self, key: tuple) -> None:
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+            return
+        fn = self._segment(key)
+        if not self.capture:
+            fn()
+            return
+        side = torch.cuda.Stream()  # warm-up outside the capture (lazy initialisations, autotuning)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        if key[0] == "attention" and key[1] == 0:
+            # the gate's context (history and block embeddings) is memoised per forward constants:
+            # made again inside block 0's capture, so every replay recomputes it from the weights
+            self.consts.memo.clear()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            fn()
+        self.graphs[key] = g
+        g.replay()
+
+    def _padded(self, rows: int) -> int:
+        return min(-(-rows // ROWS_BUCKET) * ROWS_BUCKET, self.batch * self.seq)
+
+    # ------------------------------------------------------------------------------------------
+    # one forward
+
+    def start(self, images: torch.Tensor) -> None:
+        """Copy the batch into the fixed input and embed it (the dense phase begins)."""
         self.images.copy_(images)
-        self.replay("embed")
-        return self.inputs[0]
+        self.cur = None
+        self._run(("embed",))
+
+    @property
+    def dense(self) -> bool:
+        return self.cur is None
 
     def block(self, l: int, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor,
-              consts: ForwardConstants) -> Tuple[Decision, bool]:
-        """Block ``l``'s attention residual and decision; returns ``(decision, mlp_done)``:
-        ``mlp_done`` says the MLP of the unpruned batch already ran (speculatively)."""
+              consts: ForwardConstants) -> Tuple[Decision, Packed, bool]:
+        """Block ``l``'s attention residual and decision. Returns ``(decision, attended, mlp_done)``:
+        the attention-residual rows with their layout, and whether the MLP of the unpruned batch
+        already ran (speculatively, dense phase)."""
         from .patch import attention_keys
 
-        self.replay(("attention", l))
-        src, blk = self.inputs[l % 2], self.model.blocks[l]
-        ctx = LazyKeysContext(lambda: attention_keys(blk, src), block=l, packed=src, n_visual=n_visual, rho=rho,
-                              interventions=interventions, depth=self.depth, num_patches=self.num_patches,
-                              backend=self.backend, constants=consts)
-        if not self.probing:
-            return self.policy(ctx), False
-        done = None
-        if self.capture:
-            done = torch.cuda.Event()
-            done.record()
-        self.replay(("mlp", l))  # speculative: the GPU runs it while the host reads the gate
-        if done is not None:
-            done.synchronize()
-        return self.policy.decide(self.steps[l], self.gate_host[l].tolist(), ctx), True
+        blk = self.model.blocks[l]
+        kw = dict(block=l, n_visual=n_visual, rho=rho, interventions=interventions, depth=self.depth,
+                  num_patches=self.num_patches, backend=self.backend, constants=consts)
+        if self.dense:
+            self._run(("attention", l))
+            src = self.dense_inputs[l % 2]
+            ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
+            if not self.probing:
+                return self.policy(ctx), self.dense_attended, False
+            done = None
+            if self.capture:
+                done = torch.cuda.Event()
+                done.record()
+            self._run(("mlp", l, self.batch * self.seq))  # speculative: runs while the host reads the gate
+            if done is not None:
+                done.synchronize()
+            return self.policy.decide(self.steps[l], self.gate_host[l].tolist(), ctx), self.dense_attended, True
+        src = self.cur
+        t = src.total
+        self._run(("attention_packed", l, self._padded(t)))
+        if self.copy_keys:
+            ctx = BlockContext(keys=self.k[:t], packed=src, **kw)
+        else:
+            ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
+        return self.policy(ctx), src.with_x(self.xa[:t]), False
 
-    def mlp(self, l: int) -> Packed:
-        """Block ``l``'s MLP residual (if not already run); returns block ``l + 1``'s input."""
-        self.replay(("mlp", l))
-        return self.inputs[(l + 1) % 2]
+    def leave_dense(self) -> None:
+        """Continue packed (e.g. after a decision that changed the history the dense graphs assume)."""
+        if self.dense:
+            self.cur = self.dense_inputs[0].with_x(self.x[0])  # layout only; x set by the next step
+            self.cu.copy_(self.cur.cu_seqlens)
 
-    def next_input(self, l: int) -> Packed:
-        return self.inputs[(l + 1) % 2]
+    def mlp(self, l: int, attended: Packed, done: bool) -> None:
+        """Block ``l``'s MLP residual on the unpruned rows (unless ``done``); the next block's input."""
+        t = attended.total
+        if not done:
+            self._run(("mlp", l, t if self.dense else self._padded(t)))
+        if not self.dense:
+            self.cur = attended.with_x(self.x[(l + 1) % 2][:t])
 
-    def finish(self) -> torch.Tensor:
-        """The readout of a forward that stayed dense to the end (a copy: the buffer is reused)."""
-        self.replay("readout")
-        return self.logits.clone()
+    def delete(self, l: int, attended: Packed, dec: Decision) -> None:
+        """Delete the decided rows (gathered into ``x[l % 2]``), then the MLP of the survivors."""
+        after = delete_rows(attended, dec.remove, dec.removed, dec.removed_host, out=self.x[l % 2])
+        self.cur = after
+        self.cu.copy_(after.cu_seqlens)
+        self._run(("mlp_compacted", l, self._padded(after.total)))
+        self.cur = after.with_x(self.x[(l + 1) % 2][: after.total])
+
+    def finish(self) -> Tuple[torch.Tensor, Optional[Packed]]:
+        """Logits (a copy when they come from a graph's buffer) and, packed, the final rows."""
+        if self.dense:
+            self._run(("readout",))
+            return self.logits.clone(), None
+        return None, self.cur
 
 
-def dense_graphs(model: nn.Module, cache: "OrderedDict", policy, images: torch.Tensor, backend: str,
-                 readout_mode: str) -> DenseGraphs:
-    """The :class:`DenseGraphs` of ``model`` for this batch shape and policy, built (and on CUDA
-    captured) on first use; ``cache`` keeps the :data:`MAX_CACHED` most recent."""
+def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend: str, readout_mode: str) -> GraphRunner:
+    """The :class:`GraphRunner` of ``model`` for this batch shape and policy (made on first use);
+    ``cache`` (an ``OrderedDict``) keeps the :data:`MAX_CACHED` most recent."""
     weight = next(model.parameters())
     key = (tuple(images.shape), images.dtype, str(images.device), id(policy), backend, readout_mode,
            weight.dtype, weight.data_ptr())
@@ -219,7 +297,7 @@ def dense_graphs(model: nn.Module, cache: "OrderedDict", policy, images: torch.T
     if entry is not None and entry.policy is policy:
         cache.move_to_end(key)
         return entry
-    entry = DenseGraphs(model, policy, images, backend, readout_mode)
+    entry = GraphRunner(model, policy, images, backend, readout_mode)
     cache[key] = entry
     while len(cache) > MAX_CACHED:
         cache.popitem(last=False)

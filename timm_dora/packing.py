@@ -163,7 +163,7 @@ def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
-                removed_host: Optional[List[int]] = None) -> Packed:
+                removed_host: Optional[List[int]] = None, out: Optional[torch.Tensor] = None) -> Packed:
     """Physically delete rows of a packed batch, keeping the order of the survivors.
 
     Args:
@@ -172,6 +172,8 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
         removed: ``[B]`` int64 number of rows deleted from each sequence (equals the per-sequence
             count of ``remove``).
         removed_host: the same counts as a list, when the caller knows them on the host.
+        out: a ``[>= T', d]`` buffer to gather the survivors into (its first rows); the result's
+            ``x`` is then a view of it.
 
     Returns:
         The compacted batch: one gather of the surviving rows, new lengths and ``cu_seqlens``.
@@ -186,7 +188,8 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
     total = sum(lengths_host)
     index = rows_where(~remove, total)
     ids = None if packed.ids is None else packed.ids.index_select(0, index)
-    return Packed(packed.x.index_select(0, index), lengths, lengths_host, packed.num_prefix, ids)
+    x = packed.x.index_select(0, index) if out is None else torch.index_select(packed.x, 0, index, out=out[:total])
+    return Packed(x, lengths, lengths_host, packed.num_prefix, ids)
 
 
 # --------------------------------------------------------------------------------------------

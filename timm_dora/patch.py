@@ -92,7 +92,7 @@ class _DoraState:
     cost: BackboneCost
     original_class: type
     cuda_graphs: bool = False
-    graphs: "OrderedDict" = field(default_factory=OrderedDict)  # timm_dora.graphs.DenseGraphs per batch shape
+    graphs: "OrderedDict" = field(default_factory=OrderedDict)  # timm_dora.graphs.GraphRunner per batch shape
     warned: bool = False  # the one warning that cuda_graphs could not be used
 
 
@@ -206,16 +206,20 @@ def wrap(
             where some gate opens (and keeps the block's keys and input rows alive while it
             runs). Pays when gates rarely open. With ``policy=``, construct the policy with
             ``speculate=True`` instead (it must offer ``begin``, see :mod:`timm_dora.policy`).
-        cuda_graphs: inference only, opt-in: until the first token is deleted the forward has
-            fixed shapes; its embedding, attention and MLP residuals (with the actor's gate) and
-            readout are captured as CUDA graphs per batch shape (on first use, up to 4 shapes
-            kept) and replayed (:mod:`timm_dora.graphs`); the rest runs as usual. The MLP of the
-            unpruned batch runs while the host reads the gate (speculation, wasted once per
-            forward at the block where a gate first opens). Needs ``eval()`` and no autograd
-            (``torch.inference_mode()``); otherwise the forward runs eagerly with one warning.
-            The graphs read the weights in place; moving or casting the model recaptures. Costs
-            memory: three ``[B*S, d]`` buffers and the graphs' pool per batch shape. Off CUDA the
-            same segments run uncaptured (identical results; how the CPU tests check it).
+        cuda_graphs: inference only, opt-in: the forward's heavy segments (embedding, each
+            block's attention and MLP residuals, readout) are captured as CUDA graphs on first
+            use and replayed; the decisions and the deletion run eagerly in between
+            (:mod:`timm_dora.graphs`). Until the first deletion shapes are fixed by the batch
+            shape and the actor's gate runs inside the graphs, its MLP replayed before the host
+            reads the gate (wasted once per forward, where a gate first opens); after it, packed
+            rows are padded to a multiple of 256 (one graph per block and size). Graphs are kept
+            for up to 4 batch shapes (and policies). Needs ``eval()``, no autograd
+            (``torch.inference_mode()``) and, on CUDA, bf16/fp16 without autocast; otherwise the
+            forward runs eagerly with one warning. The graphs read the weights in place; moving
+            or casting the model recaptures. Costs memory: four ``[B*S, d]`` buffers and the
+            graphs' pool per batch shape. Results match the default path up to rounding: a matrix
+            product over padded rows may round differently (so a gate exactly at its threshold
+            could flip). Off CUDA the same segments run uncaptured (how the CPU tests check it).
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
@@ -323,10 +327,12 @@ def attention_keys(blk: nn.Module, packed: Packed) -> torch.Tensor:
     return _keys_rows(k, packed)
 
 
-def attention_residual(blk: nn.Module, packed: Packed, backend: str,
-                       out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Optional[torch.Tensor] = None,
+                       attend: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x + drop_path1(ls1(attn(norm1(x))))`` on packed rows; also returns the keys ``[T, d]``.
-    ``out``: write the result there (a fixed buffer of a CUDA graph)."""
+    ``out``: write the result there (a fixed buffer of a CUDA graph). ``attend``: ``(q, k, v) ->
+    o`` (``[T, H, hd]``) instead of :func:`varlen_attention` on a non-uniform batch (the graphs'
+    padded rows)."""
     attn = blk.attn
     t = packed.total
     y = blk.norm1(packed.x)
@@ -334,7 +340,7 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str,
     if packed.uniform:
         o = F.scaled_dot_product_attention(q, k, v, scale=attn.scale).transpose(1, 2).reshape(t, -1)
     else:
-        o = varlen_attention(q, k, v, packed, attn.scale, backend).reshape(t, -1)
+        o = (varlen_attention(q, k, v, packed, attn.scale, backend) if attend is None else attend(q, k, v)).reshape(t, -1)
     o = attn.norm(o)
     gate = getattr(attn, "gate", None)
     if gate is not None:
@@ -398,21 +404,22 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         _check_policy(policy)
         if model.training:
             raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
-    graphs = None
+    runner = None  # the forward replayed from CUDA graphs (timm_dora.graphs), when enabled
     if state.cuda_graphs and tuple(x.shape[-2:]) == tuple(model.patch_embed.img_size):
-        from .graphs import dense_graphs, graph_mode_reason
+        from .graphs import graph_mode_reason, graph_runner
 
-        why = graph_mode_reason(model, x)
+        backend = select_backend(x.device.type, x.dtype, state.attn_backend)
+        why = graph_mode_reason(model, x, backend)
         if why is None:
-            backend = select_backend(x.device.type, x.dtype, state.attn_backend)
-            graphs = dense_graphs(model, state.graphs, policy, x, backend, state.readout)
+            runner = graph_runner(model, state.graphs, policy, x, backend, state.readout)
         elif not state.warned:
             state.warned = True
             warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=3)
     p = model.num_prefix_tokens
-    if graphs is not None:
-        packed = graphs.start(x)
-        b, n0, dev = packed.batch_size, graphs.num_patches, x.device
+    if runner is not None:
+        runner.start(x)
+        b, n0, dev = runner.batch, runner.num_patches, x.device
+        packed = None
         del x
     else:
         x = embed(model, x)
@@ -440,11 +447,9 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     scalar_flops = 0.0
     for l, blk in enumerate(model.blocks):
         speculative = None  # the MLP of the unpruned batch, enqueued before the host waits
-        mlp_done = False  # (graph phase) the replayed speculative MLP already wrote the next input
-        if graphs is not None:  # dense phase: replayed segments (see timm_dora.graphs)
+        if runner is not None:
             with scope("dora.graphs"):
-                dec, mlp_done = graphs.block(l, n_visual, rho, interventions, consts)
-            x_attn = graphs.attended.x
+                dec, packed, mlp_done = runner.block(l, n_visual, rho, interventions, consts)
         else:
             with scope("dora.attention"):
                 x_attn, keys = attention_residual(blk, packed, backend)
@@ -463,11 +468,11 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
                 with scope("dora.policy"):
                     dec = policy(ctx)
                 del ctx
-        packed = packed.with_x(x_attn)
-        # no extra activation may outlive its use: the keys (possibly a view of the whole qkv
-        # output) are dead before the MLP (before the non-speculative one), the pre-deletion rows
-        # before the next attention
-        del x_attn
+            packed = packed.with_x(x_attn)
+            # no extra activation may outlive its use: the keys (possibly a view of the whole qkv
+            # output) are dead before the MLP (before the non-speculative one), the pre-deletion
+            # rows before the next attention
+            del x_attn
         entering.append(n_visual)
         gates.append(dec.gate)
         removed_all.append(dec.removed)
@@ -477,12 +482,8 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             scalar_flops += dec.flops
         if dec.gate is not consts.closed:
             interventions = interventions + dec.gate.long()
-        if graphs is not None and dec.remove is None and dec.gate is consts.closed:
-            # still dense, history unchanged: the next block replays too
-            packed = graphs.next_input(l) if mlp_done else graphs.mlp(l)
-            removed_patches.append(None)
-            continue
-        graphs = None  # the dense phase ends here (or never began): eager and packed from now on
+            if runner is not None and dec.remove is None:
+                runner.leave_dense()  # the history changed: the dense graphs' gate assumed it did not
         if dec.remove is None:  # nothing removed: N_l unchanged, rho_{l+1} = 0
             removed_patches.append(None)
             rho = consts.no_rho
@@ -490,22 +491,32 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             speculative = None  # some gate opened: the speculative MLP is discarded
             with scope("dora.compact"):
                 before = packed
-                packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
-                rows = rows_where(dec.remove, before.total - packed.total)
+                if runner is not None:
+                    runner.delete(l, before, dec)  # the survivors' MLP replays too
+                    after_total = runner.cur.total
+                else:
+                    packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
+                    after_total = packed.total
+                rows = rows_where(dec.remove, before.total - after_total)
                 removed_patches.append((before.seg[rows], before.ids[rows] - p))
                 del before, rows
             rho = dec.removed.float() / n_visual.float()
             n_visual = n_visual - dec.removed
-        if speculative is not None:
+            if runner is not None:
+                continue
+        if runner is not None:
+            runner.mlp(l, packed, mlp_done)
+        elif speculative is not None:
             packed = packed.with_x(speculative)
             del speculative
         else:
             with scope("dora.mlp"):
                 packed = packed.with_x(mlp_residual(blk, packed.x))
-    if graphs is not None:
+    logits = None
+    if runner is not None:
         with scope("dora.readout"):
-            logits = graphs.finish()
-    else:
+            logits, packed = runner.finish()
+    if logits is None:
         with scope("dora.readout"):
             packed = packed.with_x(model.norm(packed.x))
             logits = readout(model, packed, state.readout)

@@ -117,6 +117,8 @@ class Decision:
 class NoPrune:
     """A policy that never removes a token (the wrapped model then equals the native one)."""
 
+    reads_keys = False  # (see timm_dora.graphs: keys are then never materialised for it)
+
     def __call__(self, ctx: BlockContext) -> Decision:
         return ctx.nothing()
 
@@ -150,6 +152,8 @@ class ReplayPolicy:
     lengths are known on the host). Do not modify the plan's tensors afterwards.
     """
 
+    reads_keys = False  # decisions come from the plan (see timm_dora.graphs)
+
     def __init__(self, plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]], stop_after: Optional[int] = None, check: bool = True):
         self.plan = plan
         self.stop_after = stop_after
@@ -158,7 +162,7 @@ class ReplayPolicy:
 
     def __call__(self, ctx: BlockContext) -> Decision:
         b = ctx.packed.batch_size
-        dev = ctx.keys.device
+        dev = ctx.packed.lengths.device
         step = self.plan.get(ctx.block)
         if step is None or (self.stop_after is not None and ctx.block > self.stop_after) or ctx.block not in self._host:
             return ctx.nothing()
