@@ -180,7 +180,12 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
+            try:
+                r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
+            except Exception as e:  # one failing configuration must not lose the others' numbers
+                rows.append({"model": name, "config": config, "error": f"{type(e).__name__}: {e}"})
+                print(f"{name:28s} {config:22s} FAILED: {type(e).__name__}: {e}", flush=True)
+                return
             if dev.type == "cuda":
                 r["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
                 # CUDA graphs allocate their pools once, at capture, outside the timed forwards;
