@@ -195,6 +195,18 @@ def main(argv=None):
             rows.append(row)
             print(f"{name:28s} {config:22s} {gflops:8.3f} GFLOPs {r['images_per_s']:10.1f} img/s {r['ms_per_batch']:8.3f} ms/batch", flush=True)
 
+        def first_forward(wrapped, config):
+            """One forward for the row's statistics; a failure is recorded (and the model unwrapped)."""
+            try:
+                with torch.inference_mode():
+                    wrapped(inputs[0])
+                return True
+            except Exception as e:
+                rows.append({"model": name, "config": config, "error": f"{type(e).__name__}: {e}"})
+                print(f"{name:28s} {config:22s} FAILED: {type(e).__name__}: {e}", flush=True)
+                timm_dora.unwrap(wrapped)
+                return False
+
         if "native" in args.configs:
             add("native", model, native_gflops)
         actor = Actor.for_model(model).to(dev, dtype)
@@ -204,8 +216,8 @@ def main(argv=None):
                                           ("gate_off_graphs", False, True)):
             if config in args.configs:
                 timm_dora.wrap(model, actor, speculate=speculate, cuda_graphs=graphs)
-                with torch.inference_mode():
-                    model(inputs[0])
+                if not first_forward(model, config):
+                    continue
                 add(config, model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
                 timm_dora.unwrap(model)
         for red in args.reductions:
@@ -230,8 +242,8 @@ def main(argv=None):
                 if config not in args.configs:
                     continue
                 timm_dora.wrap(model, forced, speculate=speculate, cuda_graphs=graphs)
-                with torch.inference_mode():
-                    model(inputs[0])
+                if not first_forward(model, config + tag):
+                    continue
                 s = model.dora_stats
                 add(config + "(random)" + tag, model, float(s.gflops.mean()), backend=s.backend,
                     gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
