@@ -111,6 +111,18 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
             f"{row['images_per_s']:9.0f} img/s  {', '.join(res['attention_ops'])}", t0)
     if dora is not None:
         dora.close()
+    if dora is not None and args.cuda_graphs:
+        # the same actor replayed from CUDA graphs (timm_dora.graphs): accuracy, GFLOPs and speed
+        g = DoraMethod(model, actor, cuda_graphs=True)
+        g.name = "dora-cuda-graphs"
+        row = [r for r in evaluate(model, [g], tensor_batches(images, labels, args.batch), device=device, native=False)
+               if r["method"] == g.name][0]
+        res = bench(g.timing_fn(), inputs, warmup=args.warmup, iters=args.iters, repeats=args.repeats)
+        row.update({k: res[k] for k in ("images_per_s", "ms_per_batch", "repeats_images_per_s", "attention_ops")})
+        g.close()
+        rows.append(row)
+        log(f"{name}: {row['method']:32s} top-1 {row['top1']:6.2f}  {row['gflops']:6.3f} GFLOPs  "
+            f"{row['images_per_s']:9.0f} img/s", t0)
     # App. F.1 selector substitutions: DORA's own gates and budgets, another selector (accuracy only)
     selector_rows = []
     for sel in (args.selectors if actor else []):
@@ -136,7 +148,7 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
     }
     print(format_rows(rows, per_block=dora is not None))
     if dora is not None:
-        matched = table_from_results(payload, backbone=name)
+        matched = table_from_results(payload, backbone=name, exclude=("static-slice", "dora-cuda-graphs"))
         payload["matched"] = matched
         print(matched["table"])
     return payload
@@ -157,6 +169,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--static-blocks", type=int, nargs="+", default=[3, 6, 9])
     ap.add_argument("--selectors", nargs="*", default=["random", "similarity", "attention-wpr"],
                     help="App. F.1 selector substitutions run with the DORA actor (accuracy only)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="also evaluate and time DORA with wrap(..., cuda_graphs=True) (row dora-cuda-graphs)")
     ap.add_argument("--batch", type=int, default=320)
     ap.add_argument("--batches", type=int, default=25, help="at most this many timing batches (full batches of the split)")
     ap.add_argument("--warmup", type=int, default=200)

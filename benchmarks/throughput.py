@@ -22,6 +22,9 @@ loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations p
 - ``oracle``: a dense run with a static schedule removing the fixed policy's mean count at the
   same blocks (``x[:, :n]`` slicing, zero selection or packing overhead): the ceiling at equal
   GFLOPs.
+- ``oracle_graphs``: the same static schedule captured as one CUDA graph (CUDA only): no launch
+  overhead at all, the ceiling for the ``*_graphs`` rows (the eager ``oracle`` is itself
+  launch-bound on small backbones).
 
 Each row also records ``peak_memory_mib`` on CUDA: the peak allocated memory over its timed
 forwards (weights and the cycled input batches included, so rows of one backbone compare), and
@@ -125,6 +128,27 @@ def oracle_forward(model, ks: Dict[int, int]):
     return fwd
 
 
+def captured(fn: Callable, example: torch.Tensor) -> Callable:
+    """``fn`` on a fixed-shape batch as one CUDA graph (input copied into a fixed buffer, output
+    cloned): the launch-free ceiling of a static schedule."""
+    static_in = example.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(side):
+        fn(static_in)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(g):
+        static_out = fn(static_in)
+
+    def replay(x):
+        static_in.copy_(x)
+        g.replay()
+        return static_out.clone()
+
+    return replay
+
+
 def time_forward(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: int, repeats: int):
     """The App. E.5 protocol of :func:`timm_dora.bench.time_forward`, keeping this script's row fields."""
     r = bench.time_forward(fn, inputs, warmup=warmup, iters=iters, repeats=repeats)
@@ -151,7 +175,7 @@ def main(argv=None):
     ap.add_argument("--spread", type=int, default=16, help="per-image budget spread around the mean")
     ap.add_argument("--configs", nargs="+",
                     default=["native", "gate_off", "gate_off_spec", "gate_off_graphs", "fixed", "fixed_graphs",
-                             "actor", "actor_spec", "actor_graphs", "oracle"])
+                             "actor", "actor_spec", "actor_graphs", "oracle", "oracle_graphs"])
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
@@ -257,6 +281,8 @@ def main(argv=None):
                     macs += float(cost.block_macs(l, torch.tensor([n + cost.num_prefix]), torch.tensor([n + cost.num_prefix - kk])))
                     n -= kk
                 add("oracle" + tag, fwd, 2 * macs / 1e9, static_k=ks)
+                if "oracle_graphs" in args.configs and dev.type == "cuda":
+                    add("oracle_graphs" + tag, captured(fwd, inputs[0]), 2 * macs / 1e9, static_k=ks)
         results["rows"] += rows
         del model, inputs
         torch.cuda.empty_cache()

@@ -35,13 +35,16 @@ def test_compare_smoke(tmp_path):
         "--models", "vit_tiny_patch16_224", "--random-weights", "--img-size", "64", "--device", "cpu",
         "--data", str(csv_path), "--r", "1", "3", "--static-reductions", "0.3", "--static-blocks", "2", "5",
         "--batch", "4", "--warmup", "1", "--iters", "1", "--repeats", "1", "--workers", "0",
-        "--actor", str(tmp_path / "actor"), "--out", str(out),
+        "--actor", str(tmp_path / "actor"), "--out", str(out), "--cuda-graphs",
     ])
     res = json.loads((out / "compare_vit_tiny_patch16_224.json").read_text())
     assert res["model"] == results[0]["model"] and res["data"]["images"] == 6
     assert res["protocol"]["batches"] == 1 and res["protocol"]["iters"] == 1
     names = [r["method"] for r in res["rows"]]
-    assert names[0] == "native" and names[1:3] == ["tome(r=1)", "tome(r=3)"] and names[-1] == "dora"
+    assert names[0] == "native" and names[1:3] == ["tome(r=1)", "tome(r=3)"] and names[-2:] == ["dora", "dora-cuda-graphs"]
+    dora, graphs = res["rows"][-2:]  # the graph-replayed forward (uncaptured on the CPU) decides the same
+    assert graphs["per_block"] == dora["per_block"] and graphs["gflops"] == dora["gflops"]
+    assert abs(graphs["top1"] - dora["top1"]) < 1e-9
     assert any(n.startswith("static-cls_sim(") for n in names) and any(n.startswith("static-slice(") for n in names)
     for r in res["rows"]:
         assert r["images"] == 6 and r["images_per_s"] > 0 and r["gflops"] > 0 and r["attention_ops"]

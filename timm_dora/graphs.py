@@ -16,8 +16,10 @@ each) and only the decisions and the deletion run eagerly, between replays:
   Attention runs the varlen kernel with ``cu_seqlens`` in a fixed device buffer and the longest
   possible sequence as its maximum, so the padded rows, past the last sequence, are never read
   (they hold garbage that row-wise LayerNorm/MLP carry along and the deletion never gathers).
-  The policy decides eagerly on the real rows; the deletion gathers the survivors into a fixed
-  buffer (one ``index_select``) and the next segment replays.
+  The policy decides eagerly on the real rows (for the actor: its gate, whose vector travels to
+  the host while the MLP segment replays speculatively, then the controller where a gate
+  opened); the deletion gathers the survivors into a fixed buffer (one ``index_select``) and the
+  next segment replays.
 
 Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x[1]`` (block ``l``
 reads ``x[l % 2]``), the attention-residual output ``xa`` and, for policies that read keys, the
@@ -249,13 +251,19 @@ class GraphRunner:
                 done.synchronize()
             return self.policy.decide(self.steps[l], self.gate_host[l].tolist(), ctx), self.dense_attended, True
         src = self.cur
-        t = src.total
-        self._run(("attention_packed", l, self._padded(t)))
+        t, rows = src.total, self._padded(src.total)
+        self._run(("attention_packed", l, rows))
         if self.copy_keys:
             ctx = BlockContext(keys=self.k[:t], packed=src, **kw)
         else:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
-        return self.policy(ctx), src.with_x(self.xa[:t]), False
+        if not self.probing:
+            return self.policy(ctx), src.with_x(self.xa[:t]), False
+        # the gate runs eagerly here (the history varies per image), its vector travels to the host
+        # while the MLP of the unpruned rows replays (speculation, as in the dense phase)
+        finish = self.policy.begin(ctx)
+        self._run(("mlp", l, rows))
+        return finish(), src.with_x(self.xa[:t]), True
 
     def leave_dense(self) -> None:
         """Continue packed (e.g. after a decision that changed the history the dense graphs assume)."""

@@ -210,9 +210,10 @@ def wrap(
             block's attention and MLP residuals, readout) are captured as CUDA graphs on first
             use and replayed; the decisions and the deletion run eagerly in between
             (:mod:`timm_dora.graphs`). Until the first deletion shapes are fixed by the batch
-            shape and the actor's gate runs inside the graphs, its MLP replayed before the host
-            reads the gate (wasted once per forward, where a gate first opens); after it, packed
-            rows are padded to a multiple of 256 (one graph per block and size). Graphs are kept
+            shape and the actor's gate runs inside the graphs; after it, packed rows are padded to
+            a multiple of 256 (one graph per block and size). The actor's gate vector is read
+            while the block's MLP on the unpruned rows replays (speculation; that MLP is wasted
+            at blocks where a gate opens). Graphs are kept
             for up to 4 batch shapes (and policies). Needs ``eval()``, no autograd
             (``torch.inference_mode()``) and, on CUDA, bf16/fp16 without autocast; otherwise the
             forward runs eagerly with one warning. The graphs read the weights in place; moving
