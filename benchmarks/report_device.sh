@@ -20,7 +20,7 @@ WD=$C/deit_tiny_patch16_224.fb_in1k-approx.bf16.safetensors
 step() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@" || echo "!! exit $? : $*"; }
 
 step 200 python3 benchmarks/compare.py --models $V $D --weights "$WV" "$WD" \
-  --actor hub/$V hub/$D --data "$C/data/labels.csv" --split test \
+  --actor hub/$V hub/$D --data "$C/data/labels.csv" --split test --cuda-graphs \
   --warmup 30 --iters 30 --repeats 3 --out "$R"
 for a in $(ls "$C/actors" | grep '^deit_u'); do
   step 40 python3 -m timm_dora.cli eval --model $D --weights "$WD" --actor "$C/actors/$a" \

@@ -131,8 +131,10 @@ def oracle_forward(model, ks: Dict[int, int]):
 def captured(fn: Callable, example: torch.Tensor) -> Callable:
     """``fn`` on a fixed-shape batch as one CUDA graph (input copied into a fixed buffer, output
     cloned): the launch-free ceiling of a static schedule."""
+    from timm_dora.graphs import _side_stream
+
     static_in = example.clone()
-    side = torch.cuda.Stream()
+    side = _side_stream(example.device)
     side.wait_stream(torch.cuda.current_stream())
     with torch.inference_mode(), torch.cuda.stream(side):
         fn(static_in)  # warm-up outside the capture

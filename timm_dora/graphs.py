@@ -55,6 +55,19 @@ MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps
 ROWS_BUCKET = 256  # packed rows are padded up to a multiple of this (one graph per block and size)
 
 
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One warm-up stream per device for all captures: cuBLAS keeps a workspace (allocated memory,
+    never returned) for every stream it has run on, so a new stream per capture leaked about 1 GB
+    over a benchmark's captures (H100, peak-memory rows)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
 class LazyKeysContext(BlockContext):
     """A :class:`BlockContext` whose ``keys`` are computed on first read (by ``keys_fn``)."""
 
@@ -195,7 +208,7 @@ class GraphRunner:
         if not self.capture:
             fn()
             return
-        side = torch.cuda.Stream()  # warm-up outside the capture (lazy initialisations, autotuning)
+        side = _side_stream(self.images.device)  # warm-up outside the capture (lazy initialisations)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
