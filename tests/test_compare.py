@@ -44,7 +44,7 @@ def test_compare_smoke(tmp_path):
     assert names[0] == "native" and names[1:3] == ["tome(r=1)", "tome(r=3)"] and names[-2:] == ["dora", "dora-cuda-graphs"]
     dora, graphs = res["rows"][-2:]  # the graph-replayed forward (uncaptured on the CPU) decides the same
     assert graphs["per_block"] == dora["per_block"] and graphs["gflops"] == dora["gflops"]
-    assert abs(graphs["top1"] - dora["top1"]) < 1e-9
+    assert abs(graphs["top1"] - dora["top1"]) < 1e-9 and graphs["agreement"] == dora["agreement"]
     assert any(n.startswith("static-cls_sim(") for n in names) and any(n.startswith("static-slice(") for n in names)
     for r in res["rows"]:
         assert r["images"] == 6 and r["images_per_s"] > 0 and r["gflops"] > 0 and r["attention_ops"]
