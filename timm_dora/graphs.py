@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .packing import Packed, delete_rows, varlen_attention
-from .policy import BlockContext, Decision, ForwardConstants
+from .policy import BlockContext, Decision, ForwardConstants, host_reader
 
 __all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "graph_mode_reason", "ROWS_BUCKET", "MAX_CACHED"]
 
@@ -139,6 +139,9 @@ class GraphRunner:
             getattr(self.consts, name)
         self.full = torch.full((b,), self.num_patches, dtype=torch.long, device=dev)
         self.steps: Dict[int, object] = {}
+        self.ctrl_in = (torch.zeros(b, 3, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
+                        torch.zeros(b, dtype=torch.bool, device=dev))  # packed phase: h, N_l, gate
+        self.ctrl_out: Dict[tuple, tuple] = {}
         self.logits: Optional[torch.Tensor] = None
         self.graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -178,6 +181,26 @@ class GraphRunner:
         if kind == "mlp_compacted":  # the survivors, gathered into x[l % 2] -> x[(l + 1) % 2]
             rows = key[2]
             return lambda: mlp_residual(blk, self.x[l % 2][:rows], out=self.x[(l + 1) % 2][:rows])
+        if kind == "controller":  # the actor's controller for every image, masked by the gate
+            rows, dense = key[2], key[3]
+            p = model.num_prefix_tokens
+
+            def controller():
+                from .patch import attention_keys
+
+                if dense:  # keys recomputed from the block input (the dense graphs do not keep them)
+                    src = self.dense_inputs[l % 2]
+                    step = self.steps[l]
+                    args = (attention_keys(blk, src), src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
+                elif self.capture:
+                    args = (self.k[:rows], self.cu, None) + self.ctrl_in
+                else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
+                    args = (self.k[:self.cur.total], self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
+                keys, cu, lengths, h, n_visual, gate = args
+                remove, removed, flops = self.policy.controller_fixed(
+                    keys, cu, self.seq, p, h, n_visual, gate, l, self.backend, None if self.capture else lengths)
+                self.ctrl_out[key] = (F.pad(remove, (0, rows - remove.shape[0])), removed, flops)
+            return controller
         if kind == "attention_packed":
             rows = key[2]
             static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq)
@@ -262,7 +285,11 @@ class GraphRunner:
             self._run(("mlp", l, self.batch * self.seq))  # speculative: runs while the host reads the gate
             if done is not None:
                 done.synchronize()
-            return self.policy.decide(self.steps[l], self.gate_host[l].tolist(), ctx), self.dense_attended, True
+            gate_host = self.gate_host[l].tolist()
+            step = self.steps[l]
+            if not any(gate_host):
+                return self.policy.decide(step, gate_host, ctx), self.dense_attended, True
+            return self._controller(l, self.batch * self.seq, True, step.gate), self.dense_attended, True
         src = self.cur
         t, rows = src.total, self._padded(src.total)
         self._run(("attention_packed", l, rows))
@@ -274,9 +301,23 @@ class GraphRunner:
             return self.policy(ctx), src.with_x(self.xa[:t]), False
         # the gate runs eagerly here (the history varies per image), its vector travels to the host
         # while the MLP of the unpruned rows replays (speculation, as in the dense phase)
-        finish = self.policy.begin(ctx)
+        step = self.policy.probe(ctx)
+        read = host_reader(step.gate)
         self._run(("mlp", l, rows))
-        return finish(), src.with_x(self.xa[:t]), True
+        gate_host = read()
+        if not any(gate_host):
+            return self.policy.decide(step, gate_host), src.with_x(self.xa[:t]), True
+        for buf, value in zip(self.ctrl_in, (step.h, ctx.n_visual, step.gate)):
+            buf.copy_(value)
+        dec = self._controller(l, rows, False, step.gate)
+        return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), True
+
+    def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor) -> Decision:
+        """The controller segment (captured per block and rows) and its decision."""
+        key = ("controller", l, rows, dense)
+        self._run(key)
+        remove, removed, flops = self.ctrl_out[key]
+        return Decision(gate, removed.clone(), remove, flops.clone())
 
     def leave_dense(self) -> None:
         """Continue packed (e.g. after a decision that changed the history the dense graphs assume)."""

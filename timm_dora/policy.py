@@ -271,6 +271,17 @@ def host_reader(t: torch.Tensor) -> Callable[[], list]:
     return t.cpu().tolist
 
 
+class _FixedLayout(NamedTuple):
+    """The parts of a :class:`Packed` layout that attention and the actor's encoder read, as
+    tensors only (no host lengths): what a CUDA graph of the controller captures."""
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+    starts: torch.Tensor
+    lengths_host: Optional[List[int]] = None  # only for the sdpa_loop backend (uncaptured)
+    uniform: bool = False
+
+
 class _GateStep(NamedTuple):
     """What :meth:`ActorPolicy.begin` computed before the gate vector is read on the host."""
 
@@ -356,6 +367,53 @@ class ActorPolicy:
         if ctx is not None:
             step = step._replace(ctx=ctx, keys=None)
         return self._decide(step, gate_host)
+
+    def controller_fixed(self, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, num_prefix: int,
+                         h: torch.Tensor, n_visual: torch.Tensor, gate: torch.Tensor, block: int,
+                         backend: str, lengths_host: Optional[List[int]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The deterministic controller in fixed shapes, for a CUDA graph (:mod:`timm_dora.graphs`).
+
+        The same computation as the controller of :meth:`__call__` (encoder, budget head, selector,
+        the ``k`` highest scores), run on *every* image of a packed layout whose rows may be padded
+        past the last sequence (``keys``: ``[rows, d]``; ``cu_seqlens``: ``[B+1]`` int32, the real
+        sequences; ``max_len``: an upper bound of their lengths) and masked by ``gate`` afterwards,
+        so that no shape depends on which images opened their gate. ``h``, ``n_visual``: ``[B]``
+        history and visual-token counts. ``lengths_host``: the lengths on the host, for the
+        ``sdpa_loop`` backend (uncaptured, unpadded rows only). Returns ``(remove [rows] bool, removed [B], flops [B])``;
+        for gate-active images the decision equals :meth:`__call__`'s up to rounding (products over
+        more rows), the others remove nothing and count only the gate's FLOPs.
+        """
+        actor, p = self.actor, num_prefix
+        b, rows, dev = gate.shape[0], keys.shape[0], keys.device
+        total = rows
+        if keys.dtype != actor.w_in.weight.dtype:
+            keys = keys.to(actor.w_in.weight.dtype)
+        cu = cu_seqlens.long()
+        idx = torch.arange(rows, device=dev)
+        pos = idx - cu[:-1][torch.searchsorted(cu[1:], idx, right=True).clamp_max(b - 1)]
+        if p > 1:  # the controller reads CLS and the visual tokens only: drop the other prefix rows
+            # (padded rows lie past the last sequence, so pos >= p there: the count is fixed)
+            keys = keys[torch.nonzero_static((pos == 0) | (pos >= p), size=rows - b * (p - 1)).squeeze(1)]
+            cu = cu - torch.arange(b + 1, device=dev) * (p - 1)
+            rows = keys.shape[0]
+            idx = idx[:rows]
+        seg = torch.searchsorted(cu[1:], idx, right=True).clamp_max(b - 1)
+        pos = idx - cu[:-1][seg]
+        layout = _FixedLayout(cu.to(torch.int32), max_len - (p - 1), cu[:-1],
+                              None if lengths_host is None else [n - (p - 1) for n in lengths_host])
+        z = actor.encode(keys, layout, h, block, backend)
+        index = actor.budget_logits(z[layout.starts], n_visual).argmax(1)
+        k = torch.where(gate, actor.budgets[index], 0)
+        s = actor.selector_scores(z, k.float() / n_visual.float(), seg)
+        real = (pos >= 1) & (idx < cu[-1])  # visual rows of real sequences; the rest to a dump column
+        n0 = actor.num_patches
+        scores = to_padded(s, torch.where(real, seg, 0), torch.where(real, pos - 1, n0), b, n0 + 1, float("-inf"))
+        order, valid = ordered_topk(scores[:, :n0].contiguous(), k, kmax=n0 - actor.min_keep)
+        at = torch.where(valid, cu_seqlens[:-1].long()[:, None] + p + order, total)
+        remove = torch.zeros(total + 1, dtype=torch.bool, device=dev).index_fill_(0, at.reshape(-1), True)[:total]
+        gate_flops = 2.0 * actor_gate_macs(actor)
+        flops = gate_flops + torch.where(gate, 2.0 * actor_controller_macs(actor, n_visual), 0.0)
+        return remove, k, flops
 
     def _gate(self, ctx: BlockContext) -> _GateStep:
         actor, packed = self.actor, ctx.packed
