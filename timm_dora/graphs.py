@@ -17,9 +17,13 @@ each) and only the decisions and the deletion run eagerly, between replays:
   possible sequence as its maximum, so the padded rows, past the last sequence, are never read
   (they hold garbage that row-wise LayerNorm/MLP carry along and the deletion never gathers).
   The policy decides eagerly on the real rows (for the actor: its gate, whose vector travels to
-  the host while the MLP segment replays speculatively, then the controller where a gate
-  opened); the deletion gathers the survivors into a fixed buffer (one ``index_select``) and the
-  next segment replays.
+  the host while the MLP segment replays speculatively); the deletion gathers the survivors into
+  a fixed buffer (one ``index_select``) and the next segment replays.
+- **the actor's controller**, where a gate opened (either phase): captured per (block, rows) as
+  :meth:`~timm_dora.policy.ActorPolicy.controller_fixed`, the same computation on every image of
+  the layout, masked by the gate (no shape depends on which images opened). Its products run over
+  more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
+  decide differently (97-100 % of decisions agree on the H100, ``benchmarks/gpu_check.py``).
 
 Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x[1]`` (block ``l``
 reads ``x[l % 2]``), the attention-residual output ``xa`` and, for policies that read keys, the

@@ -213,7 +213,9 @@ def wrap(
             shape and the actor's gate runs inside the graphs; after it, packed rows are padded to
             a multiple of 256 (one graph per block and size). The actor's gate vector is read
             while the block's MLP on the unpruned rows replays (speculation; that MLP is wasted
-            at blocks where a gate opens). Graphs are kept
+            at blocks where a gate opens); where a gate opens the controller runs captured on
+            every image, masked by the gate (in bf16 a near-tie may then decide differently
+            from the default path). Graphs are kept
             for up to 4 batch shapes (and policies). Needs ``eval()``, no autograd
             (``torch.inference_mode()``) and, on CUDA, bf16/fp16 without autocast; otherwise the
             forward runs eagerly with one warning. The graphs read the weights in place; moving
