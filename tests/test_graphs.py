@@ -308,3 +308,26 @@ def test_fixed_shape_controller_equals_the_controller(family):
     assert gate.sum() == 3 and torch.equal(removed, dec.removed) and removed[~gate].eq(0).all()
     assert torch.equal(remove, dec.remove) and torch.equal(flops, dec.flops)
     assert dec.removed[gate].gt(0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (host syncs are a CUDA notion)")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_replay_plan_forward_never_synchronises_on_cuda(graphs):
+    """A fixed plan knows its lengths on the host: its forward must not wait for the device. (On
+    CUDA ``mask[rows] = True`` synchronised, once per deletion, invisible to CPU op counting: the
+    scalar goes through a device tensor and ``.item()`` in the indexing binding.)"""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    x = images(model, 6).to("cuda", torch.bfloat16)
+    plan = {l: (i.cuda(), c.cuda()) for l, (i, c) in random_plan(6, 16, 12, [2, 5, 8]).items()}
+    timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), cuda_graphs=graphs)
+    with torch.inference_mode():
+        model(x)  # captures (graphs) outside the checked forward
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert model.dora_stats.removed.sum() > 0
+    timm_dora.unwrap(model)
