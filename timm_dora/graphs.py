@@ -345,12 +345,14 @@ class GraphRunner:
         self._run(("mlp_compacted", l, self._padded(after.total)))
         self.cur = after.with_x(self.x[(l + 1) % 2][: after.total])
 
-    def finish(self) -> Tuple[torch.Tensor, Optional[Packed]]:
-        """Logits (a copy when they come from a graph's buffer) and, packed, the final rows."""
-        if self.dense:
+    def finish(self) -> Tuple[Optional[torch.Tensor], Optional[Packed]]:
+        """Logits (a copy of the graph's buffer) when the readout was replayed, else ``None`` and
+        the final rows for the eager readout: after a deletion, and for pooled readouts (their
+        row selection is not captured: a few operations, measured only with the CLS readout)."""
+        if self.dense and self.readout_mode == "model" and self.model.global_pool == "token":
             self._run(("readout",))
             return self.logits.clone(), None
-        return None, self.cur
+        return None, self.dense_inputs[self.depth % 2] if self.dense else self.cur
 
 
 def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend: str, readout_mode: str) -> GraphRunner:
