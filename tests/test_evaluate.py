@@ -112,6 +112,12 @@ def test_eval_dora_per_block_statistics(setup_files):
         else:
             assert b["budget_min"] is None and b["budget_mean"] is None
     assert native["top1"] == _eval(root, csv_path, weights, "--method", "native")["rows"][0]["top1"]
+    # the graph-replayed forward (uncaptured on the CPU) decides the same (last batch: 2 images, a
+    # second batch shape)
+    graphs = _eval(root, csv_path, weights, "--method", "dora", "--actor", str(actor), "--cuda-graphs")
+    assert "--cuda-graphs" in graphs["command"]
+    g = graphs["rows"][1]
+    assert g["per_block"] == blocks and g["gflops"] == dora["gflops"] and g["top1"] == dora["top1"]
 
 
 def test_eval_selector_substitution_reports_dora_and_substitute(setup_files):

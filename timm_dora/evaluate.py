@@ -320,12 +320,13 @@ def build_method(
     seed: int = 0,
     wpr_iters: int = 30,
     attn_backend: str = "auto",
+    cuda_graphs: bool = False,
 ) -> Method:
     """A :class:`Method` by name (see :data:`METHODS`)."""
     if method == "native":
         return NativeMethod(model)
     if method == "dora":
-        return DoraMethod(model, actor, attn_backend=attn_backend)
+        return DoraMethod(model, actor, attn_backend=attn_backend, cuda_graphs=cuda_graphs)
     if method == "tome":
         return ToMeMethod(model, _parse_r(r), prop_attn)
     if method == "static":
@@ -526,6 +527,8 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
     ap.add_argument("--method", choices=METHODS, default=default)
     ap.add_argument("--actor", default=None, help="DORA actor: folder, hf-hub:org/name or repo id (default: the registered one)")
     ap.add_argument("--attn-backend", default="auto", help="DORA's varlen attention backend (auto, flash, torch_varlen, sdpa_loop)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="DORA: wrap(..., cuda_graphs=True), the forward replayed from CUDA graphs (timm_dora.graphs)")
     ap.add_argument("--r", type=int, nargs="+", default=None, help="ToMe merges per block: one value, or one per block")
     ap.add_argument("--no-prop-attn", action="store_true", help="ToMe without proportional attention")
     ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40")
@@ -547,7 +550,7 @@ def setup(args) -> Tuple[nn.Module, torch.device, torch.dtype, bool]:
 def method_from_args(model: nn.Module, args) -> Method:
     return build_method(model, args.method, actor=args.actor, r=args.r, prop_attn=not args.no_prop_attn,
                         schedule=args.schedule, rule=args.rule, seed=args.seed, wpr_iters=args.wpr_iters,
-                        attn_backend=args.attn_backend)
+                        attn_backend=args.attn_backend, cuda_graphs=getattr(args, "cuda_graphs", False))
 
 
 def command_line(args, prog: str = "timm-dora") -> str:
