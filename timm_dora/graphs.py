@@ -25,6 +25,12 @@ each) and only the decisions and the deletion run eagerly, between replays:
   more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
   decide differently (97-100 % of decisions agree on the H100, ``benchmarks/gpu_check.py``).
 
+Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
+needs one set; an actor on varied images captures new sizes as they come (each capture costs a
+warm-up run and a device synchronisation, once), at most ``B*S / ROWS_BUCKET`` sizes per block and
+kind (246 at batch 320 on a 197-token ViT). Graphs share one memory pool, so their number costs
+little memory.
+
 Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x[1]`` (block ``l``
 reads ``x[l % 2]``), the attention-residual output ``xa`` and, for policies that read keys, the
 keys ``k`` of packed blocks (each ``[B*S, d]``). Every segment reads and writes only these (or its
