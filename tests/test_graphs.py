@@ -331,3 +331,16 @@ def test_a_replay_plan_forward_never_synchronises_on_cuda(graphs):
             torch.cuda.set_sync_debug_mode("default")
     assert model.dora_stats.removed.sum() > 0
     timm_dora.unwrap(model)
+
+
+@pytest.mark.parametrize("plan_blocks", [[], [2, 5]])  # dense to the end (eager pooled readout); pruned
+def test_graph_path_with_the_lc1_readout(plan_blocks):
+    name, kw = SMALL_FAMILIES["dinov2_registers"]
+    model = make_model(name, **kw)
+    model.head = torch.nn.Linear(2 * model.embed_dim, 10)
+    xs = [images(model, 3, seed=s) for s in (1, 2)]
+    plan = random_plan(3, model.patch_embed.num_patches, len(model.blocks), plan_blocks, seed=5)
+    ref = _run(model, xs, policy=ReplayPolicy(plan), readout="lc1")
+    got = _run(model, xs, policy=ReplayPolicy(plan), readout="lc1", cuda_graphs=True)
+    for a, b in zip(got, ref):
+        _assert_same(a, b)
