@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything issue #7's report and issue #8's speed table need, in one GPU call (H100, bf16).
+# Everything issue #7's report and issue #8's speed table need, in two GPU calls (H100, bf16).
 #
-#   CARRY=.carryE OUT=/tmp/report bash benchmarks/report_device.sh
+#   CARRY=.carryE OUT=/tmp/report PART=1 bash benchmarks/report_device.sh   # compare + evals (~5 min)
+#   OUT=/tmp/report PART=2 bash benchmarks/report_device.sh                  # speed (~9 min, no carry)
 #
 # CARRY: bf16 backbone weights (the backbone runs in bf16), data/labels.csv with the test rows of
 # ../shared/data/imagenet-mini and data/val1300, actors/deit_uNNNNN (other DeiT-Ti checkpoints,
@@ -19,15 +20,20 @@ WV=$C/$V.bf16.safetensors
 WD=$C/deit_tiny_patch16_224.fb_in1k-approx.bf16.safetensors
 step() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@" || echo "!! exit $? : $*"; }
 
-step 200 python3 benchmarks/compare.py --models $V $D --weights "$WV" "$WD" \
+PART=${PART:-all}  # 1: accuracy/compare part, 2: speed part; "all" exceeds one 10-minute GPU call
+if [ "$PART" != 2 ]; then
+step 270 python3 benchmarks/compare.py --models $V $D --weights "$WV" "$WD" \
   --actor hub/$V hub/$D --data "$C/data/labels.csv" --split test --cuda-graphs \
   --warmup 30 --iters 30 --repeats 3 --out "$R"
 for a in $(ls "$C/actors" | grep '^deit_u'); do
   step 40 python3 -m timm_dora.cli eval --model $D --weights "$WD" --actor "$C/actors/$a" \
     --data "$C/data/labels.csv" --split test --quiet --out "$R/eval_$a.json"
 done
-step 170 python3 benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
+fi
+if [ "$PART" != 1 ]; then
+step 340 python3 benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
   --warmup 50 --iters 50 --repeats 3 --out "$R/throughput_h100.json"
-step 45 python3 benchmarks/profile_forward.py --out "$R/profile_h100.json"
-step 45 python3 benchmarks/gpu_check.py --out "$R/gpu_check_h100.json"
+step 90 python3 benchmarks/profile_forward.py --out "$R/profile_h100.json"
+step 120 python3 benchmarks/gpu_check.py --out "$R/gpu_check_h100.json"
+fi
 ls -la "$R"
