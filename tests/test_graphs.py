@@ -344,3 +344,80 @@ def test_graph_path_with_the_lc1_readout(plan_blocks):
     got = _run(model, xs, policy=ReplayPolicy(plan), readout="lc1", cuda_graphs=True)
     for a, b in zip(got, ref):
         _assert_same(a, b)
+
+
+def test_graphs_made_under_inference_mode_serve_no_grad_forwards_too():
+    """The fixed buffers are ordinary tensors: a runner made under ``inference_mode`` also serves
+    forwards under ``no_grad`` (in-place writes into inference tensors would fail there)."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = _actor(model, "forced")
+    x = images(model, 3)
+    ref = _run(model, [x], actor=actor)[0]
+    timm_dora.wrap(model, actor, cuda_graphs=True)
+    with torch.inference_mode():
+        model(x)
+    with torch.no_grad():
+        out = model(x)
+    assert len(model._dora.graphs) == 1
+    torch.testing.assert_close(out, ref[0], rtol=0, atol=1e-5)
+    assert torch.equal(model.dora_stats.removed, ref[1].removed)
+    timm_dora.unwrap(model)
+
+
+def test_actor_policy_subclasses_and_other_dtypes_are_called_as_policies():
+    """A subclass that changes the decision, or an actor in another dtype than the activations,
+    must not be replaced by the graphs' own gate and controller."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = gate_forced_actor(model, [1, 8])
+
+    class NoPruneAfter5(ActorPolicy):
+        def __call__(self, ctx):
+            return ctx.nothing() if ctx.block > 5 else super().__call__(ctx)
+
+    x = images(model, 4)
+    for policy in (NoPruneAfter5(actor), ActorPolicy(Actor.for_model(model).double())):
+        ref = _run(model, [x], policy=policy)[0]
+        got = _run(model, [x], policy=policy, cuda_graphs=True)[0]
+        _assert_same(got, ref)
+        if isinstance(policy, NoPruneAfter5):  # the subclass's rule held: block 1 pruned, block 8 not
+            assert got[1].removed[:, 1].gt(0).all() and got[1].removed[:, 8].eq(0).all()
+        timm_dora.wrap(model, policy=policy, cuda_graphs=True)
+        with torch.inference_mode():
+            model(x)
+        assert not next(iter(model._dora.graphs.values())).probing
+        timm_dora.unwrap(model)
+    assert ActorPolicy(actor).graph_probe and not NoPruneAfter5(actor).graph_probe
+
+
+def test_graphs_captured_in_another_order_stay_correct():
+    """Graphs are captured lazily, in the order their (block, rows) first occur, and share one
+    memory pool: a forward whose gate first opens at a later block than before replays old graphs
+    between new ones. Outputs that outlive their graph (gates, history, controller results) live
+    in fixed buffers outside the pool; every statistic must still equal the default forward's.
+    (A real check on CUDA; on the CPU the same sequence runs uncaptured.)"""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    model = model.to(dev, dtype)
+    x = images(model, 6).to(dev, dtype)
+    actor = gate_forced_actor(model, [1]).to(dev, dtype)
+    runs = []
+    for graphs in (False, True):
+        timm_dora.wrap(model, actor, cuda_graphs=graphs)
+        with torch.inference_mode():
+            out = []
+            for opens in ([1], [5], [1, 8], [5]):
+                with torch.no_grad():
+                    actor.gate_embed.zero_()
+                    actor.gate_embed[opens, 0] = 10.0
+                out.append((model(x), model.dora_stats))
+        runs.append(out)
+        timm_dora.unwrap(model)
+    for (oa, sa), (ob, sb) in zip(*runs):
+        assert torch.equal(sa.gate, sb.gate) and sa.gate.any()
+        assert (sa.removed > 0).eq(sa.gate).all() and (sb.removed > 0).eq(sb.gate).all()
+        for pa, pb in zip(sa.removed_patches, sb.removed_patches):
+            assert (pa is None) == (pb is None)
+        assert torch.isfinite(ob).all()

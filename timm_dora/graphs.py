@@ -27,8 +27,8 @@ each) and only the decisions and the deletion run eagerly, between replays:
 
 Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
 needs one set; an actor on varied images captures new sizes as they come (each capture costs a
-warm-up run and a device synchronisation, once), at most ``B*S / ROWS_BUCKET`` sizes per block and
-kind (246 at batch 320 on a 197-token ViT). Graphs share one memory pool, so their number costs
+warm-up run and a device synchronisation, once), at most ``ceil(B*S / ROWS_BUCKET)`` sizes per block
+and kind (247 at batch 320 on a 197-token ViT). Graphs share one memory pool, so their number costs
 little memory.
 
 Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x[1]`` (block ``l``
@@ -120,13 +120,22 @@ class GraphRunner:
     """
 
     def __init__(self, model: nn.Module, policy, images: torch.Tensor, backend: str, readout_mode: str):
+        self.model, self.policy, self.backend, self.readout_mode = model, policy, backend, readout_mode
+        self.copy_keys = bool(getattr(policy, "reads_keys", True))
+        dev = self.device = images.device
+        self.capture = dev.type == "cuda"
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors: usable under no_grad too
+            self._make_buffers(model, images)
+        # the gate and controller run inside the graphs only for a plain deterministic ActorPolicy
+        # (a subclass may decide differently: it is called as a policy) in the activations' dtype
+        actor = getattr(policy, "actor", None)
+        self.probing = (bool(getattr(policy, "graph_probe", False)) and actor is not None
+                        and actor.w_in.weight.dtype == self.x[0].dtype)
+
+    def _make_buffers(self, model: nn.Module, images: torch.Tensor) -> None:
         from .patch import embed
 
-        self.model, self.policy, self.backend, self.readout_mode = model, policy, backend, readout_mode
-        self.probing = bool(getattr(policy, "graph_probe", False)) and callable(getattr(policy, "probe", None))
-        self.copy_keys = bool(getattr(policy, "reads_keys", True))
         dev = images.device
-        self.capture = dev.type == "cuda"
         self.images = torch.empty_like(images, memory_format=torch.contiguous_format)
         self.images.copy_(images)
         x0 = embed(model, self.images)
@@ -151,7 +160,13 @@ class GraphRunner:
         self.steps: Dict[int, object] = {}
         self.ctrl_in = (torch.zeros(b, 3, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
                         torch.zeros(b, dtype=torch.bool, device=dev))  # packed phase: h, N_l, gate
-        self.ctrl_out: Dict[tuple, tuple] = {}
+        # what a graph produces for later use goes into these, outside the graphs' shared pool: a
+        # tensor allocated inside a capture may share memory with another graph's scratch space
+        # and be overwritten when that graph replays
+        self.gate_out = torch.zeros(self.depth, b, dtype=torch.bool, device=dev)  # dense gates per block
+        self.h_out = torch.zeros(b, 3, device=dev)  # the dense phase's history
+        self.ctrl_out = (torch.zeros(b * s + 1, dtype=torch.bool, device=dev),  # remove (first rows)
+                         torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.float64, device=dev))
         self.logits: Optional[torch.Tensor] = None
         self.graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -182,8 +197,11 @@ class GraphRunner:
                     ctx = BlockContext(l, keys, src, self.full, self.consts.no_rho, self.consts.zeros,
                                        self.depth, self.num_patches, self.backend, self.consts)
                     step = self.policy.probe(ctx)
+                    self.gate_out[l].copy_(step.gate)
+                    self.h_out.copy_(step.h)
                     self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
-                    self.steps[l] = step._replace(ctx=None, keys=None)  # the keys are not kept
+                    # the keys are not kept; gate and history are read from the fixed outputs
+                    self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
             return attention_dense
         if kind == "mlp":  # dense or packed: xa -> x[(l + 1) % 2]
             rows = key[2]
@@ -209,7 +227,9 @@ class GraphRunner:
                 keys, cu, lengths, h, n_visual, gate = args
                 remove, removed, flops = self.policy.controller_fixed(
                     keys, cu, self.seq, p, h, n_visual, gate, l, self.backend, None if self.capture else lengths)
-                self.ctrl_out[key] = (F.pad(remove, (0, rows - remove.shape[0])), removed, flops)
+                self.ctrl_out[0][:rows].copy_(F.pad(remove, (0, rows - remove.shape[0])))
+                self.ctrl_out[1].copy_(removed)
+                self.ctrl_out[2].copy_(flops)
             return controller
         if kind == "attention_packed":
             rows = key[2]
@@ -233,22 +253,27 @@ class GraphRunner:
         raise KeyError(key)
 
     def _run(self, key: tuple) -> None:
+        if not self.capture:
+            self._segment(key)()
+            return
+        with torch.cuda.device(self.device):  # the model's GPU, whichever is current
+            self._replay_or_capture(key)
+
+    def _replay_or_capture(self, key: tuple) -> None:
         g = self.graphs.get(key)
         if g is not None:
             g.replay()
             return
         fn = self._segment(key)
-        if not self.capture:
-            fn()
-            return
         side = _side_stream(self.images.device)  # warm-up outside the capture (lazy initialisations)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
-        if key[0] == "attention" and key[1] == 0:
+        if key[0] == "attention":
             # the gate's context (history and block embeddings) is memoised per forward constants:
-            # made again inside block 0's capture, so every replay recomputes it from the weights
+            # made again inside each attention capture, so that every replay recomputes it from the
+            # weights and no graph reads another graph's pool memory
             self.consts.memo.clear()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
@@ -275,8 +300,12 @@ class GraphRunner:
     def block(self, l: int, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor,
               consts: ForwardConstants) -> Tuple[Decision, Packed, bool]:
         """Block ``l``'s attention residual and decision. Returns ``(decision, attended, mlp_done)``:
-        the attention-residual rows with their layout, and whether the MLP of the unpruned batch
-        already ran (speculatively, dense phase)."""
+        the attention-residual rows with their layout, and whether the MLP of the unpruned rows
+        already ran (speculatively, while the actor's gate vector travelled to the host).
+
+        The policy's ``ctx.keys`` and ``ctx.packed.x`` are views of the runner's fixed buffers
+        (dense-phase keys are computed on first read, from the block input): valid during the
+        call only; clone what must be kept."""
         from .patch import attention_keys
 
         blk = self.model.blocks[l]
@@ -291,7 +320,7 @@ class GraphRunner:
             done = None
             if self.capture:
                 done = torch.cuda.Event()
-                done.record()
+                done.record(torch.cuda.current_stream(self.device))
             self._run(("mlp", l, self.batch * self.seq))  # speculative: runs while the host reads the gate
             if done is not None:
                 done.synchronize()
@@ -324,10 +353,10 @@ class GraphRunner:
 
     def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor) -> Decision:
         """The controller segment (captured per block and rows) and its decision."""
-        key = ("controller", l, rows, dense)
-        self._run(key)
-        remove, removed, flops = self.ctrl_out[key]
-        return Decision(gate, removed.clone(), remove, flops.clone())
+        self._run(("controller", l, rows, dense))
+        remove, removed, flops = self.ctrl_out
+        # copies: the buffers are rewritten by the next controller of this forward
+        return Decision(gate.clone(), removed.clone(), remove[:rows].clone(), flops.clone())
 
     def leave_dense(self) -> None:
         """Continue packed (e.g. after a decision that changed the history the dense graphs assume)."""

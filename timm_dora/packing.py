@@ -172,8 +172,8 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
         removed: ``[B]`` int64 number of rows deleted from each sequence (equals the per-sequence
             count of ``remove``).
         removed_host: the same counts as a list, when the caller knows them on the host.
-        out: a ``[>= T', d]`` buffer to gather the survivors into (its first rows); the result's
-            ``x`` is then a view of it.
+        out: a ``[>= T', d]`` buffer to gather the survivors into (its first rows; it must not
+            overlap ``packed.x``); the result's ``x`` is then a view of it.
 
     Returns:
         The compacted batch: one gather of the surviving rows, new lengths and ``cu_seqlens``.
@@ -267,8 +267,9 @@ def _aten_flash_varlen(q, k, v, cu, max_len, scale):
         return None
     try:
         out = op(q, k, v, cu, cu, max_len, max_len, 0.0, False, False, scale=scale)[0]
-    except (RuntimeError, TypeError):
-        if _ATEN_FLASH["ok"]:  # it worked before: a real error, not an unsupported signature
+    except (RuntimeError, TypeError) as e:
+        oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+        if _ATEN_FLASH["ok"] or isinstance(e, oom):  # a real error, not an unsupported signature
             raise
         _ATEN_FLASH["ok"] = False
         return None

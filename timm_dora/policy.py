@@ -69,7 +69,11 @@ class ForwardConstants:
 
 @dataclass
 class BlockContext:
-    """What a policy sees at block ``block`` (after the attention residual, before the MLP)."""
+    """What a policy sees at block ``block`` (after the attention residual, before the MLP).
+
+    Its tensors are valid during the policy call: with ``wrap(..., cuda_graphs=True)`` ``keys``
+    and ``packed.x`` are views of buffers that later blocks overwrite; clone what must be kept.
+    """
 
     block: int
     keys: torch.Tensor  # [T, d] attention keys of every packed row, heads concatenated
@@ -352,9 +356,14 @@ class ActorPolicy:
 
     @property
     def graph_probe(self) -> bool:
-        """The gate can run inside a CUDA graph (deterministic, nothing recorded): see
-        :mod:`timm_dora.graphs`."""
-        return not (self.sample or self.record)
+        """The gate and controller may run inside CUDA graphs (:mod:`timm_dora.graphs`): the
+        deterministic rule, nothing recorded, and none of the decision methods overridden (a
+        subclass that changes them is called as an ordinary policy). Read once, when a wrapped
+        model's graphs for a batch shape are made: changing ``sample``/``record`` later is not
+        seen by them (``timm_dora.set_policy`` makes them anew)."""
+        cls = type(self)
+        plain = all(getattr(cls, m) is getattr(ActorPolicy, m) for m in ("__call__", "_gate", "_decide", "probe", "decide"))
+        return plain and not (self.sample or self.record)
 
     def probe(self, ctx: BlockContext) -> _GateStep:
         """The decision's device part (the gate), without host reads: what a CUDA graph captures.
@@ -459,7 +468,7 @@ class ActorPolicy:
         active_host = [i for i, g in enumerate(gate_host) if g]
         if not active_host:
             return ctx.nothing(gate_flops)
-        if keys is None:  # a probe replayed from a CUDA graph: the keys are recomputed only now
+        if keys is None:  # a step whose keys were dropped (decide with a new ctx): read them from it
             keys = ctx.keys
             if keys.dtype != actor.w_in.weight.dtype:
                 keys = keys.to(actor.w_in.weight.dtype)
