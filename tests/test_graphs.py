@@ -421,3 +421,18 @@ def test_graphs_captured_in_another_order_stay_correct():
         for pa, pb in zip(sa.removed_patches, sb.removed_patches):
             assert (pa is None) == (pb is None)
         assert torch.isfinite(ob).all()
+
+
+def test_rows_bucket_rule(monkeypatch):
+    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", None)
+    assert graphs_module.rows_bucket(320 * 197) == 247  # ceil(63040 / 256)
+    assert graphs_module.rows_bucket(8 * 197) == 16 and graphs_module.rows_bucket(197) == 16
+    assert graphs_module.rows_bucket(1024 * 197) == 256
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    timm_dora.wrap(model, policy=NoPrune(), cuda_graphs=True)
+    with torch.inference_mode():
+        model(images(model, 3))  # 3 x 17 rows: bucket 16
+    runner = next(iter(model._dora.graphs.values()))
+    assert [runner._padded(t) for t in (1, 16, 17, 40, 51)] == [16, 16, 32, 48, 51]  # capped at B*S
+    timm_dora.unwrap(model)

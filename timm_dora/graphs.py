@@ -11,7 +11,8 @@ each) and only the decisions and the deletion run eagerly, between replays:
   the attention segment also computes the gate and copies the gate vector into pinned host memory;
   the MLP segment is replayed *before* the host waits for that copy (speculation: the GPU keeps
   working while the host decides; wasted once, at the block where a gate first opens).
-- **packed phase** (after a deletion): rows are padded up to a multiple of :data:`ROWS_BUCKET`
+- **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
+  (:func:`rows_bucket`: about 1/256 of the batch's ``B*S`` rows, 16 to 256)
   and each block's attention residual and MLP residual are captured per (block, padded rows).
   Attention runs the varlen kernel with ``cu_seqlens`` in a fixed device buffer and the longest
   possible sequence as its maximum, so the padded rows, past the last sequence, are never read
@@ -27,8 +28,7 @@ each) and only the decisions and the deletion run eagerly, between replays:
 
 Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
 needs one set; an actor on varied images captures new sizes as they come (each capture costs a
-warm-up run and a device synchronisation, once), at most ``ceil(B*S / ROWS_BUCKET)`` sizes per block
-and kind (247 at batch 320 on a 197-token ViT). Graphs share one memory pool, so their number costs
+warm-up run and a device synchronisation, once), at most about 256 sizes per block and kind. Graphs share one memory pool, so their number costs
 little memory.
 
 Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x[1]`` (block ``l``
@@ -59,10 +59,20 @@ import torch.nn.functional as F
 from .packing import Packed, delete_rows, varlen_attention
 from .policy import BlockContext, Decision, ForwardConstants, host_reader
 
-__all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "graph_mode_reason", "ROWS_BUCKET", "MAX_CACHED"]
+__all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "graph_mode_reason", "rows_bucket", "ROWS_BUCKET", "MAX_CACHED"]
 
 MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
-ROWS_BUCKET = 256  # packed rows are padded up to a multiple of this (one graph per block and size)
+ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucket's rule
+
+
+def rows_bucket(total_rows: int) -> int:
+    """Packed rows are padded up to a multiple of this (one graph per block and padded size): about
+    1/256 of the unpruned batch's rows, at least 16 and at most 256, so that at most ~256 sizes
+    occur per block and padding wastes under ~0.4 % of the unpruned rows (batch 320 x 197 tokens:
+    247 rows; batch 8: 16). The H100 measurements were taken with a fixed 256."""
+    if ROWS_BUCKET is not None:
+        return ROWS_BUCKET
+    return min(256, max(16, -(-total_rows // 256)))
 
 
 _SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
@@ -282,7 +292,9 @@ class GraphRunner:
         g.replay()
 
     def _padded(self, rows: int) -> int:
-        return min(-(-rows // ROWS_BUCKET) * ROWS_BUCKET, self.batch * self.seq)
+        total = self.batch * self.seq
+        bucket = rows_bucket(total)
+        return min(-(-rows // bucket) * bucket, total)
 
     # ------------------------------------------------------------------------------------------
     # one forward

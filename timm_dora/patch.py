@@ -211,7 +211,8 @@ def wrap(
             use and replayed; the decisions and the deletion run eagerly in between
             (:mod:`timm_dora.graphs`). Until the first deletion shapes are fixed by the batch
             shape and the actor's gate runs inside the graphs; after it, packed rows are padded to
-            a multiple of 256 (one graph per block and size). The actor's gate vector is read
+            a multiple of a bucket of about 1/256 of the batch's rows (16 to 256; one graph
+            per block and size). The actor's gate vector is read
             while the block's MLP on the unpruned rows replays (speculation; that MLP is wasted
             at blocks where a gate opens); where a gate opens the controller runs captured on
             every image, masked by the gate (in bf16 a near-tie may then decide differently
