@@ -21,7 +21,10 @@ the dispatcher and the per-op fixed cost. Per configuration this reports
 Configurations: ``native`` (unwrapped timm), ``noprune`` (wrapped, :class:`NoPrune`),
 ``gate_off`` (wrapped with an actor whose gate never opens), ``fixed`` (the per-image variable
 budget :class:`ReplayPolicy` of benchmarks/throughput.py at blocks 3, 6, 9, ``check=False``),
-``actor`` (an untrained actor whose gate is forced open at blocks 3, 6, 9).
+``actor`` (an untrained actor whose gate is forced open at blocks 3, 6, 9), and ``*_graphs``
+variants of the last three with ``cuda_graphs=True``: on the CPU their segments run uncaptured,
+so for them the row also gives ``eager_ops`` (ops outside the segments: what stays eager between
+graph replays on CUDA, each a kernel launch there) and ``graph_segments`` (replays per forward).
 
     python benchmarks/host_overhead.py --out benchmarks/results/host_overhead_cpu_after.json
 """
@@ -78,10 +81,14 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops = collections.Counter()
         self.syncs = collections.Counter()
+        self.in_segment = 0  # inside a timm_dora.graphs segment (a CUDA graph replay on CUDA)
+        self.segment_ops = 0
+        self.segments = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops[str(func)] += 1
+        self.segment_ops += bool(self.in_segment)
         why = sync_reason(func, args, kwargs)
         if why is not None:
             self.syncs[why] += 1
@@ -103,8 +110,26 @@ class OpCounter(TorchDispatchMode):
 
 
 def count_ops(fn, x):
-    with torch.inference_mode(), OpCounter() as c:
-        fn(x)
+    """Ops of one forward; with ``cuda_graphs=True`` also those inside the graph segments (one
+    replay each on CUDA; uncaptured on the CPU, so counted here) and the segment count."""
+    from timm_dora.graphs import GraphRunner
+
+    original = GraphRunner._run
+
+    def run(runner, key):
+        c.in_segment += 1
+        c.segments += 1
+        try:
+            return original(runner, key)
+        finally:
+            c.in_segment -= 1
+
+    GraphRunner._run = run
+    try:
+        with torch.inference_mode(), OpCounter() as c:
+            fn(x)
+    finally:
+        GraphRunner._run = original
     return c
 
 
@@ -146,7 +171,8 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6, 9])
     ap.add_argument("--reduction", type=float, default=0.38)
     ap.add_argument("--spread", type=int, default=8, help="per-image budget spread around the mean (tokens)")
-    ap.add_argument("--configs", nargs="+", default=["native", "noprune", "gate_off", "fixed", "actor"])
+    ap.add_argument("--configs", nargs="+", default=["native", "noprune", "gate_off", "fixed", "actor"],
+                    help="also: gate_off_graphs fixed_graphs actor_graphs")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -166,6 +192,8 @@ def main(argv=None):
         "fixed": dict(policy=ReplayPolicy(fixed_plan(args.batch, n0, args.blocks, mean_k, args.spread, 0, "cpu"), check=False)),
         "actor": dict(actor=gate_forced_actor(model, args.blocks)),
     }
+    for name in ("gate_off", "fixed", "actor"):
+        configs[name + "_graphs"] = dict(configs[name], cuda_graphs=True)
     res = {
         **environment(torch.device("cpu"), " ".join(["python benchmarks/host_overhead.py"] + (argv if argv is not None else sys.argv[1:]))),
         "model": "VisionTransformer(img_size=32, patch_size=4, embed_dim=16, depth=12, num_heads=2, num_classes=10)",
@@ -194,11 +222,14 @@ def main(argv=None):
                                           "cpu_us_over_native": t["cpu_us_median"] - native["cpu_us_median"]}
         row = {"config": name, **t, **over, "aten_ops": sum(c.ops.values()),
                "sync_ops": sum(c.syncs.values()), "syncs_by_reason": dict(c.syncs),
+               **({"eager_ops": sum(c.ops.values()) - c.segment_ops, "graph_segments": c.segments}
+                  if name.endswith("_graphs") else {}),
                "ops_by_name": dict(c.ops.most_common()), "check": check}
         res["rows"].append(row)
         print(f"{name:9s} {t['us_median']:9.1f} us (p10 {t['us_p10']:8.1f}, p90 {t['us_p90']:8.1f}, "
               f"cpu {t['cpu_us_median']:8.1f})  aten ops {row['aten_ops']:5d}  "
-              f"syncs {row['sync_ops']:3d} {dict(c.syncs)}", flush=True)
+              f"syncs {row['sync_ops']:3d} {dict(c.syncs)}"
+              + (f"  eager ops {row['eager_ops']} in {row['graph_segments']} segments" if "eager_ops" in row else ""), flush=True)
     write_json(args.out, res)
     return res
 

@@ -109,6 +109,8 @@ class Decision:
     nothing is removed (``removed`` is then 0 everywhere). ``flops``: the policy's own FLOPs per
     image at this block: a ``[B]`` tensor, a float (the same for every image) or ``None`` (free).
     ``removed_host``: optional host copy of ``removed``; with it the deletion needs no host sync.
+    A decision's tensors may be shared (forward constants, a replay plan's cached tensors): never
+    write into them.
     """
 
     gate: torch.Tensor
@@ -163,6 +165,7 @@ class ReplayPolicy:
         self.stop_after = stop_after
         self.check = check
         self._host = _plan_on_host(plan)
+        self._device: Dict[tuple, Tuple[torch.Tensor, ...]] = {}  # per (block, batch, device); see _device_step
 
     def __call__(self, ctx: BlockContext) -> Decision:
         b = ctx.packed.batch_size
@@ -179,10 +182,20 @@ class ReplayPolicy:
                 raise ValueError(f"replay plan at block {ctx.block} names a token beyond an image's visual tokens")
             if any(n_host[i] - c < 1 for i, c in enumerate(counts)):
                 raise ValueError(f"replay plan at block {ctx.block} would remove every visual token of an image")
-        image, col = (t.to(dev) for t in step)
-        removed = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, image, torch.ones_like(image))
-        return Decision(removed > 0, removed, _removal_mask(ctx.packed, image, col),
+        image, col, removed, gate = self._device_step(ctx.block, b, dev)
+        return Decision(gate, removed, _removal_mask(ctx.packed, image, col),
                         removed_host=counts + [0] * (b - len(counts)))
+
+    def _device_step(self, block: int, b: int, dev: torch.device):
+        """``(image, col, removed, gate)`` of a plan block on ``dev`` for a batch of ``b``, made
+        once (the plan is fixed) instead of four kernels per deletion in every forward."""
+        key = (block, b, str(dev))
+        cached = self._device.get(key)
+        if cached is None:
+            image, col = (t.to(dev) for t in self.plan[block])
+            removed = torch.tensor(self._host[block][0] + [0] * (b - len(self._host[block][0])), dtype=torch.long, device=dev)
+            cached = self._device[key] = (image, col, removed, removed > 0)
+        return cached
 
 
 def _plan_on_host(plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> Dict[int, Tuple[List[int], List[int], List[int]]]:
