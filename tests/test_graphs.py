@@ -436,3 +436,33 @@ def test_rows_bucket_rule(monkeypatch):
     runner = next(iter(model._dora.graphs.values()))
     assert [runner._padded(t) for t in (1, 16, 17, 40, 51)] == [16, 16, 32, 48, 51]  # capped at B*S
     timm_dora.unwrap(model)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_statistics_are_computed_when_read_and_stay_valid(graphs):
+    """``model.dora_stats`` is computed on first access; read after later forwards (which reuse
+    the graphs' buffers) it still describes its own forward."""
+    import copy
+
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = _actor(model, "forced")
+    xs = [images(model, 4, seed=s) for s in (1, 2)]
+    eager = _run(model, xs, actor=actor)  # each read right after its forward
+    timm_dora.wrap(model, actor, cuda_graphs=graphs)
+    with torch.inference_mode():
+        model(xs[0])
+        first = model.dora_stats
+        assert "_compute" in first.__dict__ and "gflops" not in first.__dict__  # nothing computed yet
+        model(xs[1])
+        second = model.dora_stats
+    assert copy.copy(first) is not None and "_compute" in first.__dict__  # dunder lookups do not compute
+    for lazy, (_, ref, _) in zip((first, second), eager):
+        for f in ("tokens", "gate", "removed", "gflops", "policy_gflops"):
+            assert torch.equal(getattr(lazy, f), getattr(ref, f)), f
+        assert lazy.backend == ref.backend and lazy.summary() == ref.summary()
+        for pa, pb in zip(lazy.removed_patches, ref.removed_patches, strict=True):
+            assert (pa is None) == (pb is None)
+            if pa is not None:
+                assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1])
+    timm_dora.unwrap(model)

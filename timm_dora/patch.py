@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .actor import Actor
 from .flops import BackboneCost, backbone_cost
-from .packing import Packed, delete_rows, rows_where, select_backend, varlen_attention, BACKENDS
+from .packing import Packed, delete_rows, rows_where, segment_ids, select_backend, varlen_attention, BACKENDS
 from .policy import ActorPolicy, BlockContext, Decision, ForwardConstants
 from torch.profiler import record_function
 
@@ -82,6 +82,20 @@ class DoraStats:
             "tokens_mean_per_block": self.tokens.float().mean(0).tolist(),
             "backend": self.backend,
         }
+
+
+class _LazyStats(DoraStats):
+    """A :class:`DoraStats` computed on first access: a forward whose statistics nobody reads (a
+    serving loop, a throughput benchmark) does not pay for them (about 40 small kernels)."""
+
+    def __init__(self, compute: Callable[[], Dict[str, object]]):
+        self.__dict__["_compute"] = compute
+
+    def __getattr__(self, name: str):  # only for attributes not set yet
+        if name.startswith("__") or "_compute" not in self.__dict__:
+            raise AttributeError(name)
+        self.__dict__.update(self.__dict__.pop("_compute")())
+        return getattr(self, name)
 
 
 @dataclass
@@ -501,9 +515,9 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
                 else:
                     packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
                     after_total = packed.total
-                rows = rows_where(dec.remove, before.total - after_total)
-                removed_patches.append((before.seg[rows], before.ids[rows] - p))
-                del before, rows
+                # which patches went, resolved only if the statistics are read (not the rows)
+                removed_patches.append((before.lengths, before.total, before.ids, dec.remove, before.total - after_total))
+                del before
             rho = dec.removed.float() / n_visual.float()
             n_visual = n_visual - dec.removed
             if runner is not None:
@@ -524,14 +538,23 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         with scope("dora.readout"):
             packed = packed.with_x(model.norm(packed.x))
             logits = readout(model, packed, state.readout)
-    # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
-    removed = torch.stack(removed_all, 1)
-    n_attn = torch.stack(entering, 1) + p
-    own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
-    if scalar_flops:
-        own = own + scalar_flops  # integer-valued float64 sums: exact in any order
-    flops = 2.0 * (cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_attn - removed).sum(1)) + own
-    stats = DoraStats(
-        n0 - removed.cumsum(1), torch.stack(gates, 1), removed, flops / 1e9, own / 1e9, backend, removed_patches,
-    )
-    return logits, stats
+    def statistics() -> Dict[str, object]:
+        # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
+        removed = torch.stack(removed_all, 1)
+        n_attn = torch.stack(entering, 1) + p
+        own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
+        if scalar_flops:
+            own = own + scalar_flops  # integer-valued float64 sums: exact in any order
+        flops = 2.0 * (cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_attn - removed).sum(1)) + own
+        patches = []
+        for entry in removed_patches:
+            if entry is None:
+                patches.append(None)
+                continue
+            lengths, total, ids, remove, count = entry
+            rows = rows_where(remove, count)
+            patches.append((segment_ids(lengths, total)[rows], ids[rows] - p))
+        return dict(tokens=n0 - removed.cumsum(1), gate=torch.stack(gates, 1), removed=removed, gflops=flops / 1e9,
+                    policy_gflops=own / 1e9, backend=backend, removed_patches=patches)
+
+    return logits, _LazyStats(statistics)
