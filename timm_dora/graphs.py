@@ -10,7 +10,7 @@ each) and only the decisions and the deletion run eagerly, between replays:
   readout. For a policy with a graph probe (a deterministic :class:`~timm_dora.policy.ActorPolicy`)
   the attention segment also computes the gate and copies the gate vector into pinned host memory;
   the MLP segment is replayed *before* the host waits for that copy (speculation: the GPU keeps
-  working while the host decides; wasted once, at the block where a gate first opens).
+  working while the host decides; wasted at a block where a gate opens).
 - **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
   (:func:`rows_bucket`: about 1/256 of the batch's ``B*S`` rows, 16 to 256)
   and each block's attention residual and MLP residual are captured per (block, padded rows).
@@ -28,14 +28,17 @@ each) and only the decisions and the deletion run eagerly, between replays:
 
 Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
 needs one set; an actor on varied images captures new sizes as they come (each capture costs a
-warm-up run and a device synchronisation, once), at most about 256 sizes per block and kind. Graphs share one memory pool, so their number costs
-little memory.
+warm-up run and a device synchronisation, once), at most about 256 sizes per block and kind.
+Graphs share one memory pool, so their number costs little memory.
 
 Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x[1]`` (block ``l``
 reads ``x[l % 2]``), the attention-residual output ``xa`` and, for policies that read keys, the
-keys ``k`` of packed blocks (each ``[B*S, d]``). Every segment reads and writes only these (or its
-own small outputs), so re-running one gives the same result and segments are captured lazily, the
-first time a (block, rows) pair occurs; all graphs share one memory pool.
+keys ``k`` of packed blocks (each ``[B*S, d]``), plus small ones for what a graph hands on (the
+dense gates and history, the controller's inputs and outputs). Every segment reads and writes only
+these and its own scratch space, so re-running one gives the same result and segments are captured
+lazily, the first time a (block, rows) pair occurs. All graphs share one memory pool; since the
+replay order is not the capture order, nothing a graph allocates is read after another replays
+(scratch space of one graph may be another's).
 
 Keys: in the dense phase the graphs do not keep them (one ``[T, d]`` per block would stay
 alive); a policy that reads ``ctx.keys`` there (the controller, once a gate opened) gets them
@@ -68,8 +71,8 @@ ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucke
 def rows_bucket(total_rows: int) -> int:
     """Packed rows are padded up to a multiple of this (one graph per block and padded size): about
     1/256 of the unpruned batch's rows, at least 16 and at most 256, so that at most ~256 sizes
-    occur per block and padding wastes under ~0.4 % of the unpruned rows (batch 320 x 197 tokens:
-    247 rows; batch 8: 16). The H100 measurements were taken with a fixed 256."""
+    occur per block and padding adds fewer rows than 1/256 of the unpruned batch or 16 (batch 320
+    x 197 tokens: 247 rows; batch 8: 16). The H100 measurements were taken with a fixed 256."""
     if ROWS_BUCKET is not None:
         return ROWS_BUCKET
     return min(256, max(16, -(-total_rows // 256)))
