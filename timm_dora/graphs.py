@@ -144,6 +144,10 @@ class GraphRunner:
         actor = getattr(policy, "actor", None)
         self.probing = (bool(getattr(policy, "graph_probe", False)) and actor is not None
                         and actor.w_in.weight.dtype == self.x[0].dtype)
+        if self.probing:
+            with torch.inference_mode(False):
+                self.context_out = torch.zeros(self.depth, self.batch, actor.gate_embed_dim + 3,
+                                               dtype=actor.w_in.weight.dtype, device=dev)
 
     def _make_buffers(self, model: nn.Module, images: torch.Tensor) -> None:
         from .patch import embed
@@ -178,6 +182,14 @@ class GraphRunner:
         # and be overwritten when that graph replays
         self.gate_out = torch.zeros(self.depth, b, dtype=torch.bool, device=dev)  # dense gates per block
         self.h_out = torch.zeros(b, 3, device=dev)  # the dense phase's history
+        self.context_out: Optional[torch.Tensor] = None  # the gate context of every block (made on first use)
+
+        def keep(h: torch.Tensor, context: torch.Tensor):
+            if self.context_out is None or self.context_out.shape != context.shape:
+                raise RuntimeError("timm_dora.graphs: gate context buffer missing (made before the capture)")
+            return self.h_out.copy_(h), self.context_out.copy_(context)
+
+        self.consts.keep = keep
         self.ctrl_out = (torch.zeros(b * s + 1, dtype=torch.bool, device=dev),  # remove (first rows)
                          torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.float64, device=dev))
         self.logits: Optional[torch.Tensor] = None
@@ -211,7 +223,8 @@ class GraphRunner:
                                        self.depth, self.num_patches, self.backend, self.consts)
                     step = self.policy.probe(ctx)
                     self.gate_out[l].copy_(step.gate)
-                    self.h_out.copy_(step.h)
+                    if step.h is not self.h_out:  # (the memoised history already lives there)
+                        self.h_out.copy_(step.h)
                     self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
                     # the keys are not kept; gate and history are read from the fixed outputs
                     self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
@@ -283,10 +296,10 @@ class GraphRunner:
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
-        if key[0] == "attention":
+        if key == ("attention", 0):
             # the gate's context (history and block embeddings) is memoised per forward constants:
-            # made again inside each attention capture, so that every replay recomputes it from the
-            # weights and no graph reads another graph's pool memory
+            # made again inside block 0's capture, so that every replay recomputes it from the
+            # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read
             self.consts.memo.clear()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):

@@ -45,6 +45,9 @@ class ForwardConstants:
     def __init__(self, batch_size: int, device: torch.device):
         self.batch_size, self.device = batch_size, device
         self.memo: Dict[object, object] = {}  # per-forward values a policy computes once (see ActorPolicy)
+        # where memoised tensors must live: ``keep(*tensors) -> tensors`` (a CUDA graph runner
+        # copies them into buffers outside its graphs' memory pool; see timm_dora.graphs)
+        self.keep: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
 
     @functools.cached_property
     def zeros(self) -> torch.Tensor:
@@ -353,6 +356,8 @@ class ActorPolicy:
             return memo[1], memo[2]
         h = self.actor.history(*state)
         context = self.actor.gate_context(h, None, dtype)
+        if ctx.constants.keep is not None:
+            h, context = ctx.constants.keep(h, context)
         ctx.constants.memo[key] = (state, h, context)  # holds the state tensors: their ids stay unique
         return h, context
 
