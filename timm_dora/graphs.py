@@ -17,9 +17,10 @@ each) and only the decisions and the deletion run eagerly, between replays:
   Attention runs the varlen kernel with ``cu_seqlens`` in a fixed device buffer and the longest
   possible sequence as its maximum, so the padded rows, past the last sequence, are never read
   (they hold garbage that row-wise LayerNorm/MLP carry along and the deletion never gathers).
-  The policy decides eagerly on the real rows (for the actor: its gate, whose vector travels to
-  the host while the MLP segment replays speculatively); the deletion gathers the survivors into
-  a fixed buffer (one ``index_select``) and the next segment replays.
+  Other policies decide eagerly on the real rows; the actor's gate is a graph too (the history
+  copied into fixed buffers first; its vector travels to the host while the MLP segment replays
+  speculatively). The deletion gathers the survivors into a fixed buffer (one ``index_select``)
+  and the next segment replays.
 - **the actor's controller**, where a gate opened (either phase): captured per (block, rows) as
   :meth:`~timm_dora.policy.ActorPolicy.controller_fixed`, the same computation on every image of
   the layout, masked by the gate (no shape depends on which images opened). Its products run over
@@ -60,7 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .packing import Packed, delete_rows, varlen_attention
-from .policy import BlockContext, Decision, ForwardConstants, host_reader
+from .policy import BlockContext, Decision, ForwardConstants
 
 __all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "graph_mode_reason", "rows_bucket", "ROWS_BUCKET", "MAX_CACHED"]
 
@@ -175,8 +176,14 @@ class GraphRunner:
             getattr(self.consts, name)
         self.full = torch.full((b,), self.num_patches, dtype=torch.long, device=dev)
         self.steps: Dict[int, object] = {}
-        self.ctrl_in = (torch.zeros(b, 3, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
-                        torch.zeros(b, dtype=torch.bool, device=dev))  # packed phase: h, N_l, gate
+        # packed phase: the history (N_l, rho, E_<l) copied in, and the controller's inputs (h, N_l,
+        # gate) that the gate graph writes (N_l is the same buffer)
+        self.history_in = (torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, device=dev),
+                           torch.zeros(b, dtype=torch.long, device=dev))
+        self.ctrl_in = (torch.zeros(b, 3, device=dev), self.history_in[0], torch.zeros(b, dtype=torch.bool, device=dev))
+        self.packed_consts = ForwardConstants(b, dev)  # the packed gate graphs' own (memo cleared per run)
+        for name in ("zeros", "closed", "opened", "no_rho"):
+            getattr(self.packed_consts, name)
         # what a graph produces for later use goes into these, outside the graphs' shared pool: a
         # tensor allocated inside a capture may share memory with another graph's scratch space
         # and be overwritten when that graph replays
@@ -257,6 +264,24 @@ class GraphRunner:
                 self.ctrl_out[1].copy_(removed)
                 self.ctrl_out[2].copy_(flops)
             return controller
+        if kind == "gate_packed":  # the actor's gate on the packed rows, history from fixed buffers
+            rows = key[2]
+            p = model.num_prefix_tokens
+
+            def gate_packed():
+                consts = self.packed_consts
+                consts.memo.clear()  # the history buffers change in place: never reuse a memoised value
+                layout = SimpleNamespace(batch_size=b, num_prefix=p, uniform=False, min_len=0,
+                                         starts=self.cu[:-1].long())  # min_len 0: feasibility per image
+                n_visual, rho, interventions = self.history_in
+                ctx = BlockContext(l, self.k[:rows], layout, n_visual, rho, interventions, self.depth,
+                                   self.num_patches, self.backend, consts)
+                step = self.policy.probe(ctx)
+                self.ctrl_in[0].copy_(step.h)
+                self.ctrl_in[2].copy_(step.gate)
+                self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
+                self.steps[("packed", l)] = step._replace(ctx=None, keys=None, h=self.ctrl_in[0], gate=self.ctrl_in[2])
+            return gate_packed
         if kind == "attention_packed":
             rows = key[2]
             static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq)
@@ -366,17 +391,23 @@ class GraphRunner:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
         if not self.probing:
             return self.policy(ctx), src.with_x(self.xa[:t]), False
-        # the gate runs eagerly here (the history varies per image), its vector travels to the host
+        # the gate from a graph too: the history goes into fixed buffers, the gate graph writes the
+        # gate (also to pinned memory) and the controller's inputs; its vector travels to the host
         # while the MLP of the unpruned rows replays (speculation, as in the dense phase)
-        step = self.policy.probe(ctx)
-        read = host_reader(step.gate)
-        self._run(("mlp", l, rows))
-        gate_host = read()
-        if not any(gate_host):
-            return self.policy.decide(step, gate_host), src.with_x(self.xa[:t]), True
-        for buf, value in zip(self.ctrl_in, (step.h, ctx.n_visual, step.gate)):
+        for buf, value in zip(self.history_in, (n_visual, rho, interventions)):
             buf.copy_(value)
-        dec = self._controller(l, rows, False, step.gate)
+        self._run(("gate_packed", l, rows))
+        done = None
+        if self.capture:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        self._run(("mlp", l, rows))
+        if done is not None:
+            done.synchronize()
+        gate_host = self.gate_host[l].tolist()
+        if not any(gate_host):
+            return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), True
+        dec = self._controller(l, rows, False, self.ctrl_in[2])
         return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), True
 
     def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor) -> Decision:
