@@ -137,3 +137,22 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert huggingface_hub.constants.is_offline_mode()
+
+
+def kind_actor(model, kind: str):
+    """A random-weight actor for ``model`` whose gate is ``"closed"`` everywhere, ``"biased"``
+    (opens on some images and blocks) or ``"forced"`` open at blocks 1, 4 and 7."""
+    import sys
+
+    from timm_dora import Actor
+
+    torch.manual_seed(3)
+    if kind == "forced":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from throughput import gate_forced_actor
+
+        return gate_forced_actor(model, [1, 4, 7])
+    actor = Actor.for_model(model)
+    with torch.no_grad():
+        actor.gate_mlp[2].bias.fill_(-1e4 if kind == "closed" else 0.0)  # 0: opens on some images/blocks
+    return actor

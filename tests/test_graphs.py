@@ -22,19 +22,11 @@ from timm_dora import graphs as graphs_module  # noqa: E402
 from timm_dora.graphs import MAX_CACHED, GraphRunner  # noqa: E402
 from timm_dora.policy import Decision  # noqa: E402
 
-from helpers import SMALL_FAMILIES, images, make_model, random_plan  # noqa: E402
+from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan  # noqa: E402
 
 FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers"]
 
 
-def _actor(model, kind):
-    torch.manual_seed(3)
-    if kind == "forced":
-        return gate_forced_actor(model, [1, 4, 7])
-    actor = Actor.for_model(model)
-    with torch.no_grad():
-        actor.gate_mlp[2].bias.fill_(-1e4 if kind == "closed" else 0.0)  # 0: opens on some images/blocks
-    return actor
 
 
 def _mlp_calls(model):
@@ -92,7 +84,7 @@ def test_graph_path_is_identical_to_the_default_forward(family, kind, bucket, mo
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     xs = [images(model, 6, seed=s) for s in (1, 2, 1)]  # buffers reused; a batch seen again
-    actor = _actor(model, kind)
+    actor = kind_actor(model, kind)
     ref = _run(model, xs, actor=actor)
     got = _run(model, xs, actor=actor, cuda_graphs=True)
     # exact where no controller ran and nothing was padded; where a gate opened the graphs' controller
@@ -174,7 +166,7 @@ def test_a_gate_without_removal_leaves_the_dense_phase():
 def test_segments_are_cached_per_batch_shape_and_policy():
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
-    actor = _actor(model, "closed")
+    actor = kind_actor(model, "closed")
     timm_dora.wrap(model, actor, cuda_graphs=True)
     cache = model._dora.graphs
     with torch.inference_mode():
@@ -197,7 +189,7 @@ def test_autograd_or_training_falls_back_with_one_warning():
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     x = images(model, 2)
-    actor = _actor(model, "biased")
+    actor = kind_actor(model, "biased")
     timm_dora.wrap(model, actor)
     with torch.no_grad():
         ref = model(x)
@@ -218,7 +210,7 @@ def test_autograd_or_training_falls_back_with_one_warning():
 def test_graph_option_is_part_of_the_wrap_identity_and_sizes_are_checked():
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
-    actor = _actor(model, "closed")
+    actor = kind_actor(model, "closed")
     timm_dora.wrap(model, actor, cuda_graphs=True)
     assert timm_dora.wrap(model, actor, cuda_graphs=True) is model
     with pytest.raises(ValueError, match="already wrapped"):
@@ -233,7 +225,7 @@ def test_sampled_actor_policy_has_no_graph_probe():
     """Sampling or recording policies draw noise or keep records: they decide on the host."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
-    actor = _actor(model, "biased")
+    actor = kind_actor(model, "biased")
     assert ActorPolicy(actor).graph_probe
     assert not ActorPolicy(actor, sample=True).graph_probe
     assert not ActorPolicy(actor, record=True).graph_probe
@@ -257,7 +249,7 @@ def test_captured_graphs_match_the_default_forward_on_cuda(kind, bucket, monkeyp
     if kind == "replay":
         wrap_kw = dict(policy=ReplayPolicy({l: (i.cuda(), c.cuda()) for l, (i, c) in random_plan(6, 16, 12, [2, 5]).items()}))
     else:
-        wrap_kw = dict(actor=_actor(model, kind).to("cuda", torch.bfloat16))
+        wrap_kw = dict(actor=kind_actor(model, kind).to("cuda", torch.bfloat16))
     ref = _run(model, xs, **wrap_kw)
     got = _run(model, xs, **wrap_kw, cuda_graphs=True)
     for a, b in zip(got, ref):
@@ -288,7 +280,7 @@ def test_fixed_shape_controller_equals_the_controller(family):
 
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
-    actor = _actor(model, "biased")
+    actor = kind_actor(model, "biased")
     policy = ActorPolicy(actor)
     p, n0, d = model.num_prefix_tokens, model.patch_embed.num_patches, actor.embed_dim
     g = torch.Generator().manual_seed(0)
@@ -351,7 +343,7 @@ def test_graphs_made_under_inference_mode_serve_no_grad_forwards_too():
     forwards under ``no_grad`` (in-place writes into inference tensors would fail there)."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
-    actor = _actor(model, "forced")
+    actor = kind_actor(model, "forced")
     x = images(model, 3)
     ref = _run(model, [x], actor=actor)[0]
     timm_dora.wrap(model, actor, cuda_graphs=True)
@@ -446,7 +438,7 @@ def test_statistics_are_computed_when_read_and_stay_valid(graphs):
 
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
-    actor = _actor(model, "forced")
+    actor = kind_actor(model, "forced")
     xs = [images(model, 4, seed=s) for s in (1, 2)]
     eager = _run(model, xs, actor=actor)  # each read right after its forward
     timm_dora.wrap(model, actor, cuda_graphs=graphs)

@@ -12,22 +12,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from throughput import gate_forced_actor  # noqa: E402
 
 import timm_dora  # noqa: E402
-from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
+from timm_dora import ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
 from timm_dora.policy import RolloutNoise, host_reader  # noqa: E402
 
-from helpers import SMALL_FAMILIES, images, make_model, random_plan  # noqa: E402
+from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan  # noqa: E402
 
 FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers"]
 
 
-def _actor(model, kind):
-    torch.manual_seed(3)
-    if kind == "forced":
-        return gate_forced_actor(model, [1, 4, 7])
-    actor = Actor.for_model(model)
-    with torch.no_grad():
-        actor.gate_mlp[2].bias.fill_(-1e4 if kind == "closed" else 0.0)  # 0: opens on some images/blocks
-    return actor
 
 
 def _forward(model, x, **wrap_kw):
@@ -68,7 +60,7 @@ def test_speculation_is_bit_identical(family, kind):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     x = images(model, 6)
-    actor = _actor(model, kind)
+    actor = kind_actor(model, kind)
     ref, ref_stats, ref_calls = _forward(model, x, actor=actor)
     out, stats, calls = _forward(model, x, actor=actor, speculate=True)
     assert torch.equal(out, ref)
@@ -96,7 +88,7 @@ def test_speculation_with_sampled_recording_policy(family):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     x = images(model, 5)
-    actor = _actor(model, "biased")
+    actor = kind_actor(model, "biased")
     noise = RolloutNoise.draw(len(model.blocks), x.shape[0], actor.num_budgets, actor.num_patches,
                               generator=torch.Generator().manual_seed(7))
     runs = []
@@ -149,7 +141,7 @@ def test_host_reader_on_cuda_copies_asynchronously():
 def test_bad_speculation_requests_raise_clearly():
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
-    actor = _actor(model, "closed")
+    actor = kind_actor(model, "closed")
     with pytest.raises(ValueError, match="construct it with speculate=True"):
         timm_dora.wrap(model, policy=NoPrune(), speculate=True)
     with pytest.raises(ValueError, match="construct it with speculate=True"):
