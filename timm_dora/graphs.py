@@ -54,7 +54,7 @@ autograd, no autocast, a half-precision varlen backend on CUDA.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -370,14 +370,7 @@ class GraphRunner:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
             if not self.probing:
                 return self.policy(ctx), self.dense_attended, False
-            done = None
-            if self.capture:
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-            self._run(("mlp", l, self.batch * self.seq))  # speculative: runs while the host reads the gate
-            if done is not None:
-                done.synchronize()
-            gate_host = self.gate_host[l].tolist()
+            gate_host = self._read_gate_during_mlp(l, self.batch * self.seq)
             step = self.steps[l]
             if not any(gate_host):
                 return self.policy.decide(step, gate_host, ctx), self.dense_attended, True
@@ -397,18 +390,23 @@ class GraphRunner:
         for buf, value in zip(self.history_in, (n_visual, rho, interventions)):
             buf.copy_(value)
         self._run(("gate_packed", l, rows))
+        gate_host = self._read_gate_during_mlp(l, rows)
+        if not any(gate_host):
+            return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), True
+        dec = self._controller(l, rows, False, self.ctrl_in[2])
+        return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), True
+
+    def _read_gate_during_mlp(self, l: int, rows: int) -> List[bool]:
+        """Replay the MLP of the unpruned rows (speculatively) and, meanwhile, wait for the gate
+        vector the just-replayed gate graph copied to pinned memory; returns it."""
         done = None
         if self.capture:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
         self._run(("mlp", l, rows))
         if done is not None:
-            done.synchronize()
-        gate_host = self.gate_host[l].tolist()
-        if not any(gate_host):
-            return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), True
-        dec = self._controller(l, rows, False, self.ctrl_in[2])
-        return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), True
+            done.synchronize()  # the gate copy only, not the MLP
+        return self.gate_host[l].tolist()
 
     def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor) -> Decision:
         """The controller segment (captured per block and rows) and its decision."""
