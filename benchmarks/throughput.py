@@ -200,6 +200,11 @@ def main(argv=None):
         inputs = [torch.randn(args.batch, 3, *model.patch_embed.img_size, device=dev, dtype=dtype) for _ in range(args.batches)]
         rows = []
 
+        def failed(config, e):
+            """Record a failing configuration (the others' numbers must not be lost)."""
+            rows.append({"model": name, "config": config, "error": f"{type(e).__name__}: {e}"})
+            print(f"{name:28s} {config:22s} FAILED: {type(e).__name__}: {e}", flush=True)
+
         def add(config, fn, gflops, **extra):
             if dev.type == "cuda":  # peak memory of the timed forwards (weights and inputs included)
                 gc.collect()  # graphs of unwrapped rows hold memory pools until collected
@@ -208,9 +213,8 @@ def main(argv=None):
                 torch.cuda.reset_peak_memory_stats()
             try:
                 r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
-            except Exception as e:  # one failing configuration must not lose the others' numbers
-                rows.append({"model": name, "config": config, "error": f"{type(e).__name__}: {e}"})
-                print(f"{name:28s} {config:22s} FAILED: {type(e).__name__}: {e}", flush=True)
+            except Exception as e:
+                failed(config, e)
                 return
             if dev.type == "cuda":
                 r["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
@@ -228,8 +232,7 @@ def main(argv=None):
                     wrapped(inputs[0])
                 return True
             except Exception as e:
-                rows.append({"model": name, "config": config, "error": f"{type(e).__name__}: {e}"})
-                print(f"{name:28s} {config:22s} FAILED: {type(e).__name__}: {e}", flush=True)
+                failed(config, e)
                 timm_dora.unwrap(wrapped)
                 return False
 
