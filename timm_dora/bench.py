@@ -180,7 +180,7 @@ def bench(
 
 
 def _run(args) -> int:
-    from .evaluate import command_line, environment, method_from_args, setup, write_json
+    from .evaluate import method_from_args, run_header, setup, write_json
 
     model, device, dtype, autocast = setup(args)
     if device.type != "cuda":
@@ -216,10 +216,7 @@ def _run(args) -> int:
         for m in methods:
             m.close()
     payload = {
-        **environment(device, command_line(args)),
-        "dtype": "bf16-autocast" if autocast else str(dtype).replace("torch.", ""),
-        "model": args.model,
-        "weights": args.weights or ("random" if args.random_weights else "timm-pretrained"),
+        **run_header(args, device, dtype, autocast),
         "protocol": {"batch": args.batch, "batches": info["batches"], "warmup": args.warmup, "iters": args.iters,
                      "repeats": args.repeats, "statistic": "median over repeats"},
         "inputs": info,

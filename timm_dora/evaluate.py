@@ -553,6 +553,17 @@ def method_from_args(model: nn.Module, args) -> Method:
                         attn_backend=args.attn_backend, cuda_graphs=getattr(args, "cuda_graphs", False))
 
 
+def run_header(args, device: torch.device, dtype: torch.dtype, autocast: bool) -> Dict[str, Any]:
+    """The fields every ``timm-dora eval``/``bench`` JSON starts with: environment, command,
+    precision, model and weights."""
+    return {
+        **environment(device, command_line(args)),
+        "dtype": "bf16-autocast" if autocast else str(dtype).replace("torch.", ""),
+        "model": args.model,
+        "weights": args.weights or ("random" if args.random_weights else "timm-pretrained"),
+    }
+
+
 def command_line(args, prog: str = "timm-dora") -> str:
     """The command that produced ``args`` (rebuilt from the parser: every option that differs from
     its default), so that it is right however the parser was called (console script or ``main([...])``)."""
@@ -604,10 +615,7 @@ def _run(args) -> int:
         print(file=sys.stderr)
     cfg = data_config(model)
     payload = {
-        **environment(device, command_line(args)),
-        "dtype": "bf16-autocast" if autocast else str(dtype).replace("torch.", ""),
-        "model": args.model,
-        "weights": args.weights or ("random" if args.random_weights else "timm-pretrained"),
+        **run_header(args, device, dtype, autocast),
         "data": {"spec": str(args.data), "split": args.split, "images": n},
         "preprocessing": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
         "rows": rows,
