@@ -26,6 +26,28 @@ def test_throughput_script_runs_every_configuration(tmp_path):
     assert all(r["images_per_s"] > 0 for r in res["rows"])
 
 
+def test_throughput_reduction_with_its_own_blocks(tmp_path):
+    assert throughput.parse_reduction("0.55@1,4,7", [3, 6, 9]) == (0.55, [1, 4, 7])
+    assert throughput.parse_reduction("0.38", [3, 6, 9]) == (0.38, [3, 6, 9])
+    for bad, msg in (("0.5@a", "is not R or R@b"), ("1.5", "must be in (0, 1)")):
+        try:
+            throughput.parse_reduction(bad, [3])
+        except SystemExit as e:
+            assert msg in str(e)
+        else:
+            raise AssertionError(bad)
+    out = tmp_path / "t.json"
+    throughput.main(["--models", "vit_tiny_patch16_224", "--img-size", "96", "--batch", "8", "--batches", "2",
+                     "--warmup", "1", "--iters", "1", "--repeats", "1", "--device", "cpu", "--spread", "2",
+                     "--reductions", "0.3@2,5", "--configs", "fixed", "oracle", "actor", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    fixed = next(r for r in rows if r["config"].startswith("fixed"))
+    oracle = next(r for r in rows if r["config"].startswith("oracle"))
+    actor = next(r for r in rows if r["config"].startswith("actor"))
+    assert fixed["blocks"] == [2, 5] and sorted(int(k) for k in oracle["static_k"]) == [2, 5]
+    assert [l for l, r in enumerate(actor["gate_rate"]) if r > 0] == [2, 5]
+
+
 def test_host_overhead_script_reports_every_configuration(tmp_path):
     import host_overhead
 
