@@ -4,8 +4,9 @@ For each backbone (random weights), a batch of images goes through the wrapped m
 the same deletions: on the GPU in bf16 (packed varlen attention) and on the CPU in fp32 (exact
 per-sequence path, itself tested against an independent per-image reference in tests/). Deletions
 are (a) a fuzzed replay plan varied per image and (b) what a random-weight actor decided on the
-GPU, replayed on the CPU. Reports ||logits_gpu - logits_cpu|| / ||logits_cpu|| (target <= 1e-2)
-and which attention backend ran. In bf16 it also runs both deletions again with
+GPU, replayed on the CPU. Reports ||logits_gpu - logits_cpu|| / ||logits_cpu|| (passes at <= 1e-2
+or within 10 % of the unwrapped backbone's own error in the same dtype: native timm in bf16 is
+itself ~1.4e-2 from fp32 on DeiT-B) and which attention backend ran. In bf16 it also runs both deletions again with
 ``cuda_graphs=True`` (the dense phase replayed from CUDA graphs) and compares with the default GPU
 path (``graphs_*``: decisions equal, largest logit difference, bitwise equal), and compares the
 direct ``aten::_flash_attention_forward`` call of the ``torch_varlen`` backend with
@@ -142,14 +143,16 @@ def main():
     args = ap.parse_args()
     rows = [check(n, kw, args.batch, mode) for mode in ("bf16", "autocast") for n, kw in MODELS]
     varlen = aten_vs_varlen_attn()
-    ok = all(r["fuzzed_rel_err"] <= 1e-2 and r["actor_rel_err"] <= 1e-2 for r in rows)
+    # bf16 tolerance: 1e-2, or the unwrapped backbone's own error in the same dtype plus 10 % (native
+    # timm in bf16 is itself 1.1-1.4e-2 from the fp32 reference on DeiT-B and ViT-Ti)
+    ok = all(r[f"{t}_rel_err"] <= max(1e-2, 1.1 * r["native_rel_err"]) for r in rows for t in ("fuzzed", "actor"))
     # decisions of the graph path: equal without the controller; with it, near-ties may flip in bf16
     ok = ok and all(v for r in rows for k, v in r.items() if k.endswith("_decisions_equal") and "actor" not in k)
     ok = ok and varlen["max_abs_diff"] <= 1e-2
     res = {
         **environment(torch.device("cuda"), "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:])),
         "dtype": "GPU bf16 weights+activations ('bf16') or fp32 weights with bf16 autocast ('autocast') vs float32 CPU reference",
-        "tolerance": 1e-2,
+        "tolerance": "rel_err <= max(1e-2, 1.1 x native_rel_err of the same backbone and dtype)",
         "passed": ok,
         "aten_flash_vs_varlen_attn": varlen,
         "rows": rows,

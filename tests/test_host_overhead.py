@@ -80,17 +80,32 @@ def test_delete_rows_with_host_counts_equals_the_synchronising_path():
 
 
 @torch.no_grad()
-def test_gate_context_for_all_blocks_equals_each_blocks_own():
+def test_gate_bias_for_all_blocks_equals_each_blocks_own():
     torch.manual_seed(0)
     a = Actor(16, 5, 12)
     h, key = torch.rand(3, 3), torch.randn(3, 16)
-    every = a.gate_context(h, None, torch.float32)
-    assert every.shape == (5, 3, 19)
+    bias = a.gate_bias(h, None, torch.float32)
+    assert bias.shape == (5, 3, 64)
     for l in range(5):
-        assert torch.equal(every[l], a.gate_context(h, l, torch.float32))
-        assert torch.equal(a.gate_logit(key, h, l, every[l]), a.gate_logit(key, h, l))
+        assert torch.equal(bias[l], a.gate_bias(h, l, torch.float32))
+        assert torch.equal(a.gate_logit(key, h, l, bias[l]), a.gate_logit(key, h, l))
     blocks = torch.tensor([4, 0, 2])
-    assert torch.equal(a.gate_logit(key, h, blocks), a.gate_logit(key, h, blocks, a.gate_context(h, blocks, torch.float32)))
+    assert torch.equal(a.gate_logit(key, h, blocks), a.gate_logit(key, h, blocks, a.gate_bias(h, blocks, torch.float32)))
+
+
+@torch.no_grad()
+def test_gate_logit_is_the_gate_mlp_on_the_concatenated_input():
+    """The split first layer (CLS part per block, context part per forward) against the paper's
+    gate as written: the MLP on [K_CLS; e^G_l; h_l] (Sec. 3.2), per block and per image."""
+    torch.manual_seed(0)
+    a = Actor(16, 5, 12)
+    with torch.no_grad():
+        a.gate_embed.normal_()
+    h, key = torch.rand(3, 3), torch.randn(3, 16)
+    for blocks in (2, torch.tensor([4, 0, 2])):
+        e = a.gate_embed[blocks].expand(3, -1)
+        reference = a.gate_mlp(torch.cat([key, e, h], -1)).squeeze(-1)
+        torch.testing.assert_close(a.gate_logit(key, h, blocks), reference, rtol=1e-5, atol=1e-6)
 
 
 @torch.no_grad()

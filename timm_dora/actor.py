@@ -21,6 +21,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .packing import Packed, PackedTransformerBlock
 
@@ -157,24 +158,31 @@ class Actor(nn.Module):
 
     # ---------------------------------------------------------------------------------------
     # networks
-    def gate_context(self, h: torch.Tensor, block: Union[None, int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The gate input after the CLS key, ``[e^G_l; h_l]`` in ``dtype``: ``[B, 19]`` for one
-        block index or ``[B]`` indices; ``[L, B, 19]`` for every block when ``block`` is ``None``
-        (one tensor serving all blocks while ``h`` does not change)."""
+    def gate_bias(self, h: torch.Tensor, block: Union[None, int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The gate's first layer on its context plus that layer's bias, ``W1_c [e^G_l; h_l] + b1``:
+        ``[B, 64]``, or ``[L, B, 64]`` for every block when ``block`` is ``None``. The layer is
+        linear, so ``W1 [K_CLS; e^G_l; h_l] + b1 = W1_K K_CLS + (W1_e e^G_l + b1) + W1_h h_l``:
+        this part is made once per forward while the history does not change, only the CLS part
+        per block. The block part is computed for every block and indexed, so the value for one
+        block is the same whichever way it is asked for."""
+        first, d, g = self.gate_mlp[0], self.embed_dim, self.gate_embed_dim
+        w = first.weight.to(dtype)
+        per_block = F.linear(self.gate_embed.to(dtype), w[:, d : d + g], first.bias.to(dtype))  # [L, 64]
+        per_image = F.linear(h.to(dtype), w[:, d + g :])  # [B, 64]
         if block is None:
-            e = self.gate_embed[:, None].expand(-1, h.shape[0], -1)
-            h = h[None].expand(self.depth, -1, -1)
-        else:
-            e = self.gate_embed[block].expand(h.shape[0], -1)
-        return torch.cat([e.to(dtype), h.to(dtype)], dim=-1)
+            return per_block[:, None] + per_image[None]
+        return per_block[block] + per_image
 
     def gate_logit(self, cls_key: torch.Tensor, h: torch.Tensor, block: Union[int, torch.Tensor],
-                   context: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Gate logit ``[B]``; ``p^G = sigmoid(logit)``. ``block``: one index, or ``[B]`` indices.
-        ``context``: :meth:`gate_context` of ``h`` and ``block`` when already computed."""
-        if context is None:
-            context = self.gate_context(h, block, cls_key.dtype)
-        return self.gate_mlp(torch.cat([cls_key, context], dim=-1)).squeeze(-1)
+        ``bias``: :meth:`gate_bias` of ``h`` and ``block`` when already computed (the first
+        layer then costs one ``addmm``)."""
+        if bias is None:
+            bias = self.gate_bias(h, block, cls_key.dtype)
+        w = self.gate_mlp[0].weight[:, : self.embed_dim]
+        hidden = torch.addmm(bias, cls_key, w.to(cls_key.dtype).t())
+        return self.gate_mlp[2](self.gate_mlp[1](hidden)).squeeze(-1)
 
     def encode(self, keys: torch.Tensor, packed: Packed, h: torch.Tensor, block: Union[int, torch.Tensor], backend: str) -> torch.Tensor:
         """Shared encoder ``Z_l`` on packed controller sequences.

@@ -8,7 +8,9 @@ each) and only the decisions and the deletion run eagerly, between replays:
 - **dense phase** (until the first deletion every image keeps all tokens; shapes are fixed by the
   batch shape): the embedding, each block's attention residual, each block's MLP residual and the
   readout. For a policy with a graph probe (a deterministic :class:`~timm_dora.policy.ActorPolicy`)
-  the attention segment also computes the gate and copies the gate vector into pinned host memory;
+  the attention segment also computes the gate from the CLS keys, as a branch of the graph forked
+  onto a second stream right after ``qkv`` (it runs beside the attention kernel instead of after
+  it; the full keys are never materialised), and copies the gate vector into pinned host memory;
   the MLP segment is replayed *before* the host waits for that copy (speculation: the GPU keeps
   working while the host decides; wasted at a block where a gate opens).
 - **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
@@ -17,9 +19,9 @@ each) and only the decisions and the deletion run eagerly, between replays:
   Attention runs the varlen kernel with ``cu_seqlens`` in a fixed device buffer and the longest
   possible sequence as its maximum, so the padded rows, past the last sequence, are never read
   (they hold garbage that row-wise LayerNorm/MLP carry along and the deletion never gathers).
-  Other policies decide eagerly on the real rows; the actor's gate is a graph too (the history
-  copied into fixed buffers first; its vector travels to the host while the MLP segment replays
-  speculatively). The deletion gathers the survivors into a fixed buffer (one ``index_select``)
+  Other policies decide eagerly on the real rows; the actor's gate is again a branch of the
+  attention graph (the history copied into fixed buffers first; its vector travels to the host
+  while the MLP segment replays speculatively). The deletion gathers the survivors into a fixed buffer (one ``index_select``)
   and the next segment replays.
 - **the actor's controller**, where a gate opened (either phase): captured per (block, rows) as
   :meth:`~timm_dora.policy.ActorPolicy.controller_fixed`, the same computation on every image of
@@ -52,6 +54,8 @@ how the CPU tests check this path against the default forward. Inference only: `
 autograd, no autocast, a half-precision varlen backend on CUDA.
 """
 from __future__ import annotations
+
+import contextlib
 
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Tuple
@@ -145,10 +149,13 @@ class GraphRunner:
         actor = getattr(policy, "actor", None)
         self.probing = (bool(getattr(policy, "graph_probe", False)) and actor is not None
                         and actor.w_in.weight.dtype == self.x[0].dtype)
+        self.gate_stream, self.forked = None, False
         if self.probing:
             with torch.inference_mode(False):
-                self.context_out = torch.zeros(self.depth, self.batch, actor.gate_embed_dim + 3,
+                self.context_out = torch.zeros(self.depth, self.batch, actor.gate_hidden,
                                                dtype=actor.w_in.weight.dtype, device=dev)
+        if self.capture and self.probing:
+            self.gate_stream = torch.cuda.Stream(dev)  # the gate's branch of the attention graphs
 
     def _make_buffers(self, model: nn.Module, images: torch.Tensor) -> None:
         from .patch import embed
@@ -189,7 +196,7 @@ class GraphRunner:
         # and be overwritten when that graph replays
         self.gate_out = torch.zeros(self.depth, b, dtype=torch.bool, device=dev)  # dense gates per block
         self.h_out = torch.zeros(b, 3, device=dev)  # the dense phase's history
-        self.context_out: Optional[torch.Tensor] = None  # the gate context of every block (made on first use)
+        self.context_out: Optional[torch.Tensor] = None  # the gate's context part of every block (made on first use)
 
         def keep(h: torch.Tensor, context: torch.Tensor):
             if self.context_out is None or self.context_out.shape != context.shape:
@@ -222,19 +229,26 @@ class GraphRunner:
             return readout_dense
         blk = model.blocks[l]
         if kind == "attention":  # dense
-            def attention_dense():
+            def gate_dense(cls: torch.Tensor) -> None:
                 src = self.dense_inputs[l % 2]
-                _, keys = attention_residual(blk, src, self.backend, out=self.xa)
-                if self.probing:
-                    ctx = BlockContext(l, keys, src, self.full, self.consts.no_rho, self.consts.zeros,
-                                       self.depth, self.num_patches, self.backend, self.consts)
-                    step = self.policy.probe(ctx)
-                    self.gate_out[l].copy_(step.gate)
-                    if step.h is not self.h_out:  # (the memoised history already lives there)
-                        self.h_out.copy_(step.h)
-                    self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
-                    # the keys are not kept; gate and history are read from the fixed outputs
-                    self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
+                ctx = BlockContext(l, cls, src, self.full, self.consts.no_rho, self.consts.zeros,
+                                   self.depth, self.num_patches, self.backend, self.consts)
+                step = self.policy.probe(ctx, cls_key=cls)
+                self.gate_out[l].copy_(step.gate)
+                if step.h is not self.h_out:  # (the memoised history already lives there)
+                    self.h_out.copy_(step.h)
+                self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
+                # the keys are not kept; gate and history are read from the fixed outputs
+                self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
+
+            def cls_keys(k: torch.Tensor) -> None:  # [B, H, S, hd] -> the CLS keys [B, d] (a view)
+                cls = k[:, :, 0].reshape(b, -1)
+                self._fork(lambda: gate_dense(cls), cls)
+
+            def attention_dense():
+                attention_residual(blk, self.dense_inputs[l % 2], self.backend, out=self.xa, keys=False,
+                                   on_keys=cls_keys if self.probing else None)
+                self._join()
             return attention_dense
         if kind == "mlp":  # dense or packed: xa -> x[(l + 1) % 2]
             rows = key[2]
@@ -264,11 +278,13 @@ class GraphRunner:
                 self.ctrl_out[1].copy_(removed)
                 self.ctrl_out[2].copy_(flops)
             return controller
-        if kind == "gate_packed":  # the actor's gate on the packed rows, history from fixed buffers
+        if kind == "attention_packed":
             rows = key[2]
             p = model.num_prefix_tokens
+            static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq)
+            scale = self.scale[l]
 
-            def gate_packed():
+            def gate_packed():  # the actor's gate on the packed rows, history from fixed buffers
                 consts = self.packed_consts
                 consts.memo.clear()  # the history buffers change in place: never reuse a memoised value
                 layout = SimpleNamespace(batch_size=b, num_prefix=p, uniform=False, min_len=0,
@@ -281,11 +297,11 @@ class GraphRunner:
                 self.ctrl_in[2].copy_(step.gate)
                 self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
                 self.steps[("packed", l)] = step._replace(ctx=None, keys=None, h=self.ctrl_in[0], gate=self.ctrl_in[2])
-            return gate_packed
-        if kind == "attention_packed":
-            rows = key[2]
-            static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq)
-            scale = self.scale[l]
+
+            def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
+                self.k[:rows].copy_(k.reshape(rows, -1))
+                if self.probing:
+                    self._fork(gate_packed)
 
             def attend(q, k, v):
                 if self.capture:  # the kernel reads cu_seqlens from the fixed buffer
@@ -297,11 +313,33 @@ class GraphRunner:
 
             def attention_packed():
                 src = SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False)
-                _, keys = attention_residual(blk, src, self.backend, out=self.xa[:rows], attend=attend)
-                if self.copy_keys:
-                    self.k[:rows].copy_(keys)
+                attention_residual(blk, src, self.backend, out=self.xa[:rows], attend=attend, keys=False,
+                                   on_keys=keep_keys if self.copy_keys else None)
+                self._join()
             return attention_packed
         raise KeyError(key)
+
+    def _fork(self, fn: Callable[[], None], *reads: torch.Tensor) -> None:
+        """Run ``fn`` (the actor's gate) on the gate stream, after what the current stream enqueued
+        so far: in a capture, a branch of the graph that runs beside the attention kernel (the
+        segment ends with :meth:`_join`). ``reads``: tensors of the current stream that ``fn``
+        reads (their memory is not reused before the gate stream is done with it). Uncaptured
+        (CPU), in order."""
+        if not self.capture:
+            fn()
+            return
+        self.gate_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in reads:
+            t.record_stream(self.gate_stream)
+        with torch.cuda.stream(self.gate_stream):
+            fn()
+        self.forked = True
+
+    def _join(self) -> None:
+        """The current stream waits for the forked gate (a graph's branches must join before its end)."""
+        if self.forked:
+            torch.cuda.current_stream(self.device).wait_stream(self.gate_stream)
+            self.forked = False
 
     def _run(self, key: tuple) -> None:
         if not self.capture:
@@ -377,6 +415,9 @@ class GraphRunner:
             return self._controller(l, self.batch * self.seq, True, step.gate), self.dense_attended, True
         src = self.cur
         t, rows = src.total, self._padded(src.total)
+        if self.probing:  # the gate's history into fixed buffers, read by the attention graph's gate
+            for buf, value in zip(self.history_in, (n_visual, rho, interventions)):
+                buf.copy_(value)
         self._run(("attention_packed", l, rows))
         if self.copy_keys:
             ctx = BlockContext(keys=self.k[:t], packed=src, **kw)
@@ -384,12 +425,9 @@ class GraphRunner:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
         if not self.probing:
             return self.policy(ctx), src.with_x(self.xa[:t]), False
-        # the gate from a graph too: the history goes into fixed buffers, the gate graph writes the
-        # gate (also to pinned memory) and the controller's inputs; its vector travels to the host
-        # while the MLP of the unpruned rows replays (speculation, as in the dense phase)
-        for buf, value in zip(self.history_in, (n_visual, rho, interventions)):
-            buf.copy_(value)
-        self._run(("gate_packed", l, rows))
+        # the gate ran in the attention graph (its branch beside the attention kernel): it wrote
+        # the gate (also to pinned memory) and the controller's inputs; its vector travels to the
+        # host while the MLP of the unpruned rows replays (speculation, as in the dense phase)
         gate_host = self._read_gate_during_mlp(l, rows)
         if not any(gate_host):
             return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), True

@@ -346,15 +346,21 @@ def attention_keys(blk: nn.Module, packed: Packed) -> torch.Tensor:
 
 
 def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Optional[torch.Tensor] = None,
-                       attend: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x + drop_path1(ls1(attn(norm1(x))))`` on packed rows; also returns the keys ``[T, d]``.
+                       attend: Optional[Callable] = None, on_keys: Optional[Callable[[torch.Tensor], None]] = None,
+                       keys: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``x + drop_path1(ls1(attn(norm1(x))))`` on packed rows; also returns the keys ``[T, d]``
+    (``None`` when ``keys`` is false: on a uniform batch they are a transposed copy).
     ``out``: write the result there (a fixed buffer of a CUDA graph). ``attend``: ``(q, k, v) ->
     o`` (``[T, H, hd]``) instead of :func:`varlen_attention` on a non-uniform batch (the graphs'
-    padded rows)."""
+    padded rows). ``on_keys``: called with the keys as soon as they exist (before the attention
+    itself; ``[B, H, S, hd]`` on a uniform batch, else ``[T, H, hd]``): the CUDA graphs fork the
+    actor's gate there, so that it runs beside the attention kernel."""
     attn = blk.attn
     t = packed.total
     y = blk.norm1(packed.x)
     q, k, v = _qk_v(attn, y, packed)
+    if on_keys is not None:
+        on_keys(k)
     if packed.uniform:
         o = F.scaled_dot_product_attention(q, k, v, scale=attn.scale).transpose(1, 2).reshape(t, -1)
     else:
@@ -364,7 +370,7 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Option
     if gate is not None:
         o = o * gate(y).sigmoid()
     o = attn.proj_drop(attn.proj(o))
-    return torch.add(packed.x, blk.drop_path1(blk.ls1(o)), out=out), _keys_rows(k, packed)
+    return torch.add(packed.x, blk.drop_path1(blk.ls1(o)), out=out), _keys_rows(k, packed) if keys else None
 
 
 def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
