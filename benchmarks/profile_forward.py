@@ -11,7 +11,10 @@ fewer GFLOPs; ``actor``: an untrained actor whose gate is forced open at the sam
   the scope's first kernel to its last, so it includes the GPU's idle gaps while the host catches
   up: a launch-bound or synchronising scope shows up with its real cost;
 - ``overhead_share``: policy + compact spans over the forward's wall time;
-- ``syncs_per_forward``: host-device synchronisations counted by ``torch.cuda.set_sync_debug_mode``.
+- ``syncs_per_forward``: host-device synchronisations counted by ``torch.cuda.set_sync_debug_mode``;
+- ``*_graphs`` rows (``cuda_graphs=True``, where the profiler sees no scopes): ``actor_share``,
+  one minus the time of a replay of the actor's own decisions (same deletions, packing and
+  GFLOPs; no gate, no controller) over the actor's forward, both from graphs on the same batch.
 
     python benchmarks/profile_forward.py --out benchmarks/results/profile_h100.json
 """
@@ -28,12 +31,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import timm  # noqa: E402
 
 import timm_dora  # noqa: E402
 from throughput import fixed_plan, gate_forced_actor, schedule_for_reduction  # noqa: E402
-from timm_dora import Actor, ReplayPolicy  # noqa: E402
+from helpers import Recorder  # noqa: E402
+from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
 
@@ -128,9 +133,37 @@ def main():
                       + " ".join(f"{k[5:]}={v['device_ms']:.2f}" for k, v in scopes.items())
                       + f"  overhead {100 * over / ms:.1f} %", flush=True)
                 timm_dora.unwrap(model)
+            res["rows"] += actor_share_graphs(model, name, configs, x, args.warmup, args.iters)
         del model
         torch.cuda.empty_cache()
     write_json(args.out, res)
+
+
+def actor_share_graphs(model, name, configs, x, warmup, iters):
+    """The actor's share of the ``cuda_graphs=True`` forward (no profiler scopes inside graphs):
+    the actor's forward against a replay of the same decisions (the same deletion, packing and
+    GFLOPs, no gate or controller), both from graphs, on the same batch."""
+    rows = []
+    for cfg in ("gate_off", "actor"):
+        rec = Recorder(ActorPolicy(configs[cfg]["actor"]))
+        timm_dora.wrap(model, policy=rec)
+        model(x)
+        timm_dora.unwrap(model)
+        ms = {}
+        for tag, kw in (("actor", configs[cfg]), ("replay", dict(policy=ReplayPolicy(rec.plan, check=False)))):
+            timm_dora.wrap(model, cuda_graphs=True, **kw)
+            for _ in range(warmup):
+                model(x)
+            ms[tag] = wall_ms(model, x, iters)
+            ms[tag + "_gflops"] = float(model.dora_stats.gflops.mean())
+            timm_dora.unwrap(model)
+        share = 1 - ms["replay"] / ms["actor"]
+        rows.append({"model": name, "config": cfg + "_graphs", "ms_per_forward": ms["actor"],
+                     "replay_ms": ms["replay"], "gflops": ms["actor_gflops"], "replay_gflops": ms["replay_gflops"],
+                     "actor_share": share})
+        print(f"{name:24s} {cfg + '_graphs':15s} {ms['actor']:7.2f} ms, its decisions replayed {ms['replay']:7.2f} ms:"
+              f" actor {100 * share:.1f} % of the forward", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

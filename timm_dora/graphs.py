@@ -8,21 +8,21 @@ each) and only the decisions and the deletion run eagerly, between replays:
 - **dense phase** (until the first deletion every image keeps all tokens; shapes are fixed by the
   batch shape): the embedding, each block's attention residual, each block's MLP residual and the
   readout. For a policy with a graph probe (a deterministic :class:`~timm_dora.policy.ActorPolicy`)
-  the attention segment also computes the gate from the CLS keys, as a branch of the graph forked
-  onto a second stream right after ``qkv`` (it runs beside the attention kernel instead of after
-  it; the full keys are never materialised), and copies the gate vector into pinned host memory;
-  the MLP segment is replayed *before* the host waits for that copy (speculation: the GPU keeps
-  working while the host decides; wasted at a block where a gate opens).
+  a block is one graph: the attention residual, the MLP residual of all rows (speculatively:
+  wasted at a block where a gate opens) and, as a branch forked onto a second stream right after
+  ``qkv``, the gate from the CLS keys (the full keys are never materialised), which copies the
+  gate vector into pinned host memory and records an event there. The host waits for that event
+  only, so it decides while the same graph's attention and MLP still run.
 - **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
   (:func:`rows_bucket`: about 1/256 of the batch's ``B*S`` rows, 16 to 256)
   and each block's attention residual and MLP residual are captured per (block, padded rows).
   Attention runs the varlen kernel with ``cu_seqlens`` in a fixed device buffer and the longest
   possible sequence as its maximum, so the padded rows, past the last sequence, are never read
   (they hold garbage that row-wise LayerNorm/MLP carry along and the deletion never gathers).
-  Other policies decide eagerly on the real rows; the actor's gate is again a branch of the
-  attention graph (the history copied into fixed buffers first; its vector travels to the host
-  while the MLP segment replays speculatively). The deletion gathers the survivors into a fixed buffer (one ``index_select``)
-  and the next segment replays.
+  Other policies decide eagerly on the real rows; for the actor a block is again one graph with
+  the gate as a branch and the MLP speculative (the history copied into fixed buffers first).
+  The deletion gathers the survivors into a fixed buffer (one ``index_select``) and the next
+  segment replays.
 - **the actor's controller**, where a gate opened (either phase): captured per (block, rows) as
   :meth:`~timm_dora.policy.ActorPolicy.controller_fixed`, the same computation on every image of
   the layout, masked by the gate (no shape depends on which images opened). Its products run over
@@ -156,6 +156,8 @@ class GraphRunner:
                                                dtype=actor.w_in.weight.dtype, device=dev)
         if self.capture and self.probing:
             self.gate_stream = torch.cuda.Stream(dev)  # the gate's branch of the attention graphs
+            # recorded inside the graphs (external: a record node the host can wait on)
+            self.gate_ready = [torch.cuda.Event(external=True) for _ in range(self.depth)]
 
     def _make_buffers(self, model: nn.Module, images: torch.Tensor) -> None:
         from .patch import embed
@@ -238,6 +240,7 @@ class GraphRunner:
                 if step.h is not self.h_out:  # (the memoised history already lives there)
                     self.h_out.copy_(step.h)
                 self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
+                self._gate_copied(l)
                 # the keys are not kept; gate and history are read from the fixed outputs
                 self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
 
@@ -248,6 +251,8 @@ class GraphRunner:
             def attention_dense():
                 attention_residual(blk, self.dense_inputs[l % 2], self.backend, out=self.xa, keys=False,
                                    on_keys=cls_keys if self.probing else None)
+                if self.probing:  # the MLP in the same graph, speculatively (the gate decides later)
+                    mlp_residual(blk, self.xa, out=self.x[(l + 1) % 2])
                 self._join()
             return attention_dense
         if kind == "mlp":  # dense or packed: xa -> x[(l + 1) % 2]
@@ -296,6 +301,7 @@ class GraphRunner:
                 self.ctrl_in[0].copy_(step.h)
                 self.ctrl_in[2].copy_(step.gate)
                 self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
+                self._gate_copied(l)
                 self.steps[("packed", l)] = step._replace(ctx=None, keys=None, h=self.ctrl_in[0], gate=self.ctrl_in[2])
 
             def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
@@ -315,6 +321,8 @@ class GraphRunner:
                 src = SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False)
                 attention_residual(blk, src, self.backend, out=self.xa[:rows], attend=attend, keys=False,
                                    on_keys=keep_keys if self.copy_keys else None)
+                if self.probing:  # the MLP in the same graph, speculatively (the gate decides later)
+                    mlp_residual(blk, self.xa[:rows], out=self.x[(l + 1) % 2][:rows])
                 self._join()
             return attention_packed
         raise KeyError(key)
@@ -334,6 +342,20 @@ class GraphRunner:
         with torch.cuda.stream(self.gate_stream):
             fn()
         self.forked = True
+
+    def _gate_copied(self, l: int) -> None:
+        """Mark (on the gate stream) that block ``l``'s gate vector reached pinned memory: in a
+        capture an event-record node of the graph, so the host can wait for the gate alone while
+        the rest of the graph (attention, MLP) still runs."""
+        if self.capture:
+            self.gate_ready[l].record(self.gate_stream)
+
+    def _read_gate(self, l: int) -> List[bool]:
+        """Block ``l``'s gate vector, as soon as its graph branch copied it (the attention and the
+        speculative MLP of the same graph may still be running)."""
+        if self.capture:
+            self.gate_ready[l].synchronize()
+        return self.gate_host[l].tolist()
 
     def _join(self) -> None:
         """The current stream waits for the forked gate (a graph's branches must join before its end)."""
@@ -408,7 +430,7 @@ class GraphRunner:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
             if not self.probing:
                 return self.policy(ctx), self.dense_attended, False
-            gate_host = self._read_gate_during_mlp(l, self.batch * self.seq)
+            gate_host = self._read_gate(l)  # the graph also ran the MLP (speculatively)
             step = self.steps[l]
             if not any(gate_host):
                 return self.policy.decide(step, gate_host, ctx), self.dense_attended, True
@@ -427,24 +449,12 @@ class GraphRunner:
             return self.policy(ctx), src.with_x(self.xa[:t]), False
         # the gate ran in the attention graph (its branch beside the attention kernel): it wrote
         # the gate (also to pinned memory) and the controller's inputs; its vector travels to the
-        # host while the MLP of the unpruned rows replays (speculation, as in the dense phase)
-        gate_host = self._read_gate_during_mlp(l, rows)
+        # host while the same graph's MLP of the unpruned rows runs (speculation, as when dense)
+        gate_host = self._read_gate(l)
         if not any(gate_host):
             return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), True
         dec = self._controller(l, rows, False, self.ctrl_in[2])
         return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), True
-
-    def _read_gate_during_mlp(self, l: int, rows: int) -> List[bool]:
-        """Replay the MLP of the unpruned rows (speculatively) and, meanwhile, wait for the gate
-        vector the just-replayed gate graph copied to pinned memory; returns it."""
-        done = None
-        if self.capture:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-        self._run(("mlp", l, rows))
-        if done is not None:
-            done.synchronize()  # the gate copy only, not the MLP
-        return self.gate_host[l].tolist()
 
     def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor) -> Decision:
         """The controller segment (captured per block and rows) and its decision."""
