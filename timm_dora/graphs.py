@@ -20,7 +20,9 @@ each) and only the decisions and the deletion run eagerly, between replays:
   possible sequence as its maximum, so the padded rows, past the last sequence, are never read
   (they hold garbage that row-wise LayerNorm/MLP carry along and the deletion never gathers).
   Other policies decide eagerly on the real rows; for the actor a block is again one graph with
-  the gate as a branch and the MLP speculative (the history copied into fixed buffers first).
+  the gate as a branch and the MLP speculative (the history copied into fixed buffers first; the
+  gate's history part forks at the graph's start, beside ``norm1`` and ``qkv``, so that only
+  its CLS part remains once the keys exist).
   The deletion gathers the survivors into a fixed buffer (one ``index_select``) and the next
   segment replays.
 - **the actor's controller**, where a gate opened (either phase): captured per (block, rows) as
@@ -289,7 +291,9 @@ class GraphRunner:
             static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq)
             scale = self.scale[l]
 
-            def gate_packed():  # the actor's gate on the packed rows, history from fixed buffers
+            gate_ctx = []
+
+            def gate_history():  # the gate's history part, from fixed buffers, beside norm1 and qkv
                 consts = self.packed_consts
                 consts.memo.clear()  # the history buffers change in place: never reuse a memoised value
                 layout = SimpleNamespace(batch_size=b, num_prefix=p, uniform=False, min_len=0,
@@ -297,7 +301,11 @@ class GraphRunner:
                 n_visual, rho, interventions = self.history_in
                 ctx = BlockContext(l, self.k[:rows], layout, n_visual, rho, interventions, self.depth,
                                    self.num_patches, self.backend, consts)
-                step = self.policy.probe(ctx)
+                self.policy.prepare(ctx)
+                gate_ctx[:] = [ctx]
+
+            def gate_packed():  # the rest of the actor's gate, once the keys exist
+                step = self.policy.probe(gate_ctx.pop())
                 self.ctrl_in[0].copy_(step.h)
                 self.ctrl_in[2].copy_(step.gate)
                 self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
@@ -319,6 +327,8 @@ class GraphRunner:
 
             def attention_packed():
                 src = SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False)
+                if self.probing:
+                    self._fork(gate_history)
                 attention_residual(blk, src, self.backend, out=self.xa[:rows], attend=attend, keys=False,
                                    on_keys=keep_keys if self.copy_keys else None)
                 if self.probing:  # the MLP in the same graph, speculatively (the gate decides later)

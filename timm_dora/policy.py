@@ -381,8 +381,15 @@ class ActorPolicy:
         model's graphs for a batch shape are made: changing ``sample``/``record`` later is not
         seen by them (``timm_dora.set_policy`` makes them anew)."""
         cls = type(self)
-        plain = all(getattr(cls, m) is getattr(ActorPolicy, m) for m in ("__call__", "_gate", "_decide", "probe", "decide"))
+        plain = all(getattr(cls, m) is getattr(ActorPolicy, m)
+                    for m in ("__call__", "_gate", "_decide", "prepare", "probe", "decide"))
         return plain and not (self.sample or self.record)
+
+    def prepare(self, ctx: BlockContext) -> None:
+        """The gate's history part (``h_l`` and its share of the first layer), memoised in
+        ``ctx.constants`` for the :meth:`probe` of the same history: what a CUDA graph can compute
+        before the block's keys exist (:mod:`timm_dora.graphs`)."""
+        self._gate_context(ctx, self.actor.w_in.weight.dtype)
 
     def probe(self, ctx: BlockContext, cls_key: Optional[torch.Tensor] = None) -> _GateStep:
         """The decision's device part (the gate), without host reads: what a CUDA graph captures.
