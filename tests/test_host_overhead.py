@@ -77,6 +77,13 @@ def test_delete_rows_with_host_counts_equals_the_synchronising_path():
     a, b = delete_rows(packed, remove, removed), delete_rows(packed, remove, removed, [2, 1, 3])
     assert a.lengths_host == b.lengths_host == [3, 2, 3]
     assert torch.equal(a.x, b.x) and torch.equal(a.ids, b.ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+    # into a fixed buffer without host counts: gathered before the counts are read, same rows
+    out = torch.full((20, 2), float("nan"))
+    c = delete_rows(packed, remove, removed, out=out)
+    assert c.lengths_host == [3, 2, 3] and c.x.data_ptr() == out.data_ptr()
+    assert torch.equal(c.x, a.x) and torch.equal(c.ids, a.ids) and torch.equal(c.cu_seqlens, a.cu_seqlens)
+    keep = [i for i in range(14) if not remove[i]]
+    assert torch.equal(c.x, packed.x[keep]) and c.ids.tolist() == keep  # against the rows by hand
 
 
 @torch.no_grad()

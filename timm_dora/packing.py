@@ -178,14 +178,23 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
     Returns:
         The compacted batch: one gather of the surviving rows, new lengths and ``cu_seqlens``.
         One host synchronisation (the new lengths, which the kernels need on the host), none when
-        ``removed_host`` is given.
+        ``removed_host`` is given. With ``out`` and no ``removed_host`` the gather is enqueued
+        before that synchronisation (survivors first, all ``T`` rows of ``out`` written), so the
+        GPU works while the host waits.
     """
     lengths = packed.lengths - removed
+    early = removed_host is None and out is not None and hasattr(torch, "nonzero_static")
+    if early:  # survivors first, then copies of row 0 (cut off below)
+        index = torch.nonzero_static(~remove, size=packed.total, fill_value=0).squeeze(1)
+        torch.index_select(packed.x, 0, index, out=out[: packed.total])
+        ids = None if packed.ids is None else packed.ids.index_select(0, index)
     if removed_host is None:
         lengths_host = lengths.tolist()
     else:
         lengths_host = [n - r for n, r in zip(packed.lengths_host, removed_host)]
     total = sum(lengths_host)
+    if early:
+        return Packed(out[:total], lengths, lengths_host, packed.num_prefix, None if ids is None else ids[:total])
     index = rows_where(~remove, total)
     ids = None if packed.ids is None else packed.ids.index_select(0, index)
     x = packed.x.index_select(0, index) if out is None else torch.index_select(packed.x, 0, index, out=out[:total])
