@@ -358,8 +358,8 @@ def test_graphs_made_under_inference_mode_serve_no_grad_forwards_too():
 
 
 def test_actor_policy_subclasses_and_other_dtypes_are_called_as_policies():
-    """A subclass that changes the decision, or an actor in another dtype than the activations,
-    must not be replaced by the graphs' own gate and controller."""
+    """A subclass that changes the decision, an actor in another dtype than the activations, or a
+    policy that says it reads no keys must not be replaced by the graphs' own gate and controller."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     actor = gate_forced_actor(model, [1, 8])
@@ -369,7 +369,9 @@ def test_actor_policy_subclasses_and_other_dtypes_are_called_as_policies():
             return ctx.nothing() if ctx.block > 5 else super().__call__(ctx)
 
     x = images(model, 4)
-    for policy in (NoPruneAfter5(actor), ActorPolicy(Actor.for_model(model).double())):
+    keyless = ActorPolicy(actor)
+    keyless.reads_keys = False  # the graphs would keep no keys for its packed gate
+    for policy in (NoPruneAfter5(actor), ActorPolicy(Actor.for_model(model).double()), keyless):
         ref = _run(model, [x], policy=policy)[0]
         got = _run(model, [x], policy=policy, cuda_graphs=True)[0]
         _assert_same(got, ref)

@@ -147,10 +147,11 @@ class GraphRunner:
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: usable under no_grad too
             self._make_buffers(model, images)
         # the gate and controller run inside the graphs only for a plain deterministic ActorPolicy
-        # (a subclass may decide differently: it is called as a policy) in the activations' dtype
+        # (a subclass may decide differently: it is called as a policy) in the activations' dtype,
+        # whose keys are kept (the packed gate reads them)
         actor = getattr(policy, "actor", None)
         self.probing = (bool(getattr(policy, "graph_probe", False)) and actor is not None
-                        and actor.w_in.weight.dtype == self.x[0].dtype)
+                        and actor.w_in.weight.dtype == self.x[0].dtype and self.copy_keys)
         self.gate_stream, self.forked = None, False
         if self.probing:
             with torch.inference_mode(False):
