@@ -153,3 +153,29 @@ def test_ppo_update_host_reads_do_not_grow_with_minibatches(data, tmp_path, monk
     (reads_a, steps_a), (reads_b, steps_b) = results
     assert all(steps_a[k] < steps_b[k] for k in ("gate", "shared", "critic")), (steps_a, steps_b)
     assert reads_a == reads_b and sum(reads_a.values()) <= 32, (reads_a, reads_b)
+
+
+def test_warm_start_from_a_saved_actor(data, tmp_path):
+    """``--init-actor``: the run starts from the saved actor's weights; a saved actor for another
+    backbone, or with other sizes, is refused with the field named."""
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    def trainer(*extra):
+        return Trainer(config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out", str(tmp_path / "run")] + list(extra))))
+
+    fresh = trainer().actor
+    saved = Actor(fresh.embed_dim, fresh.depth, fresh.num_patches)
+    with torch.no_grad():
+        for t in saved.parameters():
+            t.normal_()
+    saved.save_pretrained(tmp_path / "saved")
+    warm = trainer("--init-actor", str(tmp_path / "saved")).actor.state_dict()
+    assert all(torch.equal(warm[k], v) for k, v in saved.state_dict().items())
+    assert not torch.equal(warm["gate_embed"], fresh.state_dict()["gate_embed"])
+
+    Actor(fresh.embed_dim, fresh.depth, 9).save_pretrained(tmp_path / "other_backbone")
+    with pytest.raises(ValueError, match="num_patches"):
+        trainer("--init-actor", str(tmp_path / "other_backbone"))
+    Actor(fresh.embed_dim, fresh.depth, fresh.num_patches, gate_hidden=32).save_pretrained(tmp_path / "other_sizes")
+    with pytest.raises(ValueError, match="gate_hidden"):
+        trainer("--init-actor", str(tmp_path / "other_sizes"))

@@ -72,6 +72,7 @@ class TrainConfig:
     qc_data: Optional[str] = None  # separate ImageFolder roots (default: --data with the split)
     dev_data: Optional[str] = None
     augment: bool = False  # light augmentation of rollout images (small pools)
+    init_actor: Optional[str] = None  # warm start from a saved actor (folder or Hub id); critic, optimizers, feedback fresh
     readout: str = "model"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     target_drop: float = 0.01
@@ -233,7 +234,10 @@ class Trainer:
         self.qc_shard_idx = D.fixed_shards(len(qc_set), cfg.qc_shards)
 
         # learners
-        self.actor = Actor.for_model(model).to(self.dev)
+        self.actor = Actor.for_model(model)
+        if cfg.init_actor:
+            self.actor.load_state_dict(_warm_start(cfg.init_actor, self.actor, self.model, cfg.readout))
+        self.actor = self.actor.to(self.dev)
         self.critic = Critic.for_model(model, backend="padded").to(self.dev)
         p = cfg.ppo
         g = actor_parameter_groups(self.actor)
@@ -667,6 +671,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     top = {k: v for k, v in vars(args).items() if not k.startswith("ppo__") and k != "resume"}
     ppo_kw["total_images"] = ppo_kw["rollout_images"] * ppo_kw["updates"]
     return TrainConfig(ppo=PPOConfig(**ppo_kw), **top)
+
+
+def _warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dict[str, torch.Tensor]:
+    """The weights of the saved actor at ``source`` (``--init-actor``), checked against the
+    backbone and against the actor this run would make (same sizes), or a ``ValueError``."""
+    from .hub import check_backbone, load_pretrained
+
+    loaded, config = load_pretrained(source)
+    check_backbone(config, model, readout)
+    if loaded.config() != actor.config():
+        here = actor.config()
+        diff = {k: (v, here.get(k)) for k, v in loaded.config().items() if here.get(k) != v}
+        raise ValueError(f"--init-actor {source}: its sizes differ from this run's actor (saved, here): {diff}")
+    return loaded.state_dict()
 
 
 def _truncate_log(path: Path, last_update: int) -> None:
