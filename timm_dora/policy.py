@@ -394,7 +394,8 @@ class ActorPolicy:
     def probe(self, ctx: BlockContext, cls_key: Optional[torch.Tensor] = None) -> _GateStep:
         """The decision's device part (the gate), without host reads: what a CUDA graph captures.
         Finish with :meth:`decide`. ``cls_key``: ``[B, d]``, the CLS keys when already extracted
-        (then ``ctx.keys`` is not read)."""
+        (``ctx.keys`` then serves only for its width, dtype and device; the graphs pass the CLS
+        keys there too)."""
         return self._gate(ctx, cls_key)
 
     def decide(self, step: _GateStep, gate_host: List[bool], ctx: Optional[BlockContext] = None) -> Decision:
