@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import timm  # noqa: E402
 
 import timm_dora  # noqa: E402
-from helpers import Recorder  # noqa: E402
-from throughput import captured, fixed_plan, gate_forced_actor, oracle_forward, parse_reduction, schedule_for_reduction  # noqa: E402
+from helpers import recorded_plan  # noqa: E402
+from throughput import (captured, fixed_plan, gate_forced_actor, gflops_of, oracle_forward, parse_reduction,  # noqa: E402
+                        schedule_for_reduction, static_counts)
 from timm_dora import Actor, ActorPolicy, ReplayPolicy, bench  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
@@ -123,24 +124,17 @@ def main(argv=None):
             plan = fixed_plan(args.batch, cost.num_patches, blocks, mean_k, 16, 0, dev)
             tag = f"@{target}"
             row("fixed" + tag, timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False)), model)
-            with torch.inference_mode():
-                timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False))
-                model(inputs[0])
-                ks = {l: int(round(float(model.dora_stats.removed.float().mean(0)[l]))) for l in blocks}
-                timm_dora.unwrap(model)
+            ks = static_counts(gflops_of(timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False)), plan, inputs), blocks)
+            timm_dora.unwrap(model)
             row("fixed_graphs" + tag, timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), cuda_graphs=True), model)
             row("oracle_graphs" + tag, captured(oracle_forward(model, ks), inputs[0]), static_k=ks)
             if i == 0:
                 forced = gate_forced_actor(model, blocks).to(dev, dtype)
-                rec = Recorder(ActorPolicy(forced))
-                with torch.inference_mode():
-                    timm_dora.wrap(model, policy=rec)
-                    model(inputs[0])
-                    timm_dora.unwrap(model)
+                actor_plan = recorded_plan(model, ActorPolicy(forced), inputs[0])
                 # both on the recorded batch only (the actor decides per batch)
                 row("actor_graphs" + tag, timm_dora.wrap(model, forced, cuda_graphs=True), model, inputs[:1])
                 row("actor_replay_graphs" + tag,
-                    timm_dora.wrap(model, policy=ReplayPolicy(rec.plan, check=False), cuda_graphs=True), model, inputs[:1])
+                    timm_dora.wrap(model, policy=ReplayPolicy(actor_plan, check=False), cuda_graphs=True), model, inputs[:1])
         del model, inputs
         torch.cuda.empty_cache()
     write_json(args.out, res)

@@ -37,7 +37,7 @@ import timm  # noqa: E402
 
 import timm_dora  # noqa: E402
 from throughput import fixed_plan, gate_forced_actor, schedule_for_reduction  # noqa: E402
-from helpers import Recorder  # noqa: E402
+from helpers import recorded_plan  # noqa: E402
 from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
@@ -145,12 +145,9 @@ def actor_share_graphs(model, name, configs, x, warmup, iters):
     GFLOPs, no gate or controller), both from graphs, on the same batch."""
     rows = []
     for cfg in ("gate_off", "actor"):
-        rec = Recorder(ActorPolicy(configs[cfg]["actor"]))
-        timm_dora.wrap(model, policy=rec)
-        model(x)
-        timm_dora.unwrap(model)
+        plan = recorded_plan(model, ActorPolicy(configs[cfg]["actor"]), x)
         ms = {}
-        for tag, kw in (("actor", configs[cfg]), ("replay", dict(policy=ReplayPolicy(rec.plan, check=False)))):
+        for tag, kw in (("actor", configs[cfg]), ("replay", dict(policy=ReplayPolicy(plan, check=False)))):
             timm_dora.wrap(model, cuda_graphs=True, **kw)
             for _ in range(warmup):
                 model(x)

@@ -108,6 +108,12 @@ def schedule_for_reduction(model, target: float, blocks: List[int]):
     return best[1]
 
 
+def static_counts(stats, blocks: List[int]) -> Dict[int, int]:
+    """The oracle's removal count per block: the fixed policy's mean count there, rounded."""
+    per_block = stats.removed.float().mean(0)
+    return {l: int(round(float(per_block[l]))) for l in blocks}
+
+
 def gate_forced_actor(model, blocks: List[int]) -> Actor:
     """An untrained actor whose gate opens exactly at ``blocks`` (budgets and tokens still chosen by
     its random budget head and selector): hidden unit 0 of the gate reads gate-embedding channel 0,
@@ -271,7 +277,6 @@ def main(argv=None):
             timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False))
             stats = gflops_of(model, plan, inputs)
             g = float(stats.gflops.mean())
-            per_block_k = stats.removed.float().mean(0)
             tag = f"@{int(round(100 * (1 - g / native_gflops)))}%"
             if "fixed" in args.configs:
                 add("fixed" + tag, model, g, backend=stats.backend, blocks=blocks, mean_k=mean_k,
@@ -294,7 +299,7 @@ def main(argv=None):
                     gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
                 timm_dora.unwrap(model)
             if "oracle" in args.configs:
-                ks = {l: int(round(float(per_block_k[l]))) for l in blocks}
+                ks = static_counts(stats, blocks)
                 fwd = oracle_forward(model, ks)
                 n, macs = cost.num_patches, cost.patch_macs + cost.head_macs
                 for l in range(len(model.blocks)):

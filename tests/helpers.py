@@ -113,6 +113,21 @@ class Recorder:
         return dec
 
 
+def recorded_plan(model, policy, x):
+    """The replay plan of ``policy``'s deletions on ``x`` (one forward of the wrapped ``model``,
+    unwrapped afterwards)."""
+    import timm_dora
+
+    rec = Recorder(policy)
+    timm_dora.wrap(model, policy=rec)
+    try:
+        with torch.inference_mode():
+            model(x)
+    finally:
+        timm_dora.unwrap(model)
+    return rec.plan
+
+
 def hub_cache(cache_dir, repo_id, commits, refs):
     """Lay folders out as huggingface_hub's cache does: blobs by hash, snapshot symlinks, refs."""
     root = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"

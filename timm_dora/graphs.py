@@ -57,8 +57,6 @@ autograd, no autocast, a half-precision varlen backend on CUDA.
 """
 from __future__ import annotations
 
-import contextlib
-
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -152,7 +150,7 @@ class GraphRunner:
         actor = getattr(policy, "actor", None)
         self.probing = (bool(getattr(policy, "graph_probe", False)) and actor is not None
                         and actor.w_in.weight.dtype == self.x[0].dtype and self.copy_keys)
-        self.gate_stream, self.forked = None, False
+        self.gate_stream = None
         if self.probing:
             with torch.inference_mode(False):
                 self.context_out = torch.zeros(self.depth, self.batch, actor.gate_hidden,
@@ -352,7 +350,6 @@ class GraphRunner:
             t.record_stream(self.gate_stream)
         with torch.cuda.stream(self.gate_stream):
             fn()
-        self.forked = True
 
     def _gate_copied(self, l: int) -> None:
         """Mark (on the gate stream) that block ``l``'s gate vector reached pinned memory: in a
@@ -369,10 +366,11 @@ class GraphRunner:
         return self.gate_host[l].tolist()
 
     def _join(self) -> None:
-        """The current stream waits for the forked gate (a graph's branches must join before its end)."""
-        if self.forked:
+        """The current stream waits for the forked gate (a graph's branches must join before its
+        end). The gate stream exists only when capturing for the actor, whose attention segments
+        always fork."""
+        if self.gate_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.gate_stream)
-            self.forked = False
 
     def _run(self, key: tuple) -> None:
         if not self.capture:
