@@ -31,11 +31,14 @@ DEIT=deit_tiny_patch16_224.fb_in1k-approx
 declare -A MODEL=([vit_tiny_t1.0]=$VIT [vit_tiny_t0.5]=$VIT [vit_tiny_t1.5]=$VIT [deit_tiny_t1.0]=$DEIT)
 declare -A TARGET=([vit_tiny_t1.0]=0.01 [vit_tiny_t0.5]=0.005 [vit_tiny_t1.5]=0.015 [deit_tiny_t1.0]=0.01)
 NAMES=${NAMES:-"vit_tiny_t1.0 deit_tiny_t1.0 vit_tiny_t0.5 vit_tiny_t1.5"}
+# A name may carry a tag, NAME@TAG (e.g. vit_tiny_t1.0@ent05): same backbone and target as NAME, its
+# own run folder and outputs, for variants started with other flags (EXTRA, e.g. --init-actor).
 
 (nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader -l 10 > "$OUT/gpu_util.csv" 2>/dev/null &)
 pids=()
 for name in $NAMES; do
-  m=${MODEL[$name]}
+  base=${name%%@*}
+  m=${MODEL[$base]}
   if [ -d "$CARRY/resume/$name" ] && [ ! -f "$RUNS/$name/state.pt" ]; then
     mkdir -p "$RUNS/$name"
     cat "$CARRY/resume/$name"/*state.part.* > "$RUNS/$name/state.pt"
@@ -45,7 +48,7 @@ for name in $NAMES; do
   [ -f "$RUNS/$name/state.pt" ] && resume="--resume"
   OMP_NUM_THREADS=3 PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
     --model "${m%%-approx}" --weights "$CARRY/$m.bf16.safetensors" --data "$CARRY/data/labels.csv" \
-    --out "$RUNS/$name" --target-drop "${TARGET[$name]}" --augment --qc-shards 1 \
+    --out "$RUNS/$name" --target-drop "${TARGET[$base]}" --augment --qc-shards 1 \
     --checkpoint-every ${EVERY:-25} --max-minutes "$MINUTES" --no-progress $resume ${EXTRA:-} \
     > "$RUNS/$name.log" 2>&1 &
   pids+=($!)
