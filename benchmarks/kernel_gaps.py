@@ -3,7 +3,8 @@
 Per backbone (random weights, bf16, batch 320, H100) and configuration, on the same GPU-resident
 batches: the wall time of a forward (:func:`timm_dora.bench.time_forward`, median of repeats) and,
 from ``torch.profiler`` over ``--profile-iters`` forwards, the GPU busy time (the union of kernel
-and copy intervals), the kernels launched per forward and the kernels by name (time and count per
+and copy intervals), the idle time between busy stretches (and which kernels it falls between),
+the kernels launched per forward and the kernels by name (time and count per
 forward). Kernels inside CUDA graphs are traced individually, so a graph row and its reference
 can be compared kernel by kernel. Configurations:
 
@@ -44,8 +45,10 @@ from timm_dora.flops import backbone_cost  # noqa: E402
 from timm_dora.policy import NoPrune  # noqa: E402
 
 
-def gpu_kernels(fn, x, iters: int, top: int):
-    """GPU busy time, kernels per forward and the ``top`` kernels by time (per forward)."""
+def gpu_kernels(fn, x, iters: int, top: int, top_gaps: int = 12):
+    """GPU busy time, kernels per forward, the ``top`` kernels by time, and the GPU's idle time
+    between busy stretches, with the ``top_gaps`` (last kernel before, first kernel after) pairs
+    that it falls between (the gap between forwards included; all per forward)."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():
@@ -59,14 +62,7 @@ def gpu_kernels(fn, x, iters: int, top: int):
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
               and not e.name.startswith("dora.")]  # (our record_function ranges, not kernels)
     kernels = [e for e in events if not any(w in e.name.lower() for w in ("memcpy", "memset"))]
-    busy, start, end = 0.0, None, None
-    for s, t in sorted((e.time_range.start, e.time_range.end) for e in events):
-        if end is None or s > end:
-            busy += 0 if end is None else end - start
-            start, end = s, t
-        else:
-            end = max(end, t)
-    busy += 0 if end is None else end - start
+    busy, gaps = busy_and_gaps((e.time_range.start, e.time_range.end, e.name) for e in events)
     by = {}
     for e in kernels:
         t, n = by.get(e.name, (0.0, 0))
@@ -74,7 +70,35 @@ def gpu_kernels(fn, x, iters: int, top: int):
     ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
     return {"busy_ms": busy / iters / 1000, "kernels_per_forward": len(kernels) / iters,
             "kernel_ms": sum(t for t, _ in by.values()) / iters / 1000,
-            "top": [{"kernel": k, "ms": t / iters / 1000, "calls": n / iters} for k, (t, n) in ranked]}
+            "top": [{"kernel": k, "ms": t / iters / 1000, "calls": n / iters} for k, (t, n) in ranked],
+            "idle_ms": sum(g for g, _ in gaps.values()) / iters / 1000,
+            "idle_top": [{"after": a, "before": b, "ms": g / iters / 1000, "count": n / iters}
+                         for (a, b), (g, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top_gaps]]}
+
+
+def busy_and_gaps(intervals):
+    """``(start, end, name)`` intervals -> the length of their union and the gaps between its
+    stretches, by (name of the interval ending a stretch, name of the one starting the next):
+    ``{(before, after): (total gap, count)}``."""
+    busy, start, end, last = 0.0, None, None, None
+    gaps = {}
+    for s, t, name in sorted(intervals):
+        if end is None or s > end:
+            if end is not None:
+                busy += end - start
+                pair = (_short(last), _short(name))
+                g, n = gaps.get(pair, (0.0, 0))
+                gaps[pair] = (g + s - end, n + 1)
+            start, end, last = s, t, name
+        elif t >= end:
+            end, last = t, name
+    busy += 0 if end is None else end - start
+    return busy, gaps
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template and argument lists (enough to tell them apart)."""
+    return name.split("(")[0].split("<")[0].replace("void ", "")[:80]
 
 
 def main(argv=None):
@@ -107,7 +131,7 @@ def main(argv=None):
                 extra["gflops"] = float(wrapped.dora_stats.gflops.mean())
             res["rows"].append({"model": name, "config": config, "ms_per_batch": r["ms_per_batch"], **k, **extra})
             print(f"{name:24s} {config:24s} wall {r['ms_per_batch']:7.3f} ms  GPU busy {k['busy_ms']:7.3f} ms"
-                  f"  {k['kernels_per_forward']:5.0f} kernels", flush=True)
+                  f"  idle {k['idle_ms']:6.3f} ms  {k['kernels_per_forward']:5.0f} kernels", flush=True)
             if wrapped is not None:
                 timm_dora.unwrap(wrapped)
 

@@ -97,6 +97,11 @@ def test_graph_path_is_identical_to_the_default_forward(family, kind, bucket, mo
     # packed phase alike); where a gate opened that MLP is wasted and the survivors' MLP runs
     assert calls == [1 + o for o in opened]
     assert opened == (stats.removed.sum(0) > 0).tolist()
+    # later forwards speculate only at blocks whose gate stayed closed in the previous forward:
+    # one MLP per block where it opened before, whatever it does now
+    for (_, prev, _), (_, now, calls) in zip(ref, got[1:]):
+        before, now = prev.gate.any(0).tolist(), now.gate.any(0).tolist()
+        assert calls == [1 if b else 1 + n for b, n in zip(before, now)]
     if kind == "closed":
         assert not any(opened)
     elif kind == "biased":

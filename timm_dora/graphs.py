@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .packing import Packed, delete_rows, varlen_attention
+from .packing import Packed, delete_rows, gather_survivors, varlen_attention
 from .policy import BlockContext, Decision, ForwardConstants
 
 __all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "graph_mode_reason", "rows_bucket", "ROWS_BUCKET", "MAX_CACHED"]
@@ -159,6 +159,12 @@ class GraphRunner:
             self.gate_stream = torch.cuda.Stream(dev)  # the gate's branch of the attention graphs
             # recorded inside the graphs (external: a record node the host can wait on)
             self.gate_ready = [torch.cuda.Event(external=True) for _ in range(self.depth)]
+            self.deleted_ready = torch.cuda.Event(external=True)  # the controller graph's deletion
+        # speculation (the actor): block l's graph runs the MLP of all rows before the gate is read
+        # unless its gate opened for some image in the last forward that reached it (there the
+        # speculative MLP was wasted; a wrong guess the other way costs one gate read's latency)
+        self.opened = [False] * self.depth
+        self._deleted: Optional[int] = None  # the block whose controller graph also deleted the rows
 
     def _make_buffers(self, model: nn.Module, images: torch.Tensor) -> None:
         from .patch import embed
@@ -209,6 +215,11 @@ class GraphRunner:
         self.consts.keep = keep
         self.ctrl_out = (torch.zeros(b * s + 1, dtype=torch.bool, device=dev),  # remove (first rows)
                          torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.float64, device=dev))
+        # the controller graph's deletion: the survivors' ids and lengths (also copied to pinned
+        # memory, the one value the host waits for); the rows go to x[l % 2] and cu_seqlens to cu
+        self.ids = torch.zeros(b * s, dtype=torch.long, device=dev)
+        self.lengths = torch.zeros(b, dtype=torch.long, device=dev)
+        self.lengths_host = torch.zeros(b, dtype=torch.long, pin_memory=self.capture)
         self.logits: Optional[torch.Tensor] = None
         self.graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -231,7 +242,8 @@ class GraphRunner:
                 self.logits = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
             return readout_dense
         blk = model.blocks[l]
-        if kind == "attention":  # dense
+        if kind == "attention":  # dense; key[2]: the MLP runs in the same graph (speculation)
+            spec = key[2]
             def gate_dense(cls: torch.Tensor) -> None:
                 src = self.dense_inputs[l % 2]
                 ctx = BlockContext(l, cls, src, self.full, self.consts.no_rho, self.consts.zeros,
@@ -252,7 +264,7 @@ class GraphRunner:
             def attention_dense():
                 attention_residual(blk, self.dense_inputs[l % 2], self.backend, out=self.xa, keys=False,
                                    on_keys=cls_keys if self.probing else None)
-                if self.probing:  # the MLP in the same graph, speculatively (the gate decides later)
+                if spec:  # the MLP in the same graph, speculatively (the gate decides later)
                     mlp_residual(blk, self.xa, out=self.x[(l + 1) % 2])
                 self._join()
             return attention_dense
@@ -280,12 +292,28 @@ class GraphRunner:
                 keys, cu, lengths, h, n_visual, gate = args
                 remove, removed, flops = self.policy.controller_fixed(
                     keys, cu, self.seq, p, h, n_visual, gate, l, self.backend, None if self.capture else lengths)
-                self.ctrl_out[0][:rows].copy_(F.pad(remove, (0, rows - remove.shape[0])))
+                remove = F.pad(remove, (0, rows - remove.shape[0]))
+                self.ctrl_out[0][:rows].copy_(remove)
                 self.ctrl_out[1].copy_(removed)
                 self.ctrl_out[2].copy_(flops)
+                # the deletion in the same graph (the rows padded past the last sequence are never
+                # removed: they follow the survivors), the new layout, and the new lengths to the
+                # host, the only value it waits for before the survivors' MLP
+                if dense:
+                    src, before = self.dense_inputs[l % 2], self.seq
+                    ids = gather_survivors(self.xa, remove, self.x[l % 2], src.ids)
+                else:
+                    before = self.cu[1:] - self.cu[:-1]
+                    ids = gather_survivors(self.xa[:rows], remove, self.x[l % 2], self.ids[:rows])
+                self.ids[:rows].copy_(ids)
+                self.lengths.copy_(before - removed)
+                torch.cumsum(self.lengths, 0, dtype=self.cu.dtype, out=self.cu[1:])
+                self.lengths_host.copy_(self.lengths, non_blocking=self.capture)
+                if self.capture:
+                    self.deleted_ready.record()
             return controller
-        if kind == "attention_packed":
-            rows = key[2]
+        if kind == "attention_packed":  # key[3]: the MLP runs in the same graph (speculation)
+            rows, spec = key[2], key[3]
             p = model.num_prefix_tokens
             static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq)
             scale = self.scale[l]
@@ -330,7 +358,7 @@ class GraphRunner:
                     self._fork(gate_history)
                 attention_residual(blk, src, self.backend, out=self.xa[:rows], attend=attend, keys=False,
                                    on_keys=keep_keys if self.copy_keys else None)
-                if self.probing:  # the MLP in the same graph, speculatively (the gate decides later)
+                if spec:  # the MLP in the same graph, speculatively (the gate decides later)
                     mlp_residual(blk, self.xa[:rows], out=self.x[(l + 1) % 2][:rows])
                 self._join()
             return attention_packed
@@ -360,10 +388,12 @@ class GraphRunner:
 
     def _read_gate(self, l: int) -> List[bool]:
         """Block ``l``'s gate vector, as soon as its graph branch copied it (the attention and the
-        speculative MLP of the same graph may still be running)."""
+        speculative MLP of the same graph may still be running); remembers whether it opened."""
         if self.capture:
             self.gate_ready[l].synchronize()
-        return self.gate_host[l].tolist()
+        gate = self.gate_host[l].tolist()
+        self.opened[l] = any(gate)
+        return gate
 
     def _join(self) -> None:
         """The current stream waits for the forked gate (a graph's branches must join before its
@@ -412,7 +442,7 @@ class GraphRunner:
     def start(self, images: torch.Tensor) -> None:
         """Copy the batch into the fixed input and embed it (the dense phase begins)."""
         self.images.copy_(images)
-        self.cur = None
+        self.cur, self._deleted = None, None
         self._run(("embed",))
 
     @property
@@ -433,23 +463,24 @@ class GraphRunner:
         blk = self.model.blocks[l]
         kw = dict(block=l, n_visual=n_visual, rho=rho, interventions=interventions, depth=self.depth,
                   num_patches=self.num_patches, backend=self.backend, constants=consts)
+        spec = self.probing and not self.opened[l]
         if self.dense:
-            self._run(("attention", l))
+            self._run(("attention", l, spec))
             src = self.dense_inputs[l % 2]
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
             if not self.probing:
                 return self.policy(ctx), self.dense_attended, False
-            gate_host = self._read_gate(l)  # the graph also ran the MLP (speculatively)
+            gate_host = self._read_gate(l)  # the graph may also have run the MLP (speculatively)
             step = self.steps[l]
-            if not any(gate_host):
-                return self.policy.decide(step, gate_host, ctx), self.dense_attended, True
-            return self._controller(l, self.batch * self.seq, True, step.gate), self.dense_attended, True
+            if not self.opened[l]:
+                return self.policy.decide(step, gate_host, ctx), self.dense_attended, spec
+            return self._controller(l, self.batch * self.seq, True, step.gate), self.dense_attended, spec
         src = self.cur
         t, rows = src.total, self._padded(src.total)
         if self.probing:  # the gate's history into fixed buffers, read by the attention graph's gate
             for buf, value in zip(self.history_in, (n_visual, rho, interventions)):
                 buf.copy_(value)
-        self._run(("attention_packed", l, rows))
+        self._run(("attention_packed", l, rows, spec))
         if self.copy_keys:
             ctx = BlockContext(keys=self.k[:t], packed=src, **kw)
         else:
@@ -460,14 +491,16 @@ class GraphRunner:
         # the gate (also to pinned memory) and the controller's inputs; its vector travels to the
         # host while the same graph's MLP of the unpruned rows runs (speculation, as when dense)
         gate_host = self._read_gate(l)
-        if not any(gate_host):
-            return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), True
+        if not self.opened[l]:
+            return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), spec
         dec = self._controller(l, rows, False, self.ctrl_in[2])
-        return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), True
+        return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), spec
 
     def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor) -> Decision:
-        """The controller segment (captured per block and rows) and its decision."""
+        """The controller segment (captured per block and rows, the deletion included: see
+        :meth:`delete`) and its decision."""
         self._run(("controller", l, rows, dense))
+        self._deleted = l
         remove, removed, flops = self.ctrl_out
         # copies: the buffers are rewritten by the next controller of this forward
         return Decision(gate.clone(), removed.clone(), remove[:rows].clone(), flops.clone())
@@ -477,6 +510,7 @@ class GraphRunner:
         if self.dense:
             self.cur = self.dense_inputs[0].with_x(self.x[0])  # layout only; x set by the next step
             self.cu.copy_(self.cur.cu_seqlens)
+            self.ids.copy_(self.cur.ids)
 
     def mlp(self, l: int, attended: Packed, done: bool) -> None:
         """Block ``l``'s MLP residual on the unpruned rows (unless ``done``); the next block's input."""
@@ -487,7 +521,21 @@ class GraphRunner:
             self.cur = attended.with_x(self.x[(l + 1) % 2][:t])
 
     def delete(self, l: int, attended: Packed, dec: Decision) -> None:
-        """Delete the decided rows (gathered into ``x[l % 2]``), then the MLP of the survivors."""
+        """Delete the decided rows (gathered into ``x[l % 2]``), then the MLP of the survivors.
+
+        After the actor's controller graph, which already gathered the survivors and wrote the new
+        ``cu_seqlens``, the host only waits for the new lengths and replays the MLP; the layout's
+        device tensors (copies: the buffers serve the next deletion) are made after that launch."""
+        if self._deleted == l:
+            self._deleted = None
+            if self.capture:
+                self.deleted_ready.synchronize()
+            lengths_host = self.lengths_host.tolist()
+            total = sum(lengths_host)
+            self._run(("mlp_compacted", l, self._padded(total)))
+            self.cur = Packed(self.x[(l + 1) % 2][:total], self.lengths.clone(), lengths_host,
+                              attended.num_prefix, self.ids[:total].clone())
+            return
         after = delete_rows(attended, dec.remove, dec.removed, dec.removed_host, out=self.x[l % 2])
         self.cur = after
         self.cu.copy_(after.cu_seqlens)

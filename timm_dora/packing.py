@@ -46,6 +46,7 @@ __all__ = [
     "select_backend",
     "varlen_attention",
     "delete_rows",
+    "gather_survivors",
     "rows_where",
     "segment_ids",
     "PackedTransformerBlock",
@@ -162,6 +163,19 @@ def rows_where(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero(mask).squeeze(1)  # pragma: no cover - torch < 2.1
 
 
+def gather_survivors(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor,
+                     ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The rows of ``x`` not in ``remove`` gathered, in order, into the first rows of ``out``, in
+    fixed shapes: all ``T = len(x)`` rows of ``out`` are written (survivors first, then copies of
+    row 0), so nothing here waits for the survivor count (a CUDA graph can hold it). ``ids``:
+    ``[T]`` per-row ids gathered the same way (returned, ``[T]``; ``None`` without ids). The
+    deletion step of :func:`delete_rows` and of the graph-replayed controller
+    (:mod:`timm_dora.graphs`)."""
+    index = torch.nonzero_static(~remove, size=x.shape[0], fill_value=0).squeeze(1)
+    torch.index_select(x, 0, index, out=out[: x.shape[0]])
+    return None if ids is None else ids.index_select(0, index)
+
+
 def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
                 removed_host: Optional[List[int]] = None, out: Optional[torch.Tensor] = None) -> Packed:
     """Physically delete rows of a packed batch, keeping the order of the survivors.
@@ -185,9 +199,7 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
     lengths = packed.lengths - removed
     early = removed_host is None and out is not None and hasattr(torch, "nonzero_static")
     if early:  # survivors first, then copies of row 0 (cut off below)
-        index = torch.nonzero_static(~remove, size=packed.total, fill_value=0).squeeze(1)
-        torch.index_select(packed.x, 0, index, out=out[: packed.total])
-        ids = None if packed.ids is None else packed.ids.index_select(0, index)
+        ids = gather_survivors(packed.x, remove, out, packed.ids)
     if removed_host is None:
         lengths_host = lengths.tolist()
     else:
