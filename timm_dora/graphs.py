@@ -8,11 +8,12 @@ each) and only the decisions and the deletion run eagerly, between replays:
 - **dense phase** (until the first deletion every image keeps all tokens; shapes are fixed by the
   batch shape): the embedding, each block's attention residual, each block's MLP residual and the
   readout. For a policy with a graph probe (a deterministic :class:`~timm_dora.policy.ActorPolicy`)
-  a block is one graph: the attention residual, the MLP residual of all rows (speculatively:
-  wasted at a block where a gate opens) and, as a branch forked onto a second stream right after
-  ``qkv``, the gate from the CLS keys (the full keys are never materialised), which copies the
-  gate vector into pinned host memory and records an event there. The host waits for that event
-  only, so it decides while the same graph's attention and MLP still run.
+  a block is one graph: the attention residual, the MLP residual of all rows (speculatively, only
+  at blocks whose gate stayed closed for every image in the last forward: elsewhere it would be
+  wasted, and the MLP follows the decision) and, as a branch forked onto a second stream right
+  after ``qkv``, the gate from the CLS keys (the full keys are never materialised), which copies
+  the gate vector into pinned host memory and records an event there. The host waits for that
+  event only, so it decides while the same graph's attention and MLP still run.
 - **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
   (:func:`rows_bucket`: about 1/256 of the batch's ``B*S`` rows, 16 to 256)
   and each block's attention residual and MLP residual are captured per (block, padded rows).
@@ -27,7 +28,10 @@ each) and only the decisions and the deletion run eagerly, between replays:
   segment replays.
 - **the actor's controller**, where a gate opened (either phase): captured per (block, rows) as
   :meth:`~timm_dora.policy.ActorPolicy.controller_fixed`, the same computation on every image of
-  the layout, masked by the gate (no shape depends on which images opened). Its products run over
+  the layout, masked by the gate (no shape depends on which images opened), followed in the same
+  graph by the deletion (:func:`~timm_dora.packing.gather_survivors` into the fixed buffer, the
+  survivors' ids, lengths and ``cu_seqlens``) and a copy of the new lengths to pinned memory with
+  an event: the host waits for that event only, then replays the survivors' MLP. Its products run over
   more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
   decide differently (97-100 % of decisions agree on the H100, ``benchmarks/gpu_check.py``).
 
