@@ -44,8 +44,9 @@ Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x
 reads ``x[l % 2]``), the attention-residual output ``xa`` and, for policies that read keys, the
 keys ``k`` of packed blocks (each ``[B*S, d]``), plus small ones for what a graph hands on (the
 dense gates and history, the controller's inputs and outputs). Every segment reads and writes only
-these and its own scratch space, so re-running one gives the same result and segments are captured
-lazily, the first time a (block, rows) pair occurs. All graphs share one memory pool; since the
+these and its own scratch space, so segments are captured lazily, the first time a (block, rows)
+pair occurs (a warm-up run, the capture, a replay; the controller's segment, which overwrites the
+block input and layout it reads, keeps its warm-up's result instead). All graphs share one memory pool; since the
 replay order is not the capture order, nothing a graph allocates is read after another replays
 (scratch space of one graph may be another's).
 
@@ -419,12 +420,15 @@ class GraphRunner:
             g.replay()
             return
         fn = self._segment(key)
-        side = _side_stream(self.images.device)  # warm-up outside the capture (lazy initialisations)
+        # the warm-up, outside the capture (lazy initialisations); the capture only records, and
+        # the replay gives this call's result, except for the controller, whose deletion overwrites
+        # the block input and layout it read: it must run once, and its warm-up's result is kept
+        side = _side_stream(self.images.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
-        if key == ("attention", 0):
+        if key[:2] == ("attention", 0):
             # the gate's context (history and block embeddings) is memoised per forward constants:
             # made again inside block 0's capture, so that every replay recomputes it from the
             # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read
@@ -433,7 +437,8 @@ class GraphRunner:
         with torch.cuda.graph(g, pool=self.pool):
             fn()
         self.graphs[key] = g
-        g.replay()
+        if key[0] != "controller":
+            g.replay()
 
     def _padded(self, rows: int) -> int:
         total = self.batch * self.seq
@@ -447,6 +452,7 @@ class GraphRunner:
         """Copy the batch into the fixed input and embed it (the dense phase begins)."""
         self.images.copy_(images)
         self.cur, self._deleted = None, None
+        self._history = (None, None, None)  # the tensors last copied into history_in
         self._run(("embed",))
 
     @property
@@ -482,8 +488,12 @@ class GraphRunner:
         src = self.cur
         t, rows = src.total, self._padded(src.total)
         if self.probing:  # the gate's history into fixed buffers, read by the attention graph's gate
-            for buf, value in zip(self.history_in, (n_visual, rho, interventions)):
-                buf.copy_(value)
+            # (only what changed: the forward replaces a history tensor when its value changes,
+            # and the references kept here keep a replaced one from being reused)
+            for i, value in enumerate((n_visual, rho, interventions)):
+                if self._history[i] is not value:
+                    self.history_in[i].copy_(value)
+            self._history = (n_visual, rho, interventions)
         self._run(("attention_packed", l, rows, spec))
         if self.copy_keys:
             ctx = BlockContext(keys=self.k[:t], packed=src, **kw)
