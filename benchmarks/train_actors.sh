@@ -32,7 +32,8 @@ declare -A MODEL=([vit_tiny_t1.0]=$VIT [vit_tiny_t0.5]=$VIT [vit_tiny_t1.5]=$VIT
 declare -A TARGET=([vit_tiny_t1.0]=0.01 [vit_tiny_t0.5]=0.005 [vit_tiny_t1.5]=0.015 [deit_tiny_t1.0]=0.01)
 NAMES=${NAMES:-"vit_tiny_t1.0 deit_tiny_t1.0 vit_tiny_t0.5 vit_tiny_t1.5"}
 # A name may carry a tag, NAME@TAG (e.g. vit_tiny_t1.0@ent05): same backbone and target as NAME, its
-# own run folder and outputs, for variants started with other flags (EXTRA, e.g. --init-actor).
+# own run folder and outputs (named NAME_TAG), for variants started with other flags (EXTRA, e.g.
+# --init-actor).
 
 (nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader -l 10 > "$OUT/gpu_util.csv" 2>/dev/null &)
 pids=()
@@ -59,10 +60,11 @@ for name in $NAMES; do
   tail -n 3 "$RUNS/$name.log"
   keep=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['selected']['name'])" "$RUNS/$name/selection.json")
   last=$(ls "$RUNS/$name/checkpoints" | tail -n 1)
-  tar -czf "$OUT/$name.tgz" -C "$RUNS" "$name.log" "$name/metrics.jsonl" "$name/selection.json" "$name/selected" \
+  o=${name//@/_}  # the device tool does not return file names with '@'
+  tar -czf "$OUT/$o.tgz" -C "$RUNS" "$name.log" "$name/metrics.jsonl" "$name/selection.json" "$name/selected" \
     "$name/checkpoints/$keep" "$name/checkpoints/$last" "$name/config.json" 2>/dev/null
   if [ "${SAVE_STATE:-0}" = 1 ]; then
-    split -b 15000000 "$RUNS/$name/state.pt" "$OUT/$name.state.part."
+    split -b 15000000 "$RUNS/$name/state.pt" "$OUT/$o.state.part."
   fi
 done
 exit $rc

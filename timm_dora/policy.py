@@ -427,16 +427,22 @@ class ActorPolicy:
             keys = keys.to(actor.w_in.weight.dtype)
         cu = cu_seqlens.long()
         idx = torch.arange(rows, device=dev)
-        pos = idx - cu[:-1][torch.searchsorted(cu[1:], idx, right=True).clamp_max(b - 1)]
+
+        def segment_and_position(cu: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+            seg = torch.searchsorted(cu[1:], idx, right=True).clamp_max(b - 1)
+            return seg, idx - cu[:-1][seg]
+
+        seg, pos = segment_and_position(cu)
+        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu.to(torch.int32)
         if p > 1:  # the controller reads CLS and the visual tokens only: drop the other prefix rows
             # (padded rows lie past the last sequence, so pos >= p there: the count is fixed)
             keys = keys[torch.nonzero_static((pos == 0) | (pos >= p), size=rows - b * (p - 1)).squeeze(1)]
             cu = cu - torch.arange(b + 1, device=dev) * (p - 1)
             rows = keys.shape[0]
             idx = idx[:rows]
-        seg = torch.searchsorted(cu[1:], idx, right=True).clamp_max(b - 1)
-        pos = idx - cu[:-1][seg]
-        layout = _FixedLayout(cu.to(torch.int32), max_len - (p - 1), cu[:-1],
+            seg, pos = segment_and_position(cu)
+            cu32 = cu.to(torch.int32)
+        layout = _FixedLayout(cu32, max_len - (p - 1), cu[:-1],
                               None if lengths_host is None else [n - (p - 1) for n in lengths_host])
         z = actor.encode(keys, layout, h, block, backend)
         index = actor.budget_logits(z[layout.starts], n_visual).argmax(1)
