@@ -465,3 +465,19 @@ def test_statistics_are_computed_when_read_and_stay_valid(graphs):
             if pa is not None:
                 assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1])
     timm_dora.unwrap(model)
+
+
+def test_graph_path_embeds_the_callers_images_in_any_layout():
+    """The embedding runs eagerly on the caller's tensor (no fixed input buffer): a channels-last
+    or strided batch gives the default forward's result, and a new batch the new result."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = kind_actor(model, "biased")
+    x, y = images(model, 4, seed=1), images(model, 4, seed=2)
+    ref = _run(model, [x, y], actor=actor)
+    wide = torch.stack([y, y], -1)[..., 0]  # a strided view with y's values
+    assert not wide.is_contiguous() and torch.equal(wide, y)
+    got = _run(model, [x.contiguous(memory_format=torch.channels_last), wide], actor=actor, cuda_graphs=True)
+    for a, b in zip(got, ref):
+        _assert_same(a, b, exact=False)
+    assert not torch.equal(got[0][0], got[1][0])

@@ -6,11 +6,12 @@ pruning even more so. Here the forward's heavy segments are captured as CUDA gra
 each) and only the decisions and the deletion run eagerly, between replays:
 
 - **dense phase** (until the first deletion every image keeps all tokens; shapes are fixed by the
-  batch shape): the embedding, each block's attention residual, each block's MLP residual and the
-  readout. For a policy with a graph probe (a deterministic :class:`~timm_dora.policy.ActorPolicy`)
-  a block is one graph: the attention residual, the MLP residual of all rows (speculatively, only
-  at blocks whose gate stayed closed for every image in the last forward: elsewhere it would be
-  wasted, and the MLP follows the decision) and, as a branch forked onto a second stream right
+  batch shape): each block's attention residual, each block's MLP residual and the readout (the
+  embedding runs eagerly, from the caller's images). For a policy with a graph probe (a
+  deterministic :class:`~timm_dora.policy.ActorPolicy`) a block is one graph: the attention
+  residual, the MLP residual of all rows (speculatively, only at blocks whose gate stayed closed
+  for every image in the last forward: elsewhere it would be wasted, and the MLP follows the
+  decision) and, as a branch forked onto a second stream right
   after ``qkv``, the gate from the CLS keys (the full keys are never materialised), which copies
   the gate vector into pinned host memory and records an event there. The host waits for that
   event only, so it decides while the same graph's attention and MLP still run.
@@ -40,7 +41,7 @@ needs one set; an actor on varied images captures new sizes as they come (each c
 warm-up run and a device synchronisation, once), at most about 256 sizes per block and kind.
 Graphs share one memory pool, so their number costs little memory.
 
-Fixed buffers (per batch shape): the input images, two block inputs ``x[0]``/``x[1]`` (block ``l``
+Fixed buffers (per batch shape): two block inputs ``x[0]``/``x[1]`` (block ``l``
 reads ``x[l % 2]``), the attention-residual output ``xa`` and, for policies that read keys, the
 keys ``k`` of packed blocks (each ``[B*S, d]``), plus small ones for what a graph hands on (the
 dense gates and history, the controller's inputs and outputs). Every segment reads and writes only
@@ -175,17 +176,16 @@ class GraphRunner:
         from .patch import embed
 
         dev = images.device
-        self.images = torch.empty_like(images, memory_format=torch.contiguous_format)
-        self.images.copy_(images)
-        x0 = embed(model, self.images)
+        x0 = embed(model, images)
         b, s, d = x0.shape
         p = model.num_prefix_tokens
         self.batch, self.seq, self.depth, self.num_patches = b, s, len(model.blocks), s - p
         dense = Packed.from_dense(x0, p, track_ids=True)
         for name in ("max_len", "min_len", "cu_seqlens", "starts", "seg", "pos"):
             getattr(dense, name)  # layout tensors are made now, outside any capture
+        dtype = x0.dtype
         del x0
-        self.x = [torch.empty((b * s, d), dtype=self.images.dtype, device=dev) for _ in range(2)]
+        self.x = [torch.empty((b * s, d), dtype=dtype, device=dev) for _ in range(2)]
         self.xa = torch.empty_like(self.x[0])
         self.k = torch.empty_like(self.x[0]) if self.copy_keys else None
         self.cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # cu_seqlens of the packed phase
@@ -235,12 +235,10 @@ class GraphRunner:
     # segments: each reads and writes fixed buffers only, so running one again gives the same result
 
     def _segment(self, key: tuple) -> Callable[[], None]:
-        from .patch import attention_residual, embed, mlp_residual, readout
+        from .patch import attention_residual, mlp_residual, readout
 
         kind, l = key[0], key[1] if len(key) > 1 else None
         model, b, s = self.model, self.batch, self.seq
-        if kind == "embed":
-            return lambda: self.x[0].copy_(embed(model, self.images).reshape(b * s, -1))
         if kind == "readout":
             def readout_dense():
                 final = self.dense_inputs[self.depth % 2]
@@ -423,7 +421,7 @@ class GraphRunner:
         # the warm-up, outside the capture (lazy initialisations); the capture only records, and
         # the replay gives this call's result, except for the controller, whose deletion overwrites
         # the block input and layout it read: it must run once, and its warm-up's result is kept
-        side = _side_stream(self.images.device)
+        side = _side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
@@ -449,11 +447,14 @@ class GraphRunner:
     # one forward
 
     def start(self, images: torch.Tensor) -> None:
-        """Copy the batch into the fixed input and embed it (the dense phase begins)."""
-        self.images.copy_(images)
+        """Embed the batch into the first block's input (the dense phase begins). Eagerly, from the
+        caller's tensor: a captured embedding would need the images in a fixed buffer too, a
+        batch-sized copy per forward and the memory of that buffer."""
+        from .patch import embed
+
+        self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
         self.cur, self._deleted = None, None
         self._history = (None, None, None)  # the tensors last copied into history_in
-        self._run(("embed",))
 
     @property
     def dense(self) -> bool:
