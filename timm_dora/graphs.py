@@ -11,9 +11,9 @@ each) and only the decisions and the deletion run eagerly, between replays:
   deterministic :class:`~timm_dora.policy.ActorPolicy`) a block is one graph: the attention
   residual, the MLP residual of all rows (speculatively, only at blocks whose gate stayed closed
   for every image in the last forward: elsewhere it would be wasted, and the MLP follows the
-  decision) and, as a branch forked onto a second stream right
-  after ``qkv``, the gate from the CLS keys (the full keys are never materialised), which copies
-  the gate vector into pinned host memory and records an event there. The host waits for that
+  decision) and, as a branch forked onto a second stream right after ``qkv``, the gate from the
+  CLS keys (the full keys are never materialised), which copies the gate vector into pinned host
+  memory and records an event there. The host waits for that
   event only, so it decides while the same graph's attention and MLP still run.
 - **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
   (:func:`rows_bucket`: about 1/256 of the batch's ``B*S`` rows, 16 to 256)
@@ -32,8 +32,8 @@ each) and only the decisions and the deletion run eagerly, between replays:
   the layout, masked by the gate (no shape depends on which images opened), followed in the same
   graph by the deletion (:func:`~timm_dora.packing.gather_survivors` into the fixed buffer, the
   survivors' ids, lengths and ``cu_seqlens``) and a copy of the new lengths to pinned memory with
-  an event: the host waits for that event only, then replays the survivors' MLP. Its products run over
-  more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
+  an event: the host waits for that event only, then replays the survivors' MLP. Its products run
+  over more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
   decide differently (97-100 % of decisions agree on the H100, ``benchmarks/gpu_check.py``).
 
 Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
@@ -47,9 +47,9 @@ keys ``k`` of packed blocks (each ``[B*S, d]``), plus small ones for what a grap
 dense gates and history, the controller's inputs and outputs). Every segment reads and writes only
 these and its own scratch space, so segments are captured lazily, the first time a (block, rows)
 pair occurs (a warm-up run, the capture, a replay; the controller's segment, which overwrites the
-block input and layout it reads, keeps its warm-up's result instead). All graphs share one memory pool; since the
-replay order is not the capture order, nothing a graph allocates is read after another replays
-(scratch space of one graph may be another's).
+block input and layout it reads, keeps its warm-up's result instead). All graphs share one memory
+pool; since the replay order is not the capture order, nothing a graph allocates is read after
+another replays (scratch space of one graph may be another's).
 
 Keys: in the dense phase the graphs do not keep them (one ``[T, d]`` per block would stay
 alive); a policy that reads ``ctx.keys`` there (the controller, once a gate opened) gets them
@@ -232,7 +232,8 @@ class GraphRunner:
         self.scale = [blk.attn.scale for blk in model.blocks]
 
     # ------------------------------------------------------------------------------------------
-    # segments: each reads and writes fixed buffers only, so running one again gives the same result
+    # segments: each reads and writes fixed buffers only (the controller's also consumes its input:
+    # it is run once per call, see _replay_or_capture)
 
     def _segment(self, key: tuple) -> Callable[[], None]:
         from .patch import attention_residual, mlp_residual, readout
