@@ -102,6 +102,8 @@ def test_eval_dora_per_block_statistics(setup_files):
     res = _eval(root, csv_path, weights, "--method", "dora", "--actor", str(actor))
     native, dora = res["rows"]
     assert dora["method"] == "dora" and dora["attn_backend"] == "sdpa_loop"
+    assert native["correct1"] - dora["correct1"] == dora["degraded"] - dora["improved"]
+    assert dora["paired_drop"] == pytest.approx(native["top1"] - dora["top1"])
     assert dora["gflops_min"] <= dora["gflops"] <= dora["gflops_max"]
     blocks = dora["per_block"]
     assert len(blocks) == 12 and any(b["gate_rate"] > 0 for b in blocks)
@@ -161,3 +163,26 @@ def test_time_forward_protocol():
     res = time_forward(lambda x: calls.append(x.shape[0]), [torch.zeros(3, 1), torch.zeros(3, 1)], warmup=2, iters=5, repeats=3)
     assert len(calls) == 3 * (2 + 5) and res["batch"] == 3 and len(res["repeats_ms_per_batch"]) == 3
     assert res["images_per_s"] > 0
+
+
+def test_paired_counts_and_their_standard_error_by_hand():
+    """Degraded / improved images against native and the paired drop's standard error, in two
+    batches (the counts accumulate), against values computed by hand."""
+    from timm_dora.evaluate import Output, Tally
+
+    def onehot(pred, classes=5):
+        return torch.nn.functional.one_hot(torch.tensor(pred), classes).float()
+
+    labels = torch.tensor([0, 1, 2, 3, 4, 0])
+    native = torch.tensor([0, 1, 2, 3, 0, 1])  # right on images 0-3
+    method = torch.tensor([0, 1, 4, 4, 4, 2])  # right on 0, 1 and 4: degrades 2 and 3, improves 4
+    tally = Tally("m")
+    for sl in (slice(0, 4), slice(4, 6)):
+        out = Output(onehot(method[sl].tolist()), torch.ones(sl.stop - sl.start, dtype=torch.float64))
+        tally.update(out, labels[sl], native[sl])
+    row = tally.result()
+    assert (row["degraded"], row["improved"], row["correct1"]) == (2, 1, 3)
+    assert row["paired_drop"] == pytest.approx(100 * 1 / 6)  # = native's 4/6 minus the method's 3/6
+    # per-image differences (1, 1, -1, 0, 0, 0): mean 1/6, variance 3/6 - 1/36 = 17/36
+    assert row["paired_drop_se"] == pytest.approx(100 * (17 / 36 / 6) ** 0.5)
+    assert "degraded" not in Tally("native").result()

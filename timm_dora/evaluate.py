@@ -5,7 +5,11 @@ backbone's own deterministic timm preprocessing, :func:`timm_dora.data.eval_tran
 rows of the result are over exactly the same images. Reported per method:
 
 - ``top1`` / ``top5`` (percent) with the exact ``correct1`` / ``correct5`` counts and
-  ``agreement`` (top-1 prediction equal to native's, percent);
+  ``agreement`` (top-1 prediction equal to native's, percent); the paired comparison with native
+  on the same images (App. C.3): ``degraded`` / ``improved`` (images native gets right and the
+  method wrong / the reverse), ``paired_drop`` (percentage points, ``100 (degraded - improved) /
+  n``, which equals native's top-1 minus the method's) and ``paired_drop_se``, its standard error
+  (percentage points, of the mean of the per-image differences in {-1, 0, 1});
 - ``gflops_mean`` and the per-image range ``gflops_min`` / ``gflops_max`` under the App. E.4
   accounting: for DORA (and the selector substitutions) the per-image counts of
   ``model.dora_stats.gflops``, actor included; for ToMe and static schedules the count of their
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import platform
 import sys
 from dataclasses import dataclass
@@ -348,6 +353,7 @@ class Tally:
     def __init__(self, name: str, config: Optional[Dict[str, Any]] = None):
         self.name, self.config = name, dict(config or {})
         self.n = self.c1 = self.c5 = self.agree = 0
+        self.degraded = self.improved = 0
         self.g_sum, self.g_min, self.g_max = 0.0, float("inf"), float("-inf")
         self.p_sum = self.p_min = self.p_max = None  # per-block arrays once seen
         self.gate_sum = self.b_sum = self.b_min = self.b_max = self.tok_sum = None
@@ -363,6 +369,9 @@ class Tally:
         self.c5 += int((top == labels[:, None]).any(1).sum())
         if native_pred is not None:
             self.agree += int((pred == native_pred).sum())
+            native_ok, ok = native_pred == labels, pred == labels
+            self.degraded += int((native_ok & ~ok).sum())
+            self.improved += int((ok & ~native_ok).sum())
         g = out.gflops.double()
         self.g_sum += float(g.sum())
         self.g_min, self.g_max = min(self.g_min, float(g.min())), max(self.g_max, float(g.max()))
@@ -387,6 +396,16 @@ class Tally:
             self.backend = out.backend
         return pred
 
+    def _paired(self, n: int) -> Dict[str, Any]:
+        """The paired comparison with native (none for the native row itself)."""
+        if self.name == "native":
+            return {}
+        d, i = self.degraded, self.improved
+        mean = (d - i) / n
+        var = max((d + i) / n - mean * mean, 0.0)  # of the per-image differences in {-1, 0, 1}
+        return {"degraded": d, "improved": i, "paired_drop": 100.0 * mean,
+                "paired_drop_se": 100.0 * math.sqrt(var / n)}
+
     def result(self) -> Dict[str, Any]:
         n = max(self.n, 1)
         row: Dict[str, Any] = {
@@ -398,6 +417,7 @@ class Tally:
             "top1": 100.0 * self.c1 / n,
             "top5": 100.0 * self.c5 / n,
             "agreement": 100.0 * self.agree / n if self.name != "native" else 100.0,
+            **self._paired(n),
             "gflops": self.g_sum / n,
             "gflops_min": self.g_min,
             "gflops_max": self.g_max,
@@ -485,14 +505,16 @@ def evaluate(
 
 def format_rows(rows: Sequence[Dict[str, Any]], per_block: bool = True) -> str:
     """A readable table of evaluation rows (and per-block policy statistics)."""
-    lines = [f"{'method':34s} {'top-1':>7s} {'top-5':>7s} {'agree':>7s} {'GFLOPs':>8s}  {'per-image range':>17s} {'img/s':>9s}"]
+    lines = [f"{'method':34s} {'top-1':>7s} {'top-5':>7s} {'agree':>7s} {'drop (pp)':>12s} {'GFLOPs':>8s}  "
+             f"{'per-image range':>17s} {'img/s':>9s}"]
     for r in rows:
         ips = r.get("images_per_s")
         top1 = "--" if r.get("top1") is None else f"{r['top1']:.2f}"
         top5 = "--" if r.get("top5") is None else f"{r['top5']:.2f}"
         agree = "--" if r.get("agreement") is None else f"{r['agreement']:.1f}"
+        drop = "--" if r.get("paired_drop") is None else f"{r['paired_drop']:.2f}±{r['paired_drop_se']:.2f}"
         lines.append(
-            f"{r['method'][:34]:34s} {top1:>7s} {top5:>7s} {agree:>7s} {r['gflops']:8.3f}  "
+            f"{r['method'][:34]:34s} {top1:>7s} {top5:>7s} {agree:>7s} {drop:>12s} {r['gflops']:8.3f}  "
             f"{r['gflops_min']:8.3f}-{r['gflops_max']:<8.3f} {'--' if ips is None else f'{ips:9.0f}':>9s}"
         )
     if per_block:
