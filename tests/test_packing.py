@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from timm_dora.packing import Packed, delete_rows, select_backend, varlen_attention
+from timm_dora.packing import Packed, delete_rows, gather_survivors, select_backend, varlen_attention
 
 
 def block_diagonal_reference(q, k, v, lengths, scale):
@@ -26,6 +26,29 @@ def test_delete_rows_keeps_order_and_lengths():
     assert out.cu_seqlens.tolist() == [0, 3, 6, 9] and out.uniform
     assert out.pos.tolist() == [0, 1, 2] * 3 and out.seg.tolist() == [0] * 3 + [1] * 3 + [2] * 3
     assert out.prefix_rows().squeeze(-1).squeeze(-1).tolist() == [0, 4, 10]
+
+
+def test_delete_rows_into_a_buffer_without_host_counts_and_gather_survivors():
+    """The fixed-shape path (``out=``, counts read after the gather; what the graphs' controller
+    runs as ``gather_survivors``): the same survivors, ids and layout as the default path; every
+    row of the buffer written (survivors first, then copies of row 0)."""
+    lengths = [4, 6, 3]
+    x = torch.arange(13, dtype=torch.float)[:, None] + 100
+    ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2])
+    packed = Packed(x, torch.tensor(lengths), lengths, num_prefix=1, ids=ids)
+    remove = torch.zeros(13, dtype=torch.bool)
+    remove[[2, 5, 7, 9]] = True
+    ref = delete_rows(packed, remove, torch.tensor([1, 3, 0]))
+    buf = torch.full((16, 1), -1.0)
+    got = delete_rows(packed, remove, torch.tensor([1, 3, 0]), out=buf)
+    assert torch.equal(got.x, ref.x) and got.x.data_ptr() == buf.data_ptr()
+    assert torch.equal(got.ids, ref.ids) and got.lengths_host == ref.lengths_host
+    assert torch.equal(got.ids, ids[~remove])  # an independent reference: boolean indexing
+    assert buf[9:13].squeeze(1).tolist() == [100.0] * 4 and buf[13:].squeeze(1).tolist() == [-1.0] * 3
+    buf2 = torch.zeros(13, 1)
+    gathered_ids = gather_survivors(x, remove, buf2, ids)
+    assert torch.equal(buf2[:9], x[~remove]) and torch.equal(gathered_ids[:9], ids[~remove])
+    assert gather_survivors(x, remove, buf2) is None
 
 
 @pytest.mark.parametrize("lengths", [[5, 9, 1, 7], [6, 6, 6]])
