@@ -42,8 +42,11 @@ warm-up run and a device synchronisation, once), at most about 256 sizes per blo
 Graphs share one memory pool, so their number costs little memory.
 
 Fixed buffers (per batch shape): two block inputs ``x[0]``/``x[1]`` (block ``l``
-reads ``x[l % 2]``), the attention-residual output ``xa`` and, for policies that read keys, the
-keys ``k`` of packed blocks (each ``[B*S, d]``), plus small ones for what a graph hands on (the
+reads ``x[l % 2]``), for the actor the attention-residual output ``xa`` (its speculative MLP must
+leave the attention output intact; without the actor the attention residual goes into the next
+block's input buffer and the MLP runs in place there, or the deletion gathers it back into the
+block's own input buffer) and, for policies that read keys, the keys ``k`` of packed blocks (each
+``[B*S, d]``), plus small ones for what a graph hands on (the
 dense gates and history, the controller's inputs and outputs). Every segment reads and writes only
 these and its own scratch space, so segments are captured lazily, the first time a (block, rows)
 pair occurs (a warm-up run, the capture, a replay; the controller's segment, which overwrites the
@@ -161,6 +164,11 @@ class GraphRunner:
             with torch.inference_mode(False):
                 self.context_out = torch.zeros(self.depth, self.batch, actor.gate_hidden,
                                                dtype=actor.w_in.weight.dtype, device=dev)
+                # the speculative MLP must not overwrite the attention output (a gate that opens
+                # deletes from it): a third buffer. Other policies decide before the MLP, which then
+                # runs in place on the attention output, in the next block's input buffer
+                self.xa = torch.empty_like(self.x[0])
+            self.dense_attended = self.dense_inputs[0].with_x(self.xa)
         if self.capture and self.probing:
             self.gate_stream = torch.cuda.Stream(dev)  # the gate's branch of the attention graphs
             # recorded inside the graphs (external: a record node the host can wait on)
@@ -171,6 +179,11 @@ class GraphRunner:
         # speculative MLP was wasted; a wrong guess the other way costs one gate read's latency)
         self.opened = [False] * self.depth
         self._deleted: Optional[int] = None  # the block whose controller graph also deleted the rows
+
+    def _attn_out(self, l: int) -> torch.Tensor:
+        """Where block ``l``'s attention residual goes: ``xa`` for the actor (see ``__init__``),
+        else the next block's input buffer (the MLP then runs in place there)."""
+        return self.xa if self.probing else self.x[(l + 1) % 2]
 
     def _make_buffers(self, model: nn.Module, images: torch.Tensor) -> None:
         from .patch import embed
@@ -186,11 +199,10 @@ class GraphRunner:
         dtype = x0.dtype
         del x0
         self.x = [torch.empty((b * s, d), dtype=dtype, device=dev) for _ in range(2)]
-        self.xa = torch.empty_like(self.x[0])
+        self.xa: Optional[torch.Tensor] = None  # the actor's attention output (made once probing is known)
         self.k = torch.empty_like(self.x[0]) if self.copy_keys else None
         self.cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # cu_seqlens of the packed phase
         self.dense_inputs = [dense.with_x(t) for t in self.x]  # block l's dense input: [l % 2]
-        self.dense_attended = dense.with_x(self.xa)
         self.gate_host = torch.zeros((self.depth, b), dtype=torch.bool, pin_memory=self.capture)
         self.consts = ForwardConstants(b, dev)
         for name in ("zeros", "closed", "opened", "no_rho"):
@@ -266,7 +278,7 @@ class GraphRunner:
                 self._fork(lambda: gate_dense(cls), cls)
 
             def attention_dense():
-                attention_residual(blk, self.dense_inputs[l % 2], self.backend, out=self.xa, keys=False,
+                attention_residual(blk, self.dense_inputs[l % 2], self.backend, out=self._attn_out(l), keys=False,
                                    on_keys=cls_keys if self.probing else None)
                 if spec:  # the MLP in the same graph, speculatively (the gate decides later)
                     mlp_residual(blk, self.xa, out=self.x[(l + 1) % 2])
@@ -274,7 +286,8 @@ class GraphRunner:
             return attention_dense
         if kind == "mlp":  # dense or packed: xa -> x[(l + 1) % 2]
             rows = key[2]
-            return lambda: mlp_residual(blk, self.xa[:rows], out=self.x[(l + 1) % 2][:rows])
+            src = self._attn_out(l)[:rows]  # in place (no actor) or from xa
+            return lambda: mlp_residual(blk, src, out=self.x[(l + 1) % 2][:rows])
         if kind == "mlp_compacted":  # the survivors, gathered into x[l % 2] -> x[(l + 1) % 2]
             rows = key[2]
             return lambda: mlp_residual(blk, self.x[l % 2][:rows], out=self.x[(l + 1) % 2][:rows])
@@ -360,7 +373,7 @@ class GraphRunner:
                 src = SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False)
                 if self.probing:
                     self._fork(gate_history)
-                attention_residual(blk, src, self.backend, out=self.xa[:rows], attend=attend, keys=False,
+                attention_residual(blk, src, self.backend, out=self._attn_out(l)[:rows], attend=attend, keys=False,
                                    on_keys=keep_keys if self.copy_keys else None)
                 if spec:  # the MLP in the same graph, speculatively (the gate decides later)
                     mlp_residual(blk, self.xa[:rows], out=self.x[(l + 1) % 2][:rows])
@@ -420,8 +433,9 @@ class GraphRunner:
             return
         fn = self._segment(key)
         # the warm-up, outside the capture (lazy initialisations); the capture only records, and
-        # the replay gives this call's result, except for the controller, whose deletion overwrites
-        # the block input and layout it read: it must run once, and its warm-up's result is kept
+        # the replay gives this call's result, except for segments that consume their input: the
+        # controller (its deletion overwrites the block input and layout it read) and, without the
+        # actor, the MLP (in place): they must run once, and the warm-up's result is kept
         side = _side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -436,7 +450,7 @@ class GraphRunner:
         with torch.cuda.graph(g, pool=self.pool):
             fn()
         self.graphs[key] = g
-        if key[0] != "controller":
+        if key[0] != "controller" and not (key[0] == "mlp" and not self.probing):
             g.replay()
 
     def _padded(self, rows: int) -> int:
@@ -481,7 +495,7 @@ class GraphRunner:
             src = self.dense_inputs[l % 2]
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
             if not self.probing:
-                return self.policy(ctx), self.dense_attended, False
+                return self.policy(ctx), self.dense_inputs[(l + 1) % 2], False
             gate_host = self._read_gate(l)  # the graph may also have run the MLP (speculatively)
             step = self.steps[l]
             if not self.opened[l]:
@@ -502,7 +516,7 @@ class GraphRunner:
         else:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
         if not self.probing:
-            return self.policy(ctx), src.with_x(self.xa[:t]), False
+            return self.policy(ctx), src.with_x(self._attn_out(l)[:t]), False
         # the gate ran in the attention graph (its branch beside the attention kernel): it wrote
         # the gate (also to pinned memory) and the controller's inputs; its vector travels to the
         # host while the same graph's MLP of the unpruned rows runs (speculation, as when dense)
