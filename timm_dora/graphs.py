@@ -178,7 +178,6 @@ class GraphRunner:
         # unless its gate opened for some image in the last forward that reached it (there the
         # speculative MLP was wasted; a wrong guess the other way costs one gate read's latency)
         self.opened = [False] * self.depth
-        self._deleted: Optional[int] = None  # the block whose controller graph also deleted the rows
 
     def _attn_out(self, l: int) -> torch.Tensor:
         """Where block ``l``'s attention residual goes: ``xa`` for the actor (see ``__init__``),
@@ -450,8 +449,13 @@ class GraphRunner:
         with torch.cuda.graph(g, pool=self.pool):
             fn()
         self.graphs[key] = g
-        if key[0] != "controller" and not (key[0] == "mlp" and not self.probing):
+        if not self._consumes_input(key):
             g.replay()
+
+    def _consumes_input(self, key: tuple) -> bool:
+        """Segments that overwrite what they read, so must run exactly once: the controller (its
+        deletion gathers into the block input) and, without the actor, the in-place MLP."""
+        return key[0] == "controller" or (key[0] == "mlp" and not self.probing)
 
     def _padded(self, rows: int) -> int:
         total = self.batch * self.seq
@@ -468,7 +472,7 @@ class GraphRunner:
         from .patch import embed
 
         self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
-        self.cur, self._deleted = None, None
+        self.cur = None
         self._history = (None, None, None)  # the tensors last copied into history_in
 
     @property
@@ -530,7 +534,6 @@ class GraphRunner:
         """The controller segment (captured per block and rows, the deletion included: see
         :meth:`delete`) and its decision."""
         self._run(("controller", l, rows, dense))
-        self._deleted = l
         remove, removed, flops = self.ctrl_out
         # copies: the buffers are rewritten by the next controller of this forward
         return Decision(gate.clone(), removed.clone(), remove[:rows].clone(), flops.clone())
@@ -556,8 +559,7 @@ class GraphRunner:
         After the actor's controller graph, which already gathered the survivors and wrote the new
         ``cu_seqlens``, the host only waits for the new lengths and replays the MLP; the layout's
         device tensors (copies: the buffers serve the next deletion) are made after that launch."""
-        if self._deleted == l:
-            self._deleted = None
+        if self.probing:  # every deletion of the actor's runner comes from its controller graph
             if self.capture:
                 self.deleted_ready.synchronize()
             lengths_host = self.lengths_host.tolist()
