@@ -199,6 +199,9 @@ def main(argv=None):
     ap.add_argument("--configs", nargs="+",
                     default=["native", "gate_off", "gate_off_spec", "gate_off_graphs", "fixed", "fixed_graphs",
                              "actor", "actor_spec", "actor_graphs", "oracle", "oracle_graphs"])
+    ap.add_argument("--attn-backends", nargs="+", default=["auto"],
+                    help="the wrapped rows once per attention backend (a config gets the suffix [backend] "
+                         "when more than one is given: an A/B in one run)")
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
@@ -262,14 +265,16 @@ def main(argv=None):
         actor = Actor.for_model(model).to(dev, dtype)
         with torch.no_grad():
             actor.gate_mlp[2].bias.fill_(-1e4)
-        for config, speculate, graphs in (("gate_off", False, False), ("gate_off_spec", True, False),
-                                          ("gate_off_graphs", False, True)):
-            if config in args.configs:
-                timm_dora.wrap(model, actor, speculate=speculate, cuda_graphs=graphs)
-                if not first_forward(model, config):
-                    continue
-                add(config, model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
-                timm_dora.unwrap(model)
+        for ab in args.attn_backends:
+            sfx = "" if len(args.attn_backends) == 1 else f"[{ab}]"
+            for config, speculate, graphs in (("gate_off", False, False), ("gate_off_spec", True, False),
+                                              ("gate_off_graphs", False, True)):
+                if config in args.configs:
+                    timm_dora.wrap(model, actor, speculate=speculate, cuda_graphs=graphs, attn_backend=ab)
+                    if not first_forward(model, config + sfx):
+                        continue
+                    add(config + sfx, model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
+                    timm_dora.unwrap(model)
         for target in args.reductions:
             red, blocks = parse_reduction(target, args.blocks)
             mean_k = schedule_for_reduction(model, red, blocks)
@@ -278,26 +283,33 @@ def main(argv=None):
             stats = gflops_of(model, plan, inputs)
             g = float(stats.gflops.mean())
             tag = f"@{int(round(100 * (1 - g / native_gflops)))}%"
-            if "fixed" in args.configs:
-                add("fixed" + tag, model, g, backend=stats.backend, blocks=blocks, mean_k=mean_k,
-                    tokens_range=[int(stats.tokens[:, -1].min()), int(stats.tokens[:, -1].max())])
             timm_dora.unwrap(model)
-            if "fixed_graphs" in args.configs:
-                timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), cuda_graphs=True)
-                add("fixed_graphs" + tag, model, g, backend=stats.backend, blocks=blocks, mean_k=mean_k)
-                timm_dora.unwrap(model)
             forced = gate_forced_actor(model, blocks).to(dev, dtype)  # one actor: equal decisions
-            for config, speculate, graphs in (("actor", False, False), ("actor_spec", True, False),
-                                              ("actor_graphs", False, True)):
-                if config not in args.configs:
-                    continue
-                timm_dora.wrap(model, forced, speculate=speculate, cuda_graphs=graphs)
-                if not first_forward(model, config + tag):
-                    continue
-                s = model.dora_stats
-                add(config + "(random)" + tag, model, float(s.gflops.mean()), backend=s.backend,
-                    gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
-                timm_dora.unwrap(model)
+            for ab in args.attn_backends:
+                sfx = "" if len(args.attn_backends) == 1 else f"[{ab}]"
+                if "fixed" in args.configs:
+                    timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), attn_backend=ab)
+                    if first_forward(model, "fixed" + tag + sfx):
+                        add("fixed" + tag + sfx, model, g, backend=model.dora_stats.backend, blocks=blocks,
+                            mean_k=mean_k, tokens_range=[int(stats.tokens[:, -1].min()), int(stats.tokens[:, -1].max())])
+                        timm_dora.unwrap(model)
+                if "fixed_graphs" in args.configs:
+                    timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), cuda_graphs=True, attn_backend=ab)
+                    if first_forward(model, "fixed_graphs" + tag + sfx):
+                        add("fixed_graphs" + tag + sfx, model, g, backend=model.dora_stats.backend, blocks=blocks,
+                            mean_k=mean_k)
+                        timm_dora.unwrap(model)
+                for config, speculate, graphs in (("actor", False, False), ("actor_spec", True, False),
+                                                  ("actor_graphs", False, True)):
+                    if config not in args.configs:
+                        continue
+                    timm_dora.wrap(model, forced, speculate=speculate, cuda_graphs=graphs, attn_backend=ab)
+                    if not first_forward(model, config + tag + sfx):
+                        continue
+                    s = model.dora_stats
+                    add(config + "(random)" + tag + sfx, model, float(s.gflops.mean()), backend=s.backend,
+                        gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
+                    timm_dora.unwrap(model)
             if "oracle" in args.configs:
                 ks = static_counts(stats, blocks)
                 fwd = oracle_forward(model, ks)

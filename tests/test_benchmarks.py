@@ -60,3 +60,17 @@ def test_host_overhead_script_reports_every_configuration(tmp_path):
     assert rows["noprune"]["check"]["logits_sum"] == rows["native"]["check"]["logits_sum"]
     assert rows["gate_off"]["check"]["gate_rate"] == [0.0] * 12
     assert rows["actor"]["check"]["gate_rate"][3] == 1.0 and rows["fixed"]["check"]["gate_rate"][3] == 1.0
+
+
+def test_throughput_rows_per_attention_backend(tmp_path):
+    out = tmp_path / "t.json"
+    throughput.main(["--models", "vit_tiny_patch16_224", "--img-size", "96", "--batch", "8", "--batches", "2",
+                     "--warmup", "1", "--iters", "1", "--repeats", "1", "--device", "cpu", "--spread", "2",
+                     "--reductions", "0.3@2,5", "--configs", "gate_off", "fixed", "--attn-backends", "auto",
+                     "sdpa_loop", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    configs = [r["config"] for r in rows]
+    assert configs[:2] == ["gate_off[auto]", "gate_off[sdpa_loop]"]
+    assert len(configs) == 4 and configs[2].startswith("fixed@") and configs[2].endswith("[auto]")
+    assert configs[3].endswith("[sdpa_loop]") and all(r["backend"] == "sdpa_loop" for r in rows)  # auto on CPU
+    assert rows[2]["gflops"] == rows[3]["gflops"]

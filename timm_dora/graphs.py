@@ -133,7 +133,7 @@ def graph_mode_reason(model: nn.Module, images: torch.Tensor, backend: str) -> O
     if images.device.type == "cuda":
         if torch.is_autocast_enabled("cuda"):
             return "autocast is enabled (cast the model to bf16/fp16 instead)"
-        if backend not in ("flash", "torch_varlen"):
+        if backend not in ("triton", "flash", "torch_varlen"):
             return f"the {backend!r} attention backend reads sequence lengths on the host (use bf16/fp16)"
     return None
 

@@ -12,6 +12,12 @@ cost.
 
 Attention backends, chosen once per (device type, dtype) by :func:`select_backend`:
 
+``triton``
+    this package's Triton kernel (:mod:`timm_dora.varlen_kernel`; CUDA, fp16/bf16, head dims 32,
+    64, 128, other head dims fall back to ``torch_varlen``'s kernel). ``"auto"`` picks it on GPUs
+    of compute capability 9 or higher (Hopper), where it was measured: on an H100 it takes 0.5-0.8x
+    the time of the FlashAttention-2 varlen kernel on pruned-block shapes
+    (``benchmarks/results/attention_kernels_h100.json``). Elsewhere it is opt-in.
 ``flash``
     ``flash_attn.flash_attn_varlen_func`` (optional dependency, CUDA, fp16/bf16).
 ``torch_varlen``
@@ -52,7 +58,7 @@ __all__ = [
     "PackedTransformerBlock",
 ]
 
-BACKENDS = ("flash", "torch_varlen", "sdpa_loop")  # inference backends, in "auto" order
+BACKENDS = ("triton", "flash", "torch_varlen", "sdpa_loop")  # inference backends, in "auto" order
 TRAINING_BACKENDS = BACKENDS + ("padded",)
 
 
@@ -225,6 +231,12 @@ def _flash_available() -> bool:
     return True
 
 
+def _triton_kernel_available() -> bool:
+    from . import varlen_kernel  # imports triton: only asked for on CUDA
+
+    return varlen_kernel.triton is not None
+
+
 def _torch_varlen():
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -243,6 +255,7 @@ def select_backend(device_type: str, dtype: torch.dtype, preference: str = "auto
     half = dtype in (torch.float16, torch.bfloat16)
     cuda = device_type == "cuda"
     usable = {
+        "triton": cuda and half and _triton_kernel_available(),
         "flash": cuda and half and _flash_available(),
         "torch_varlen": cuda and half and _torch_varlen() is not None,
         "sdpa_loop": True,
@@ -250,6 +263,8 @@ def select_backend(device_type: str, dtype: torch.dtype, preference: str = "auto
     }
     if preference == "auto":
         for name in BACKENDS:
+            if name == "triton" and not (usable[name] and torch.cuda.get_device_capability()[0] >= 9):
+                continue  # measured faster than FlashAttention-2 on Hopper only
             if usable[name]:
                 return name
     if preference not in usable:
@@ -257,7 +272,7 @@ def select_backend(device_type: str, dtype: torch.dtype, preference: str = "auto
     if not usable[preference]:
         raise ValueError(
             f"attention backend {preference!r} cannot run on device {device_type!r} with {dtype}: "
-            "'flash' needs flash-attn installed, CUDA and fp16/bf16; 'torch_varlen' needs "
+            "'triton' needs the triton package, CUDA and fp16/bf16; 'flash' needs flash-attn installed, CUDA and fp16/bf16; 'torch_varlen' needs "
             "torch>=2.10, CUDA and fp16/bf16; 'sdpa_loop' runs anywhere"
         )
     return preference
@@ -316,6 +331,12 @@ def varlen_attention(
         out = F.scaled_dot_product_attention(qd, kd, vd, scale=scale)
         return out.transpose(1, 2).reshape(q.shape)
     cu, n = packed.cu_seqlens, packed.max_len
+    if backend == "triton":
+        from .varlen_kernel import TILE, varlen_attention_triton
+
+        if q.shape[-1] in TILE:
+            return varlen_attention_triton(q, k, v, cu, n, scale)
+        backend = "torch_varlen"  # a head dim without tuned tiles: the FlashAttention-2 kernel
     if backend == "flash":
         from flash_attn import flash_attn_varlen_func
 

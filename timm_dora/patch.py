@@ -212,7 +212,8 @@ def wrap(
         readout: ``"model"`` follows ``model.global_pool`` (CLS token, or ``avg``/``max``/
             ``avgmax`` over surviving patch tokens); ``"lc1"`` is DINOv2's linear readout
             (normed CLS concatenated with the mean of normed surviving patch tokens).
-        attn_backend: ``"auto"`` or one of ``flash``, ``torch_varlen``, ``sdpa_loop``.
+        attn_backend: ``"auto"`` or one of ``triton``, ``flash``, ``torch_varlen``, ``sdpa_loop``
+            (:mod:`timm_dora.packing`).
         speculate: inference only, opt-in: each block enqueues its MLP on the unpruned batch
             before the host reads the actor's gate, so the GPU does not idle at that read
             (``ActorPolicy(actor, speculate=True)``). Outputs, decisions and statistics are
