@@ -126,6 +126,41 @@ def test_graph_path_with_host_policies(family, monkeypatch):
             assert all(c == [1] * len(model.blocks) for _, _, c in got)
 
 
+def test_blocks_a_policy_skips_run_as_chains(monkeypatch):
+    """Where a policy says beforehand that it prunes nothing (``prunes_nothing_at``), each run of
+    such blocks is one segment and the policy is not called there; outputs equal the default."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    depth, n0 = len(model.blocks), model.patch_embed.num_patches
+    x = images(model, 3)
+    segments, called = [], []
+    run = GraphRunner._run
+    monkeypatch.setattr(GraphRunner, "_run", lambda self, key: (segments.append(key), run(self, key))[1])
+
+    class Spy(ReplayPolicy):
+        def __call__(self, ctx):
+            called.append(ctx.block)
+            return super().__call__(ctx)
+
+    policy = Spy(random_plan(3, n0, depth, [2, 5]))
+    ref = _run(model, [x], policy=policy)
+    segments.clear()
+    called.clear()
+    got = _run(model, [x], policy=policy, cuda_graphs=True)
+    _assert_same(got[0], ref[0])
+    assert called == [2, 5]
+    total = 3 * (n0 + 1)
+    rows = [int(t) for t in got[0][1].tokens.sum(0) + 3]  # packed rows after each block (one CLS per image)
+    assert [k[:2] for k in segments] == [("chain", 0), ("attention", 2), ("mlp_compacted", 2), ("chain", 3),
+                                         ("attention_packed", 5), ("mlp_compacted", 5), ("chain", 6)]
+    assert segments[0] == ("chain", 0, 1, total, True)
+    assert segments[3] == ("chain", 3, 4, rows[2], False) and segments[6] == ("chain", 6, depth - 1, rows[5], False)
+    segments.clear()
+    got = _run(model, [x], policy=NoPrune(), cuda_graphs=True)
+    assert segments == [("chain", 0, depth - 1, total, True), ("readout",)]
+    assert got[0][2] == [1] * depth  # every MLP exactly once
+
+
 def test_keys_read_by_a_policy_are_recomputed_exactly():
     """A policy that reads ``ctx.keys`` in the dense phase sees the keys of the default path."""
     name, kw = SMALL_FAMILIES["dinov2_registers"]  # LayerScale, registers

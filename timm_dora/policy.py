@@ -17,6 +17,11 @@ into pinned host memory, followed by a CUDA event); the wrapped forward then enq
 the unpruned batch and only then calls ``finish()``, which waits for that copy (not for the MLP)
 and returns the same :class:`Decision` as ``policy(ctx)``. When the decision removes nothing the
 speculative MLP result is the block's output; otherwise it is discarded.
+
+Known skips (optional): ``prunes_nothing_at(block) -> bool``, true where the call would return
+``ctx.nothing()`` whatever the batch (:class:`ReplayPolicy` outside its plan's blocks,
+:class:`NoPrune` everywhere). The CUDA-graph path (:mod:`timm_dora.graphs`) then does not call the
+policy at those blocks and replays each run of them as one segment.
 """
 from __future__ import annotations
 
@@ -131,6 +136,10 @@ class NoPrune:
     def __call__(self, ctx: BlockContext) -> Decision:
         return ctx.nothing()
 
+    def prunes_nothing_at(self, block: int) -> bool:
+        """Known before block ``block`` runs: this policy removes nothing there (see :mod:`timm_dora.graphs`)."""
+        return True
+
 
 def _removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[T]`` bool marking visual column ``col`` of image ``image`` (0 = first surviving patch;
@@ -188,6 +197,12 @@ class ReplayPolicy:
         image, col, removed, gate = self._device_step(ctx.block, b, dev)
         return Decision(gate, removed, _removal_mask(ctx.packed, image, col),
                         removed_host=counts + [0] * (b - len(counts)))
+
+    def prunes_nothing_at(self, block: int) -> bool:
+        """True where the plan removes nothing (or ``stop_after`` cuts it off): the call would
+        return ``ctx.nothing()``, so the CUDA-graph path runs such blocks without calling it
+        (:mod:`timm_dora.graphs`, chains of whole blocks)."""
+        return block not in self._host or (self.stop_after is not None and block > self.stop_after)
 
     def _device_step(self, block: int, b: int, dev: torch.device):
         """``(image, col, removed, gate)`` of a plan block on ``dev`` for a batch of ``b``, made
