@@ -126,3 +126,22 @@ def test_cuda_kernel_matches_reference_and_replays_from_a_graph():
         packed2 = Packed(torch.zeros(t, 1, device=dev), flipped.to(dev), flipped.tolist(), num_prefix=1)
         ref2 = varlen_attention(q[:t].float(), k[:t].float(), v[:t].float(), packed2, hd ** -0.5, "sdpa_loop")
         assert (captured[:t].float() - ref2).abs().max() < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_triton_backend_keeps_gradients():
+    """The kernel is forward-only: inputs that need a gradient take the FlashAttention-2 kernel,
+    whose backward gives the reference's gradients (nothing silently detached)."""
+    torch.manual_seed(0)
+    lengths = torch.tensor([5, 70, 33])
+    t = int(lengths.sum())
+    packed = Packed(torch.zeros(t, 1, device="cuda"), lengths.cuda(), lengths.tolist(), num_prefix=1)
+    q, k, v = (torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = varlen_attention(q, k, v, packed, 0.125, "triton")
+    assert out.requires_grad
+    out.float().square().sum().backward()
+    grads = [x.grad.float() for x in (q, k, v)]
+    ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    varlen_attention(*ref_in, packed, 0.125, "sdpa_loop").square().sum().backward()
+    for g, r in zip(grads, ref_in):
+        assert (g - r.grad).abs().max() < 5e-2 * r.grad.abs().max()

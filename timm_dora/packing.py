@@ -14,7 +14,8 @@ Attention backends, chosen once per (device type, dtype) by :func:`select_backen
 
 ``triton``
     this package's Triton kernel (:mod:`timm_dora.varlen_kernel`; CUDA, fp16/bf16, head dims 32,
-    64, 128, other head dims fall back to ``torch_varlen``'s kernel). ``"auto"`` picks it on GPUs
+    64, 128, forward only: other head dims, and inputs that need a gradient, fall back to
+    ``torch_varlen``'s kernel). ``"auto"`` picks it on GPUs
     of compute capability 9 or higher (Hopper), where it was measured: on an H100 it takes 0.5-0.8x
     the time of the FlashAttention-2 varlen kernel on pruned-block shapes
     (``benchmarks/results/attention_kernels_h100.json``). Elsewhere it is opt-in.
@@ -334,9 +335,12 @@ def varlen_attention(
     if backend == "triton":
         from .varlen_kernel import TILE, varlen_attention_triton
 
-        if q.shape[-1] in TILE:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if q.shape[-1] in TILE and not grad:
             return varlen_attention_triton(q, k, v, cu, n, scale)
-        backend = "torch_varlen"  # a head dim without tuned tiles: the FlashAttention-2 kernel
+        # a head dim without tuned tiles, or a gradient to carry (the kernel is forward-only):
+        # the FlashAttention-2 kernel, which has a backward
+        backend = "torch_varlen"
     if backend == "flash":
         from flash_attn import flash_attn_varlen_func
 
