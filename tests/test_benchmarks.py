@@ -74,3 +74,18 @@ def test_throughput_rows_per_attention_backend(tmp_path):
     assert len(configs) == 4 and configs[2].startswith("fixed@") and configs[2].endswith("[auto]")
     assert configs[3].endswith("[sdpa_loop]") and all(r["backend"] == "sdpa_loop" for r in rows)  # auto on CPU
     assert rows[2]["gflops"] == rows[3]["gflops"]
+
+
+def test_chain_ab_script_runs_both_paths(tmp_path):
+    import chain_ab
+
+    res = chain_ab.main(["--models", "vit_tiny_patch16_224", "--img-size", "64", "--batch", "4", "--batches", "1",
+                         "--warmup", "1", "--iters", "1", "--repeats", "1", "--device", "cpu"])
+    rows = res["rows"]
+    assert [(r["case"], r["chain"]) for r in rows[:4]] == [("fixed@0.38", True), ("fixed@0.38", False)] * 2
+    assert {r["case"] for r in rows} == {"fixed@0.38", "fixed@0.55", "noprune"} and len(rows) == 12
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(r["case"], set()).add(r["gflops"])
+    assert all(len(g) == 1 for g in by_case.values())  # chains change the launches, not the work
+    assert by_case["noprune"] != by_case["fixed@0.38"]
