@@ -258,7 +258,7 @@ class GraphRunner:
         from .patch import attention_residual, mlp_residual, readout
 
         kind, l = key[0], key[1] if len(key) > 1 else None
-        model, b, s = self.model, self.batch, self.seq
+        model, b = self.model, self.batch
         if kind == "readout":
             def readout_dense():
                 final = self.dense_inputs[self.depth % 2]
@@ -336,20 +336,17 @@ class GraphRunner:
                 if self.capture:
                     self.deleted_ready.record()
             return controller
-        if kind == "chain":  # whole blocks l..m where the policy prunes nothing (no policy call)
+        if kind == "chain":  # whole blocks l..m where the policy prunes nothing (no policy call):
+            # each block's own attention and MLP segments, run back to back in one segment
             last, rows, dense = key[2], key[3], key[4]
+            parts = []
+            for j in range(l, last + 1):
+                parts.append(self._segment(("attention", j, False) if dense else ("attention_packed", j, rows, False)))
+                parts.append(self._segment(("mlp", j, rows)))
 
             def chain():
-                for j in range(l, last + 1):
-                    if dense:
-                        src = self.dense_inputs[j % 2]
-                        attend = None
-                    else:
-                        src = SimpleNamespace(x=self.x[j % 2][:rows], total=rows, uniform=False)
-                        attend = self._attend(j, rows)
-                    out = self.x[(j + 1) % 2][:rows]
-                    attention_residual(model.blocks[j], src, self.backend, out=out, attend=attend, keys=False)
-                    mlp_residual(model.blocks[j], out, out=out)
+                for part in parts:
+                    part()
             return chain
         if kind == "attention_packed":  # key[3]: the MLP runs in the same graph (speculation)
             rows, spec = key[2], key[3]

@@ -21,7 +21,6 @@ is imported), which is how the CPU tests check it against a reference.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -107,13 +106,9 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     block_m, block_n, warps, stages = tile or TILE[d]
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     batch = cu_seqlens.numel() - 1
-    grid = (_cdiv(max_len, block_m), h, batch)
+    grid = (-(-max_len // block_m), h, batch)
     _varlen_fwd[grid](q, k, v, out, cu_seqlens, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
                       scale * 1.4426950408889634, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
                       num_warps=warps, num_stages=stages)
     return out
 
-
-@functools.lru_cache(maxsize=None)
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
