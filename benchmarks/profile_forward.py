@@ -144,10 +144,13 @@ def actor_share_graphs(model, name, configs, x, warmup, iters):
     the actor's forward against a replay of the same decisions (the same deletion, packing and
     GFLOPs, no gate or controller), both from graphs, on the same batch."""
     rows = []
-    for cfg in ("gate_off", "actor"):
-        plan = recorded_plan(model, ActorPolicy(configs[cfg]["actor"]), x)
+    # the actor's controller fused (the default on the triton backend) and as nn modules
+    for cfg, fused in (("gate_off", None), ("actor", None), ("actor_modules", False)):
+        actor = configs[cfg.split("_modules")[0]]["actor"]
+        plan = recorded_plan(model, ActorPolicy(actor), x)
         ms = {}
-        for tag, kw in (("actor", configs[cfg]), ("replay", dict(policy=ReplayPolicy(plan, check=False)))):
+        policy = ActorPolicy(actor, fused_controller=fused)
+        for tag, kw in (("actor", dict(policy=policy)), ("replay", dict(policy=ReplayPolicy(plan, check=False)))):
             timm_dora.wrap(model, cuda_graphs=True, **kw)
             for _ in range(warmup):
                 model(x)

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timm  # noqa: E402
 
 import timm_dora  # noqa: E402
-from timm_dora import Actor, ReplayPolicy  # noqa: E402
+from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
 from timm_dora import bench  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
@@ -202,6 +202,9 @@ def main(argv=None):
     ap.add_argument("--attn-backends", nargs="+", default=["auto"],
                     help="the wrapped rows once per attention backend (a config gets the suffix [backend] "
                          "when more than one is given: an A/B in one run)")
+    ap.add_argument("--controllers", nargs="+", default=["auto"], choices=["auto", "modules"],
+                    help="the actor rows once per controller: auto (the fused Triton kernels where the triton "
+                         "backend runs) and/or modules (fused_controller=False); suffix [c] when more than one")
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
@@ -303,13 +306,16 @@ def main(argv=None):
                                                   ("actor_graphs", False, True)):
                     if config not in args.configs:
                         continue
-                    timm_dora.wrap(model, forced, speculate=speculate, cuda_graphs=graphs, attn_backend=ab)
-                    if not first_forward(model, config + tag + sfx):
-                        continue
-                    s = model.dora_stats
-                    add(config + "(random)" + tag + sfx, model, float(s.gflops.mean()), backend=s.backend,
-                        gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
-                    timm_dora.unwrap(model)
+                    for ctl in args.controllers:
+                        csfx = sfx + ("" if len(args.controllers) == 1 else f"[{ctl}]")
+                        policy = ActorPolicy(forced, speculate=speculate, fused_controller=None if ctl == "auto" else False)
+                        timm_dora.wrap(model, policy=policy, cuda_graphs=graphs, attn_backend=ab)
+                        if not first_forward(model, config + tag + csfx):
+                            continue
+                        s = model.dora_stats
+                        add(config + "(random)" + tag + csfx, model, float(s.gflops.mean()), backend=s.backend,
+                            gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
+                        timm_dora.unwrap(model)
             if "oracle" in args.configs:
                 ks = static_counts(stats, blocks)
                 fwd = oracle_forward(model, ks)

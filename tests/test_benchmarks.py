@@ -89,3 +89,17 @@ def test_chain_ab_script_runs_both_paths(tmp_path):
         by_case.setdefault(r["case"], set()).add(r["gflops"])
     assert all(len(g) == 1 for g in by_case.values())  # chains change the launches, not the work
     assert by_case["noprune"] != by_case["fixed@0.38"]
+
+
+def test_throughput_actor_rows_per_controller(tmp_path):
+    out = tmp_path / "t.json"
+    throughput.main(["--models", "vit_tiny_patch16_224", "--img-size", "96", "--batch", "8", "--batches", "2",
+                     "--warmup", "1", "--iters", "1", "--repeats", "1", "--device", "cpu", "--spread", "2",
+                     "--reductions", "0.3@2,5", "--configs", "actor", "--controllers", "auto", "modules",
+                     "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    configs = [r["config"] for r in rows]
+    assert len(configs) == 2 and configs[0].startswith("actor(random)@") and configs[0].endswith("[auto]")
+    assert configs[1] == configs[0].replace("[auto]", "[modules]")
+    # on the CPU both run the modules (the eager controller): equal decisions, equal GFLOPs
+    assert rows[0]["gflops"] == rows[1]["gflops"] and rows[0]["gate_rate"] == rows[1]["gate_rate"]

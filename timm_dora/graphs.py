@@ -11,10 +11,13 @@ each) and only the decisions and the deletion run eagerly, between replays:
   deterministic :class:`~timm_dora.policy.ActorPolicy`) a block is one graph: the attention
   residual, the MLP residual of all rows (speculatively, only at blocks whose gate stayed closed
   for every image in the last forward: elsewhere it would be wasted, and the MLP follows the
-  decision) and, as a branch forked onto a second stream right after ``qkv``, the gate from the
-  CLS keys (the full keys are never materialised), which copies the gate vector into pinned host
-  memory and records an event there. The host waits for that
-  event only, so it decides while the same graph's attention and MLP still run.
+  decision) and, right after ``qkv``, the gate from the CLS keys (the full keys are never
+  materialised), which copies the gate vector into pinned host memory and records an event
+  there. The host waits for that event only, so it decides while the same graph's attention and
+  MLP still run. With the actor's Triton gate (:mod:`timm_dora.actor_kernels`, the default on the
+  ``triton`` backend) the gate is one kernel in line, before the attention kernel; the ``nn``
+  modules' gate (about ten small kernels) is a branch forked onto a second stream, beside the
+  attention (in line, each of those kernels would wait for a whole backbone kernel).
 - **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
   (:func:`rows_bucket`: about 1/256 of the batch's ``B*S`` rows, 16 to 256)
   and each block's attention residual and MLP residual are captured per (block, padded rows).
@@ -22,9 +25,10 @@ each) and only the decisions and the deletion run eagerly, between replays:
   possible sequence as its maximum, so the padded rows, past the last sequence, are never read
   (they hold garbage that row-wise LayerNorm/MLP carry along and the deletion never gathers).
   Other policies decide eagerly on the real rows; for the actor a block is again one graph with
-  the gate as a branch and the MLP speculative (the history copied into fixed buffers first; the
-  gate's history part forks at the graph's start, beside ``norm1`` and ``qkv``, so that only
-  its CLS part remains once the keys exist).
+  the gate and the MLP speculative (the history copied into fixed buffers first; the gate's
+  history part runs at the graph's start, only in the first block after the history changed,
+  and is kept in fixed buffers for the later blocks, so that only its CLS part remains once
+  the keys exist).
   The deletion gathers the survivors into a fixed buffer (one ``index_select``) and the next
   segment replays.
 - **chains**: a policy that says beforehand where it prunes nothing (``prunes_nothing_at``: a
@@ -58,8 +62,9 @@ block input and layout it reads, keeps its warm-up's result instead). All graphs
 pool; since the replay order is not the capture order, nothing a graph allocates is read after
 another replays (scratch space of one graph may be another's).
 
-Keys: in the dense phase the graphs do not keep them (one ``[T, d]`` per block would stay
-alive); a policy that reads ``ctx.keys`` there (the controller, once a gate opened) gets them
+Keys: in the dense phase the graphs keep them (copied into ``k``) only at the actor's blocks
+whose gate opened in the last forward (no speculation there), for the controller; elsewhere a
+policy that reads ``ctx.keys`` (the controller of a gate that opened unexpectedly) gets them
 recomputed from the block input with the same operations (``norm1``, ``qkv``, ``k_norm``), so the
 same values. In the packed phase they are copied into ``k`` unless the policy says
 ``reads_keys = False`` (replay plans, :class:`~timm_dora.policy.NoPrune`).
@@ -164,10 +169,15 @@ class GraphRunner:
         self.probing = (bool(getattr(policy, "graph_probe", False)) and actor is not None
                         and actor.w_in.weight.dtype == self.x[0].dtype and self.copy_keys)
         self.gate_stream = None
+        # the actor's Triton gate (one kernel) runs in line on the graph's stream: forked onto a
+        # second stream, each of its kernels waited for a whole backbone kernel (persistent GEMMs
+        # hold every SM) and the gate vector reached the host only at the end of the graph
+        self.inline_gate = self.probing and policy._use_fused(backend, self.x[0].dtype)
         if self.probing:
             with torch.inference_mode(False):
                 self.context_out = torch.zeros(self.depth, self.batch, actor.gate_hidden,
                                                dtype=actor.w_in.weight.dtype, device=dev)
+                self.context_packed = torch.zeros_like(self.context_out)
                 # the speculative MLP must not overwrite the attention output (a gate that opens
                 # deletes from it): a third buffer. Other policies decide before the MLP, which then
                 # runs in place on the attention output, in the next block's input buffer
@@ -237,6 +247,18 @@ class GraphRunner:
             return self.h_out.copy_(h), self.context_out.copy_(context)
 
         self.consts.keep = keep
+        # the packed phase's history part of the gate, kept the same way: computed by a block's
+        # graph only where the history changed since the last block (after a deletion), read by
+        # the later blocks' graphs from these buffers
+        self.h_packed = torch.zeros(b, 3, device=dev)
+        self.context_packed: Optional[torch.Tensor] = None  # made with context_out
+
+        def keep_packed(h: torch.Tensor, context: torch.Tensor):
+            if self.context_packed is None or self.context_packed.shape != context.shape:
+                raise RuntimeError("timm_dora.graphs: packed gate context buffer missing (made before the capture)")
+            return self.h_packed.copy_(h), self.context_packed.copy_(context)
+
+        self.packed_consts.keep = keep_packed
         self.ctrl_out = (torch.zeros(b * s + 1, dtype=torch.bool, device=dev),  # remove (first rows)
                          torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.float64, device=dev))
         # the controller graph's deletion: the survivors' ids and lengths (also copied to pinned
@@ -267,6 +289,9 @@ class GraphRunner:
         blk = model.blocks[l]
         if kind == "attention":  # dense; key[2]: the MLP runs in the same graph (speculation)
             spec = key[2]
+            # where the gate is expected to open (no speculation) the keys are kept for the
+            # controller: one copy instead of norm1 and qkv again
+            keep = not spec and self.probing and self.k is not None
             def gate_dense(cls: torch.Tensor) -> None:
                 src = self.dense_inputs[l % 2]
                 ctx = BlockContext(l, cls, src, self.full, self.consts.no_rho, self.consts.zeros,
@@ -280,8 +305,12 @@ class GraphRunner:
                 # the keys are not kept; gate and history are read from the fixed outputs
                 self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
 
-            def cls_keys(k: torch.Tensor) -> None:  # [B, H, S, hd] -> the CLS keys [B, d] (a view)
-                cls = k[:, :, 0].reshape(b, -1)
+            def cls_keys(k: torch.Tensor) -> None:  # [B, H, S, hd] -> the CLS keys [B, H, hd] (a view)
+                if keep:  # as [B*S, d] rows (heads concatenated), the layout attention_keys gives
+                    self.k.view(b, self.seq, k.shape[1], k.shape[3]).copy_(k.transpose(1, 2))
+                cls = k[:, :, 0]
+                if not self.inline_gate:  # the modules' gate takes [B, d] (a copy)
+                    cls = cls.reshape(b, -1)
                 self._fork(lambda: gate_dense(cls), cls)
 
             def attention_dense():
@@ -299,16 +328,17 @@ class GraphRunner:
             rows = key[2]
             return lambda: mlp_residual(blk, self.x[l % 2][:rows], out=self.x[(l + 1) % 2][:rows])
         if kind == "controller":  # the actor's controller for every image, masked by the gate
-            rows, dense = key[2], key[3]
+            rows, dense, kept = key[2], key[3], key[4]  # kept: the dense attention graph kept the keys
             p = model.num_prefix_tokens
 
             def controller():
                 from .patch import attention_keys
 
-                if dense:  # keys recomputed from the block input (the dense graphs do not keep them)
+                if dense:  # keys kept by the attention graph, else recomputed from the block input
                     src = self.dense_inputs[l % 2]
                     step = self.steps[l]
-                    args = (attention_keys(blk, src), src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
+                    keys = self.k if kept else attention_keys(blk, src)
+                    args = (keys, src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
                 elif self.capture:
                     args = (self.k[:rows], self.cu, None) + self.ctrl_in
                 else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
@@ -341,32 +371,33 @@ class GraphRunner:
             last, rows, dense = key[2], key[3], key[4]
             parts = []
             for j in range(l, last + 1):
-                parts.append(self._segment(("attention", j, False) if dense else ("attention_packed", j, rows, False)))
+                parts.append(self._segment(("attention", j, False) if dense else ("attention_packed", j, rows, False, False)))
                 parts.append(self._segment(("mlp", j, rows)))
 
             def chain():
                 for part in parts:
                     part()
             return chain
-        if kind == "attention_packed":  # key[3]: the MLP runs in the same graph (speculation)
-            rows, spec = key[2], key[3]
+        if kind == "attention_packed":  # key[3]: the MLP runs in the same graph (speculation);
+            # key[4]: the history changed since the last block (its part of the gate is computed)
+            rows, spec, fresh = key[2], key[3], key[4]
             p = model.num_prefix_tokens
 
-            gate_ctx = []
-
-            def gate_history():  # the gate's history part, from fixed buffers, beside norm1 and qkv
-                consts = self.packed_consts
-                consts.memo.clear()  # the history buffers change in place: never reuse a memoised value
+            def gate_ctx() -> BlockContext:
                 layout = SimpleNamespace(batch_size=b, num_prefix=p, uniform=False, min_len=0,
                                          starts=self.cu[:-1].long())  # min_len 0: feasibility per image
                 n_visual, rho, interventions = self.history_in
-                ctx = BlockContext(l, self.k[:rows], layout, n_visual, rho, interventions, self.depth,
-                                   self.num_patches, self.backend, consts)
-                self.policy.prepare(ctx)
-                gate_ctx[:] = [ctx]
+                return BlockContext(l, self.k[:rows], layout, n_visual, rho, interventions, self.depth,
+                                    self.num_patches, self.backend, self.packed_consts)
+
+            def gate_history():  # the gate's history part, from fixed buffers, beside norm1 and qkv
+                self.packed_consts.memo.clear()  # the history buffers change in place: recompute
+                self.policy.prepare(gate_ctx())  # into h_packed / context_packed (keep_packed)
 
             def gate_packed():  # the rest of the actor's gate, once the keys exist
-                step = self.policy.probe(gate_ctx.pop())
+                # (the memoised history part: h_packed / context_packed, made by this graph's
+                # gate_history or by the last block's graph whose history was fresh)
+                step = self.policy.probe(gate_ctx())
                 self.ctrl_in[0].copy_(step.h)
                 self.ctrl_in[2].copy_(step.gate)
                 self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
@@ -382,7 +413,7 @@ class GraphRunner:
 
             def attention_packed():
                 src = SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False)
-                if self.probing:
+                if self.probing and fresh:
                     self._fork(gate_history)
                 attention_residual(blk, src, self.backend, out=self._attn_out(l)[:rows], attend=attend, keys=False,
                                    on_keys=keep_keys if self.copy_keys else None)
@@ -414,7 +445,7 @@ class GraphRunner:
         segment ends with :meth:`_join`). ``reads``: tensors of the current stream that ``fn``
         reads (their memory is not reused before the gate stream is done with it). Uncaptured
         (CPU), in order."""
-        if not self.capture:
+        if not self.capture or self.inline_gate:
             fn()
             return
         self.gate_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -428,7 +459,7 @@ class GraphRunner:
         capture an event-record node of the graph, so the host can wait for the gate alone while
         the rest of the graph (attention, MLP) still runs."""
         if self.capture:
-            self.gate_ready[l].record(self.gate_stream)
+            self.gate_ready[l].record(torch.cuda.current_stream(self.device) if self.inline_gate else self.gate_stream)
 
     def _read_gate(self, l: int) -> List[bool]:
         """Block ``l``'s gate vector, as soon as its graph branch copied it (the attention and the
@@ -443,7 +474,7 @@ class GraphRunner:
         """The current stream waits for the forked gate (a graph's branches must join before its
         end). The gate stream exists only when capturing for the actor, whose attention segments
         always fork."""
-        if self.gate_stream is not None:
+        if self.gate_stream is not None and not self.inline_gate:
             torch.cuda.current_stream(self.device).wait_stream(self.gate_stream)
 
     def _run(self, key: tuple) -> None:
@@ -536,17 +567,22 @@ class GraphRunner:
             step = self.steps[l]
             if not self.opened[l]:
                 return self.policy.decide(step, gate_host, ctx), self.dense_attended, spec
-            return self._controller(l, self.batch * self.seq, True, step.gate), self.dense_attended, spec
+            return (self._controller(l, self.batch * self.seq, True, step.gate, kept=not spec and self.k is not None),
+                    self.dense_attended, spec)
         src = self.cur
         t, rows = src.total, self._padded(src.total)
         if self.probing:  # the gate's history into fixed buffers, read by the attention graph's gate
             # (only what changed: the forward replaces a history tensor when its value changes,
             # and the references kept here keep a replaced one from being reused)
+            fresh = not self.packed_consts.memo  # (nothing memoised yet: compute it)
             for i, value in enumerate((n_visual, rho, interventions)):
                 if self._history[i] is not value:
                     self.history_in[i].copy_(value)
+                    fresh = True
             self._history = (n_visual, rho, interventions)
-        self._run(("attention_packed", l, rows, spec))
+        else:
+            fresh = False
+        self._run(("attention_packed", l, rows, spec, fresh))
         if self.copy_keys:
             ctx = BlockContext(keys=self.k[:t], packed=src, **kw)
         else:
@@ -578,10 +614,10 @@ class GraphRunner:
             return nothing, self.dense_inputs[(l + 1) % 2], True
         return nothing, self.cur.with_x(self.x[(l + 1) % 2][: self.cur.total]), True
 
-    def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor) -> Decision:
+    def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor, kept: bool = False) -> Decision:
         """The controller segment (captured per block and rows, the deletion included: see
-        :meth:`delete`) and its decision."""
-        self._run(("controller", l, rows, dense))
+        :meth:`delete`) and its decision. ``kept``: the dense attention graph kept the keys."""
+        self._run(("controller", l, rows, dense, kept))
         remove, removed, flops = self.ctrl_out
         # copies: the buffers are rewritten by the next controller of this forward
         return Decision(gate.clone(), removed.clone(), remove[:rows].clone(), flops.clone())

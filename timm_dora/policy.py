@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 import torch
 
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
+from .actor_kernels import fused_controller, fused_controller_reason, fused_gate
 from .flops import actor_controller_macs, actor_gate_macs
 from .packing import Packed, rows_where, segment_ids, select_backend
 
@@ -343,11 +344,20 @@ class ActorPolicy:
             gate vector travels to the host (:meth:`begin`); decisions, outputs and statistics
             are identical, the MLP is recomputed on the survivors where a gate opens (inference
             only; pays when gates rarely open).
+        fused_controller: how the deterministic rule runs the gate (every path) and the
+            controller (the CUDA-graph path, :meth:`controller_fixed`): ``None`` (default) the
+            Triton kernels of :mod:`timm_dora.actor_kernels` where the ``triton`` attention
+            backend runs, else the ``nn`` modules; ``True`` always the kernels (on CPU only in
+            Triton's interpreter), ``False`` never. Sampling and recording use the modules.
     """
 
     def __init__(self, actor: Actor, *, sample: bool = False, generator: Optional[torch.Generator] = None,
-                 record: bool = False, noise: Optional[RolloutNoise] = None, speculate: bool = False):
+                 record: bool = False, noise: Optional[RolloutNoise] = None, speculate: bool = False,
+                 fused_controller: Optional[bool] = None):
         self.actor = actor
+        if fused_controller not in (None, True, False):
+            raise ValueError(f"fused_controller must be None, True or False, got {fused_controller!r}")
+        self.fused_controller = fused_controller
         self.speculate = bool(speculate)
         self.sample = sample
         self.generator = generator
@@ -410,7 +420,7 @@ class ActorPolicy:
         """The decision's device part (the gate), without host reads: what a CUDA graph captures.
         Finish with :meth:`decide`. ``cls_key``: ``[B, d]``, the CLS keys when already extracted
         (``ctx.keys`` then serves only for its width, dtype and device; the graphs pass the CLS
-        keys there too)."""
+        keys there too), or ``[B, H, hd]`` (a view of the keys per head)."""
         return self._gate(ctx, cls_key)
 
     def decide(self, step: _GateStep, gate_host: List[bool], ctx: Optional[BlockContext] = None) -> Decision:
@@ -440,6 +450,8 @@ class ActorPolicy:
         total = rows
         if keys.dtype != actor.w_in.weight.dtype:
             keys = keys.to(actor.w_in.weight.dtype)
+        if keys.stride(1) != 1:
+            keys = keys.contiguous()
         cu = cu_seqlens.long()
         idx = torch.arange(rows, device=dev)
 
@@ -457,6 +469,12 @@ class ActorPolicy:
             idx = idx[:rows]
             seg, pos = segment_and_position(cu)
             cu32 = cu.to(torch.int32)
+        gate_flops = 2.0 * actor_gate_macs(actor)
+        flops = gate_flops + torch.where(gate, 2.0 * actor_controller_macs(actor, n_visual), 0.0)
+        if self._use_fused(backend, keys.dtype):
+            remove, k = fused_controller(actor, keys, cu32, seg, pos, max_len - (p - 1), h, n_visual, gate, block,
+                                         cu_seqlens, p, total)
+            return remove, k, flops
         layout = _FixedLayout(cu32, max_len - (p - 1), cu[:-1],
                               None if lengths_host is None else [n - (p - 1) for n in lengths_host])
         z = actor.encode(keys, layout, h, block, backend)
@@ -469,15 +487,30 @@ class ActorPolicy:
         order, valid = ordered_topk(scores[:, :n0].contiguous(), k, kmax=n0 - actor.min_keep)
         at = torch.where(valid, cu_seqlens[:-1].long()[:, None] + p + order, total)
         remove = torch.zeros(total + 1, dtype=torch.bool, device=dev).index_fill_(0, at.reshape(-1), True)[:total]
-        gate_flops = 2.0 * actor_gate_macs(actor)
-        flops = gate_flops + torch.where(gate, 2.0 * actor_controller_macs(actor, n_visual), 0.0)
         return remove, k, flops
+
+    def _use_fused(self, backend: str, dtype: torch.dtype) -> bool:
+        """Whether the deterministic gate and :meth:`controller_fixed` run the Triton kernels of
+        :mod:`timm_dora.actor_kernels` (:func:`~timm_dora.actor_kernels.fused_gate`,
+        :func:`~timm_dora.actor_kernels.fused_controller`):
+        ``fused_controller=None`` (default) where the ``triton`` attention backend runs (a Hopper
+        GPU, half precision) and the actor's sizes suit the kernels; ``True`` forces it (an error
+        says why it cannot run), ``False`` keeps the module path."""
+        if self.fused_controller is False:
+            return False
+        reason = fused_controller_reason(self.actor, dtype)
+        if self.fused_controller is None:
+            return backend == "triton" and reason is None
+        if reason is not None:
+            raise ValueError(f"fused_controller=True: {reason}")
+        return True
 
     def _gate(self, ctx: BlockContext, cls_key: Optional[torch.Tensor] = None) -> _GateStep:
         actor, packed = self.actor, ctx.packed
         b, p, dev = packed.batch_size, packed.num_prefix, ctx.keys.device
-        if ctx.keys.shape[1] != actor.embed_dim:
-            raise ValueError(f"actor expects keys of width d={actor.embed_dim}, the backbone gives {ctx.keys.shape[1]}")
+        width = ctx.keys.shape[1] if ctx.keys.dim() == 2 else ctx.keys.shape[1] * ctx.keys.shape[2]
+        if width != actor.embed_dim:
+            raise ValueError(f"actor expects keys of width d={actor.embed_dim}, the backbone gives {width}")
         keys, backend = ctx.keys, ctx.backend
         dtype = actor.w_in.weight.dtype
         if keys.dtype != dtype:  # e.g. an fp32 actor in training on a bf16 backbone
@@ -490,6 +523,12 @@ class ActorPolicy:
             cls_key = keys.view(b, packed.max_len, -1)[:, 0]  # a view: no gather while the batch is dense
         else:
             cls_key = keys[packed.starts]
+        if not (self.sample or self.record) and self._use_fused(backend, dtype):
+            # one Triton kernel (timm_dora.actor_kernels): logit >= 0 and the feasibility rule
+            gate = fused_gate(actor, cls_key, context[ctx.block], ctx.n_visual)
+            return _GateStep(ctx, keys, backend, h, gate, 2.0 * actor_gate_macs(actor), None)
+        if cls_key.dim() == 3:  # [B, H, hd] (a view of the keys)
+            cls_key = cls_key.reshape(b, -1)
         gate_logit = actor.gate_logit(cls_key, h, ctx.block, context[ctx.block])
         if self.sample or self.record:
             gate_logit = gate_logit.float()

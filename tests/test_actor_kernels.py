@@ -1,0 +1,221 @@
+"""The actor's controller fused into Triton kernels (``timm_dora.actor_kernels``).
+
+On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` must be set before they
+are defined, so in a subprocess) and ``ActorPolicy.controller_fixed`` with them is compared with the
+same method on the ``nn`` modules (fp32: the same removals, budgets and FLOPs); on CUDA the compiled
+kernels are compared in bf16 with the module path and replayed from a CUDA graph.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from timm_dora import Actor
+from timm_dora.actor_kernels import fused_controller, fused_controller_reason
+from timm_dora.policy import ActorPolicy
+
+pytest.importorskip("triton")
+
+INTERPRETED = r"""
+import json
+import torch
+import torch.nn.functional as F
+from timm_dora import Actor
+from timm_dora.policy import ActorPolicy
+
+def perturbed(actor, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for prm in actor.parameters():  # LayerNorm scales and every bias away from 1 / 0
+            prm.add_(0.2 * torch.randn(prm.shape, generator=g))
+    return actor
+
+out = {}
+for name, d, n0, p, lengths, gate in (
+    # a ViT-Ti-sized actor (d=192, width 128) on ragged sequences of up to 197 tokens
+    ("vit_ti", 192, 196, 1, [197, 120, 30, 197, 61], [True, True, False, True, True]),
+    # five prefix tokens (registers): the controller reads CLS and the visual tokens only; d=48
+    ("registers", 48, 16, 5, [21, 15, 9, 21], [True, False, True, True]),
+):
+    torch.manual_seed(0)
+    actor = perturbed(Actor(d, 12, n0), 1).eval()
+    g = torch.Generator().manual_seed(2)
+    b = len(lengths)
+    lengths_t = torch.tensor(lengths)
+    cu = F.pad(lengths_t.cumsum(0), (1, 0)).to(torch.int32)
+    t = int(lengths_t.sum())
+    keys = torch.randn(t + 9, d, generator=g)  # 9 padded rows past the last sequence
+    keys[t:] = float("nan")  # never read
+    # image 0's visual keys in runs of three equal rows: equal scores, so ties at the k-th score
+    # (k is even), which a stable descending sort breaks towards the lower index
+    first = keys[p:lengths[0]]
+    first.copy_(first[torch.arange(first.shape[0]) // 3 * 3])
+    n_visual = lengths_t - p
+    h = torch.stack([n_visual / n0, torch.rand(b, generator=g), torch.tensor([0.0, 1, 2, 3, 4][:b]) / 11], 1)
+    gate = torch.tensor(gate)
+    res = {}
+    for fused in (False, True):  # the module path (sdpa_loop) on the real rows, the kernels on all
+        policy = ActorPolicy(actor, fused_controller=fused)
+        with torch.no_grad():
+            remove, k, flops = policy.controller_fixed(keys if fused else keys[:t], cu, max(lengths), p, h,
+                                                       n_visual, gate, 4, "sdpa_loop", lengths)
+        res[fused] = (remove, k, flops)
+    (r0, k0, f0), (r1, k1, f1) = res[False], res[True]
+    out[name] = {
+        "rows": [int(r0.shape[0]), int(r1.shape[0])],
+        "remove_equal": bool(torch.equal(r0, r1[:t])), "k_equal": bool(torch.equal(k0, k1)),
+        "flops_equal": bool(torch.equal(f0, f1)), "k": k1.tolist(), "removed_per_image":
+        [int(r1[s:e].sum()) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())],
+        "prefix_removed": int(sum(r1[s:s + p].sum() for s in cu[:-1].tolist())),
+        "padding_removed": int(r1[t:].sum()),
+    }
+# the gate: one kernel against the modules' logit >= 0 and the feasibility rule
+from timm_dora.actor_kernels import fused_gate
+torch.manual_seed(0)
+actor = perturbed(Actor(192, 12, 196), 3)
+with torch.no_grad():
+    actor.gate_mlp[2].bias.zero_()  # logits around 0: some gates open, some closed
+g = torch.Generator().manual_seed(4)
+keys = torch.randn(40, 3, 9, 64, generator=g)  # [B, H, S, hd]; the CLS keys a strided view
+cls = keys[:, :, 0]
+n_visual = torch.randint(0, 197, (40,), generator=g)
+n_visual[:4] = torch.tensor([5, 6, 4, 7])  # 5 and 4 leave no feasible budget
+h = torch.stack([n_visual / 196, torch.rand(40, generator=g), torch.rand(40, generator=g)], 1)
+with torch.no_grad():
+    bias = actor.gate_bias(h, 5, torch.float32).contiguous()
+    ref = (actor.gate_logit(cls.reshape(40, -1), h, 5) >= 0) & actor.has_feasible_budget(n_visual)
+    got = fused_gate(actor, cls, bias, n_visual)
+    got2 = fused_gate(actor, cls.reshape(40, -1).contiguous(), bias, n_visual)
+out["gate"] = {"equal": bool(torch.equal(ref, got)), "equal_2d": bool(torch.equal(ref, got2)),
+               "open": int(ref.sum()), "first4": got[:4].tolist(), "dtype": str(got.dtype)}
+print(json.dumps(out))
+"""
+
+
+def _triton_version():
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+@pytest.mark.skipif(_triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run these kernels")
+def test_interpreted_fused_controller_equals_the_module_path():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    gate = res.pop("gate")
+    assert gate["equal"] and gate["equal_2d"] and gate["dtype"] == "torch.bool"
+    assert 5 <= gate["open"] <= 35 and gate["first4"][0] is False and gate["first4"][2] is False
+    for name, case in res.items():
+        assert case["remove_equal"] and case["k_equal"] and case["flops_equal"], (name, case)
+        assert case["prefix_removed"] == 0 and case["padding_removed"] == 0
+        assert case["removed_per_image"] == case["k"]
+    # the cases are not degenerate: gate-active images remove tokens, in varied amounts
+    assert res["vit_ti"]["rows"] == [605, 614] and res["vit_ti"]["k"][2] == 0
+    assert all(k > 0 for i, k in enumerate(res["vit_ti"]["k"]) if i != 2)
+    assert len(set(res["vit_ti"]["k"])) >= 3
+    assert res["vit_ti"]["k"][0] % 3 != 0  # the k-th removal splits a run of tied scores
+    assert res["registers"]["k"][1] == 0 and res["registers"]["rows"] == [66, 75]
+
+
+def test_fused_controller_reasons_and_errors():
+    assert fused_controller_reason(Actor(192, 12, 196), torch.bfloat16) is None
+    assert "ffn_dim=96" in fused_controller_reason(Actor(192, 12, 196, ffn_dim=96), torch.bfloat16)
+    assert "head dim 16" in fused_controller_reason(Actor(192, 12, 196, num_heads=8), torch.bfloat16)
+    assert "dtype" in fused_controller_reason(Actor(192, 12, 196), torch.float64)
+    with pytest.raises(ValueError, match="fused_controller must be None, True or False"):
+        ActorPolicy(Actor(192, 12, 196), fused_controller="yes")
+    policy = ActorPolicy(Actor(192, 12, 196, num_heads=8), fused_controller=True)
+    with pytest.raises(ValueError, match="fused_controller=True: the encoder's head dim 16"):
+        policy._use_fused("triton", torch.bfloat16)
+    # default: only where the triton attention backend runs; False: never
+    assert not ActorPolicy(Actor(192, 12, 196))._use_fused("torch_varlen", torch.bfloat16)
+    assert ActorPolicy(Actor(192, 12, 196))._use_fused("triton", torch.bfloat16)
+    assert not ActorPolicy(Actor(192, 12, 196), fused_controller=False)._use_fused("triton", torch.bfloat16)
+    actor = Actor(48, 4, 16)
+    cu = torch.tensor([0, 17], dtype=torch.int32)
+    z = torch.zeros(17, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"keys must be \[rows, 48\]"):
+        fused_controller(actor, torch.zeros(17, 40), cu, z, z, 17, torch.zeros(1, 3), torch.tensor([16]),
+                         torch.tensor([True]), 0, cu, 1, 17)
+    with pytest.raises(ValueError, match="keys are torch.bfloat16, the actor's weights torch.float32"):
+        fused_controller(actor, torch.zeros(17, 48, dtype=torch.bfloat16), cu, z, z, 17, torch.zeros(1, 3),
+                         torch.tensor([16]), torch.tensor([True]), 0, cu, 1, 17)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_controller_matches_modules_and_replays_from_a_graph():
+    """bf16 on the GPU: the fused kernels against the module path (the same removals on all but
+    near-tied tokens) and captured once, replayed after the lengths changed in place."""
+    torch.manual_seed(0)
+    dev, p, n0 = "cuda", 1, 196
+    actor = Actor(192, 12, n0).to(dev, torch.bfloat16).eval()
+    with torch.no_grad():
+        for prm in actor.parameters():
+            prm.add_(0.2 * torch.randn_like(prm))
+    lengths = torch.tensor([197, 120, 30, 197, 61, 150, 5, 197] * 8)
+    b, t = lengths.numel(), int(lengths.sum())
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(dev, torch.int32)
+    keys = torch.randn(t + 100, 192, device=dev, dtype=torch.bfloat16)
+    n_visual = (lengths - p).to(dev)
+    h = torch.stack([n_visual / n0, torch.rand(b, device=dev), torch.zeros(b, device=dev)], 1)
+    gate = torch.arange(b, device=dev) % 5 != 2
+    results = {}
+    with torch.inference_mode():
+        for fused in (False, True):
+            pol = ActorPolicy(actor, fused_controller=fused)
+            results[fused] = pol.controller_fixed(keys, cu, 197, p, h, n_visual, gate, 4, "triton")
+        (r0, k0, f0), (r1, k1, f1) = results[False], results[True]
+        assert torch.equal(f0, f1)
+        assert (k0 == k1).float().mean() >= 0.9 and k1[~gate].eq(0).all()
+        same_k = (k0 == k1)[torch.repeat_interleave(torch.arange(b, device=dev), lengths.to(dev))]
+        agree = (r0[:t] == r1[:t])[same_k]
+        assert agree.float().mean() >= 0.97
+        # captured, then replayed with the sequences reversed in the same buffers
+        pol = ActorPolicy(actor, fused_controller=True)
+        cu_buf, nv_buf, h_buf = cu.clone(), n_visual.clone(), h.clone()
+        run = lambda: pol.controller_fixed(keys, cu_buf, 197, p, h_buf, nv_buf, gate, 4, "triton")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        flipped = lengths.flip(0)
+        cu_buf.copy_(F.pad(flipped.cumsum(0), (1, 0)).to(dev, torch.int32))
+        nv_buf.copy_((flipped - p).to(dev))
+        h_buf[:, 0].copy_(nv_buf / n0)
+        graph.replay()
+        eager = ActorPolicy(actor, fused_controller=True).controller_fixed(keys, cu_buf, 197, p, h_buf, nv_buf, gate, 4,
+                                                                            "triton")
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_gate_matches_modules():
+    from timm_dora.actor_kernels import fused_gate
+
+    torch.manual_seed(0)
+    actor = Actor(768, 12, 196).cuda().to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for prm in actor.parameters():
+            prm.add_(0.2 * torch.randn_like(prm))
+        actor.gate_mlp[2].bias.zero_()
+    keys = torch.randn(320, 12, 197, 64, device="cuda", dtype=torch.bfloat16)
+    n_visual = torch.randint(0, 197, (320,), device="cuda")
+    h = torch.stack([n_visual / 196, torch.rand(320, device="cuda"), torch.zeros(320, device="cuda")], 1)
+    with torch.inference_mode():
+        bias = actor.gate_bias(h, 3, torch.bfloat16).contiguous()
+        # the output bias at the logits' median: about half the gates open
+        actor.gate_mlp[2].bias.sub_(actor.gate_logit(keys[:, :, 0].reshape(320, -1), h, 3).float().median())
+        ref = (actor.gate_logit(keys[:, :, 0].reshape(320, -1), h, 3) >= 0) & actor.has_feasible_budget(n_visual)
+        got = fused_gate(actor, keys[:, :, 0], bias, n_visual)
+    assert 0.2 < ref.float().mean() < 0.8
+    assert (got == ref).float().mean() >= 0.98  # bf16: near-ties of the logit at 0 may differ
