@@ -390,7 +390,7 @@ class GraphRunner:
                 return BlockContext(l, self.k[:rows], layout, n_visual, rho, interventions, self.depth,
                                     self.num_patches, self.backend, self.packed_consts)
 
-            def gate_history():  # the gate's history part, from fixed buffers, beside norm1 and qkv
+            def gate_history():  # the gate's history part, from fixed buffers, at the graph's start
                 self.packed_consts.memo.clear()  # the history buffers change in place: recompute
                 self.policy.prepare(gate_ctx())  # into h_packed / context_packed (keep_packed)
 
