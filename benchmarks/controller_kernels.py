@@ -29,6 +29,7 @@ from attention_kernels import cuda_time_us  # noqa: E402
 from timm_dora import Actor, ActorPolicy  # noqa: E402
 from timm_dora.actor_kernels import TILE_ROWS, fused_controller  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
+from timm_dora.policy import segment_and_position  # noqa: E402
 
 
 def kernels_per_call(fn) -> int:
@@ -92,7 +93,7 @@ def main(argv=None):
                 row["modules_kernels"] = kernels_per_call(call_m)
                 row["fused_kernels"] = kernels_per_call(call_f)
                 row["fused_us"] = {}
-                seg, pos = seg_pos(cu, t + 128, b)
+                seg, pos = segment_and_position(cu.long(), torch.arange(t + 128, device=dev))
                 for tile in tiles:
                     fn = lambda: fused_controller(actor, keys, cu, seg, pos, seq, h, n_visual,  # noqa: E731
                                                   gate, 4, cu, 1, t + 128, tile=tile)
@@ -111,14 +112,6 @@ def main(argv=None):
     if args.out:
         write_json(args.out, result)
     return result
-
-
-def seg_pos(cu: torch.Tensor, rows: int, b: int):
-    """Each row's sequence and position (as ``controller_fixed`` computes them)."""
-    idx = torch.arange(rows, device=cu.device)
-    cu = cu.long()
-    seg = torch.searchsorted(cu[1:], idx, right=True).clamp_max(b - 1)
-    return seg, idx - cu[:-1][seg]
 
 
 if __name__ == "__main__":

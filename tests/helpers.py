@@ -171,3 +171,37 @@ def kind_actor(model, kind: str):
     with torch.no_grad():
         actor.gate_mlp[2].bias.fill_(-1e4 if kind == "closed" else 0.0)  # 0: opens on some images/blocks
     return actor
+
+
+def triton_version() -> tuple:
+    """``(major, minor)`` of the installed Triton."""
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+def run_interpreted(script: str, timeout: int) -> dict:
+    """Run ``script`` in a subprocess with Triton's interpreter (``TRITON_INTERPRET=1`` must be set
+    before a kernel is defined) and return the JSON object its last output line prints."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def capture_graph(fn):
+    """``fn`` warmed up on a side stream, then captured as a CUDA graph: ``(graph, fn's output in
+    the graph's memory)``; replay the graph to recompute that output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

@@ -5,15 +5,11 @@ are defined, so in a subprocess) and ``ActorPolicy.controller_fixed`` with them 
 same method on the ``nn`` modules (fp32: the same removals, budgets and FLOPs); on CUDA the compiled
 kernels are compared in bf16 with the module path and replayed from a CUDA graph.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import capture_graph, run_interpreted, triton_version
 from timm_dora import Actor
 from timm_dora.actor_kernels import fused_controller, fused_controller_reason
 from timm_dora.policy import ActorPolicy
@@ -96,18 +92,9 @@ print(json.dumps(out))
 """
 
 
-def _triton_version():
-    import triton
-
-    return tuple(int(x) for x in triton.__version__.split(".")[:2])
-
-
-@pytest.mark.skipif(_triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run these kernels")
+@pytest.mark.skipif(triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run these kernels")
 def test_interpreted_fused_controller_equals_the_module_path():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_interpreted(INTERPRETED, timeout=600)
     gate = res.pop("gate")
     assert gate["equal"] and gate["equal_2d"] and gate["dtype"] == "torch.bool"
     assert 5 <= gate["open"] <= 35 and gate["first4"][0] is False and gate["first4"][2] is False
@@ -179,15 +166,8 @@ def test_cuda_fused_controller_matches_modules_and_replays_from_a_graph():
         # captured, then replayed with the sequences reversed in the same buffers
         pol = ActorPolicy(actor, fused_controller=True)
         cu_buf, nv_buf, h_buf = cu.clone(), n_visual.clone(), h.clone()
-        run = lambda: pol.controller_fixed(keys, cu_buf, 197, p, h_buf, nv_buf, gate, 4, "triton")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run()
+        graph, captured = capture_graph(lambda: pol.controller_fixed(keys, cu_buf, 197, p, h_buf, nv_buf, gate, 4,
+                                                                     "triton"))
         flipped = lengths.flip(0)
         cu_buf.copy_(F.pad(flipped.cumsum(0), (1, 0)).to(dev, torch.int32))
         nv_buf.copy_((flipped - p).to(dev))

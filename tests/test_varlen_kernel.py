@@ -5,15 +5,11 @@ kernel is defined, so in a subprocess) and is compared with one SDPA call per se
 the compiled kernel is compared in bf16 with the same reference, also replayed from a CUDA graph
 after the sequence lengths changed in place.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import capture_graph, run_interpreted, triton_version
 from timm_dora.packing import Packed, select_backend, varlen_attention
 
 pytest.importorskip("triton")  # a dependency of torch's CUDA wheels (the CI's PyPI torch)
@@ -55,20 +51,11 @@ print(json.dumps(out))
 """
 
 
-def _triton_version():
-    import triton
-
-    return tuple(int(x) for x in triton.__version__.split(".")[:2])
-
-
 # Triton 3.6's interpreter keeps a scalar loaded from memory as a one-element array and cannot use
 # it as a loop bound (the compiled kernel can: the CUDA test below); 3.9 (the CI's) can
-@pytest.mark.skipif(_triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run this kernel")
+@pytest.mark.skipif(triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run this kernel")
 def test_interpreted_kernel_matches_per_sequence_sdpa():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_interpreted(INTERPRETED, timeout=300)
     assert res["default_tiles"]["shape"] == [270, 3, 64]
     assert res["small_tiles"]["shape"] == [180, 2, 32]
     for case in res.values():
@@ -112,14 +99,7 @@ def test_cuda_kernel_matches_reference_and_replays_from_a_graph():
         assert (got.float() - ref).abs().max() < 2e-2
         # captured once, replayed with the lengths reversed in the same cu_seqlens buffer
         cu_buf = cu.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            varlen_attention_triton(q, k, v, cu_buf, 197, hd ** -0.5)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            captured = varlen_attention_triton(q, k, v, cu_buf, 197, hd ** -0.5)
+        g, captured = capture_graph(lambda: varlen_attention_triton(q, k, v, cu_buf, 197, hd ** -0.5))
         flipped = lengths.flip(0)
         cu_buf.copy_(F.pad(flipped.cumsum(0), (1, 0)).to(dev, torch.int32))
         g.replay()

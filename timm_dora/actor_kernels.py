@@ -100,6 +100,15 @@ if triton is not None:
         return xc * tl.rsqrt(var + eps)[:, None] * g[None, :] + b[None, :]
 
     @triton.jit
+    def _linear(x, Wt, Bias, outs, ins, stride_w, DT: tl.constexpr, PREC: tl.constexpr):
+        """An ``nn.Linear`` on a row tile: ``x`` ``[R, IN]`` (in the dtype) times the weight's rows
+        ``outs`` and columns ``ins`` (row stride ``stride_w``) plus the bias, rounded to the dtype
+        as the module's output is (fp32 values)."""
+        w = tl.load(Wt + outs[:, None] * stride_w + ins[None, :])
+        out = tl.dot(x, tl.trans(w), input_precision=PREC) + tl.load(Bias + outs).to(tl.float32)[None, :]
+        return _round(out, DT)
+
+    @triton.jit
     def _gelu(x):
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
@@ -157,8 +166,7 @@ if triton is not None:
             tl.store(X + r64[:, None] * W + cols[None, :], x.to(DT), mask=live[:, None])
             ln = _layer_norm(x, G1, B1, cols, W, eps).to(DT)
             for c in tl.static_range(3):  # q, k, v: one [W, W] slice of the qkv weight each
-                w = tl.load(WQKV + (c * W + cols[:, None]) * W + cols[None, :])
-                out = tl.dot(ln, tl.trans(w), input_precision=PREC) + tl.load(BQKV + c * W + cols).to(tl.float32)[None, :]
+                out = _linear(ln, WQKV, BQKV, c * W + cols, cols, W, DT, PREC)
                 tl.store(QKV + r64[:, None] * (3 * W) + c * W + cols[None, :], out.to(DT), mask=live[:, None])
 
     @triton.jit
@@ -173,17 +181,14 @@ if triton is not None:
             r64 = rows.to(tl.int64)
             cols = tl.arange(0, W)
             o = tl.load(O + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0)
-            w = tl.load(WP + cols[:, None] * W + cols[None, :])
-            proj = _round(tl.dot(o, tl.trans(w), input_precision=PREC) + tl.load(BP + cols).to(tl.float32)[None, :], DT)
+            proj = _linear(o, WP, BP, cols, cols, W, DT, PREC)
             x = tl.load(X + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             x = _round(x + proj, DT)
             ln = _layer_norm(x, G2, B2, cols, W, eps).to(DT)
             acc = tl.zeros([BLOCK_R, W], dtype=tl.float32)
             for f0 in tl.static_range(0, F, FCH):  # the hidden layer in chunks of FCH units
                 fs = f0 + tl.arange(0, FCH)
-                w1 = tl.load(WF1 + fs[:, None] * W + cols[None, :])  # [FCH, W]
-                hid = _round(tl.dot(ln, tl.trans(w1), input_precision=PREC) + tl.load(BF1 + fs).to(tl.float32)[None, :], DT)
-                hid = _gelu(hid).to(DT)
+                hid = _gelu(_linear(ln, WF1, BF1, fs, cols, W, DT, PREC)).to(DT)
                 w2 = tl.load(WF2 + cols[:, None] * F + fs[None, :])  # [W, FCH]
                 acc = tl.dot(hid, tl.trans(w2), acc, input_precision=PREC)
             ffn = _round(acc + tl.load(BF2 + cols).to(tl.float32)[None, :], DT)
@@ -200,9 +205,7 @@ if triton is not None:
         z = tl.load(Z + first[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         ln = _layer_norm(z, G, B, cols, W, eps).to(DT)
         hs = tl.arange(0, BH)
-        w1 = tl.load(W1 + hs[:, None] * W + cols[None, :])
-        hid = _round(tl.dot(ln, tl.trans(w1), input_precision=PREC) + tl.load(B1 + hs).to(tl.float32)[None, :], DT)
-        hid = _gelu(hid).to(DT)
+        hid = _gelu(_linear(ln, W1, B1, hs, cols, W, DT, PREC)).to(DT)
         ms = tl.arange(0, MP)
         exists = ms < num_budgets
         w2 = tl.load(W2 + ms[:, None] * BH + hs[None, :], mask=exists[:, None], other=0.0)
@@ -236,8 +239,7 @@ if triton is not None:
             z = tl.load(Z + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             zc = (z + cond).to(DT)
             ss = tl.arange(0, S)
-            w1 = tl.load(WS1 + ss[:, None] * W + cols[None, :])
-            hid = _round(tl.dot(zc, tl.trans(w1), input_precision=PREC) + tl.load(BS1 + ss).to(tl.float32)[None, :], DT)
+            hid = _linear(zc, WS1, BS1, ss, cols, W, DT, PREC)
             hid = _round(hid / (1.0 + tl.exp(-hid)), DT)  # SiLU
             s = tl.sum(hid * tl.load(WS2 + ss).to(tl.float32)[None, :], 1) + tl.load(BS2).to(tl.float32)
             tl.store(SC + seg.to(tl.int64) * NP + (pos - 1), _round(s, DT), mask=visual)

@@ -307,6 +307,14 @@ def host_reader(t: torch.Tensor) -> Callable[[], list]:
     return t.cpu().tolist
 
 
+def segment_and_position(cu_seqlens: torch.Tensor, idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sequence and position of rows ``idx`` of a packed layout (``cu_seqlens``: ``[B+1]`` int64);
+    rows past the last sequence count as the last one's (their positions run on past its end).
+    No host read: what :meth:`ActorPolicy.controller_fixed` captures."""
+    seg = torch.searchsorted(cu_seqlens[1:], idx, right=True).clamp_max(cu_seqlens.numel() - 2)
+    return seg, idx - cu_seqlens[:-1][seg]
+
+
 class _FixedLayout(NamedTuple):
     """The parts of a :class:`Packed` layout that attention and the actor's encoder read, as
     tensors only (no host lengths): what a CUDA graph of the controller captures."""
@@ -454,12 +462,7 @@ class ActorPolicy:
             keys = keys.contiguous()
         cu = cu_seqlens.long()
         idx = torch.arange(rows, device=dev)
-
-        def segment_and_position(cu: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-            seg = torch.searchsorted(cu[1:], idx, right=True).clamp_max(b - 1)
-            return seg, idx - cu[:-1][seg]
-
-        seg, pos = segment_and_position(cu)
+        seg, pos = segment_and_position(cu, idx)
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu.to(torch.int32)
         if p > 1:  # the controller reads CLS and the visual tokens only: drop the other prefix rows
             # (padded rows lie past the last sequence, so pos >= p there: the count is fixed)
@@ -467,7 +470,7 @@ class ActorPolicy:
             cu = cu - torch.arange(b + 1, device=dev) * (p - 1)
             rows = keys.shape[0]
             idx = idx[:rows]
-            seg, pos = segment_and_position(cu)
+            seg, pos = segment_and_position(cu, idx)
             cu32 = cu.to(torch.int32)
         gate_flops = 2.0 * actor_gate_macs(actor)
         flops = gate_flops + torch.where(gate, 2.0 * actor_controller_macs(actor, n_visual), 0.0)
