@@ -88,14 +88,40 @@ with torch.no_grad():
     got2 = fused_gate(actor, cls.reshape(40, -1).contiguous(), bias, n_visual)
 out["gate"] = {"equal": bool(torch.equal(ref, got)), "equal_2d": bool(torch.equal(ref, got2)),
                "open": int(ref.sum()), "first4": got[:4].tolist(), "dtype": str(got.dtype)}
+# the open images' keys copied for the controller (dense [B, H, S, hd] and packed [rows, H, hd]
+# sources, strided views as attention gives them); the other rows keep what they held
+from timm_dora.actor_kernels import copy_open_keys
+g = torch.Generator().manual_seed(5)
+keys4 = torch.randn(4, 7, 3, 64, generator=g).transpose(1, 2)  # [B, H, S, hd], S not the inner dim
+gate4 = torch.tensor([True, False, True, False])
+cu4 = torch.arange(0, 29, 7, dtype=torch.int32)
+dst4 = torch.full((28, 192), -1.0)
+copy_open_keys(keys4, cu4, 7, gate4, dst4)
+ref4 = torch.full((28, 192), -1.0)
+rows4 = keys4.transpose(1, 2).reshape(28, 192)
+for i in (0, 2):
+    ref4[7 * i:7 * i + 7] = rows4[7 * i:7 * i + 7]
+lengths = [5, 9, 1, 7]
+cu3 = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+qkv = torch.randn(26, 3, 12, 64, generator=g)  # 22 real rows, 4 padded; the keys a strided view
+keys3 = qkv[:, 1]
+gate3 = torch.tensor([False, True, True, False])
+dst3 = torch.full((26, 768), -1.0)
+copy_open_keys(keys3, cu3, 9, gate3, dst3)
+ref3 = torch.full((26, 768), -1.0)
+ref3[5:15] = keys3.reshape(26, 768)[5:15]
+out["copy"] = {"dense": bool(torch.equal(dst4, ref4)), "packed": bool(torch.equal(dst3, ref3)),
+               "dense_copied": int((dst4 != -1).all(1).sum()), "packed_copied": int((dst3 != -1).all(1).sum())}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run these kernels")
-def test_interpreted_fused_controller_equals_the_module_path():
+def test_interpreted_kernels_equal_the_module_path():
     res = run_interpreted(INTERPRETED, timeout=600)
     gate = res.pop("gate")
+    copy = res.pop("copy")
+    assert copy == {"dense": True, "packed": True, "dense_copied": 14, "packed_copied": 10}
     assert gate["equal"] and gate["equal_2d"] and gate["dtype"] == "torch.bool"
     assert 5 <= gate["open"] <= 35 and gate["first4"][0] is False and gate["first4"][2] is False
     for name, case in res.items():
@@ -199,3 +225,53 @@ def test_cuda_fused_gate_matches_modules():
         got = fused_gate(actor, keys[:, :, 0], bias, n_visual)
     assert 0.2 < ref.float().mean() < 0.8
     assert (got == ref).float().mean() >= 0.98  # bf16: near-ties of the logit at 0 may differ
+
+
+GRAPH_PATH = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import torch
+import timm_dora
+import timm_dora.patch as P
+from helpers import images, make_model
+from timm_dora import Actor, ActorPolicy
+
+model = make_model("deit_tiny_patch16_224", img_size=64)  # 16 patches, budgets {2, ..., 12}
+x = images(model, 3)
+actor = Actor.for_model(model)
+with torch.no_grad():  # the gate open at blocks 2, 5 and 8 only; a budget of 4 tokens
+    actor.gate_mlp[0].weight.zero_(); actor.gate_mlp[0].bias.zero_()
+    actor.gate_mlp[0].weight[0, actor.embed_dim] = 1.0
+    actor.gate_embed.zero_(); actor.gate_embed[[2, 5, 8], 0] = 10.0
+    actor.gate_mlp[2].weight.zero_(); actor.gate_mlp[2].weight[0, 0] = 10.0; actor.gate_mlp[2].bias.fill_(-5.0)
+    actor.budget_head[3].bias[1] += 100.0
+res = {}
+with torch.inference_mode():
+    timm_dora.wrap(model, policy=ActorPolicy(actor, fused_controller=False))
+    ref, ref_stats = P.run(model, x, model._dora.policy)
+    timm_dora.unwrap(model)
+    # the graph path as on an H100: the triton backend, so the actor's Triton gate runs in line,
+    # the open images' keys are copied by copy_open_keys and the controller is fused
+    P.select_backend = lambda device_type, dtype, preference="auto": "triton"
+    timm_dora.wrap(model, policy=ActorPolicy(actor, fused_controller=True), cuda_graphs=True)
+    for i in range(2):  # the second forward: the runner's state from the first one (history, opened)
+        got, stats = P.run(model, x, model._dora.policy)
+    runner = next(iter(model._dora.graphs.values()))
+    res = {"inline": runner.inline_gate, "max_diff": float((got - ref).abs().max()),
+           "tokens": stats.tokens.tolist(), "ref_tokens": ref_stats.tokens.tolist(),
+           "gate": stats.gate.tolist(), "ref_gate": ref_stats.gate.tolist()}
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run these kernels")
+def test_interpreted_graph_path_with_the_actor_kernels_equals_the_default_forward():
+    """The CUDA-graph runner's actor path as it runs on an H100 (gate in line, only the open
+    images' keys kept, fused controller, the prefix rows read out after a deletion, the next
+    block's graph launched right behind the survivors' MLP), uncaptured on the CPU with the Triton
+    kernels interpreted: the same logits, gates and token counts as the default forward."""
+    res = run_interpreted(GRAPH_PATH, timeout=900)
+    assert res["inline"] is True
+    assert res["tokens"] == res["ref_tokens"] and res["gate"] == res["ref_gate"]
+    assert res["tokens"][0] == [16, 16, 12, 12, 12, 8, 8, 8, 4, 4, 4, 4]
+    assert res["max_diff"] < 1e-4

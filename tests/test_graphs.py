@@ -152,7 +152,8 @@ def test_blocks_a_policy_skips_run_as_chains(monkeypatch):
     total = 3 * (n0 + 1)
     rows = [int(t) for t in got[0][1].tokens.sum(0) + 3]  # packed rows after each block (one CLS per image)
     assert [k[:2] for k in segments] == [("chain", 0), ("attention", 2), ("mlp_compacted", 2), ("chain", 3),
-                                         ("attention_packed", 5), ("mlp_compacted", 5), ("chain", 6)]
+                                         ("attention_packed", 5), ("mlp_compacted", 5), ("chain", 6),
+                                         ("readout_packed",)]  # the CLS head after a deletion: a graph too
     assert segments[0] == ("chain", 0, 1, total, True)
     assert segments[3] == ("chain", 3, 4, rows[2], False) and segments[6] == ("chain", 6, depth - 1, rows[5], False)
     segments.clear()

@@ -46,7 +46,7 @@ import torch
 
 from .varlen_kernel import TILE, triton, varlen_attention_triton
 
-__all__ = ["fused_gate", "fused_controller", "fused_controller_reason", "TILE_ROWS"]
+__all__ = ["fused_gate", "fused_controller", "copy_open_keys", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH", "ROW_LAUNCH"]
 
 if triton is not None:
     import triton.language as tl
@@ -55,6 +55,13 @@ if triton is not None:
 # the fastest of five on an H100 at every shape of benchmarks/controller_kernels.py (results/
 # controller_kernels_h100.json: 128 rows, 8 warps 10-14 % faster than 64 rows, 4 warps)
 TILE_ROWS = (128, 8)
+# the other launch parameters (Triton's num_stages; the K loop's block over the key width; the FFN's
+# hidden units per step): module constants so that benchmarks can sweep them
+# gate: 16 images per program, the key width in blocks of 256 (64 below that width), no software
+# pipelining: DeiT-B's d=768 17.5 -> 6.0 us, ViT-Ti's 192 3.6 -> 3.2 us at batch 320 (H100; the
+# fastest of 72 configurations, .scratch sweep in benchmarks/NOTES.md, change 29)
+GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
+ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
 
 
 def _pow2(n: int) -> bool:
@@ -262,6 +269,25 @@ if triton is not None:
             out = tl.load(CU_OUT + seq).to(tl.int64) + num_prefix + mine
             tl.store(REMOVE + out, rank < k, mask=mine < n)
 
+    @triton.jit
+    def _copy_open(SRC, stride_b, stride_c, stride_s, stride_h, HD, CU, GATE, OUT,
+                   D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        seq, chunk = tl.program_id(0), tl.program_id(1)
+        start = tl.load(CU + seq)
+        n = tl.load(CU + seq + 1) - start
+        if (tl.load(GATE + seq) != 0) & (chunk * BLOCK_R < n):
+            pos = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+            live = pos < n
+            # row (seq, pos) of the source: seq * stride_b + (start + pos) * stride_c + pos * stride_s
+            src = seq.to(tl.int64) * stride_b + start.to(tl.int64) * stride_c + pos.to(tl.int64) * stride_s
+            dst = (start + pos).to(tl.int64) * D
+            for c0 in tl.static_range(0, D, BLOCK_D):
+                cs = c0 + tl.arange(0, BLOCK_D)
+                inside = cs < D
+                col = (cs // HD) * stride_h + cs % HD  # column c: head c // hd, channel c % hd
+                v = tl.load(SRC + src[:, None] + col[None, :], mask=live[:, None] & inside[None, :])
+                tl.store(OUT + dst[:, None] + cs[None, :], v, mask=live[:, None] & inside[None, :])
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -297,11 +323,47 @@ def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torc
     first, second = actor.gate_mlp[0], actor.gate_mlp[2]
     out = torch.empty(b, dtype=torch.bool, device=cls_keys.device) if out is None else out
     hd = cls3.shape[2]
-    # 16 images per program (batch 320: 20 programs; 32 took 19 us on an H100 for DeiT-B's d=768)
-    _gate[(_cdiv(b, 16),)](cls3, cls3.stride(0), cls3.stride(1), hd, bias, first.weight, first.weight.stride(0),
-                           second.weight, second.bias, n_visual, out, b, actor.min_keep, actor.budget_step,
-                           D=d, G=g, BLOCK_B=16, BLOCK_K=64 if d >= 64 else 32,
-                           PREC="ieee" if cls_keys.dtype == torch.float32 else "tf32", num_warps=4)
+    gl = GATE_LAUNCH
+    _gate[(_cdiv(b, gl["images"]),)](cls3, cls3.stride(0), cls3.stride(1), hd, bias, first.weight, first.weight.stride(0),
+                                     second.weight, second.bias, n_visual, out, b, actor.min_keep, actor.budget_step,
+                                     D=d, G=g, BLOCK_B=gl["images"], BLOCK_K=gl["k_block"] if d >= gl["k_block"] else (64 if d >= 64 else 32),
+                                     PREC="ieee" if cls_keys.dtype == torch.float32 else "tf32",
+                                     num_warps=gl["num_warps"], num_stages=gl["num_stages"])
+    return out
+
+
+def copy_open_keys(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, gate: torch.Tensor,
+                   out: torch.Tensor) -> torch.Tensor:
+    """Copy the keys of the images whose ``gate`` is open into ``out`` (``[rows, d]``, heads
+    concatenated, the rows of ``cu_seqlens``' layout); the other images' rows keep what they held.
+    One Triton kernel, no host read: what the CUDA graphs capture instead of copying every image's
+    keys for a controller that reads only the gate-active ones (``benchmarks/NOTES.md``, change 29).
+
+    ``keys``: ``[B, H, S, hd]`` (a dense batch, e.g. attention's key tensor) or ``[rows, H, hd]``
+    (packed rows), any strides with unit channel stride; ``cu_seqlens``: ``[B+1]`` int32 (a dense
+    batch: ``0, S, 2S, ...``); ``max_len``: an upper bound of the lengths; ``gate``: ``[B]`` bool."""
+    if triton is None:
+        raise ValueError("copy_open_keys: the triton package is not installed")
+    b = gate.shape[0]
+    if keys.dim() == 4:
+        if keys.shape[0] != b:
+            raise ValueError(f"keys [B, H, S, hd] must have B={b}, got {tuple(keys.shape)}")
+        strides = (keys.stride(0), 0, keys.stride(2), keys.stride(1))
+        hd, width = keys.shape[3], keys.shape[1] * keys.shape[3]
+    elif keys.dim() == 3:
+        strides = (0, keys.stride(0), keys.stride(0), keys.stride(1))
+        hd, width = keys.shape[2], keys.shape[1] * keys.shape[2]
+    else:
+        raise ValueError(f"keys must be [B, H, S, hd] or [rows, H, hd], got {tuple(keys.shape)}")
+    if keys.stride(-1) != 1 or out.dim() != 2 or out.shape[1] != width or not out.is_contiguous():
+        raise ValueError(f"keys {tuple(keys.shape)} (unit channel stride) and out {tuple(out.shape)} (contiguous "
+                         f"[rows, {width}]) do not match")
+    if out.dtype != keys.dtype or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (b + 1,):
+        raise ValueError("copy_open_keys: out must have the keys' dtype and cu_seqlens be [B+1] int32")
+    block_r = 32
+    grid = (b, _cdiv(max_len, block_r))
+    _copy_open[grid](keys, *strides, hd, cu_seqlens, gate, out, D=width, BLOCK_R=block_r,
+                     BLOCK_D=min(256, triton.next_power_of_2(width)), num_warps=4)
     return out
 
 
@@ -334,20 +396,23 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, seg: t
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     h = h.float().contiguous()
     block_r, warps = tile or TILE_ROWS
+    rl = ROW_LAUNCH
     grid = (_cdiv(rows, block_r),)
     x = torch.empty((rows, w), dtype=dt, device=dev)
     qkv = torch.empty((rows, 3 * w), dtype=dt, device=dev)
     _embed_qkv[grid](keys, keys.stride(0), seg, pos, h, cu, b, actor.w_in.weight, actor.w_in.bias,
                      actor.block_embed[block], actor.w_h.weight, enc.norm1.weight, enc.norm1.bias,
                      enc.qkv.weight, enc.qkv.bias, x, qkv, enc.norm1.eps,
-                     D=d, W=w, BLOCK_R=block_r, BLOCK_K=64 if d >= 64 else 32, PREC=prec, num_warps=warps)
+                     D=d, W=w, BLOCK_R=block_r, BLOCK_K=rl["k_block"] if d >= rl["k_block"] else 32,
+                     PREC=prec, num_warps=warps, num_stages=rl["num_stages"])
     heads = enc.num_heads
     q, k, v = qkv.view(rows, 3, heads, w // heads).unbind(1)
     o = varlen_attention_triton(q, k, v, cu, max_len, (w // heads) ** -0.5)
     z = torch.empty_like(x)
     _out_ffn[grid](o, x, cu, b, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias,
                    enc.fc1.weight, enc.fc1.bias, enc.fc2.weight, enc.fc2.bias, z, enc.norm2.eps,
-                   W=w, F=actor.ffn_dim, FCH=min(actor.ffn_dim, 128), BLOCK_R=block_r, PREC=prec, num_warps=warps)
+                   W=w, F=actor.ffn_dim, FCH=min(actor.ffn_dim, rl["ffn_chunk"]), BLOCK_R=block_r, PREC=prec,
+                   num_warps=warps, num_stages=rl["num_stages"])
     m = actor.num_budgets
     mp = max(16, triton.next_power_of_2(m))
     k_out = torch.empty(b, dtype=torch.long, device=dev)

@@ -30,7 +30,8 @@ each) and only the decisions and the deletion run eagerly, between replays:
   and is kept in fixed buffers for the later blocks, so that only its CLS part remains once
   the keys exist).
   The deletion gathers the survivors into a fixed buffer (one ``index_select``) and the next
-  segment replays.
+  segment replays. The CLS-token readout is one graph in either phase (after a deletion it reads
+  the prefix rows at the current ``cu_seqlens``); pooled readouts run eagerly.
 - **chains**: a policy that says beforehand where it prunes nothing (``prunes_nothing_at``: a
   replay plan's other blocks, :class:`~timm_dora.policy.NoPrune` everywhere) is not called there,
   and each run of such blocks is one segment (attention and MLP of every block in it), in either
@@ -67,7 +68,10 @@ whose gate opened in the last forward (no speculation there), for the controller
 policy that reads ``ctx.keys`` (the controller of a gate that opened unexpectedly) gets them
 recomputed from the block input with the same operations (``norm1``, ``qkv``, ``k_norm``), so the
 same values. In the packed phase they are copied into ``k`` unless the policy says
-``reads_keys = False`` (replay plans, :class:`~timm_dora.policy.NoPrune`).
+``reads_keys = False`` (replay plans, :class:`~timm_dora.policy.NoPrune`). With the actor's Triton
+gate, both phases copy only the rows of the images whose gate just opened
+(:func:`~timm_dora.actor_kernels.copy_open_keys`, after the gate in the same graph; the gate reads
+the CLS keys in place): the controller reads no other rows' keys.
 
 Off CUDA the same segments run uncaptured (attention on the real rows, padded afterwards): that is
 how the CPU tests check this path against the default forward. Inference only: ``eval()``, no
@@ -82,6 +86,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .actor_kernels import copy_open_keys
 from .packing import Packed, delete_rows, gather_survivors, varlen_attention
 from .policy import BlockContext, Decision, ForwardConstants
 
@@ -217,8 +222,10 @@ class GraphRunner:
         del x0
         self.x = [torch.empty((b * s, d), dtype=dtype, device=dev) for _ in range(2)]
         self.xa: Optional[torch.Tensor] = None  # the actor's attention output (made once probing is known)
-        self.k = torch.empty_like(self.x[0]) if self.copy_keys else None
+        # (zeros: with the actor only the open images' rows are copied in; the others keep finite values)
+        self.k = torch.zeros_like(self.x[0]) if self.copy_keys else None
         self.cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # cu_seqlens of the packed phase
+        self.prefix = torch.arange(p, device=dev)  # a sequence's prefix rows from its start
         self.dense_inputs = [dense.with_x(t) for t in self.x]  # block l's dense input: [l % 2]
         self.gate_host = torch.zeros((self.depth, b), dtype=torch.bool, pin_memory=self.capture)
         self.consts = ForwardConstants(b, dev)
@@ -266,7 +273,7 @@ class GraphRunner:
         self.ids = torch.zeros(b * s, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(b, dtype=torch.long, device=dev)
         self.lengths_host = torch.zeros(b, dtype=torch.long, pin_memory=self.capture)
-        self.logits: Optional[torch.Tensor] = None
+        self.logits: Dict[str, torch.Tensor] = {}  # the readout graphs' outputs: "dense", "packed"
         self.graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.cur: Optional[Packed] = None  # the packed phase's current rows (real layout), else None
@@ -284,8 +291,15 @@ class GraphRunner:
         if kind == "readout":
             def readout_dense():
                 final = self.dense_inputs[self.depth % 2]
-                self.logits = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
+                self.logits["dense"] = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
             return readout_dense
+        if kind == "readout_packed":  # the CLS-token head after a deletion: the prefix rows of the
+            # current layout (cu), final norm (per row: the same values as on all rows) and head
+
+            def readout_packed():
+                rows = self.cu[:-1].long()[:, None] + self.prefix  # (a buffer: a graph keeps no tensor alive)
+                self.logits["packed"] = model.forward_head(model.norm(self.x[self.depth % 2][rows]))
+            return readout_packed
         blk = model.blocks[l]
         if kind == "attention":  # dense; key[2]: the MLP runs in the same graph (speculation)
             spec = key[2]
@@ -306,12 +320,15 @@ class GraphRunner:
                 self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
 
             def cls_keys(k: torch.Tensor) -> None:  # [B, H, S, hd] -> the CLS keys [B, H, hd] (a view)
-                if keep:  # as [B*S, d] rows (heads concatenated), the layout attention_keys gives
+                if keep and not self.inline_gate:  # as [B*S, d] rows (heads concatenated), the layout
+                    # attention_keys gives
                     self.k.view(b, self.seq, k.shape[1], k.shape[3]).copy_(k.transpose(1, 2))
                 cls = k[:, :, 0]
                 if not self.inline_gate:  # the modules' gate takes [B, d] (a copy)
                     cls = cls.reshape(b, -1)
                 self._fork(lambda: gate_dense(cls), cls)
+                if keep and self.inline_gate:  # the gate ran just above: the open images' keys only
+                    copy_open_keys(k, self.dense_inputs[0].cu_seqlens, self.seq, self.gate_out[l], self.k)
 
             def attention_dense():
                 attention_residual(blk, self.dense_inputs[l % 2], self.backend, out=self._attn_out(l), keys=False,
@@ -383,21 +400,22 @@ class GraphRunner:
             rows, spec, fresh = key[2], key[3], key[4]
             p = model.num_prefix_tokens
 
-            def gate_ctx() -> BlockContext:
+            def gate_ctx(keys: Optional[torch.Tensor] = None) -> BlockContext:
                 layout = SimpleNamespace(batch_size=b, num_prefix=p, uniform=False, min_len=0,
                                          starts=self.cu[:-1].long())  # min_len 0: feasibility per image
                 n_visual, rho, interventions = self.history_in
-                return BlockContext(l, self.k[:rows], layout, n_visual, rho, interventions, self.depth,
-                                    self.num_patches, self.backend, self.packed_consts)
+                return BlockContext(l, self.k[:rows] if keys is None else keys, layout, n_visual, rho, interventions,
+                                    self.depth, self.num_patches, self.backend, self.packed_consts)
 
             def gate_history():  # the gate's history part, from fixed buffers, at the graph's start
                 self.packed_consts.memo.clear()  # the history buffers change in place: recompute
                 self.policy.prepare(gate_ctx())  # into h_packed / context_packed (keep_packed)
 
-            def gate_packed():  # the rest of the actor's gate, once the keys exist
-                # (the memoised history part: h_packed / context_packed, made by this graph's
-                # gate_history or by the last block's graph whose history was fresh)
-                step = self.policy.probe(gate_ctx())
+            def gate_packed(keys: Optional[torch.Tensor] = None):  # the rest of the actor's gate, once
+                # the keys exist (the memoised history part: h_packed / context_packed, made by this
+                # graph's gate_history or by the last block's graph whose history was fresh);
+                # keys: [rows, H, hd] to read in place, else the kept copy
+                step = self.policy.probe(gate_ctx(keys))
                 self.ctrl_in[0].copy_(step.h)
                 self.ctrl_in[2].copy_(step.gate)
                 self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
@@ -405,6 +423,11 @@ class GraphRunner:
                 self.steps[("packed", l)] = step._replace(ctx=None, keys=None, h=self.ctrl_in[0], gate=self.ctrl_in[2])
 
             def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
+                if self.inline_gate:  # the gate reads the CLS keys in place, then only the open
+                    # images' keys are kept (the controller reads no other)
+                    gate_packed(k)
+                    copy_open_keys(k, self.cu, self.seq, self.ctrl_in[2], self.k)
+                    return
                 self.k[:rows].copy_(k.reshape(rows, -1))
                 if self.probing:
                     self._fork(gate_packed)
@@ -534,6 +557,8 @@ class GraphRunner:
         self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
         self.cur = None
         self._history = (None, None, None)  # the tensors last copied into history_in
+        self._history_fresh = False  # copied since the last packed block's graph
+        self._launched: Optional[int] = None  # the block whose attention graph delete() already replayed
         self._chained_to = -1  # the last block that ran inside a chain segment this forward
 
     @property
@@ -571,18 +596,10 @@ class GraphRunner:
                     self.dense_attended, spec)
         src = self.cur
         t, rows = src.total, self._padded(src.total)
-        if self.probing:  # the gate's history into fixed buffers, read by the attention graph's gate
-            # (only what changed: the forward replaces a history tensor when its value changes,
-            # and the references kept here keep a replaced one from being reused)
-            fresh = not self.packed_consts.memo  # (nothing memoised yet: compute it)
-            for i, value in enumerate((n_visual, rho, interventions)):
-                if self._history[i] is not value:
-                    self.history_in[i].copy_(value)
-                    fresh = True
-            self._history = (n_visual, rho, interventions)
+        if self._launched == l:  # delete() launched this block's graph right after the survivors' MLP
+            self._launched = None
         else:
-            fresh = False
-        self._run(("attention_packed", l, rows, spec, fresh))
+            self._attention_packed(l, rows, spec, n_visual, rho, interventions)
         if self.copy_keys:
             ctx = BlockContext(keys=self.k[:t], packed=src, **kw)
         else:
@@ -597,6 +614,31 @@ class GraphRunner:
             return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), spec
         dec = self._controller(l, rows, False, self.ctrl_in[2])
         return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), spec
+
+    def _attention_packed(self, l: int, rows: int, spec: bool, n_visual: torch.Tensor, rho: torch.Tensor,
+                          interventions: torch.Tensor) -> None:
+        """Replay block ``l``'s packed attention graph (with the actor: its history copied in first)."""
+        if self.probing:  # the gate's history into fixed buffers, read by the attention graph's gate
+            # (nothing memoised yet: compute its part of the gate)
+            fresh = self.set_history(n_visual, rho, interventions) or not self.packed_consts.memo
+            self._history_fresh = False
+        else:
+            fresh = False
+        self._run(("attention_packed", l, rows, spec, fresh))
+
+    def set_history(self, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor) -> bool:
+        """Copy the history (N_l, rho_l, E_<l) into the fixed buffers the packed gate reads, only
+        what changed (the forward replaces a history tensor when its value changes; the references
+        kept here keep a replaced one from being reused). Returns whether it changed since the last
+        packed block's graph. :meth:`delete` calls it before it waits for the controller, so that
+        the copies run behind the controller instead of between the survivors' MLP and the next
+        block's graph."""
+        for i, value in enumerate((n_visual, rho, interventions)):
+            if self._history[i] is not value:
+                self.history_in[i].copy_(value)
+                self._history_fresh = True
+        self._history = (n_visual, rho, interventions)
+        return self._history_fresh
 
     def _chain(self, l: int, consts: ForwardConstants) -> Tuple[Decision, Packed, bool]:
         """Block ``l`` where the policy said it prunes nothing: the first block of a run of such
@@ -637,20 +679,31 @@ class GraphRunner:
         if not self.dense:
             self.cur = attended.with_x(self.x[(l + 1) % 2][:t])
 
-    def delete(self, l: int, attended: Packed, dec: Decision) -> None:
+    def delete(self, l: int, attended: Packed, dec: Decision,
+               history: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> None:
         """Delete the decided rows (gathered into ``x[l % 2]``), then the MLP of the survivors.
 
         After the actor's controller graph, which already gathered the survivors and wrote the new
-        ``cu_seqlens``, the host only waits for the new lengths and replays the MLP; the layout's
-        device tensors (copies: the buffers serve the next deletion) are made after that launch."""
+        ``cu_seqlens``, the host only waits for the new lengths and replays the MLP. What needs
+        the device besides is enqueued before that wait, behind the controller (the GPU is busy
+        there, idle after the wait): the layout's copies (the buffers serve the next deletion)
+        and ``history``, the next block's (N_l, rho_l, E_<l), into the gate's fixed buffers."""
         if self.probing:  # every deletion of the actor's runner comes from its controller graph
+            lengths, ids = self.lengths.clone(), self.ids.clone()
+            if history is not None:
+                self.set_history(*history)
             if self.capture:
                 self.deleted_ready.synchronize()
             lengths_host = self.lengths_host.tolist()
             total = sum(lengths_host)
-            self._run(("mlp_compacted", l, self._padded(total)))
-            self.cur = Packed(self.x[(l + 1) % 2][:total], self.lengths.clone(), lengths_host,
-                              attended.num_prefix, self.ids[:total].clone())
+            rows = self._padded(total)
+            self._run(("mlp_compacted", l, rows))
+            self.cur = Packed(self.x[(l + 1) % 2][:total], lengths, lengths_host, attended.num_prefix, ids[:total])
+            if history is not None and l + 1 < self.depth:
+                # and the next block's graph right behind it, before the host's bookkeeping: the
+                # survivors' MLP is short (ViT-Ti: shorter than the host's way to the next block)
+                self._attention_packed(l + 1, rows, not self.opened[l + 1], *history)
+                self._launched = l + 1
             return
         after = delete_rows(attended, dec.remove, dec.removed, dec.removed_host, out=self.x[l % 2])
         self.cur = after
@@ -659,12 +712,13 @@ class GraphRunner:
         self.cur = after.with_x(self.x[(l + 1) % 2][: after.total])
 
     def finish(self) -> Tuple[Optional[torch.Tensor], Optional[Packed]]:
-        """Logits (a copy of the graph's buffer) when the readout was replayed, else ``None`` and
-        the final rows for the eager readout: after a deletion, and for pooled readouts (their
-        row selection is not captured: a few operations, measured only with the CLS readout)."""
-        if self.dense and self.readout_mode == "model" and self.model.global_pool == "token":
-            self._run(("readout",))
-            return self.logits.clone(), None
+        """Logits (a copy of the graph's buffer) when the readout was replayed (the CLS-token head,
+        dense or after a deletion), else ``None`` and the final rows for the eager readout: pooled
+        readouts (their per-image pooling is not captured)."""
+        if self.readout_mode == "model" and self.model.global_pool == "token":
+            kind = "dense" if self.dense else "packed"
+            self._run(("readout",) if self.dense else ("readout_packed",))
+            return self.logits[kind].clone(), None
         return None, self.dense_inputs[self.depth % 2] if self.dense else self.cur
 
 

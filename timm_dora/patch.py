@@ -514,10 +514,14 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             rho = consts.no_rho
         else:
             speculative = None  # some gate opened: the speculative MLP is discarded
+            rho = dec.removed.float() / n_visual.float()
+            n_visual = n_visual - dec.removed
             with scope("dora.compact"):
                 before = packed
                 if runner is not None:
-                    runner.delete(l, before, dec)  # the survivors' MLP replays too
+                    # the survivors' MLP replays too; the next block's history goes into the graphs'
+                    # buffers before the runner waits for the deletion
+                    runner.delete(l, before, dec, history=(n_visual, rho, interventions))
                     after_total = runner.cur.total
                 else:
                     packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
@@ -525,8 +529,6 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
                 # which patches went, resolved only if the statistics are read (not the rows)
                 removed_patches.append((before.lengths, before.total, before.ids, dec.remove, before.total - after_total))
                 del before
-            rho = dec.removed.float() / n_visual.float()
-            n_visual = n_visual - dec.removed
             if runner is not None:
                 continue
         if runner is not None:
