@@ -690,6 +690,7 @@ class GraphRunner:
         and ``history``, the next block's (N_l, rho_l, E_<l), into the gate's fixed buffers."""
         if self.probing:  # every deletion of the actor's runner comes from its controller graph
             lengths, ids = self.lengths.clone(), self.ids.clone()
+            history = history if self.inline_gate else None  # (see below)
             if history is not None:
                 self.set_history(*history)
             if self.capture:
@@ -701,7 +702,11 @@ class GraphRunner:
             self.cur = Packed(self.x[(l + 1) % 2][:total], lengths, lengths_host, attended.num_prefix, ids[:total])
             if history is not None and l + 1 < self.depth:
                 # and the next block's graph right behind it, before the host's bookkeeping: the
-                # survivors' MLP is short (ViT-Ti: shorter than the host's way to the next block)
+                # survivors' MLP is short (ViT-Ti: shorter than the host's way to the next block).
+                # Only with the Triton gate in line: with the modules' gate forked onto the gate
+                # stream, a later capture of a packed attention graph failed on the H100
+                # (cudaErrorStreamCaptureInvalidated in the gate branch, after other runners had
+                # captured in the same process; not understood), so that path keeps its order
                 self._attention_packed(l + 1, rows, not self.opened[l + 1], *history)
                 self._launched = l + 1
             return
