@@ -41,7 +41,9 @@ each) and only the decisions and the deletion run eagerly, between replays:
   the layout, masked by the gate (no shape depends on which images opened), followed in the same
   graph by the deletion (:func:`~timm_dora.packing.gather_survivors` into the fixed buffer, the
   survivors' ids, lengths and ``cu_seqlens``) and a copy of the new lengths to pinned memory with
-  an event: the host waits for that event only, then replays the survivors' MLP. Its products run
+  an event: the host waits for that event only, then replays the survivors' MLP (with the Triton
+  gate also the next block's attention graph right behind it, its history copied in before the
+  wait, so the host's bookkeeping runs while the GPU works). Its products run
   over more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
   decide differently (97-100 % of decisions agree on the H100, ``benchmarks/gpu_check.py``).
 
