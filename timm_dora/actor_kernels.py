@@ -116,6 +116,20 @@ if triton is not None:
         return _round(out, DT)
 
     @triton.jit
+    def _silu(x, DT: tl.constexpr):
+        """SiLU, rounded to the dtype as the module's output is."""
+        return _round(x / (1.0 + tl.exp(-x)), DT)
+
+    @triton.jit
+    def _row_tile(CU, nseq, BLOCK_R: tl.constexpr, W: tl.constexpr):
+        """The program's tile of a packed layout's rows: the rows, which are real (before
+        ``CU[nseq]``), the rows as int64 offsets, the columns, and whether any row is real."""
+        r0 = tl.program_id(0) * BLOCK_R
+        total = tl.load(CU + nseq)
+        rows = r0 + tl.arange(0, BLOCK_R)
+        return rows, rows < total, rows.to(tl.int64), tl.arange(0, W), r0 < total
+
+    @triton.jit
     def _gelu(x):
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
@@ -138,7 +152,7 @@ if triton is not None:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
         bias = tl.load(BIAS + seqs[:, None] * G + gs[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         hid = _round(acc + bias, DT)
-        hid = _round(hid / (1.0 + tl.exp(-hid)), DT)  # SiLU
+        hid = _silu(hid, DT)
         logit = _round(tl.sum(hid * tl.load(W2 + gs).to(tl.float32)[None, :], 1) + tl.load(B2).to(tl.float32), DT)
         n_visual = tl.load(NVIS + seqs, mask=live, other=0)
         tl.store(GATE + seqs, (logit >= 0) & (n_visual - min_keep >= step), mask=live)
@@ -147,14 +161,9 @@ if triton is not None:
     def _embed_qkv(KEYS, stride_k, SEG, POS, H, CU, nseq, WIN, BIN, EMB, WH, G1, B1, WQKV, BQKV, X, QKV, eps,
                    D: tl.constexpr, W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PREC: tl.constexpr):
-        r0 = tl.program_id(0) * BLOCK_R
-        total = tl.load(CU + nseq)
-        if r0 < total:
+        rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
+        if any_real:
             DT = X.dtype.element_ty
-            rows = r0 + tl.arange(0, BLOCK_R)
-            live = rows < total
-            r64 = rows.to(tl.int64)
-            cols = tl.arange(0, W)
             acc = tl.zeros([BLOCK_R, W], dtype=tl.float32)
             for k0 in range(0, D, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
@@ -179,14 +188,9 @@ if triton is not None:
     @triton.jit
     def _out_ffn(O, X, CU, nseq, WP, BP, G2, B2, WF1, BF1, WF2, BF2, Z, eps,
                  W: tl.constexpr, F: tl.constexpr, FCH: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
-        r0 = tl.program_id(0) * BLOCK_R
-        total = tl.load(CU + nseq)
-        if r0 < total:
+        rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
+        if any_real:
             DT = Z.dtype.element_ty
-            rows = r0 + tl.arange(0, BLOCK_R)
-            live = rows < total
-            r64 = rows.to(tl.int64)
-            cols = tl.arange(0, W)
             o = tl.load(O + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0)
             proj = _linear(o, WP, BP, cols, cols, W, DT, PREC)
             x = tl.load(X + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
@@ -230,14 +234,9 @@ if triton is not None:
     @triton.jit
     def _scores(Z, SEG, POS, CU, nseq, FRAC, WK, WS1, BS1, WS2, BS2, SC,
                 W: tl.constexpr, S: tl.constexpr, NP: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
-        r0 = tl.program_id(0) * BLOCK_R
-        total = tl.load(CU + nseq)
-        if r0 < total:
+        rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
+        if any_real:
             DT = Z.dtype.element_ty
-            rows = r0 + tl.arange(0, BLOCK_R)
-            live = rows < total
-            r64 = rows.to(tl.int64)
-            cols = tl.arange(0, W)
             seg = tl.load(SEG + rows, mask=live, other=0)
             pos = tl.load(POS + rows, mask=live, other=0)
             visual = live & (pos >= 1)
@@ -247,7 +246,7 @@ if triton is not None:
             zc = (z + cond).to(DT)
             ss = tl.arange(0, S)
             hid = _linear(zc, WS1, BS1, ss, cols, W, DT, PREC)
-            hid = _round(hid / (1.0 + tl.exp(-hid)), DT)  # SiLU
+            hid = _silu(hid, DT)
             s = tl.sum(hid * tl.load(WS2 + ss).to(tl.float32)[None, :], 1) + tl.load(BS2).to(tl.float32)
             tl.store(SC + seg.to(tl.int64) * NP + (pos - 1), _round(s, DT), mask=visual)
 
