@@ -17,6 +17,10 @@
 # Only the selected checkpoint needs to travel: a later selection picks it or a newer one.
 # One backbone per call fits the 64 MiB carry (bf16 weights 11 MB + data 30 MB + state 18.5 MB).
 #
+# AUGMENT=light|strong|none picks --augment (default light; strong adds RandAugment, a wider crop and
+# label-free patch CutMix, see timm_dora/data.py). Runs left in RUNS on a warm device machine
+# continue in the next call without travelling (the folder is git-ignored and stays while warm).
+#
 # Choices beyond the paper's recipe (said in the model cards): --augment (700-image pool), one QC
 # shard of all 150 QC images (--qc-shards 1: 8 shards of 19 images would move d_u in 5.3 pp steps,
 # coarser than the 1 pp target), training stopped by wall time rather than at 1,171 updates.
@@ -49,7 +53,7 @@ for name in $NAMES; do
   [ -f "$RUNS/$name/state.pt" ] && resume="--resume"
   OMP_NUM_THREADS=3 PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
     --model "${m%%-approx}" --weights "$CARRY/$m.bf16.safetensors" --data "$CARRY/data/labels.csv" \
-    --out "$RUNS/$name" --target-drop "${TARGET[$base]}" --augment --qc-shards 1 \
+    --out "$RUNS/$name" --target-drop "${TARGET[$base]}" --augment "${AUGMENT:-light}" --qc-shards 1 \
     --checkpoint-every ${EVERY:-25} --max-minutes "$MINUTES" --no-progress $resume ${EXTRA:-} \
     > "$RUNS/$name.log" 2>&1 &
   pids+=($!)

@@ -14,7 +14,9 @@ from timm_dora.data import (
     ImageFolderDataset,
     LabelsCSVDataset,
     RolloutSampler,
+    augment_level,
     check_disjoint,
+    cutmix_patches,
     eval_transform,
     fixed_shards,
     open_split,
@@ -181,6 +183,48 @@ def test_transforms_use_model_input_size(small_model):
     assert not any("Jitter" in n or "Erasing" in n or "Augment" in n for n in names)
     assert aug.transforms[0].scale == (0.5, 1.0)
     assert aug(img).shape == (3, 64, 64)
+
+
+def test_strong_transform_adds_randaugment_and_a_wider_crop(small_model):
+    img = Image.new("RGB", (90, 70), (120, 30, 200))
+    assert train_transform(small_model, augment="light").transforms[0].scale == (0.5, 1.0)
+    strong = train_transform(small_model, augment="strong")
+    names = [type(t).__name__ for t in strong.transforms]
+    assert names[:3] == ["RandomResizedCropAndInterpolation", "RandomHorizontalFlip", "RandAugment"]
+    assert strong.transforms[0].scale == (0.25, 1.0)
+    assert not any("Erasing" in n for n in names)
+    assert strong(img).shape == (3, 64, 64)
+    assert augment_level(True) == "light" and augment_level(False) == augment_level(None) == "none"
+    with pytest.raises(ValueError, match="augment must be one of"):
+        train_transform(small_model, augment="heavy")
+
+
+def test_cutmix_patches_pastes_whole_tiles_of_the_other_image():
+    a = torch.zeros(3, 64, 48)
+    b = torch.arange(3 * 64 * 48, dtype=torch.float32).view(3, 64, 48) + 1
+    g = torch.Generator().manual_seed(3)
+    mixed, (top, left, rows, cols) = cutmix_patches(a, b, 16, generator=g)
+    # the same three draws by hand: lam, then the top and left tile
+    h = torch.Generator().manual_seed(3)
+    lam = float(torch.rand((), generator=h))
+    assert (rows, cols) == (round(4 * (1 - lam) ** 0.5), round(3 * (1 - lam) ** 0.5))
+    assert top == int(torch.randint(4 - rows + 1, (), generator=h))
+    assert left == int(torch.randint(3 - cols + 1, (), generator=h))
+    inside = torch.zeros(64, 48, dtype=torch.bool)
+    inside[top * 16 : (top + rows) * 16, left * 16 : (left + cols) * 16] = True
+    assert torch.equal(mixed[:, inside], b[:, inside]) and torch.equal(mixed[:, ~inside], a[:, ~inside])
+    assert torch.equal(a, torch.zeros(3, 64, 48))  # the input is not modified
+    # over many draws the pasted share averages E[round-trip of 1 - lam] ~ 1/2 and spans 0..1
+    shares = []
+    for _ in range(400):
+        m, (_, _, r, c) = cutmix_patches(a, b, 16, generator=g)
+        assert int((m[0] != 0).sum()) == r * c * 256
+        shares.append(r * c / 12)
+    assert min(shares) == 0.0 and max(shares) == 1.0 and 0.4 < sum(shares) / len(shares) < 0.6
+    with pytest.raises(ValueError, match="one shape"):
+        cutmix_patches(a, b[:, :32], 16)
+    with pytest.raises(ValueError, match="multiple of the patch size"):
+        cutmix_patches(a[:, :60], b[:, :60], 16)
 
 
 def test_preload(fake_csv, small_model):

@@ -179,3 +179,58 @@ def test_warm_start_from_a_saved_actor(data, tmp_path):
     Actor(fresh.embed_dim, fresh.depth, fresh.num_patches, gate_hidden=32).save_pretrained(tmp_path / "other_sizes")
     with pytest.raises(ValueError, match="gate_hidden"):
         trainer("--init-actor", str(tmp_path / "other_sizes"))
+
+
+@pytest.mark.parametrize("level", ["light", "strong"])
+def test_augmented_rollout_images_depend_only_on_seed_update_and_image(data, tmp_path, level):
+    """Every RNG the transforms draw from (``random`` for timm's crop and RandAugment, ``numpy``,
+    ``torch`` for the flip and the CutMix) is seeded per (seed, update, image): the same images
+    whatever the global RNG state and whatever else is in the batch (resume, any world size)."""
+    import random
+
+    import numpy as np
+
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out", str(tmp_path), "--augment", level]))
+    assert cfg.augment == level
+    tr = Trainer(cfg)
+    assert tr.rollout_pool is None
+    idx = torch.arange(10)
+    tr.u = 3
+    x = tr._rollout_images(idx)
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    assert torch.equal(tr._rollout_images(idx), x)
+    assert torch.equal(tr._rollout_images(idx[[7, 2]]), x[[7, 2]])
+    tr.u = 4
+    assert not torch.equal(tr._rollout_images(idx), x)
+
+
+def test_strong_augmentation_pastes_patch_aligned_rectangles(data, tmp_path):
+    """``--augment strong``: with ``--cutmix-prob 1`` each image is its ``--cutmix-prob 0`` self
+    with one rectangle of whole 16 x 16 tiles replaced (the other image's tokens); bare
+    ``--augment`` means ``light``."""
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    def images(*extra):
+        args = ARGS + ["--data", str(data), "--out", str(tmp_path)] + list(extra)
+        tr = Trainer(config_from_args(build_parser().parse_args(args)))
+        tr.u = 2
+        return tr._rollout_images(torch.arange(10))
+
+    assert config_from_args(build_parser().parse_args(ARGS + ["--data", "d", "--out", "o", "--augment"])).augment == "light"
+    plain, mixed = images("--augment", "strong", "--cutmix-prob", "0"), images("--augment", "strong", "--cutmix-prob", "1")
+    changed = (plain != mixed).any(1)  # [10, 64, 64]
+    tiles = changed.view(10, 4, 16, 4, 16).any(4).any(2)  # [10, 4, 4] tiles touched
+    assert tiles.any()
+    for t, c in zip(tiles, changed):
+        if t.any():
+            rows, cols = t.any(1).nonzero().flatten(), t.any(0).nonzero().flatten()
+            assert t.sum() == len(rows) * len(cols)  # one rectangle
+            assert rows.diff().eq(1).all() and cols.diff().eq(1).all()
+        # whole tiles: every pixel of a touched tile may differ, none outside
+        assert not c[~t.repeat_interleave(16, 0).repeat_interleave(16, 1)].any()
+    with pytest.raises(ValueError, match="cutmix-prob"):
+        images("--augment", "strong", "--cutmix-prob", "1.5")

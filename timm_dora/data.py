@@ -3,9 +3,11 @@
 Preprocessing
     :func:`eval_transform` is the backbone's own deterministic timm preprocessing (bicubic resize of
     the short side to ``size / crop_pct``, center crop, normalisation with the ``pretrained_cfg``
-    mean/std). Every split uses it. :func:`train_transform` optionally adds light augmentation
-    (random-resized crop with scale (0.5, 1) and horizontal flip) for small rollout pools; the
-    paper trains without stochastic augmentation, so it is off by default in the commands.
+    mean/std). Every split uses it. :func:`train_transform` optionally augments the rollout images
+    of small pools (``light``: random-resized crop with scale (0.5, 1) and horizontal flip;
+    ``strong``: scale (0.25, 1), flip and RandAugment, plus label-free patch CutMix
+    (:func:`cutmix_patches`) in the trainer); the paper trains without stochastic augmentation,
+    so it is off by default in the commands.
 
 Datasets
     :class:`LabelsCSVDataset` reads one split of a ``path,label,synset,set,split`` CSV (the format
@@ -34,10 +36,13 @@ from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
 __all__ = [
+    "AUGMENT_LEVELS",
     "ImageFolderDataset",
     "LabelsCSVDataset",
     "RolloutSampler",
+    "augment_level",
     "check_disjoint",
+    "cutmix_patches",
     "data_config",
     "eval_transform",
     "fixed_shards",
@@ -80,30 +85,83 @@ def eval_transform(model: torch.nn.Module, **overrides: Any) -> Callable:
     return create_transform(**data_config(model, **overrides), is_training=False)
 
 
-def train_transform(model: torch.nn.Module, augment: bool = False, **overrides: Any) -> Callable:
-    """Rollout preprocessing. ``augment=False``: identical to :func:`eval_transform`.
+AUGMENT_LEVELS = ("none", "light", "strong")
 
-    ``augment=True``: timm's training transform at the model's input size, mean/std and
-    interpolation, kept light for small rollout pools: ``RandomResizedCrop(scale=(0.5, 1.0))``
-    with timm's default aspect ratios, horizontal flip with p = 0.5, no colour jitter, no
-    auto-augment, no random erasing. Randomness comes from the global ``random``/``torch`` RNGs
-    (seed them, or the DataLoader workers, for reproducible augmentation).
+
+def augment_level(augment: Union[bool, str, None]) -> str:
+    """The augmentation level named by ``augment``: ``False``/``None`` -> ``"none"``, ``True`` ->
+    ``"light"`` (the meaning of the earlier boolean flag), or one of :data:`AUGMENT_LEVELS`."""
+    if augment is None or augment is False:
+        return "none"
+    if augment is True:
+        return "light"
+    if isinstance(augment, str) and augment.lower() in AUGMENT_LEVELS:
+        return augment.lower()
+    raise ValueError(f"augment must be one of {AUGMENT_LEVELS} (or a bool), got {augment!r}")
+
+
+def train_transform(model: torch.nn.Module, augment: Union[bool, str] = False, **overrides: Any) -> Callable:
+    """Rollout preprocessing at the model's input size, mean/std and interpolation.
+
+    - ``"none"`` (or ``False``): identical to :func:`eval_transform`.
+    - ``"light"`` (or ``True``): timm's training transform kept light for small rollout pools:
+      ``RandomResizedCrop(scale=(0.5, 1.0))`` with timm's default aspect ratios, horizontal flip
+      with p = 0.5, no colour jitter, no auto-augment, no random erasing.
+    - ``"strong"``: ``RandomResizedCrop(scale=(0.25, 1.0))``, flip, and timm's RandAugment
+      ``rand-m9-mstd0.5-inc1`` (the DeiT recipe's policy, no random erasing). The trainer adds
+      label-free patch CutMix between pool images on top (:func:`cutmix_patches`).
+
+    Randomness comes from the global ``random``/``torch`` RNGs (seed them, or the DataLoader
+    workers, for reproducible augmentation). Not in the paper (it trains on 300k images without
+    stochastic augmentation): for the 700-image pools here.
     """
+    level = augment_level(augment)
     cfg = data_config(model, **overrides)
-    if not augment:
+    if level == "none":
         return create_transform(**cfg, is_training=False)
+    strong = level == "strong"
     return create_transform(
         input_size=cfg["input_size"],
         is_training=True,
-        scale=(0.5, 1.0),
+        scale=(0.25, 1.0) if strong else (0.5, 1.0),
         hflip=0.5,
         color_jitter=None,
-        auto_augment=None,
+        auto_augment="rand-m9-mstd0.5-inc1" if strong else None,
         re_prob=0.0,
         interpolation=cfg["interpolation"],
         mean=cfg["mean"],
         std=cfg["std"],
     )
+
+
+def cutmix_patches(
+    a: torch.Tensor, b: torch.Tensor, patch: int, generator: Optional[torch.Generator] = None
+) -> Tuple[torch.Tensor, Tuple[int, int, int, int]]:
+    """Label-free CutMix on the patch grid: a copy of image ``a`` ``[C, H, W]`` with a rectangle
+    of whole ``patch`` x ``patch`` tiles taken from ``b`` (same shape), and the rectangle
+    ``(top, left, rows, cols)`` in tiles.
+
+    As in CutMix, ``lam ~ U(0, 1)`` and the rectangle covers ``1 - lam`` of the grid
+    (``rows = round(gh * sqrt(1 - lam))``, ``cols`` likewise) at a uniform position inside it;
+    aligned to the patch grid, so every token of the result is a token of ``a`` or of ``b``. No
+    label is mixed: DORA's rollout reward compares the pruned forward with the native forward of
+    the same (mixed) input, so any image is a valid rollout input. Draws 3 numbers from
+    ``generator`` (the global RNG when ``None``).
+    """
+    if a.shape != b.shape or a.dim() != 3:
+        raise ValueError(f"cutmix_patches needs two [C, H, W] images of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    gh, gw = a.shape[1] // patch, a.shape[2] // patch
+    if gh * patch != a.shape[1] or gw * patch != a.shape[2]:
+        raise ValueError(f"image size {tuple(a.shape[1:])} is not a multiple of the patch size {patch}")
+    lam = float(torch.rand((), generator=generator))
+    cut = (1.0 - lam) ** 0.5
+    rows, cols = int(round(gh * cut)), int(round(gw * cut))
+    top = int(torch.randint(gh - rows + 1, (), generator=generator))
+    left = int(torch.randint(gw - cols + 1, (), generator=generator))
+    out = a.clone()
+    ys, xs = slice(top * patch, (top + rows) * patch), slice(left * patch, (left + cols) * patch)
+    out[:, ys, xs] = b[:, ys, xs]
+    return out, (top, left, rows, cols)
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from .actor import Actor
+from .data import AUGMENT_LEVELS
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
 from .packing import rows_where
@@ -71,7 +72,8 @@ class TrainConfig:
     dev_split: str = "dev"
     qc_data: Optional[str] = None  # separate ImageFolder roots (default: --data with the split)
     dev_data: Optional[str] = None
-    augment: bool = False  # light augmentation of rollout images (small pools)
+    augment: str = "none"  # ours, for small pools: "none" | "light" | "strong" (data.train_transform; True = "light")
+    cutmix_prob: float = 0.5  # ours: with --augment strong, the share of rollout images given a patch CutMix from another pool image
     init_actor: Optional[str] = None  # warm start from a saved actor (folder or Hub id); critic, optimizers, feedback fresh
     readout: str = "model"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,13 +223,17 @@ class Trainer:
 
         # data: the backbone's own preprocessing (App. E.1); splits must be disjoint
         ev = D.eval_transform(model)
+        cfg.augment = D.augment_level(cfg.augment)
+        if not 0.0 <= cfg.cutmix_prob <= 1.0:
+            raise ValueError(f"--cutmix-prob must be in [0, 1], got {cfg.cutmix_prob}")
+        self.patch = model.patch_embed.patch_size[0]
         tr = D.train_transform(model, cfg.augment)
         self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
         qc_set = D.open_split(cfg.qc_data or cfg.data, cfg.qc_split, ev)
         dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
         D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})
-        self.rollout_pool = None if cfg.augment else D.preload(self.rollout_set, self.dev)
-        if cfg.augment:
+        self.rollout_pool = None if cfg.augment != "none" else D.preload(self.rollout_set, self.dev)
+        if cfg.augment != "none":
             self.rollout_set.keep_decoded()  # decode each file once; the random crop/flip still run per update
         self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
         self.dev_x, self.dev_y = D.preload(dev_set, self.dev)
@@ -276,12 +282,24 @@ class Trainer:
         return torch.cat(preds), torch.cat(gflops)
 
     def _rollout_images(self, idx: torch.Tensor) -> torch.Tensor:
+        """The rollout inputs of pool images ``idx`` at this update. Augmented draws are seeded per
+        (seed, update, image) in every RNG the transforms use (``random`` for timm's crop and
+        RandAugment, ``numpy``, ``torch`` for the flip and the CutMix): resumable, and equal for any
+        world size. ``strong``: with probability ``cutmix_prob`` a patch-aligned rectangle of another
+        pool image (itself augmented) is pasted in, label-free (:func:`data.cutmix_patches`)."""
+        from . import data as D
+
         if self.rollout_pool is not None:
             return self.rollout_pool[0][idx.to(self.dev)].to(self.dtype)
-        out = []
-        for i in idx.tolist():  # augmentation seeded per (update, image): resumable, and equal for any world size
-            torch.manual_seed((self.cfg.ppo.seed * 1_000_003 + self.u) * 1_000_003 + i)
-            out.append(self.rollout_set[i][0])
+        out, n = [], len(self.rollout_set)
+        for i in idx.tolist():
+            _seed_all((self.cfg.ppo.seed * 1_000_003 + self.u) * 1_000_003 + i)
+            img = self.rollout_set[i][0]
+            if self.cfg.augment == "strong" and n > 1 and float(torch.rand(())) < self.cfg.cutmix_prob:
+                j = int(torch.randint(n - 1, ()))
+                other = self.rollout_set[j + (j >= i)][0]
+                img, _ = D.cutmix_patches(img, other, self.patch)
+            out.append(img)
         return torch.stack(out).to(self.dev, self.dtype)
 
     # ---------------------------------------------------------------------------------------
@@ -639,7 +657,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", required=True, help="labels CSV (path,label,...,split) or ImageFolder root")
     ap.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, selected/)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/state.pt exactly")
-    skip = {"model", "data", "out", "ppo"}
+    ap.add_argument("--augment", nargs="?", const="light", default="none", choices=AUGMENT_LEVELS,
+                    help="rollout augmentation for small pools (ours): light = crop (0.5-1) + flip; strong = crop "
+                         "(0.25-1) + flip + RandAugment + label-free patch CutMix (--cutmix-prob); bare --augment = light")
+    skip = {"model", "data", "out", "ppo", "augment"}
     for f in dataclasses.fields(TrainConfig):
         if f.name in skip:
             continue
@@ -685,6 +706,18 @@ def _warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Di
         diff = {k: (v, here.get(k)) for k, v in loaded.config().items() if here.get(k) != v}
         raise ValueError(f"--init-actor {source}: its sizes differ from this run's actor (saved, here): {diff}")
     return loaded.state_dict()
+
+
+def _seed_all(value: int) -> None:
+    """Seed ``random``, ``numpy`` and ``torch``'s global RNGs (the ones timm's and torchvision's
+    transforms draw from) from one integer."""
+    import random
+
+    import numpy as np
+
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
 
 
 def _truncate_log(path: Path, last_update: int) -> None:
