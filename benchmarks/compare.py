@@ -127,7 +127,7 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
     selector_rows = []
     for sel in (args.selectors if actor else []):
         m = SelectorMethod(model, sel, actor, seed=args.seed)
-        rows_s = evaluate(model, [m], tensor_batches(images, labels, args.batch), device=device, native=False)
+        rows_s = evaluate(model, [m], tensor_batches(images, labels, args.batch), device=device)  # with agreement, paired drop
         m.close()
         selector_rows += [r for r in rows_s if r["method"] == sel]
         log(f"{name}: selector {sel:14s} top-1 {selector_rows[-1]['top1']:6.2f}", t0)

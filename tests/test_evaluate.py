@@ -186,3 +186,23 @@ def test_paired_counts_and_their_standard_error_by_hand():
     # per-image differences (1, 1, -1, 0, 0, 0): mean 1/6, variance 3/6 - 1/36 = 17/36
     assert row["paired_drop_se"] == pytest.approx(100 * (17 / 36 / 6) ** 0.5)
     assert "degraded" not in Tally("native").result()
+
+
+def test_rows_without_native_have_no_agreement_or_paired_drop(setup_files):
+    """``evaluate(..., native=False)``: agreement and the paired comparison are unknown (None /
+    absent), not 0; with native they count against native's own predictions."""
+    from timm_dora.evaluate import ToMeMethod, evaluate
+
+    root, csv_path, weights, _ = setup_files
+    model = load_model(MODEL, str(weights), img_size=IMG, num_classes=CLASSES)
+    x, y = preload(open_split(csv_path, "test", eval_transform(model)))
+    m = ToMeMethod(model, 2)
+    (alone,) = evaluate(model, [m], [(x, y)], native=False)
+    assert alone["method"] == "tome(r=2)" and alone["agreement"] is None and "paired_drop" not in alone
+    native, tome = evaluate(model, [m], [(x, y)])
+    with torch.no_grad():
+        ref = model(x).argmax(1)
+        pred = m.outputs(x)["tome(r=2)"].logits.argmax(1)
+    assert tome["agreement"] == pytest.approx(100.0 * float((pred == ref).float().mean()))
+    assert tome["degraded"] == int(((ref == y) & (pred != y)).sum()) and tome["improved"] == int(((pred == y) & (ref != y)).sum())
+    assert tome["paired_drop"] == pytest.approx(native["top1"] - tome["top1"])

@@ -354,6 +354,7 @@ class Tally:
         self.name, self.config = name, dict(config or {})
         self.n = self.c1 = self.c5 = self.agree = 0
         self.degraded = self.improved = 0
+        self.compared = False  # saw native predictions (agreement and the paired comparison exist)
         self.g_sum, self.g_min, self.g_max = 0.0, float("inf"), float("-inf")
         self.p_sum = self.p_min = self.p_max = None  # per-block arrays once seen
         self.gate_sum = self.b_sum = self.b_min = self.b_max = self.tok_sum = None
@@ -368,6 +369,7 @@ class Tally:
         self.c1 += int((pred == labels).sum())
         self.c5 += int((top == labels[:, None]).any(1).sum())
         if native_pred is not None:
+            self.compared = True
             self.agree += int((pred == native_pred).sum())
             native_ok, ok = native_pred == labels, pred == labels
             self.degraded += int((native_ok & ~ok).sum())
@@ -397,8 +399,9 @@ class Tally:
         return pred
 
     def _paired(self, n: int) -> Dict[str, Any]:
-        """The paired comparison with native (none for the native row itself)."""
-        if self.name == "native":
+        """The paired comparison with native (none for the native row itself, or for a row
+        evaluated without native predictions)."""
+        if self.name == "native" or not self.compared:
             return {}
         d, i = self.degraded, self.improved
         mean = (d - i) / n
@@ -416,7 +419,7 @@ class Tally:
             "correct5": self.c5,
             "top1": 100.0 * self.c1 / n,
             "top5": 100.0 * self.c5 / n,
-            "agreement": 100.0 * self.agree / n if self.name != "native" else 100.0,
+            "agreement": 100.0 if self.name == "native" else (100.0 * self.agree / n if self.compared else None),
             **self._paired(n),
             "gflops": self.g_sum / n,
             "gflops_min": self.g_min,
