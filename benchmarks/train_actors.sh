@@ -15,11 +15,14 @@
 # there: metrics.jsonl, checkpoints/...; the parts as they are) and the next call continues the run
 # exactly (e.g. `tar -xzf <name>.tgz -C CARRY/resume; cp <name>.state.part.* CARRY/resume/<name>/`).
 # Only the selected checkpoint needs to travel: a later selection picks it or a newer one.
-# One backbone per call fits the 64 MiB carry (bf16 weights 11 MB + data 30 MB + state 18.5 MB).
+# One backbone per call fits the 64 MiB carry (bf16 weights 11 MB + data 30 MB + state 18.5 MB +
+# one checkpoint 0.8 MB, with the repository's own files): gzip the weights
+# (CARRY/<m>.bf16.safetensors.gz, 9.2 MB) and the state (CARRY/resume/<name>/state.pt.gz) when it
+# is tight; both are unpacked here. RUNS itself did not survive between two calls to a warm machine
+# (tried: the second call found neither RUNS nor CARRY), so every call carries what it resumes.
 #
 # AUGMENT=light|strong|none picks --augment (default light; strong adds RandAugment, a wider crop and
-# label-free patch CutMix, see timm_dora/data.py). Runs left in RUNS on a warm device machine
-# continue in the next call without travelling (the folder is git-ignored and stays while warm).
+# label-free patch CutMix, see timm_dora/data.py).
 #
 # Choices beyond the paper's recipe (said in the model cards): --augment (700-image pool), one QC
 # shard of all 150 QC images (--qc-shards 1: 8 shards of 19 images would move d_u in 5.3 pp steps,
@@ -44,9 +47,14 @@ pids=()
 for name in $NAMES; do
   base=${name%%@*}
   m=${MODEL[$base]}
+  [ -f "$CARRY/$m.bf16.safetensors.gz" ] && [ ! -f "$CARRY/$m.bf16.safetensors" ] && gunzip -k "$CARRY/$m.bf16.safetensors.gz"
   if [ -d "$CARRY/resume/$name" ] && [ ! -f "$RUNS/$name/state.pt" ]; then
     mkdir -p "$RUNS/$name"
-    cat "$CARRY/resume/$name"/*state.part.* > "$RUNS/$name/state.pt"
+    if [ -f "$CARRY/resume/$name/state.pt.gz" ]; then
+      gunzip -c "$CARRY/resume/$name/state.pt.gz" > "$RUNS/$name/state.pt"
+    else
+      cat "$CARRY/resume/$name"/*state.part.* > "$RUNS/$name/state.pt"
+    fi
     cp -r "$CARRY/resume/$name/metrics.jsonl" "$CARRY/resume/$name/checkpoints" "$RUNS/$name/"
   fi
   resume=""

@@ -111,8 +111,9 @@ def train_transform(model: torch.nn.Module, augment: Union[bool, str] = False, *
       ``rand-m9-mstd0.5-inc1`` (the DeiT recipe's policy, no random erasing). The trainer adds
       label-free patch CutMix between pool images on top (:func:`cutmix_patches`).
 
-    Randomness comes from the global ``random``/``torch`` RNGs (seed them, or the DataLoader
-    workers, for reproducible augmentation). Not in the paper (it trains on 300k images without
+    Randomness comes from the global ``random`` (timm's crop and RandAugment), ``numpy`` and
+    ``torch`` (the flip) RNGs: seed all three, or the DataLoader workers, for reproducible
+    augmentation. Not in the paper (it trains on 300k images without
     stochastic augmentation): for the 700-image pools here.
     """
     level = augment_level(augment)

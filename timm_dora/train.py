@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from .actor import Actor
-from .data import AUGMENT_LEVELS
+from .data import AUGMENT_LEVELS, cutmix_patches
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
 from .packing import rows_where
@@ -287,8 +287,6 @@ class Trainer:
         RandAugment, ``numpy``, ``torch`` for the flip and the CutMix): resumable, and equal for any
         world size. ``strong``: with probability ``cutmix_prob`` a patch-aligned rectangle of another
         pool image (itself augmented) is pasted in, label-free (:func:`data.cutmix_patches`)."""
-        from . import data as D
-
         if self.rollout_pool is not None:
             return self.rollout_pool[0][idx.to(self.dev)].to(self.dtype)
         out, n = [], len(self.rollout_set)
@@ -298,7 +296,7 @@ class Trainer:
             if self.cfg.augment == "strong" and n > 1 and float(torch.rand(())) < self.cfg.cutmix_prob:
                 j = int(torch.randint(n - 1, ()))
                 other = self.rollout_set[j + (j >= i)][0]
-                img, _ = D.cutmix_patches(img, other, self.patch)
+                img, _ = cutmix_patches(img, other, self.patch)
             out.append(img)
         return torch.stack(out).to(self.dev, self.dtype)
 
