@@ -234,3 +234,36 @@ def test_strong_augmentation_pastes_patch_aligned_rectangles(data, tmp_path):
         assert not c[~t.repeat_interleave(16, 0).repeat_interleave(16, 1)].any()
     with pytest.raises(ValueError, match="cutmix-prob"):
         images("--augment", "strong", "--cutmix-prob", "1.5")
+
+
+def test_budget_step_sets_the_grid_of_actor_critic_and_rollouts(data, tmp_path):
+    """``--budget-step 4``: the budget grid {4, 8, 12} (N0 = 16) for the actor, the critic's budget
+    embedding and every removal in the rollouts; the saved actor keeps it; a warm start from an
+    actor with the paper's grid is refused with the field named; a step of 0 is refused."""
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    def trainer(*extra):
+        return Trainer(config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out", str(tmp_path / "run")] + list(extra))))
+
+    tr = trainer("--budget-step", "4")
+    assert tr.actor.budgets.tolist() == [4, 8, 12] and tr.actor.budget_step == 4
+    assert tr.critic.num_budgets == 3
+    from timm_dora.patch import run
+    from timm_dora.policy import NoPrune, RolloutNoise
+    from timm_dora.rollout import collect
+
+    x = tr._rollout_images(torch.arange(6))
+    noise = RolloutNoise.draw(tr.depth, 6, tr.actor.num_budgets, tr.num_patches, tr.gen, tr.dev)
+    with torch.no_grad():
+        traj = collect(tr.model, tr.actor, x, z_native=run(tr.model, x, NoPrune())[0].float(), noise=noise)
+    assert (traj.k > 0).any() and (traj.k % 4 == 0).all()
+    tr.step()  # an update with the 3-budget critic and actor
+    assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "cli"), "--budget-step", "4", "--updates", "2"]) == 0
+    saved = Actor.from_pretrained(tmp_path / "cli" / "selected")
+    assert saved.budgets.tolist() == [4, 8, 12]
+    paper = Actor.for_model(tr.model)  # budget step 2
+    paper.save_pretrained(tmp_path / "paper_grid")
+    with pytest.raises(ValueError, match="budget_step"):
+        trainer("--budget-step", "4", "--init-actor", str(tmp_path / "paper_grid"))
+    with pytest.raises(ValueError, match="budget step must be a positive"):
+        trainer("--budget-step", "0")

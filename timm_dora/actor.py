@@ -43,6 +43,8 @@ def budget_grid(num_patches: int, step: int = 2, min_keep: int = 4) -> torch.Ten
     For ``N0 = 196`` this is ``{2, 4, ..., 192}`` (M = 96); for ``N0 = 256``, ``{2, ..., 252}``
     (M = 126).
     """
+    if step < 1:
+        raise ValueError(f"budget step must be a positive number of tokens, got {step}")
     if num_patches - min_keep < step:
         raise ValueError(
             f"num_patches={num_patches} leaves no legal budget: need at least min_keep + step = "

@@ -74,6 +74,7 @@ class TrainConfig:
     dev_data: Optional[str] = None
     augment: str = "none"  # ours, for small pools: "none" | "light" | "strong" (data.train_transform; True = "light")
     cutmix_prob: float = 0.5  # ours: with --augment strong, the share of rollout images given a patch CutMix from another pool image
+    budget_step: int = 2  # the budget grid {s, 2s, ..., N0 - 4} of actor and critic (paper: 2)
     init_actor: Optional[str] = None  # warm start from a saved actor (folder or Hub id); critic, optimizers, feedback fresh
     readout: str = "model"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,11 +241,11 @@ class Trainer:
         self.qc_shard_idx = D.fixed_shards(len(qc_set), cfg.qc_shards)
 
         # learners
-        self.actor = Actor.for_model(model)
+        self.actor = Actor.for_model(model, budget_step=cfg.budget_step)
         if cfg.init_actor:
             self.actor.load_state_dict(_warm_start(cfg.init_actor, self.actor, self.model, cfg.readout))
         self.actor = self.actor.to(self.dev)
-        self.critic = Critic.for_model(model, backend="padded").to(self.dev)
+        self.critic = Critic.for_model(model, budget_step=cfg.budget_step, backend="padded").to(self.dev)
         p = cfg.ppo
         g = actor_parameter_groups(self.actor)
         self.groups = g
