@@ -56,6 +56,17 @@ def cuda_time_us(fn, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def ragged_lengths(batch: int, mean: int, spread: int, seq: int, min_len: int, gen: torch.Generator, device):
+    """Per-image token counts of a ragged batch and their int32 ``cu_seqlens`` on ``device``: all
+    ``seq`` when ``mean >= seq``, else ``mean`` plus a uniform integer in ``[-spread, spread]``
+    (drawn from ``gen``), clamped to ``[min_len, seq]``."""
+    if mean >= seq:
+        lengths = torch.full((batch,), seq)
+    else:
+        lengths = (mean + torch.randint(-spread, spread + 1, (batch,), generator=gen)).clamp(min_len, seq)
+    return lengths, F.pad(lengths.cumsum(0), (1, 0)).to(device, torch.int32)
+
+
 def flash(q, k, v, cu, n, scale):
     return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, 0.0, False, False, scale=scale)[0]
 
@@ -81,12 +92,8 @@ def main(argv=None):
     for h in args.heads:
         for mean in args.means:
             b = args.batch
-            if mean >= seq:
-                lengths = torch.full((b,), seq)
-            else:
-                lengths = (mean + torch.randint(-args.spread, args.spread + 1, (b,), generator=gen)).clamp(2, seq)
+            lengths, cu = ragged_lengths(b, mean, args.spread, seq, 2, gen, dev)
             t = int(lengths.sum())
-            cu = F.pad(lengths.cumsum(0), (1, 0)).to(dev, torch.int32)
             qkv = torch.randn(t + 64, 3, h, hd, device=dev, dtype=dt)  # 64 padded rows, never read
             q, k, v = qkv.unbind(1)
             scale = hd ** -0.5

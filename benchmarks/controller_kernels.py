@@ -19,12 +19,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_kernels import cuda_time_us  # noqa: E402
+from attention_kernels import cuda_time_us, ragged_lengths  # noqa: E402
 
 from timm_dora import Actor, ActorPolicy  # noqa: E402
 from timm_dora.actor_kernels import TILE_ROWS, fused_controller  # noqa: E402
@@ -67,12 +66,8 @@ def main(argv=None):
                 prm.add_(0.2 * torch.randn_like(prm))
         for mean in args.means:
             b = args.batch
-            if mean >= seq:
-                lengths = torch.full((b,), seq)
-            else:
-                lengths = (mean + torch.randint(-args.spread, args.spread + 1, (b,), generator=gen)).clamp(6, seq)
+            lengths, cu = ragged_lengths(b, mean, args.spread, seq, 6, gen, dev)
             t = int(lengths.sum())
-            cu = F.pad(lengths.cumsum(0), (1, 0)).to(dev, torch.int32)
             keys = torch.randn(t + 128, d, device=dev, dtype=dt)
             n_visual = (lengths - 1).to(dev)
             h = torch.stack([n_visual / n0, torch.rand(b, device=dev), torch.zeros(b, device=dev)], 1)
