@@ -28,7 +28,6 @@ from attention_kernels import cuda_time_us, ragged_lengths  # noqa: E402
 from timm_dora import Actor, ActorPolicy  # noqa: E402
 from timm_dora.actor_kernels import TILE_ROWS, fused_controller  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.policy import segment_and_position  # noqa: E402
 
 
 def kernels_per_call(fn) -> int:
@@ -88,9 +87,8 @@ def main(argv=None):
                 row["modules_kernels"] = kernels_per_call(call_m)
                 row["fused_kernels"] = kernels_per_call(call_f)
                 row["fused_us"] = {}
-                seg, pos = segment_and_position(cu.long(), torch.arange(t + 128, device=dev))
                 for tile in tiles:
-                    fn = lambda: fused_controller(actor, keys, cu, seg, pos, seq, h, n_visual,  # noqa: E731
+                    fn = lambda: fused_controller(actor, keys, cu, seq, h, n_visual,  # noqa: E731
                                                   gate, 4, cu, 1, t + 128, tile=tile)
                     row["fused_us"][",".join(map(str, tile))] = cuda_time_us(fn, args.iters, args.repeats)
                 row["fused_default_tile"] = ",".join(map(str, TILE_ROWS))

@@ -14,7 +14,8 @@ fewer GFLOPs; ``actor``: an untrained actor whose gate is forced open at the sam
 - ``syncs_per_forward``: host-device synchronisations counted by ``torch.cuda.set_sync_debug_mode``;
 - ``*_graphs`` rows (``cuda_graphs=True``, where the profiler sees no scopes): ``actor_share``,
   one minus the time of a replay of the actor's own decisions (same deletions, packing and
-  GFLOPs; no gate, no controller) over the actor's forward, both from graphs on the same batch.
+  GFLOPs; no gate, no controller) over the actor's forward, both from graphs on the same batch
+  (``--graphs-only``: these rows alone).
 
     python benchmarks/profile_forward.py --out benchmarks/results/profile_h100.json
 """
@@ -93,6 +94,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6, 9])
     ap.add_argument("--reduction", type=float, default=0.38)
+    ap.add_argument("--graphs-only", action="store_true",
+                    help="only the cuda_graphs=True rows (actor share against a replay), no eager profile")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -116,7 +119,7 @@ def main():
             for _ in range(args.warmup):
                 model(x)
             native_ms = wall_ms(model, x, args.iters)
-            for cfg, kw in configs.items():
+            for cfg, kw in ({} if args.graphs_only else configs).items():
                 timm_dora.wrap(model, **kw)
                 for _ in range(args.warmup):
                     model(x)

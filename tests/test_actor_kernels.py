@@ -60,6 +60,12 @@ for name, d, n0, p, lengths, gate in (
             remove, k, flops = policy.controller_fixed(keys if fused else keys[:t], cu, max(lengths), p, h,
                                                        n_visual, gate, 4, "sdpa_loop", lengths)
         res[fused] = (remove, k, flops)
+    # into buffers that held other values (the graphs' fixed outputs): every flag of the layout
+    # rewritten, nothing past it touched
+    stale = (torch.ones(t + 9 + 3, dtype=torch.bool), torch.full((b,), 7), torch.full((b,), -1.0, dtype=torch.float64))
+    with torch.no_grad():
+        into = ActorPolicy(actor, fused_controller=True).controller_fixed(keys, cu, max(lengths), p, h, n_visual, gate,
+                                                                          4, "sdpa_loop", lengths, out=stale)
     (r0, k0, f0), (r1, k1, f1) = res[False], res[True]
     out[name] = {
         "rows": [int(r0.shape[0]), int(r1.shape[0])],
@@ -68,6 +74,9 @@ for name, d, n0, p, lengths, gate in (
         [int(r1[s:e].sum()) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())],
         "prefix_removed": int(sum(r1[s:s + p].sum() for s in cu[:-1].tolist())),
         "padding_removed": int(r1[t:].sum()),
+        "out_equal": bool(torch.equal(into[0], r1) and torch.equal(into[1], k1) and torch.equal(into[2], f1)),
+        "out_is_buffer": bool(into[0].data_ptr() == stale[0].data_ptr() and into[1] is stale[1] and into[2] is stale[2]),
+        "out_tail": stale[0][t + 9:].tolist(),
     }
 # the gate: one kernel against the modules' logit >= 0 and the feasibility rule
 from timm_dora.actor_kernels import fused_gate
@@ -127,6 +136,8 @@ def test_interpreted_kernels_equal_the_module_path():
     for name, case in res.items():
         assert case["remove_equal"] and case["k_equal"] and case["flops_equal"], (name, case)
         assert case["prefix_removed"] == 0 and case["padding_removed"] == 0
+        # written into stale buffers: the same results, in those buffers, the entries past the layout kept
+        assert case["out_equal"] and case["out_is_buffer"] and case["out_tail"] == [True] * 3, (name, case)
         assert case["removed_per_image"] == case["k"]
     # the cases are not degenerate: gate-active images remove tokens, in varied amounts
     assert res["vit_ti"]["rows"] == [605, 614] and res["vit_ti"]["k"][2] == 0
@@ -154,11 +165,15 @@ def test_fused_controller_reasons_and_errors():
     cu = torch.tensor([0, 17], dtype=torch.int32)
     z = torch.zeros(17, dtype=torch.long)
     with pytest.raises(ValueError, match=r"keys must be \[rows, 48\]"):
-        fused_controller(actor, torch.zeros(17, 40), cu, z, z, 17, torch.zeros(1, 3), torch.tensor([16]),
+        fused_controller(actor, torch.zeros(17, 40), cu, 17, torch.zeros(1, 3), torch.tensor([16]),
                          torch.tensor([True]), 0, cu, 1, 17)
     with pytest.raises(ValueError, match="keys are torch.bfloat16, the actor's weights torch.float32"):
-        fused_controller(actor, torch.zeros(17, 48, dtype=torch.bfloat16), cu, z, z, 17, torch.zeros(1, 3),
+        fused_controller(actor, torch.zeros(17, 48, dtype=torch.bfloat16), cu, 17, torch.zeros(1, 3),
                          torch.tensor([16]), torch.tensor([True]), 0, cu, 1, 17)
+    with pytest.raises(ValueError, match=r"out must be \(remove \[>= 17\] bool, k \[1\] int64, flops \[1\] float64\)"):
+        fused_controller(actor, torch.zeros(17, 48), cu, 17, torch.zeros(1, 3), torch.tensor([16]),
+                         torch.tensor([True]), 0, cu, 1, 17,
+                         out=(torch.zeros(16, dtype=torch.bool), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.float64)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

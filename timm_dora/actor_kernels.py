@@ -130,6 +130,21 @@ if triton is not None:
         return rows, rows < total, rows.to(tl.int64), tl.arange(0, W), r0 < total
 
     @triton.jit
+    def _seg_pos(CU, rows, live, nseq, steps):
+        """Each row's sequence (the last ``j < nseq`` with ``CU[j] <= row``; rows past the last
+        sequence count as its own) and position in it, by a binary search over ``CU`` in
+        ``steps >= ceil(log2(nseq))`` halvings: what ``policy.segment_and_position`` computes, here
+        without two ``[rows]`` tensors and the five small kernels that make them."""
+        lo = tl.zeros_like(rows)  # CU[lo] <= row (CU[0] = 0); the answer lies in [lo, hi)
+        hi = lo + nseq
+        for _ in range(steps):
+            mid = (lo + hi) // 2
+            go = tl.load(CU + mid, mask=live, other=0) <= rows
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        return lo, rows - tl.load(CU + lo, mask=live, other=0)
+
+    @triton.jit
     def _gelu(x):
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
@@ -158,10 +173,13 @@ if triton is not None:
         tl.store(GATE + seqs, (logit >= 0) & (n_visual - min_keep >= step), mask=live)
 
     @triton.jit
-    def _embed_qkv(KEYS, stride_k, SEG, POS, H, CU, nseq, WIN, BIN, EMB, WH, G1, B1, WQKV, BQKV, X, QKV, eps,
-                   D: tl.constexpr, W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _embed_qkv(KEYS, stride_k, H, CU, nseq, steps, WIN, BIN, EMB, WH, G1, B1, WQKV, BQKV, X, QKV, REMOVE, total,
+                   eps, D: tl.constexpr, W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PREC: tl.constexpr):
         rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
+        # the removal flags start False (``_select`` sets them later): every row of the block's
+        # layout, real or not, is some program's (the grid covers the layout's rows too)
+        tl.store(REMOVE + r64, rows < 0, mask=rows < total)
         if any_real:
             DT = X.dtype.element_ty
             acc = tl.zeros([BLOCK_R, W], dtype=tl.float32)
@@ -172,8 +190,8 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
             x = _round(acc + tl.load(BIN + cols).to(tl.float32)[None, :], DT)  # w_in(K)
             x = _round(x + tl.load(EMB + cols).to(tl.float32)[None, :], DT)  # + e^C_l
-            seg = tl.load(SEG + rows, mask=live, other=0)
-            cls = live & (tl.load(POS + rows, mask=live, other=1) == 0)
+            seg, pos = _seg_pos(CU, rows, live, nseq, steps)
+            cls = live & (pos == 0)
             wh = tl.zeros([BLOCK_R, W], dtype=tl.float32)  # W_h h_l on CLS rows
             for i in tl.static_range(3):
                 hi = _round(tl.load(H + seg * 3 + i, mask=cls, other=0.0), DT)
@@ -196,6 +214,7 @@ if triton is not None:
             x = tl.load(X + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             x = _round(x + proj, DT)
             ln = _layer_norm(x, G2, B2, cols, W, eps).to(DT)
+            x = x.to(DT)  # (exact: rounded above) half the registers while the FFN runs
             acc = tl.zeros([BLOCK_R, W], dtype=tl.float32)
             for f0 in tl.static_range(0, F, FCH):  # the hidden layer in chunks of FCH units
                 fs = f0 + tl.arange(0, FCH)
@@ -203,10 +222,11 @@ if triton is not None:
                 w2 = tl.load(WF2 + cols[:, None] * F + fs[None, :])  # [W, FCH]
                 acc = tl.dot(hid, tl.trans(w2), acc, input_precision=PREC)
             ffn = _round(acc + tl.load(BF2 + cols).to(tl.float32)[None, :], DT)
-            tl.store(Z + r64[:, None] * W + cols[None, :], (x + ffn).to(DT), mask=live[:, None])
+            tl.store(Z + r64[:, None] * W + cols[None, :], (x.to(tl.float32) + ffn).to(DT), mask=live[:, None])
 
     @triton.jit
-    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, nseq, num_budgets, min_keep, eps,
+    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
+                gate_macs, quad, lin, const,
                 W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr):
         DT = Z.dtype.element_ty
         seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -230,15 +250,19 @@ if triton is not None:
         k = tl.where(gate, tl.load(BUDGETS + index, mask=live, other=0), 0)
         tl.store(K + seqs, k, mask=live)
         tl.store(FRAC + seqs, k.to(tl.float32) / n_visual.to(tl.float32), mask=live)
+        # the FLOPs (flops.actor_controller_macs, in float64: integer-valued and exact below 2**53)
+        n = n_visual.to(tl.float64) + 1.0
+        macs = n * (n * quad.to(tl.float64) + lin.to(tl.float64)) + const.to(tl.float64)
+        flops = 2.0 * gate_macs.to(tl.float64) + tl.where(gate, 2.0 * macs, 0.0)
+        tl.store(FLOPS + seqs, flops, mask=live)
 
     @triton.jit
-    def _scores(Z, SEG, POS, CU, nseq, FRAC, WK, WS1, BS1, WS2, BS2, SC,
+    def _scores(Z, CU, nseq, steps, FRAC, WK, WS1, BS1, WS2, BS2, SC,
                 W: tl.constexpr, S: tl.constexpr, NP: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
         rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
         if any_real:
             DT = Z.dtype.element_ty
-            seg = tl.load(SEG + rows, mask=live, other=0)
-            pos = tl.load(POS + rows, mask=live, other=0)
+            seg, pos = _seg_pos(CU, rows, live, nseq, steps)
             visual = live & (pos >= 1)
             frac = _round(tl.load(FRAC + seg, mask=live, other=0.0), DT)  # k / N_l in the dtype
             cond = _round(frac[:, None] * tl.load(WK + cols).to(tl.float32)[None, :], DT)  # W_k (k / N_l)
@@ -366,21 +390,28 @@ def copy_open_keys(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, g
     return out
 
 
-def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor,
-                     max_len: int, h: torch.Tensor, n_visual: torch.Tensor, gate: torch.Tensor, block: int,
-                     cu_out: torch.Tensor, num_prefix: int, total: int,
-                     tile: Optional[Tuple[int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, h: torch.Tensor,
+                     n_visual: torch.Tensor, gate: torch.Tensor, block: int, cu_out: torch.Tensor, num_prefix: int,
+                     total: int, tile: Optional[Tuple[int, int]] = None,
+                     out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The deterministic controller of ``actor`` on a packed controller layout (see the module).
 
     ``keys``: ``[rows, d]`` in the actor's dtype, one sequence per image (its CLS key first, then
     its visual keys; rows past the last sequence ignored), delimited by ``cu_seqlens`` (``[B+1]``
-    int32); ``seg``/``pos``: each row's sequence and position in it; ``max_len``: an upper bound
-    of the lengths; ``h``: ``[B, 3]`` history; ``n_visual``: ``[B]`` visual-token counts;
-    ``gate``: ``[B]`` bool; ``block``: the block index. The removal flags are written for the
-    block's own layout: ``cu_out`` (``[B+1]``, its sequence starts), ``num_prefix`` prefix rows
-    per sequence, ``total`` rows. Returns ``(remove [total] bool, k [B] int64)``. ``tile``:
-    ``(rows per program, warps)`` of the row-wise kernels instead of :data:`TILE_ROWS` (benchmarks).
+    int32); ``max_len``: an upper bound of the lengths; ``h``: ``[B, 3]`` history; ``n_visual``:
+    ``[B]`` visual-token counts; ``gate``: ``[B]`` bool; ``block``: the block index. The removal
+    flags are written for the block's own layout: ``cu_out`` (``[B+1]``, its sequence starts),
+    ``num_prefix`` prefix rows per sequence, ``total`` rows. Returns ``(remove [total] bool,
+    k [B] int64, flops [B] float64)``: the flags, the budgets (0 where the gate is closed) and the
+    actor's FLOPs per image (:func:`timm_dora.flops.actor_gate_macs` at every image plus
+    :func:`~timm_dora.flops.actor_controller_macs` where the gate is open, doubled), into ``out``
+    when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
+    written). ``tile``: ``(rows per program, warps)`` of the row-wise kernels instead of
+    :data:`TILE_ROWS` (benchmarks).
     """
+    from .flops import _controller_terms, actor_gate_macs
+
     reason = fused_controller_reason(actor, keys.dtype)
     if reason is not None:
         raise ValueError(f"fused controller: {reason}")
@@ -394,16 +425,25 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, seg: t
     prec = "ieee" if dt == torch.float32 else "tf32"  # fp32 (the CPU tests) exact; half: irrelevant
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     h = h.float().contiguous()
+    if out is None:
+        out = (torch.empty(total, dtype=torch.bool, device=dev), torch.empty(b, dtype=torch.long, device=dev),
+               torch.empty(b, dtype=torch.float64, device=dev))
+    remove, k_out, flops = out
+    if remove.shape[0] < total or k_out.shape != (b,) or flops.shape != (b,) or remove.dtype != torch.bool \
+            or k_out.dtype != torch.long or flops.dtype != torch.float64 or not remove.is_contiguous():
+        raise ValueError(f"out must be (remove [>= {total}] bool, k [{b}] int64, flops [{b}] float64)")
+    steps = max(1, (b - 1).bit_length())  # halvings of the binary search for each row's sequence
     block_r, warps = tile or TILE_ROWS
     rl = ROW_LAUNCH
     grid = (_cdiv(rows, block_r),)
     x = torch.empty((rows, w), dtype=dt, device=dev)
     qkv = torch.empty((rows, 3 * w), dtype=dt, device=dev)
-    _embed_qkv[grid](keys, keys.stride(0), seg, pos, h, cu, b, actor.w_in.weight, actor.w_in.bias,
-                     actor.block_embed[block], actor.w_h.weight, enc.norm1.weight, enc.norm1.bias,
-                     enc.qkv.weight, enc.qkv.bias, x, qkv, enc.norm1.eps,
-                     D=d, W=w, BLOCK_R=block_r, BLOCK_K=rl["k_block"] if d >= rl["k_block"] else 32,
-                     PREC=prec, num_warps=warps, num_stages=rl["num_stages"])
+    # (its grid also covers the block layout's rows, whose removal flags it sets False)
+    _embed_qkv[(_cdiv(max(rows, total), block_r),)](
+        keys, keys.stride(0), h, cu, b, steps, actor.w_in.weight, actor.w_in.bias, actor.block_embed[block],
+        actor.w_h.weight, enc.norm1.weight, enc.norm1.bias, enc.qkv.weight, enc.qkv.bias, x, qkv, remove, total,
+        enc.norm1.eps, D=d, W=w, BLOCK_R=block_r, BLOCK_K=rl["k_block"] if d >= rl["k_block"] else 32,
+        PREC=prec, num_warps=warps, num_stages=rl["num_stages"])
     heads = enc.num_heads
     q, k, v = qkv.view(rows, 3, heads, w // heads).unbind(1)
     o = varlen_attention_triton(q, k, v, cu, max_len, (w // heads) ** -0.5)
@@ -414,17 +454,17 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, seg: t
                    num_warps=warps, num_stages=rl["num_stages"])
     m = actor.num_budgets
     mp = max(16, triton.next_power_of_2(m))
-    k_out = torch.empty(b, dtype=torch.long, device=dev)
     frac = torch.empty(b, dtype=torch.float32, device=dev)
+    per_token, fixed, selector, _ = _controller_terms(actor)
     _budget[(_cdiv(b, 16),)](z, cu, n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias,
-                             bh[3].weight, bh[3].bias, actor.budgets, k_out, frac, b, m, actor.min_keep, bh[0].eps,
+                             bh[3].weight, bh[3].bias, actor.budgets, k_out, frac, flops, b, m, actor.min_keep,
+                             bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector,
                              W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec, num_warps=warps)
     np_ = max(16, triton.next_power_of_2(actor.num_patches))
     scores = torch.empty((b, np_), dtype=torch.float32, device=dev)
-    _scores[grid](z, seg, pos, cu, b, frac, actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight,
+    _scores[grid](z, cu, b, steps, frac, actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight,
                   sel[2].bias, scores, W=w, S=actor.selector_hidden, NP=np_, BLOCK_R=block_r, PREC=prec,
                   num_warps=warps)
-    remove = torch.zeros(total, dtype=torch.bool, device=dev)
     ch = min(64, np_)
     _select[(b, np_ // ch)](scores, cu, cu_out, k_out, remove, num_prefix, NP=np_, CH=ch, num_warps=warps)
-    return remove, k_out
+    return remove[:total], k_out, flops

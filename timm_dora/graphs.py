@@ -363,12 +363,14 @@ class GraphRunner:
                 else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
                     args = (self.k[:self.cur.total], self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
                 keys, cu, lengths, h, n_visual, gate = args
+                # (written into the fixed outputs directly; uncaptured, the rows past the real ones
+                # are not the controller's: no removal there)
+                if keys.shape[0] < rows:
+                    self.ctrl_out[0][keys.shape[0]:rows].zero_()
                 remove, removed, flops = self.policy.controller_fixed(
-                    keys, cu, self.seq, p, h, n_visual, gate, l, self.backend, None if self.capture else lengths)
-                remove = F.pad(remove, (0, rows - remove.shape[0]))
-                self.ctrl_out[0][:rows].copy_(remove)
-                self.ctrl_out[1].copy_(removed)
-                self.ctrl_out[2].copy_(flops)
+                    keys, cu, self.seq, p, h, n_visual, gate, l, self.backend, None if self.capture else lengths,
+                    out=self.ctrl_out)
+                remove = self.ctrl_out[0][:rows]
                 # the deletion in the same graph (the rows padded past the last sequence are never
                 # removed: they follow the survivors), the new layout, and the new lengths to the
                 # host, the only value it waits for before the survivors' MLP

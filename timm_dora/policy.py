@@ -440,7 +440,9 @@ class ActorPolicy:
 
     def controller_fixed(self, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, num_prefix: int,
                          h: torch.Tensor, n_visual: torch.Tensor, gate: torch.Tensor, block: int,
-                         backend: str, lengths_host: Optional[List[int]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         backend: str, lengths_host: Optional[List[int]] = None,
+                         out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The deterministic controller in fixed shapes, for a CUDA graph (:mod:`timm_dora.graphs`).
 
         The same computation as the controller of :meth:`__call__` (encoder, budget head, selector,
@@ -451,7 +453,9 @@ class ActorPolicy:
         history and visual-token counts. ``lengths_host``: the lengths on the host, for the
         ``sdpa_loop`` backend (uncaptured, unpadded rows only). Returns ``(remove [rows] bool, removed [B], flops [B])``;
         for gate-active images the decision equals :meth:`__call__`'s up to rounding (products over
-        more rows), the others remove nothing and count only the gate's FLOPs.
+        more rows), the others remove nothing and count only the gate's FLOPs. ``out``: buffers
+        for the three results (``remove`` at least ``rows`` long: its first ``rows`` entries are
+        written), what the graphs keep.
         """
         actor, p = self.actor, num_prefix
         b, rows, dev = gate.shape[0], keys.shape[0], keys.device
@@ -460,24 +464,24 @@ class ActorPolicy:
             keys = keys.to(actor.w_in.weight.dtype)
         if keys.stride(1) != 1:
             keys = keys.contiguous()
-        cu = cu_seqlens.long()
-        idx = torch.arange(rows, device=dev)
-        seg, pos = segment_and_position(cu, idx)
-        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu.to(torch.int32)
+        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        cu = None
         if p > 1:  # the controller reads CLS and the visual tokens only: drop the other prefix rows
             # (padded rows lie past the last sequence, so pos >= p there: the count is fixed)
+            cu = cu_seqlens.long()
+            _, pos = segment_and_position(cu, torch.arange(rows, device=dev))
             keys = keys[torch.nonzero_static((pos == 0) | (pos >= p), size=rows - b * (p - 1)).squeeze(1)]
             cu = cu - torch.arange(b + 1, device=dev) * (p - 1)
             rows = keys.shape[0]
-            idx = idx[:rows]
-            seg, pos = segment_and_position(cu, idx)
             cu32 = cu.to(torch.int32)
-        gate_flops = 2.0 * actor_gate_macs(actor)
-        flops = gate_flops + torch.where(gate, 2.0 * actor_controller_macs(actor, n_visual), 0.0)
-        if self._use_fused(backend, keys.dtype):
-            remove, k = fused_controller(actor, keys, cu32, seg, pos, max_len - (p - 1), h, n_visual, gate, block,
-                                         cu_seqlens, p, total)
-            return remove, k, flops
+        if self._use_fused(backend, keys.dtype):  # (each row's sequence and position found in the
+            # kernels, the FLOPs in the budget kernel)
+            return fused_controller(actor, keys, cu32, max_len - (p - 1), h, n_visual, gate, block, cu_seqlens, p,
+                                    total, out=out)
+        cu = cu_seqlens.long() if cu is None else cu
+        idx = torch.arange(rows, device=dev)
+        seg, pos = segment_and_position(cu, idx)
+        flops = 2.0 * actor_gate_macs(actor) + torch.where(gate, 2.0 * actor_controller_macs(actor, n_visual), 0.0)
         layout = _FixedLayout(cu32, max_len - (p - 1), cu[:-1],
                               None if lengths_host is None else [n - (p - 1) for n in lengths_host])
         z = actor.encode(keys, layout, h, block, backend)
@@ -490,7 +494,12 @@ class ActorPolicy:
         order, valid = ordered_topk(scores[:, :n0].contiguous(), k, kmax=n0 - actor.min_keep)
         at = torch.where(valid, cu_seqlens[:-1].long()[:, None] + p + order, total)
         remove = torch.zeros(total + 1, dtype=torch.bool, device=dev).index_fill_(0, at.reshape(-1), True)[:total]
-        return remove, k, flops
+        if out is None:
+            return remove, k, flops
+        out[0][:total].copy_(remove)
+        out[1].copy_(k)
+        out[2].copy_(flops)
+        return out[0][:total], out[1], out[2]
 
     def _use_fused(self, backend: str, dtype: torch.dtype) -> bool:
         """Whether the deterministic gate and :meth:`controller_fixed` run the Triton kernels of
