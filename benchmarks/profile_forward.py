@@ -96,6 +96,8 @@ def main():
     ap.add_argument("--reduction", type=float, default=0.38)
     ap.add_argument("--graphs-only", action="store_true",
                     help="only the cuda_graphs=True rows (actor share against a replay), no eager profile")
+    ap.add_argument("--graph-configs", nargs="+", default=["gate_off", "actor", "actor_modules"],
+                    choices=["gate_off", "actor", "actor_modules"], help="which cuda_graphs=True rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -136,19 +138,21 @@ def main():
                       + " ".join(f"{k[5:]}={v['device_ms']:.2f}" for k, v in scopes.items())
                       + f"  overhead {100 * over / ms:.1f} %", flush=True)
                 timm_dora.unwrap(model)
-            res["rows"] += actor_share_graphs(model, name, configs, x, args.warmup, args.iters)
+            res["rows"] += actor_share_graphs(model, name, configs, x, args.warmup, args.iters, args.graph_configs)
         del model
         torch.cuda.empty_cache()
     write_json(args.out, res)
 
 
-def actor_share_graphs(model, name, configs, x, warmup, iters):
+def actor_share_graphs(model, name, configs, x, warmup, iters, which=("gate_off", "actor", "actor_modules")):
     """The actor's share of the ``cuda_graphs=True`` forward (no profiler scopes inside graphs):
     the actor's forward against a replay of the same decisions (the same deletion, packing and
     GFLOPs, no gate or controller), both from graphs, on the same batch."""
     rows = []
     # the actor's controller fused (the default on the triton backend) and as nn modules
     for cfg, fused in (("gate_off", None), ("actor", None), ("actor_modules", False)):
+        if cfg not in which:
+            continue
         actor = configs[cfg.split("_modules")[0]]["actor"]
         plan = recorded_plan(model, ActorPolicy(actor), x)
         ms = {}

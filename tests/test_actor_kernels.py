@@ -272,7 +272,7 @@ with torch.inference_mode():
     for i in range(2):  # the second forward: the runner's state from the first one (history, opened)
         got, stats = P.run(model, x, model._dora.policy)
     runner = next(iter(model._dora.graphs.values()))
-    res = {"inline": runner.inline_gate, "max_diff": float((got - ref).abs().max()),
+    res = {"inline": runner.triton_gate, "max_diff": float((got - ref).abs().max()),
            "tokens": stats.tokens.tolist(), "ref_tokens": ref_stats.tokens.tolist(),
            "gate": stats.gate.tolist(), "ref_gate": ref_stats.gate.tolist()}
 print(json.dumps(res))

@@ -15,9 +15,8 @@ each) and only the decisions and the deletion run eagerly, between replays:
   materialised), which copies the gate vector into pinned host memory and records an event
   there. The host waits for that event only, so it decides while the same graph's attention and
   MLP still run. With the actor's Triton gate (:mod:`timm_dora.actor_kernels`, the default on the
-  ``triton`` backend) the gate is one kernel in line, before the attention kernel; the ``nn``
-  modules' gate (about ten small kernels) is a branch forked onto a second stream, beside the
-  attention (in line, each of those kernels would wait for a whole backbone kernel).
+  ``triton`` backend) the gate is one kernel in line, before the attention kernel; otherwise the
+  ``nn`` modules' gate (about ten small kernels) runs in line there.
 - **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
   (:func:`rows_bucket`: about 1/256 of the batch's ``B*S`` rows, 16 to 256)
   and each block's attention residual and MLP residual are captured per (block, padded rows).
@@ -175,11 +174,13 @@ class GraphRunner:
         actor = getattr(policy, "actor", None)
         self.probing = (bool(getattr(policy, "graph_probe", False)) and actor is not None
                         and actor.w_in.weight.dtype == self.x[0].dtype and self.copy_keys)
-        self.gate_stream = None
-        # the actor's Triton gate (one kernel) runs in line on the graph's stream: forked onto a
-        # second stream, each of its kernels waited for a whole backbone kernel (persistent GEMMs
-        # hold every SM) and the gate vector reached the host only at the end of the graph
-        self.inline_gate = self.probing and policy._use_fused(backend, self.x[0].dtype)
+        # the actor's gate runs in line on the graph's stream, right after qkv: the Triton gate
+        # (one kernel) where the fused kernels run, else the modules' (about ten small kernels).
+        # The modules' gate once ran as a branch forked onto a second stream: each of its kernels
+        # waited for a whole backbone kernel (persistent GEMMs hold every SM), the gate vector
+        # reached the host only at the end of the graph, and captures of that branch failed on the
+        # H100 after other runners had captured in the same process (NOTES, changes 27, 29, 30)
+        self.triton_gate = self.probing and policy._use_fused(backend, self.x[0].dtype)
         if self.probing:
             with torch.inference_mode(False):
                 self.context_out = torch.zeros(self.depth, self.batch, actor.gate_hidden,
@@ -191,7 +192,6 @@ class GraphRunner:
                 self.xa = torch.empty_like(self.x[0])
             self.dense_attended = self.dense_inputs[0].with_x(self.xa)
         if self.capture and self.probing:
-            self.gate_stream = torch.cuda.Stream(dev)  # the gate's branch of the attention graphs
             # recorded inside the graphs (external: a record node the host can wait on)
             self.gate_ready = [torch.cuda.Event(external=True) for _ in range(self.depth)]
             self.deleted_ready = torch.cuda.Event(external=True)  # the controller graph's deletion
@@ -322,14 +322,14 @@ class GraphRunner:
                 self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
 
             def cls_keys(k: torch.Tensor) -> None:  # [B, H, S, hd] -> the CLS keys [B, H, hd] (a view)
-                if keep and not self.inline_gate:  # as [B*S, d] rows (heads concatenated), the layout
+                if keep and not self.triton_gate:  # as [B*S, d] rows (heads concatenated), the layout
                     # attention_keys gives
                     self.k.view(b, self.seq, k.shape[1], k.shape[3]).copy_(k.transpose(1, 2))
                 cls = k[:, :, 0]
-                if not self.inline_gate:  # the modules' gate takes [B, d] (a copy)
+                if not self.triton_gate:  # the modules' gate takes [B, d] (a copy)
                     cls = cls.reshape(b, -1)
-                self._fork(lambda: gate_dense(cls), cls)
-                if keep and self.inline_gate:  # the gate ran just above: the open images' keys only
+                gate_dense(cls)
+                if keep and self.triton_gate:  # the gate ran just above: the open images' keys only
                     copy_open_keys(k, self.dense_inputs[0].cu_seqlens, self.seq, self.gate_out[l], self.k)
 
             def attention_dense():
@@ -337,7 +337,6 @@ class GraphRunner:
                                    on_keys=cls_keys if self.probing else None)
                 if spec:  # the MLP in the same graph, speculatively (the gate decides later)
                     mlp_residual(blk, self.xa, out=self.x[(l + 1) % 2])
-                self._join()
             return attention_dense
         if kind == "mlp":  # dense or packed: xa -> x[(l + 1) % 2]
             rows = key[2]
@@ -427,26 +426,25 @@ class GraphRunner:
                 self.steps[("packed", l)] = step._replace(ctx=None, keys=None, h=self.ctrl_in[0], gate=self.ctrl_in[2])
 
             def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
-                if self.inline_gate:  # the gate reads the CLS keys in place, then only the open
+                if self.triton_gate:  # the gate reads the CLS keys in place, then only the open
                     # images' keys are kept (the controller reads no other)
                     gate_packed(k)
                     copy_open_keys(k, self.cu, self.seq, self.ctrl_in[2], self.k)
                     return
                 self.k[:rows].copy_(k.reshape(rows, -1))
                 if self.probing:
-                    self._fork(gate_packed)
+                    gate_packed()
 
             attend = self._attend(l, rows)
 
             def attention_packed():
                 src = SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False)
                 if self.probing and fresh:
-                    self._fork(gate_history)
+                    gate_history()
                 attention_residual(blk, src, self.backend, out=self._attn_out(l)[:rows], attend=attend, keys=False,
                                    on_keys=keep_keys if self.copy_keys else None)
                 if spec:  # the MLP in the same graph, speculatively (the gate decides later)
                     mlp_residual(blk, self.xa[:rows], out=self.x[(l + 1) % 2][:rows])
-                self._join()
             return attention_packed
         raise KeyError(key)
 
@@ -466,43 +464,21 @@ class GraphRunner:
             return F.pad(o, (0, 0, 0, 0, 0, rows - t))
         return attend
 
-    def _fork(self, fn: Callable[[], None], *reads: torch.Tensor) -> None:
-        """Run ``fn`` (the actor's gate) on the gate stream, after what the current stream enqueued
-        so far: in a capture, a branch of the graph that runs beside the attention kernel (the
-        segment ends with :meth:`_join`). ``reads``: tensors of the current stream that ``fn``
-        reads (their memory is not reused before the gate stream is done with it). Uncaptured
-        (CPU), in order."""
-        if not self.capture or self.inline_gate:
-            fn()
-            return
-        self.gate_stream.wait_stream(torch.cuda.current_stream(self.device))
-        for t in reads:
-            t.record_stream(self.gate_stream)
-        with torch.cuda.stream(self.gate_stream):
-            fn()
-
     def _gate_copied(self, l: int) -> None:
-        """Mark (on the gate stream) that block ``l``'s gate vector reached pinned memory: in a
-        capture an event-record node of the graph, so the host can wait for the gate alone while
-        the rest of the graph (attention, MLP) still runs."""
+        """Mark that block ``l``'s gate vector reached pinned memory: in a capture an event-record
+        node of the graph, so the host can wait for the gate alone while the rest of the graph
+        (attention, MLP) still runs."""
         if self.capture:
-            self.gate_ready[l].record(torch.cuda.current_stream(self.device) if self.inline_gate else self.gate_stream)
+            self.gate_ready[l].record(torch.cuda.current_stream(self.device))
 
     def _read_gate(self, l: int) -> List[bool]:
-        """Block ``l``'s gate vector, as soon as its graph branch copied it (the attention and the
+        """Block ``l``'s gate vector, as soon as its graph copied it (the attention and the
         speculative MLP of the same graph may still be running); remembers whether it opened."""
         if self.capture:
             self.gate_ready[l].synchronize()
         gate = self.gate_host[l].tolist()
         self.opened[l] = any(gate)
         return gate
-
-    def _join(self) -> None:
-        """The current stream waits for the forked gate (a graph's branches must join before its
-        end). The gate stream exists only when capturing for the actor, whose attention segments
-        always fork."""
-        if self.gate_stream is not None and not self.inline_gate:
-            torch.cuda.current_stream(self.device).wait_stream(self.gate_stream)
 
     def _run(self, key: tuple) -> None:
         if not self.capture:
@@ -610,7 +586,7 @@ class GraphRunner:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
         if not self.probing:
             return self.policy(ctx), src.with_x(self._attn_out(l)[:t]), False
-        # the gate ran in the attention graph (its branch beside the attention kernel): it wrote
+        # the gate ran in the attention graph (in line, right after qkv): it wrote
         # the gate (also to pinned memory) and the controller's inputs; its vector travels to the
         # host while the same graph's MLP of the unpruned rows runs (speculation, as when dense)
         gate_host = self._read_gate(l)
@@ -694,7 +670,6 @@ class GraphRunner:
         and ``history``, the next block's (N_l, rho_l, E_<l), into the gate's fixed buffers."""
         if self.probing:  # every deletion of the actor's runner comes from its controller graph
             lengths, ids = self.lengths.clone(), self.ids.clone()
-            history = history if self.inline_gate else None  # (see below)
             if history is not None:
                 self.set_history(*history)
             if self.capture:
@@ -706,11 +681,7 @@ class GraphRunner:
             self.cur = Packed(self.x[(l + 1) % 2][:total], lengths, lengths_host, attended.num_prefix, ids[:total])
             if history is not None and l + 1 < self.depth:
                 # and the next block's graph right behind it, before the host's bookkeeping: the
-                # survivors' MLP is short (ViT-Ti: shorter than the host's way to the next block).
-                # Only with the Triton gate in line: with the modules' gate forked onto the gate
-                # stream, a later capture of a packed attention graph failed on the H100
-                # (cudaErrorStreamCaptureInvalidated in the gate branch, after other runners had
-                # captured in the same process; not understood), so that path keeps its order
+                # survivors' MLP is short (ViT-Ti: shorter than the host's way to the next block)
                 self._attention_packed(l + 1, rows, not self.opened[l + 1], *history)
                 self._launched = l + 1
             return
