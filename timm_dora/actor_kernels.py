@@ -410,7 +410,7 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     written). ``tile``: ``(rows per program, warps)`` of the row-wise kernels instead of
     :data:`TILE_ROWS` (benchmarks).
     """
-    from .flops import _controller_terms, actor_gate_macs
+    from .flops import controller_macs_terms, actor_gate_macs
 
     reason = fused_controller_reason(actor, keys.dtype)
     if reason is not None:
@@ -455,7 +455,7 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     m = actor.num_budgets
     mp = max(16, triton.next_power_of_2(m))
     frac = torch.empty(b, dtype=torch.float32, device=dev)
-    per_token, fixed, selector, _ = _controller_terms(actor)
+    per_token, fixed, selector, _ = controller_macs_terms(actor)
     _budget[(_cdiv(b, 16),)](z, cu, n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias,
                              bh[3].weight, bh[3].bias, actor.budgets, k_out, frac, flops, b, m, actor.min_keep,
                              bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector,

@@ -114,7 +114,7 @@ def actor_controller_macs(actor, n_visual: torch.Tensor) -> torch.Tensor:
     ``n * per_token + 2 n^2 w + fixed + (n - 1) * selector``, computed as
     ``n * (2 w n + per_token + selector) + fixed - selector`` (integer-valued float64, exact).
     """
-    per_token, fixed, selector, w = _controller_terms(actor)
+    per_token, fixed, selector, w = controller_macs_terms(actor)
     n = n_visual.double() + 1
     return n * (n * (2 * w) + (per_token + selector)) + (fixed - selector)
 
@@ -122,8 +122,10 @@ def actor_controller_macs(actor, n_visual: torch.Tensor) -> torch.Tensor:
 _CONTROLLER_TERMS: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, int, int, int]]" = weakref.WeakKeyDictionary()
 
 
-def _controller_terms(actor) -> Tuple[int, int, int, int]:
-    """``(per_token, fixed, selector, width)`` MACs of an actor's controller, read off its modules once."""
+def controller_macs_terms(actor) -> Tuple[int, int, int, int]:
+    """``(per_token, fixed, selector, width)`` MACs of an actor's controller, read off its modules
+    once: the terms of :func:`actor_controller_macs` (which the fused controller's budget kernel
+    evaluates on the GPU, :mod:`timm_dora.actor_kernels`)."""
     terms = _CONTROLLER_TERMS.get(actor)
     if terms is None:
         w = actor.width

@@ -366,7 +366,7 @@ class GraphRunner:
                 # are not the controller's: no removal there)
                 if keys.shape[0] < rows:
                     self.ctrl_out[0][keys.shape[0]:rows].zero_()
-                remove, removed, flops = self.policy.controller_fixed(
+                _, removed, _ = self.policy.controller_fixed(
                     keys, cu, self.seq, p, h, n_visual, gate, l, self.backend, None if self.capture else lengths,
                     out=self.ctrl_out)
                 remove = self.ctrl_out[0][:rows]
