@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_kernels import cuda_time_us, ragged_lengths  # noqa: E402
 
 from timm_dora import Actor, ActorPolicy  # noqa: E402
-from timm_dora.actor_kernels import TILE_ROWS, fused_controller  # noqa: E402
+from timm_dora.actor_kernels import ROW_LAUNCH, TILE_ROWS, fused_controller  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
 
 
@@ -41,6 +41,25 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def parse_tile(spec: str):
+    """``"R,W"`` -> ``(R, W)`` for every row kernel; ``"embed=R,W/out_ffn=R,W"`` -> a dict per kernel."""
+    if "=" not in spec:
+        return tuple(int(x) for x in spec.split(","))
+    out = {}
+    for part in spec.split("/"):
+        name, rw = part.split("=")
+        if name not in ("embed", "out_ffn", "scores"):
+            raise SystemExit(f"--tiles: unknown kernel {name!r} (embed, out_ffn, scores)")
+        out[name] = tuple(int(x) for x in rw.split(","))
+    return out
+
+
+def tile_name(tile) -> str:
+    if isinstance(tile, dict):
+        return "/".join(f"{k}={v[0]},{v[1]}" for k, v in tile.items())
+    return ",".join(map(str, tile))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[192, 768])
@@ -48,14 +67,19 @@ def main(argv=None):
     ap.add_argument("--spread", type=int, default=16)
     ap.add_argument("--batch", type=int, default=320)
     ap.add_argument("--tiles", nargs="+", default=["64,4", "32,4", "128,8", "64,8", "32,2"],
-                    help="rows per program,warps of the row-wise kernels")
+                    help="rows per program,warps of the row-wise kernels: R,W for all three, or per kernel "
+                         "embed=R,W/out_ffn=R,W/scores=R,W (the missing ones at the default)")
+    ap.add_argument("--ffn-chunk", type=int, default=None,
+                    help="the FFN's hidden units per step in _out_ffn (actor_kernels.ROW_LAUNCH['ffn_chunk'])")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev, dt, n0, seq = "cuda", torch.bfloat16, 196, 197
     gen = torch.Generator().manual_seed(0)
-    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    tiles = [parse_tile(t) for t in args.tiles]
+    if args.ffn_chunk is not None:
+        ROW_LAUNCH["ffn_chunk"] = args.ffn_chunk
     rows = []
     for d in args.widths:
         torch.manual_seed(0)
@@ -90,7 +114,7 @@ def main(argv=None):
                 for tile in tiles:
                     fn = lambda: fused_controller(actor, keys, cu, seq, h, n_visual,  # noqa: E731
                                                   gate, 4, cu, 1, t + 128, tile=tile)
-                    row["fused_us"][",".join(map(str, tile))] = cuda_time_us(fn, args.iters, args.repeats)
+                    row["fused_us"][tile_name(tile)] = cuda_time_us(fn, args.iters, args.repeats)
                 row["fused_default_tile"] = ",".join(map(str, TILE_ROWS))
                 row["fused_policy_us"] = cuda_time_us(call_f, args.iters, args.repeats)  # with the index math
             best = min(row["fused_us"], key=row["fused_us"].get)
@@ -101,7 +125,7 @@ def main(argv=None):
                   f"budgets {row['budget_agreement']:.3f} removals {row['removal_agreement_same_budget']:.4f}", flush=True)
             rows.append(row)
     result = {**environment(torch.device(dev), "python benchmarks/controller_kernels.py " + " ".join(argv or sys.argv[1:])),
-              "batch": args.batch, "dtype": "bfloat16", "rows": rows}
+              "batch": args.batch, "dtype": "bfloat16", "row_launch": dict(ROW_LAUNCH), "rows": rows}
     if args.out:
         write_json(args.out, result)
     return result

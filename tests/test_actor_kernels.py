@@ -67,7 +67,14 @@ for name, d, n0, p, lengths, gate in (
         into = ActorPolicy(actor, fused_controller=True).controller_fixed(keys, cu, max(lengths), p, h, n_visual, gate,
                                                                           4, "sdpa_loop", lengths, out=stale)
     (r0, k0, f0), (r1, k1, f1) = res[False], res[True]
+    tiled = None
+    if p == 1:  # other rows per program for each row kernel (what a benchmark sweeps): the same results
+        from timm_dora.actor_kernels import fused_controller
+        with torch.no_grad():
+            tiled = fused_controller(actor, keys, cu, max(lengths), h, n_visual, gate, 4, cu, p, t + 9,
+                                     tile={"embed": (32, 4), "out_ffn": (16, 4), "scores": (64, 4)})
     out[name] = {
+        "tiled_equal": None if tiled is None else bool(all(torch.equal(a, b) for a, b in zip(tiled, (r1, k1, f1)))),
         "rows": [int(r0.shape[0]), int(r1.shape[0])],
         "remove_equal": bool(torch.equal(r0, r1[:t])), "k_equal": bool(torch.equal(k0, k1)),
         "flops_equal": bool(torch.equal(f0, f1)), "k": k1.tolist(), "removed_per_image":
@@ -139,6 +146,7 @@ def test_interpreted_kernels_equal_the_module_path():
         # written into stale buffers: the same results, in those buffers, the entries past the layout kept
         assert case["out_equal"] and case["out_is_buffer"] and case["out_tail"] == [True] * 3, (name, case)
         assert case["removed_per_image"] == case["k"]
+    assert res["vit_ti"]["tiled_equal"] is True
     # the cases are not degenerate: gate-active images remove tokens, in varied amounts
     assert res["vit_ti"]["rows"] == [605, 614] and res["vit_ti"]["k"][2] == 0
     assert all(k > 0 for i, k in enumerate(res["vit_ti"]["k"]) if i != 2)

@@ -214,7 +214,6 @@ if triton is not None:
             x = tl.load(X + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             x = _round(x + proj, DT)
             ln = _layer_norm(x, G2, B2, cols, W, eps).to(DT)
-            x = x.to(DT)  # (exact: rounded above) half the registers while the FFN runs
             acc = tl.zeros([BLOCK_R, W], dtype=tl.float32)
             for f0 in tl.static_range(0, F, FCH):  # the hidden layer in chunks of FCH units
                 fs = f0 + tl.arange(0, FCH)
@@ -222,7 +221,7 @@ if triton is not None:
                 w2 = tl.load(WF2 + cols[:, None] * F + fs[None, :])  # [W, FCH]
                 acc = tl.dot(hid, tl.trans(w2), acc, input_precision=PREC)
             ffn = _round(acc + tl.load(BF2 + cols).to(tl.float32)[None, :], DT)
-            tl.store(Z + r64[:, None] * W + cols[None, :], (x.to(tl.float32) + ffn).to(DT), mask=live[:, None])
+            tl.store(Z + r64[:, None] * W + cols[None, :], (x + ffn).to(DT), mask=live[:, None])
 
     @triton.jit
     def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
@@ -408,7 +407,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     :func:`~timm_dora.flops.actor_controller_macs` where the gate is open, doubled), into ``out``
     when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
     written). ``tile``: ``(rows per program, warps)`` of the row-wise kernels instead of
-    :data:`TILE_ROWS` (benchmarks).
+    :data:`TILE_ROWS`, or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
+    ``"scores"``; the missing ones keep :data:`TILE_ROWS`), for benchmarks.
     """
     from .flops import controller_macs_terms, actor_gate_macs
 
@@ -433,12 +433,13 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
             or k_out.dtype != torch.long or flops.dtype != torch.float64 or not remove.is_contiguous():
         raise ValueError(f"out must be (remove [>= {total}] bool, k [{b}] int64, flops [{b}] float64)")
     steps = max(1, (b - 1).bit_length())  # halvings of the binary search for each row's sequence
-    block_r, warps = tile or TILE_ROWS
+    tiles = {k: (tile.get(k, TILE_ROWS) if isinstance(tile, dict) else tile or TILE_ROWS)
+             for k in ("embed", "out_ffn", "scores")}
     rl = ROW_LAUNCH
-    grid = (_cdiv(rows, block_r),)
     x = torch.empty((rows, w), dtype=dt, device=dev)
     qkv = torch.empty((rows, 3 * w), dtype=dt, device=dev)
     # (its grid also covers the block layout's rows, whose removal flags it sets False)
+    block_r, warps = tiles["embed"]
     _embed_qkv[(_cdiv(max(rows, total), block_r),)](
         keys, keys.stride(0), h, cu, b, steps, actor.w_in.weight, actor.w_in.bias, actor.block_embed[block],
         actor.w_h.weight, enc.norm1.weight, enc.norm1.bias, enc.qkv.weight, enc.qkv.bias, x, qkv, remove, total,
@@ -448,7 +449,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     q, k, v = qkv.view(rows, 3, heads, w // heads).unbind(1)
     o = varlen_attention_triton(q, k, v, cu, max_len, (w // heads) ** -0.5)
     z = torch.empty_like(x)
-    _out_ffn[grid](o, x, cu, b, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias,
+    block_r, warps = tiles["out_ffn"]
+    _out_ffn[(_cdiv(rows, block_r),)](o, x, cu, b, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias,
                    enc.fc1.weight, enc.fc1.bias, enc.fc2.weight, enc.fc2.bias, z, enc.norm2.eps,
                    W=w, F=actor.ffn_dim, FCH=min(actor.ffn_dim, rl["ffn_chunk"]), BLOCK_R=block_r, PREC=prec,
                    num_warps=warps, num_stages=rl["num_stages"])
@@ -459,12 +461,13 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     _budget[(_cdiv(b, 16),)](z, cu, n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias,
                              bh[3].weight, bh[3].bias, actor.budgets, k_out, frac, flops, b, m, actor.min_keep,
                              bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector,
-                             W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec, num_warps=warps)
+                             W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec, num_warps=TILE_ROWS[1])
     np_ = max(16, triton.next_power_of_2(actor.num_patches))
     scores = torch.empty((b, np_), dtype=torch.float32, device=dev)
-    _scores[grid](z, cu, b, steps, frac, actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight,
+    block_r, warps = tiles["scores"]
+    _scores[(_cdiv(rows, block_r),)](z, cu, b, steps, frac, actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight,
                   sel[2].bias, scores, W=w, S=actor.selector_hidden, NP=np_, BLOCK_R=block_r, PREC=prec,
                   num_warps=warps)
     ch = min(64, np_)
-    _select[(b, np_ // ch)](scores, cu, cu_out, k_out, remove, num_prefix, NP=np_, CH=ch, num_warps=warps)
+    _select[(b, np_ // ch)](scores, cu, cu_out, k_out, remove, num_prefix, NP=np_, CH=ch, num_warps=TILE_ROWS[1])
     return remove[:total], k_out, flops
