@@ -66,7 +66,7 @@ def main(argv=None):
     ap.add_argument("--means", type=int, nargs="+", default=[197, 142, 90])
     ap.add_argument("--spread", type=int, default=16)
     ap.add_argument("--batch", type=int, default=320)
-    ap.add_argument("--tiles", nargs="+", default=["64,4", "32,4", "128,8", "64,8", "32,2"],
+    ap.add_argument("--tiles", nargs="+", default=["embed=64,8/out_ffn=128,8/scores=128,8", "128,8", "64,8", "64,4"],
                     help="rows per program,warps of the row-wise kernels: R,W for all three, or per kernel "
                          "embed=R,W/out_ffn=R,W/scores=R,W (the missing ones at the default)")
     ap.add_argument("--ffn-chunk", type=int, default=None,
@@ -115,13 +115,13 @@ def main(argv=None):
                     fn = lambda: fused_controller(actor, keys, cu, seq, h, n_visual,  # noqa: E731
                                                   gate, 4, cu, 1, t + 128, tile=tile)
                     row["fused_us"][tile_name(tile)] = cuda_time_us(fn, args.iters, args.repeats)
-                row["fused_default_tile"] = ",".join(map(str, TILE_ROWS))
+                row["fused_default_tile"] = tile_name(TILE_ROWS)
                 row["fused_policy_us"] = cuda_time_us(call_f, args.iters, args.repeats)  # with the index math
             best = min(row["fused_us"], key=row["fused_us"].get)
             row["fused_best"] = best
             print(f"d={d:4d} mean={mean:3d} rows={t}: modules {row['modules_us']:7.1f} us ({row['modules_kernels']} kernels), "
                   f"fused {row['fused_policy_us']:7.1f} us ({row['fused_kernels']} kernels; kernels alone best {best} "
-                  f"{row['fused_us'][best]:6.1f}, default {row['fused_us'][row['fused_default_tile']]:6.1f}); agreement "
+                  f"{row['fused_us'][best]:6.1f}, default {row['fused_us'].get(row['fused_default_tile'], float('nan')):6.1f}); agreement "
                   f"budgets {row['budget_agreement']:.3f} removals {row['removal_agreement_same_budget']:.4f}", flush=True)
             rows.append(row)
     result = {**environment(torch.device(dev), "python benchmarks/controller_kernels.py " + " ".join(argv or sys.argv[1:])),

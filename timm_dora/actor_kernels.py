@@ -51,10 +51,13 @@ __all__ = ["fused_gate", "fused_controller", "copy_open_keys", "fused_controller
 if triton is not None:
     import triton.language as tl
 
-# rows per program of the row-wise kernels and their warps, fixed (no autotuning inside a capture):
-# the fastest of five on an H100 at every shape of benchmarks/controller_kernels.py (results/
-# controller_kernels_h100.json: 128 rows, 8 warps 10-14 % faster than 64 rows, 4 warps)
-TILE_ROWS = (128, 8)
+# rows per program of each row-wise kernel and its warps, fixed (no autotuning inside a capture):
+# 128 rows, 8 warps the fastest of five tiles for all three together on an H100 at every shape of
+# benchmarks/controller_kernels.py (results/controller_kernels_h100.json: 10-14 % faster than 64
+# rows, 4 warps); then, per kernel (NOTES change 31), _embed_qkv at 64 rows, where it spills no
+# registers (benchmarks/kernel_regs.py), 4-15 us faster at every shape
+# (results/controller_kernels_h100_tiles_fch*.json), while _out_ffn at 64 rows was 25-45 us slower
+TILE_ROWS = {"embed": (64, 8), "out_ffn": (128, 8), "scores": (128, 8)}
 # the other launch parameters (Triton's num_stages; the K loop's block over the key width; the FFN's
 # hidden units per step): module constants so that benchmarks can sweep them
 # gate: 16 images per program, the key width in blocks of 256 (64 below that width), no software
@@ -406,9 +409,9 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     actor's FLOPs per image (:func:`timm_dora.flops.actor_gate_macs` at every image plus
     :func:`~timm_dora.flops.actor_controller_macs` where the gate is open, doubled), into ``out``
     when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
-    written). ``tile``: ``(rows per program, warps)`` of the row-wise kernels instead of
+    written). ``tile``: ``(rows per program, warps)`` for all three row-wise kernels instead of
     :data:`TILE_ROWS`, or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
-    ``"scores"``; the missing ones keep :data:`TILE_ROWS`), for benchmarks.
+    ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks.
     """
     from .flops import controller_macs_terms, actor_gate_macs
 
@@ -433,8 +436,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
             or k_out.dtype != torch.long or flops.dtype != torch.float64 or not remove.is_contiguous():
         raise ValueError(f"out must be (remove [>= {total}] bool, k [{b}] int64, flops [{b}] float64)")
     steps = max(1, (b - 1).bit_length())  # halvings of the binary search for each row's sequence
-    tiles = {k: (tile.get(k, TILE_ROWS) if isinstance(tile, dict) else tile or TILE_ROWS)
-             for k in ("embed", "out_ffn", "scores")}
+    tiles = {k: (tile.get(k, default) if isinstance(tile, dict) else tile or default)
+             for k, default in TILE_ROWS.items()}
     rl = ROW_LAUNCH
     x = torch.empty((rows, w), dtype=dt, device=dev)
     qkv = torch.empty((rows, 3 * w), dtype=dt, device=dev)
@@ -461,7 +464,7 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     _budget[(_cdiv(b, 16),)](z, cu, n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias,
                              bh[3].weight, bh[3].bias, actor.budgets, k_out, frac, flops, b, m, actor.min_keep,
                              bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector,
-                             W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec, num_warps=TILE_ROWS[1])
+                             W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec, num_warps=tiles["scores"][1])
     np_ = max(16, triton.next_power_of_2(actor.num_patches))
     scores = torch.empty((b, np_), dtype=torch.float32, device=dev)
     block_r, warps = tiles["scores"]
@@ -469,5 +472,5 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
                   sel[2].bias, scores, W=w, S=actor.selector_hidden, NP=np_, BLOCK_R=block_r, PREC=prec,
                   num_warps=warps)
     ch = min(64, np_)
-    _select[(b, np_ // ch)](scores, cu, cu_out, k_out, remove, num_prefix, NP=np_, CH=ch, num_warps=TILE_ROWS[1])
+    _select[(b, np_ // ch)](scores, cu, cu_out, k_out, remove, num_prefix, NP=np_, CH=ch, num_warps=tiles["scores"][1])
     return remove[:total], k_out, flops
