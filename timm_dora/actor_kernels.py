@@ -14,13 +14,14 @@ intervention, each a few microseconds on an H100 over ``[T, 128]`` activations: 
 memory-bound, not arithmetic. Here it is six kernels, each reading its rows once and keeping
 everything between two matrix products in registers:
 
-1. ``_embed_qkv``: ``X = W_in K + b_in + e^C_l (+ W_h h_l on CLS rows)``, ``LayerNorm``, ``qkv``;
+1. ``_embed_qkv``: ``X = W_in K + b_in + e^C_l (+ W_h h_l on CLS rows)``, ``LayerNorm``, ``qkv``
+   (it also clears the removal flags);
 2. the encoder's attention: :func:`timm_dora.varlen_kernel.varlen_attention_triton`;
 3. ``_out_ffn``: output projection and residual, ``LayerNorm``, the GELU FFN and its residual
    (``Z_l``);
 4. ``_budget``: the budget head on ``Z_CLS`` (``LayerNorm``, ``128 -> 128 -> M``), the infeasible
    budgets masked, the arg-max (ties to the smaller budget, as ``torch.argmax``) and ``k``
-   (zero where the gate is closed);
+   (zero where the gate is closed), and the actor's FLOPs per image;
 5. ``_scores``: the selector ``MLP_S(Z_j + W_k k/N_l)`` on every visual row, into a padded
    ``[B, NP]`` score matrix;
 6. ``_select``: each visual token's rank in its image (higher score first, ties to the lower
@@ -453,10 +454,10 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     o = varlen_attention_triton(q, k, v, cu, max_len, (w // heads) ** -0.5)
     z = torch.empty_like(x)
     block_r, warps = tiles["out_ffn"]
-    _out_ffn[(_cdiv(rows, block_r),)](o, x, cu, b, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias,
-                   enc.fc1.weight, enc.fc1.bias, enc.fc2.weight, enc.fc2.bias, z, enc.norm2.eps,
-                   W=w, F=actor.ffn_dim, FCH=min(actor.ffn_dim, rl["ffn_chunk"]), BLOCK_R=block_r, PREC=prec,
-                   num_warps=warps, num_stages=rl["num_stages"])
+    _out_ffn[(_cdiv(rows, block_r),)](
+        o, x, cu, b, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias, enc.fc1.weight, enc.fc1.bias,
+        enc.fc2.weight, enc.fc2.bias, z, enc.norm2.eps, W=w, F=actor.ffn_dim, FCH=min(actor.ffn_dim, rl["ffn_chunk"]),
+        BLOCK_R=block_r, PREC=prec, num_warps=warps, num_stages=rl["num_stages"])
     m = actor.num_budgets
     mp = max(16, triton.next_power_of_2(m))
     frac = torch.empty(b, dtype=torch.float32, device=dev)
@@ -468,9 +469,9 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     np_ = max(16, triton.next_power_of_2(actor.num_patches))
     scores = torch.empty((b, np_), dtype=torch.float32, device=dev)
     block_r, warps = tiles["scores"]
-    _scores[(_cdiv(rows, block_r),)](z, cu, b, steps, frac, actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight,
-                  sel[2].bias, scores, W=w, S=actor.selector_hidden, NP=np_, BLOCK_R=block_r, PREC=prec,
-                  num_warps=warps)
+    _scores[(_cdiv(rows, block_r),)](
+        z, cu, b, steps, frac, actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight, sel[2].bias, scores,
+        W=w, S=actor.selector_hidden, NP=np_, BLOCK_R=block_r, PREC=prec, num_warps=warps)
     ch = min(64, np_)
     _select[(b, np_ // ch)](scores, cu, cu_out, k_out, remove, num_prefix, NP=np_, CH=ch, num_warps=tiles["scores"][1])
     return remove[:total], k_out, flops
