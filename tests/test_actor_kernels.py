@@ -276,11 +276,20 @@ with torch.inference_mode():
     # the graph path as on an H100: the triton backend, so the actor's Triton gate runs in line,
     # the open images' keys are copied by copy_open_keys and the controller is fused
     P.select_backend = lambda device_type, dtype, preference="auto": "triton"
+    import timm_dora.graphs as G
+    G.FUSED_INTERVENTIONS = __FUSED__  # the controller in the attention's graph where the gate opened before
     timm_dora.wrap(model, policy=ActorPolicy(actor, fused_controller=True), cuda_graphs=True)
+    ran = []
     for i in range(2):  # the second forward: the runner's state from the first one (history, opened)
+        if i == 1:
+            runner = next(iter(model._dora.graphs.values()))
+            run_segment = runner._run
+            runner._run = lambda key: (ran.append((key[0], key[1] if len(key) > 1 else None)), run_segment(key))[1]
+            if __FUSED__:  # also guess wrong: blocks 1 (dense) and 3 (packed) open for no image
+                runner.opened[1] = runner.opened[3] = True
         got, stats = P.run(model, x, model._dora.policy)
     runner = next(iter(model._dora.graphs.values()))
-    res = {"inline": runner.triton_gate, "max_diff": float((got - ref).abs().max()),
+    res = {"inline": runner.triton_gate, "opened": runner.opened, "ran": sorted(set(r for r in ran if r[1] is not None)), "max_diff": float((got - ref).abs().max()),
            "tokens": stats.tokens.tolist(), "ref_tokens": ref_stats.tokens.tolist(),
            "gate": stats.gate.tolist(), "ref_gate": ref_stats.gate.tolist()}
 print(json.dumps(res))
@@ -288,13 +297,24 @@ print(json.dumps(res))
 
 
 @pytest.mark.skipif(triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run these kernels")
-def test_interpreted_graph_path_with_the_actor_kernels_equals_the_default_forward():
+@pytest.mark.parametrize("fused", [False, True], ids=["two_graphs", "fused_interventions"])
+def test_interpreted_graph_path_with_the_actor_kernels_equals_the_default_forward(fused):
     """The CUDA-graph runner's actor path as it runs on an H100 (gate in line, only the open
     images' keys kept, fused controller, the prefix rows read out after a deletion, the next
     block's graph launched right behind the survivors' MLP), uncaptured on the CPU with the Triton
-    kernels interpreted: the same logits, gates and token counts as the default forward."""
-    res = run_interpreted(GRAPH_PATH, timeout=900)
+    kernels interpreted: the same logits, gates and token counts as the default forward; also with
+    ``graphs.FUSED_INTERVENTIONS`` (the controller in the attention's graph, reading the keys in
+    place), including blocks guessed open where no gate opens."""
+    res = run_interpreted(GRAPH_PATH.replace("__FUSED__", str(fused)), timeout=900)
     assert res["inline"] is True
+    # the gate opens at blocks 2, 5 and 8 only (blocks 1 and 3, guessed open, were corrected)
+    assert [i for i, o in enumerate(res["opened"]) if o] == [2, 5, 8]
+    controllers = sorted([kind, l] for kind, l in res["ran"] if "controller" in kind)
+    if fused:  # every controller ran in its block's attention graph, also where guessed wrong
+        assert controllers == [["attention_controller", 1], ["attention_controller", 2]] + [
+            ["attention_packed_controller", l] for l in (3, 5, 8)]
+    else:
+        assert controllers == [["controller", l] for l in (2, 5, 8)]
     assert res["tokens"] == res["ref_tokens"] and res["gate"] == res["ref_gate"]
     assert res["tokens"][0] == [16, 16, 12, 12, 12, 8, 8, 8, 4, 4, 4, 4]
     assert res["max_diff"] < 1e-4

@@ -95,6 +95,11 @@ __all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "graph_mode_reason"
 
 MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
 ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucket's rule
+# With the actor's Triton kernels, at a block whose gate opened in the last forward, run the
+# controller (and the deletion) in the same graph as the attention, reading the keys in place from
+# the attention's qkv output: no copy of the open images' keys, one graph instead of two, no gate
+# read between them. Off by default: prepared on the CPU, not yet timed on a GPU (NOTES change 32)
+FUSED_INTERVENTIONS = False
 
 
 def rows_bucket(total_rows: int) -> int:
@@ -199,6 +204,8 @@ class GraphRunner:
         # unless its gate opened for some image in the last forward that reached it (there the
         # speculative MLP was wasted; a wrong guess the other way costs one gate read's latency)
         self.opened = [False] * self.depth
+        self._keys_in_place: Optional[torch.Tensor] = None  # the keys a fused intervention graph reads
+        self._fused_at: Optional[int] = None  # the block whose graph ran the controller too
         # blocks where the policy says, before they run, that it prunes nothing (a replay plan's
         # other blocks, NoPrune's every block) run as chains of whole blocks: one segment each
         skips = getattr(policy, "prunes_nothing_at", None)
@@ -303,11 +310,23 @@ class GraphRunner:
                 self.logits["packed"] = model.forward_head(model.norm(self.x[self.depth % 2][rows]))
             return readout_packed
         blk = model.blocks[l]
-        if kind == "attention":  # dense; key[2]: the MLP runs in the same graph (speculation)
-            spec = key[2]
+        if kind in ("attention_controller", "attention_packed_controller"):  # FUSED_INTERVENTIONS
+            dense = kind == "attention_controller"
+            rows = self.batch * self.seq if dense else key[2]
+            attend = self._segment(("attention", l, False, True) if dense else
+                                   ("attention_packed", l, rows, False, key[4], True))
+            control = self._segment(("controller", l, rows, dense, "in_place"))
+
+            def attention_controller():
+                attend()
+                control()
+            return attention_controller
+        if kind == "attention":  # dense; key[2]: the MLP runs in the same graph (speculation);
+            # key[3] (optional): the controller follows in the same graph and reads the keys in place
+            spec, in_place = key[2], len(key) > 3 and key[3]
             # where the gate is expected to open (no speculation) the keys are kept for the
             # controller: one copy instead of norm1 and qkv again
-            keep = not spec and self.probing and self.k is not None
+            keep = not spec and self.probing and self.k is not None and not in_place
             def gate_dense(cls: torch.Tensor) -> None:
                 src = self.dense_inputs[l % 2]
                 ctx = BlockContext(l, cls, src, self.full, self.consts.no_rho, self.consts.zeros,
@@ -331,6 +350,8 @@ class GraphRunner:
                 gate_dense(cls)
                 if keep and self.triton_gate:  # the gate ran just above: the open images' keys only
                     copy_open_keys(k, self.dense_inputs[0].cu_seqlens, self.seq, self.gate_out[l], self.k)
+                if in_place:  # [B*S, d] rows (a view of timm's qkv output: row stride 3d)
+                    self._keys_in_place = k.permute(0, 2, 1, 3).reshape(b * self.seq, -1)
 
             def attention_dense():
                 attention_residual(blk, self.dense_inputs[l % 2], self.backend, out=self._attn_out(l), keys=False,
@@ -346,21 +367,24 @@ class GraphRunner:
             rows = key[2]
             return lambda: mlp_residual(blk, self.x[l % 2][:rows], out=self.x[(l + 1) % 2][:rows])
         if kind == "controller":  # the actor's controller for every image, masked by the gate
-            rows, dense, kept = key[2], key[3], key[4]  # kept: the dense attention graph kept the keys
+            rows, dense, kept = key[2], key[3], key[4]  # kept: the dense attention graph kept the keys;
+            # "in_place": the attention of the same graph left a view of them (FUSED_INTERVENTIONS)
             p = model.num_prefix_tokens
 
             def controller():
                 from .patch import attention_keys
 
+                in_place = kept == "in_place"
                 if dense:  # keys kept by the attention graph, else recomputed from the block input
                     src = self.dense_inputs[l % 2]
                     step = self.steps[l]
-                    keys = self.k if kept else attention_keys(blk, src)
+                    keys = self._keys_in_place if in_place else self.k if kept else attention_keys(blk, src)
                     args = (keys, src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
                 elif self.capture:
-                    args = (self.k[:rows], self.cu, None) + self.ctrl_in
+                    args = (self._keys_in_place if in_place else self.k[:rows], self.cu, None) + self.ctrl_in
                 else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
-                    args = (self.k[:self.cur.total], self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
+                    keys = self._keys_in_place if in_place else self.k
+                    args = (keys[:self.cur.total], self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
                 keys, cu, lengths, h, n_visual, gate = args
                 # (written into the fixed outputs directly; uncaptured, the rows past the real ones
                 # are not the controller's: no removal there)
@@ -399,8 +423,10 @@ class GraphRunner:
                     part()
             return chain
         if kind == "attention_packed":  # key[3]: the MLP runs in the same graph (speculation);
-            # key[4]: the history changed since the last block (its part of the gate is computed)
+            # key[4]: the history changed since the last block (its part of the gate is computed);
+            # key[5] (optional): the controller follows in the same graph and reads the keys in place
             rows, spec, fresh = key[2], key[3], key[4]
+            in_place = len(key) > 5 and key[5]
             p = model.num_prefix_tokens
 
             def gate_ctx(keys: Optional[torch.Tensor] = None) -> BlockContext:
@@ -429,7 +455,10 @@ class GraphRunner:
                 if self.triton_gate:  # the gate reads the CLS keys in place, then only the open
                     # images' keys are kept (the controller reads no other)
                     gate_packed(k)
-                    copy_open_keys(k, self.cu, self.seq, self.ctrl_in[2], self.k)
+                    if in_place:  # [rows, d] (a view of the qkv output: row stride 3d)
+                        self._keys_in_place = k.reshape(rows, -1)
+                    else:
+                        copy_open_keys(k, self.cu, self.seq, self.ctrl_in[2], self.k)
                     return
                 self.k[:rows].copy_(k.reshape(rows, -1))
                 if self.probing:
@@ -518,7 +547,8 @@ class GraphRunner:
         """Segments that overwrite what they read, so must run exactly once: the controller (its
         deletion gathers into the block input), a chain of blocks (the second block writes into
         the first one's input) and, without the actor, the in-place MLP."""
-        return key[0] in ("controller", "chain") or (key[0] == "mlp" and not self.probing)
+        return (key[0] in ("controller", "chain", "attention_controller", "attention_packed_controller")
+                or (key[0] == "mlp" and not self.probing))
 
     def _padded(self, rows: int) -> int:
         total = self.batch * self.seq
@@ -563,7 +593,9 @@ class GraphRunner:
         if self.skips is not None and (l <= self._chained_to or self.skips(l)):
             return self._chain(l, consts)
         if self.dense:
-            self._run(("attention", l, spec))
+            fused = self._fuses(l)
+            self._fused_at = l if fused else None
+            self._run(("attention_controller", l) if fused else ("attention", l, spec))
             src = self.dense_inputs[l % 2]
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
             if not self.probing:
@@ -572,6 +604,8 @@ class GraphRunner:
             step = self.steps[l]
             if not self.opened[l]:
                 return self.policy.decide(step, gate_host, ctx), self.dense_attended, spec
+            if fused:  # the controller and the deletion ran in the same graph
+                return self._decision(step.gate, self.batch * self.seq), self.dense_attended, spec
             return (self._controller(l, self.batch * self.seq, True, step.gate, kept=not spec and self.k is not None),
                     self.dense_attended, spec)
         src = self.cur
@@ -592,7 +626,10 @@ class GraphRunner:
         gate_host = self._read_gate(l)
         if not self.opened[l]:
             return self.policy.decide(self.steps[("packed", l)], gate_host, ctx), src.with_x(self.xa[:t]), spec
-        dec = self._controller(l, rows, False, self.ctrl_in[2])
+        if self._fused_at == l:  # the controller and the deletion ran in the attention's graph
+            dec = self._decision(self.ctrl_in[2], rows)
+        else:
+            dec = self._controller(l, rows, False, self.ctrl_in[2])
         return Decision(dec.gate, dec.removed, dec.remove[:t], dec.flops), src.with_x(self.xa[:t]), spec
 
     def _attention_packed(self, l: int, rows: int, spec: bool, n_visual: torch.Tensor, rho: torch.Tensor,
@@ -604,7 +641,16 @@ class GraphRunner:
             self._history_fresh = False
         else:
             fresh = False
-        self._run(("attention_packed", l, rows, spec, fresh))
+        fused = self._fuses(l)
+        self._fused_at = l if fused else None
+        self._run(("attention_packed_controller" if fused else "attention_packed", l, rows, spec, fresh))
+
+    def _fuses(self, l: int) -> bool:
+        """Whether block ``l``'s attention graph also runs the controller (:data:`FUSED_INTERVENTIONS`,
+        with the Triton kernels, where the gate opened for some image in the last forward). A wrong
+        guess only wastes the controller's work: with no gate open it removes nothing, and its
+        identity deletion leaves the attention output intact for the MLP."""
+        return FUSED_INTERVENTIONS and self.triton_gate and self.opened[l]
 
     def set_history(self, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor) -> bool:
         """Copy the history (N_l, rho_l, E_<l) into the fixed buffers the packed gate reads, only
@@ -640,6 +686,10 @@ class GraphRunner:
         """The controller segment (captured per block and rows, the deletion included: see
         :meth:`delete`) and its decision. ``kept``: the dense attention graph kept the keys."""
         self._run(("controller", l, rows, dense, kept))
+        return self._decision(gate, rows)
+
+    def _decision(self, gate: torch.Tensor, rows: int) -> Decision:
+        """The decision the last controller graph wrote into the fixed outputs."""
         remove, removed, flops = self.ctrl_out
         # copies: the buffers are rewritten by the next controller of this forward
         return Decision(gate.clone(), removed.clone(), remove[:rows].clone(), flops.clone())
