@@ -45,6 +45,9 @@ each) and only the decisions and the deletion run eagerly, between replays:
   wait, so the host's bookkeeping runs while the GPU works). Its products run
   over more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
   decide differently (97-100 % of decisions agree on the H100, ``benchmarks/gpu_check.py``).
+  With :data:`FUSED_INTERVENTIONS` (off by default, not yet timed) the controller and the
+  deletion run inside the attention's graph where the gate opened in the last forward, reading
+  the keys in place from the qkv output.
 
 Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
 needs one set; an actor on varied images captures new sizes as they come (each capture costs a
