@@ -48,8 +48,8 @@ def parse_tile(spec: str):
     out = {}
     for part in spec.split("/"):
         name, rw = part.split("=")
-        if name not in ("embed", "out_ffn", "scores"):
-            raise SystemExit(f"--tiles: unknown kernel {name!r} (embed, out_ffn, scores)")
+        if name not in TILE_ROWS:
+            raise SystemExit(f"--tiles: unknown kernel {name!r} ({', '.join(TILE_ROWS)})")
         out[name] = tuple(int(x) for x in rw.split(","))
     return out
 

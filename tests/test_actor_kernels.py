@@ -178,6 +178,9 @@ def test_fused_controller_reasons_and_errors():
     with pytest.raises(ValueError, match="keys are torch.bfloat16, the actor's weights torch.float32"):
         fused_controller(actor, torch.zeros(17, 48, dtype=torch.bfloat16), cu, 17, torch.zeros(1, 3),
                          torch.tensor([16]), torch.tensor([True]), 0, cu, 1, 17)
+    with pytest.raises(ValueError, match=r"tile: unknown kernels \['ffn'\] \(known: \['embed', 'out_ffn', 'scores'\]\)"):
+        fused_controller(actor, torch.zeros(17, 48), cu, 17, torch.zeros(1, 3), torch.tensor([16]),
+                         torch.tensor([True]), 0, cu, 1, 17, tile={"ffn": (64, 8)})
     with pytest.raises(ValueError, match=r"out must be \(remove \[>= 17\] bool, k \[1\] int64, flops \[1\] float64\)"):
         fused_controller(actor, torch.zeros(17, 48), cu, 17, torch.zeros(1, 3), torch.tensor([16]),
                          torch.tensor([True]), 0, cu, 1, 17,

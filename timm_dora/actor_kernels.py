@@ -41,7 +41,7 @@ how the CPU tests compare them with the module path.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -395,7 +395,7 @@ def copy_open_keys(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, g
 
 def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, h: torch.Tensor,
                      n_visual: torch.Tensor, gate: torch.Tensor, block: int, cu_out: torch.Tensor, num_prefix: int,
-                     total: int, tile: Optional[Tuple[int, int]] = None,
+                     total: int, tile: Union[Tuple[int, int], Dict[str, Tuple[int, int]], None] = None,
                      out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The deterministic controller of ``actor`` on a packed controller layout (see the module).
@@ -437,6 +437,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
             or k_out.dtype != torch.long or flops.dtype != torch.float64 or not remove.is_contiguous():
         raise ValueError(f"out must be (remove [>= {total}] bool, k [{b}] int64, flops [{b}] float64)")
     steps = max(1, (b - 1).bit_length())  # halvings of the binary search for each row's sequence
+    if isinstance(tile, dict) and not set(tile) <= set(TILE_ROWS):
+        raise ValueError(f"tile: unknown kernels {sorted(set(tile) - set(TILE_ROWS))} (known: {list(TILE_ROWS)})")
     tiles = {k: (tile.get(k, default) if isinstance(tile, dict) else tile or default)
              for k, default in TILE_ROWS.items()}
     rl = ROW_LAUNCH

@@ -377,17 +377,16 @@ class GraphRunner:
             def controller():
                 from .patch import attention_keys
 
-                in_place = kept == "in_place"
+                kept_keys = self._keys_in_place if kept == "in_place" else self.k
                 if dense:  # keys kept by the attention graph, else recomputed from the block input
                     src = self.dense_inputs[l % 2]
                     step = self.steps[l]
-                    keys = self._keys_in_place if in_place else self.k if kept else attention_keys(blk, src)
+                    keys = kept_keys if kept else attention_keys(blk, src)
                     args = (keys, src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
                 elif self.capture:
-                    args = (self._keys_in_place if in_place else self.k[:rows], self.cu, None) + self.ctrl_in
+                    args = (kept_keys[:rows], self.cu, None) + self.ctrl_in
                 else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
-                    keys = self._keys_in_place if in_place else self.k
-                    args = (keys[:self.cur.total], self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
+                    args = (kept_keys[:self.cur.total], self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
                 keys, cu, lengths, h, n_visual, gate = args
                 # (written into the fixed outputs directly; uncaptured, the rows past the real ones
                 # are not the controller's: no removal there)
