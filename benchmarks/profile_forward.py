@@ -98,14 +98,13 @@ def main():
                     help="only the cuda_graphs=True rows (actor share against a replay), no eager profile")
     ap.add_argument("--graph-configs", nargs="+", default=["gate_off", "actor", "actor_modules"],
                     choices=["gate_off", "actor", "actor_modules"], help="which cuda_graphs=True rows")
-    ap.add_argument("--fused-interventions", action="store_true",
+    ap.add_argument("--fused-interventions", choices=["on", "off"], default="on",
                     help="timm_dora.graphs.FUSED_INTERVENTIONS: the controller in the attention's graph (NOTES change 32)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.fused_interventions:
-        import timm_dora.graphs
+    import timm_dora.graphs
 
-        timm_dora.graphs.FUSED_INTERVENTIONS = True
+    timm_dora.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
     dev, dtype = torch.device("cuda"), torch.bfloat16
     res = {**environment(dev, "python benchmarks/profile_forward.py " + " ".join(sys.argv[1:])),
            "batch": args.batch, "rows": []}

@@ -25,6 +25,9 @@ loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations p
 - ``oracle_graphs``: the same static schedule captured as one CUDA graph (CUDA only): no launch
   overhead at all, the ceiling for the ``*_graphs`` rows (the eager ``oracle`` is itself
   launch-bound on small backbones).
+- ``actor_oracle`` / ``actor_oracle_graphs``: the same two at the actor rows' realized mean GFLOPs,
+  the actor's own FLOPs included (its removals per block scaled until the GFLOPs match,
+  :func:`matched_counts`): the ceiling for the ``actor*`` rows at equal GFLOPs.
 
 Each row also records ``peak_memory_mib`` on CUDA: the peak allocated memory over its timed
 forwards (weights and the cycled input batches included, so rows of one backbone compare), and
@@ -106,6 +109,40 @@ def schedule_for_reduction(model, target: float, blocks: List[int]):
         if best is None or abs(red - target) < abs(best[0] - target):
             best = (red, [ks[l] for l in blocks])
     return best[1]
+
+
+def oracle_gflops(model, ks: Dict[int, int]) -> float:
+    """GFLOPs of the dense static schedule removing ``ks[l]`` tokens after block ``l``'s attention."""
+    cost = backbone_cost(model)
+    n, macs = cost.num_patches, cost.patch_macs + cost.head_macs
+    for l in range(len(cost.qkv_macs)):
+        kk = ks.get(l, 0)
+        macs += float(cost.block_macs(l, torch.tensor([n + cost.num_prefix]), torch.tensor([n + cost.num_prefix - kk])))
+        n -= kk
+    return 2 * macs / 1e9
+
+
+def matched_counts(model, per_block: Dict[int, float], target_gflops: float) -> Dict[int, int]:
+    """A static schedule of the same shape as ``per_block`` (mean removals per block) scaled to
+    ``target_gflops``: counts ``round(m * per_block[l])`` (each leaving at least 4 patch tokens),
+    with the factor ``m`` found by bisection. For a policy whose own work adds FLOPs (the actor's),
+    this is the dense oracle at its realized GFLOPs, the policy's FLOPs included."""
+    n0 = backbone_cost(model).num_patches
+
+    def counts(m):
+        n, ks = n0, {}
+        for l in sorted(per_block):
+            ks[l] = max(0, min(int(round(m * per_block[l])), n - 4))
+            n -= ks[l]
+        return ks
+
+    lo, hi = 0.0, 1.0
+    while oracle_gflops(model, counts(hi)) > target_gflops and hi < 64:
+        hi *= 2
+    for _ in range(40):  # GFLOPs fall as m grows
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if oracle_gflops(model, counts(mid)) > target_gflops else (lo, mid)
+    return min((counts(lo), counts(hi)), key=lambda ks: abs(oracle_gflops(model, ks) - target_gflops))
 
 
 def static_counts(stats, blocks: List[int]) -> Dict[int, int]:
@@ -198,17 +235,24 @@ def main(argv=None):
     ap.add_argument("--spread", type=int, default=16, help="per-image budget spread around the mean")
     ap.add_argument("--configs", nargs="+",
                     default=["native", "gate_off", "gate_off_spec", "gate_off_graphs", "fixed", "fixed_graphs",
-                             "actor", "actor_spec", "actor_graphs", "oracle", "oracle_graphs"])
+                             "actor", "actor_spec", "actor_graphs", "oracle", "oracle_graphs",
+                             "actor_oracle", "actor_oracle_graphs"])
     ap.add_argument("--attn-backends", nargs="+", default=["auto"],
                     help="the wrapped rows once per attention backend (a config gets the suffix [backend] "
                          "when more than one is given: an A/B in one run)")
     ap.add_argument("--controllers", nargs="+", default=["auto"], choices=["auto", "modules"],
                     help="the actor rows once per controller: auto (the fused Triton kernels where the triton "
                          "backend runs) and/or modules (fused_controller=False); suffix [c] when more than one")
+    ap.add_argument("--fused-interventions", choices=["on", "off"], default="on",
+                    help="timm_dora.graphs.FUSED_INTERVENTIONS for the *_graphs rows (the actor's controller in "
+                         "its block's attention graph; NOTES change 32)")
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
     args = ap.parse_args(argv)
+    import timm_dora.graphs
+
+    timm_dora.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -288,6 +332,7 @@ def main(argv=None):
             tag = f"@{int(round(100 * (1 - g / native_gflops)))}%"
             timm_dora.unwrap(model)
             forced = gate_forced_actor(model, blocks).to(dev, dtype)  # one actor: equal decisions
+            actor_stats = None  # the forced actor's statistics (equal in all its rows): its oracle's input
             for ab in args.attn_backends:
                 sfx = "" if len(args.attn_backends) == 1 else f"[{ab}]"
                 if "fixed" in args.configs:
@@ -312,21 +357,28 @@ def main(argv=None):
                         timm_dora.wrap(model, policy=policy, cuda_graphs=graphs, attn_backend=ab)
                         if not first_forward(model, config + tag + csfx):
                             continue
-                        s = model.dora_stats
+                        s = actor_stats = model.dora_stats
                         add(config + "(random)" + tag + csfx, model, float(s.gflops.mean()), backend=s.backend,
                             gate_rate=s.gate.float().mean(0).tolist(), policy_gflops=float(s.policy_gflops.mean()))
                         timm_dora.unwrap(model)
+            ks = static_counts(stats, blocks)
+            fwd = oracle_forward(model, ks)
             if "oracle" in args.configs:
-                ks = static_counts(stats, blocks)
+                add("oracle" + tag, fwd, oracle_gflops(model, ks), static_k=ks)
+            if "oracle_graphs" in args.configs and dev.type == "cuda":
+                add("oracle_graphs" + tag, captured(fwd, inputs[0]), oracle_gflops(model, ks), static_k=ks)
+            if {"actor_oracle", "actor_oracle_graphs"} & set(args.configs) and actor_stats is None:
+                failed("oracle(actor)" + tag, RuntimeError("needs an actor row (actor, actor_spec or actor_graphs)"))
+            elif {"actor_oracle", "actor_oracle_graphs"} & set(args.configs):
+                # the dense oracle at the actor's realized GFLOPs (its own FLOPs included), its
+                # removals spread over the blocks like the actor's
+                removed = actor_stats.removed.float().mean(0)
+                ks = matched_counts(model, {l: float(removed[l]) for l in blocks}, float(actor_stats.gflops.mean()))
                 fwd = oracle_forward(model, ks)
-                n, macs = cost.num_patches, cost.patch_macs + cost.head_macs
-                for l in range(len(model.blocks)):
-                    kk = ks.get(l, 0)
-                    macs += float(cost.block_macs(l, torch.tensor([n + cost.num_prefix]), torch.tensor([n + cost.num_prefix - kk])))
-                    n -= kk
-                add("oracle" + tag, fwd, 2 * macs / 1e9, static_k=ks)
-                if "oracle_graphs" in args.configs and dev.type == "cuda":
-                    add("oracle_graphs" + tag, captured(fwd, inputs[0]), 2 * macs / 1e9, static_k=ks)
+                if "actor_oracle" in args.configs:
+                    add("oracle(actor)" + tag, fwd, oracle_gflops(model, ks), static_k=ks)
+                if "actor_oracle_graphs" in args.configs and dev.type == "cuda":
+                    add("oracle_graphs(actor)" + tag, captured(fwd, inputs[0]), oracle_gflops(model, ks), static_k=ks)
         results["rows"] += rows
         del model, inputs
         torch.cuda.empty_cache()

@@ -24,6 +24,10 @@ def test_throughput_script_runs_every_configuration(tmp_path):
     oracle = next(r for r in res["rows"] if r["config"].startswith("oracle"))
     assert abs(fixed["gflops"] - oracle["gflops"]) / fixed["gflops"] < 0.05  # equal-GFLOPs reference
     assert all(r["images_per_s"] > 0 for r in res["rows"])
+    # the actor's own oracle: at its realized GFLOPs (the actor's FLOPs included), same blocks
+    actor, matched = rows["actor(random)"], rows["oracle(actor)"]
+    assert sorted(int(l) for l in matched["static_k"]) == [1, 2]
+    assert abs(matched["gflops"] - actor["gflops"]) / actor["gflops"] < 0.02
 
 
 def test_throughput_reduction_with_its_own_blocks(tmp_path):
@@ -46,6 +50,34 @@ def test_throughput_reduction_with_its_own_blocks(tmp_path):
     actor = next(r for r in rows if r["config"].startswith("actor"))
     assert fixed["blocks"] == [2, 5] and sorted(int(k) for k in oracle["static_k"]) == [2, 5]
     assert [l for l, r in enumerate(actor["gate_rate"]) if r > 0] == [2, 5]
+
+
+def test_matched_oracle_counts():
+    """``matched_counts``: the static schedule scaled to a GFLOPs target, against a brute-force
+    search over the same family of schedules (``round(m * base)``), and unchanged at its own GFLOPs."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=96)  # 36 patches
+    base = {1: 6.0, 2: 3.0}
+    assert throughput.matched_counts(model, base, throughput.oracle_gflops(model, {1: 6, 2: 3})) == {1: 6, 2: 3}
+    native = throughput.oracle_gflops(model, {})
+    for target in (0.9 * native, 0.7 * native, 0.5 * native):
+        got = throughput.matched_counts(model, base, target)
+        family = [{1: min(round(m / 100 * 6), 32), 2: max(0, min(round(m / 100 * 3), 32 - min(round(m / 100 * 6), 32)))}
+                  for m in range(0, 2000)]
+        best = min(abs(throughput.oracle_gflops(model, ks) - target) for ks in family)
+        assert abs(throughput.oracle_gflops(model, got) - target) == best
+        assert got[1] >= got[2]  # the shape of the base schedule is kept
+    # the GFLOPs of a schedule, by hand: the MLP (and everything after block 1's attention) runs on
+    # the survivors; 36 patches + CLS, embed 192, MLP 768, 3 heads
+    d, h = 192, 768
+
+    def block(n_in, n_out):
+        return n_in * 3 * d * d + 2 * n_in * n_in * d + n_in * d * d + 2 * n_out * d * h
+
+    cost = throughput.backbone_cost(model)
+    macs = cost.patch_macs + cost.head_macs + block(37, 37) + block(37, 31) + 10 * block(31, 31)
+    assert throughput.oracle_gflops(model, {1: 6}) == 2 * macs / 1e9
 
 
 def test_host_overhead_script_reports_every_configuration(tmp_path):

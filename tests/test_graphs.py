@@ -343,6 +343,91 @@ def test_fixed_shape_controller_equals_the_controller(family):
     assert dec.removed[gate].gt(0).all()
 
 
+def test_dropped_graph_runners_are_freed_without_a_garbage_collection():
+    """unwrap, set_policy and the cache's eviction release their runners at once (graphs destroyed,
+    buffers freed by reference counting): with the collector off, nothing is left for a later
+    collection, which could otherwise run inside another model's capture (see the CUDA test below)."""
+    import gc
+    import weakref
+
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+
+    def runner_of(batch):
+        with torch.inference_mode():
+            model(images(model, batch))
+        return weakref.ref(model._dora.graphs[next(k for k in model._dora.graphs if k[0][0] == batch)])
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        timm_dora.wrap(model, kind_actor(model, "forced"), cuda_graphs=True)
+        first = runner_of(2)
+        for b in range(3, 3 + MAX_CACHED):  # the first runner is evicted
+            runner_of(b)
+        assert first() is None
+        last = runner_of(2)
+        timm_dora.set_policy(model, NoPrune())
+        assert last() is None and not model._dora.graphs
+        last = runner_of(2)
+        timm_dora.unwrap(model)
+        assert last() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture itself)")
+def test_a_garbage_collection_inside_a_capture_destroys_no_graph(monkeypatch):
+    """A dropped wrapped model keeps its captured graphs until Python's cyclic collector frees them
+    (model and runner reference each other); when that collection ran inside another capture, the
+    graphs' destruction invalidated it (cudaErrorStreamCaptureInvalidated on an H100). Here the
+    dropped graphs become young cyclic garbage inside the first capture and the collector's
+    threshold is 1: the capture must still succeed (no collection while capturing) and give the
+    default forward's result."""
+    import gc
+
+    name, kw = SMALL_FAMILIES["deit"]
+    old = make_model(name, **kw).to("cuda", torch.bfloat16)
+    x = images(old, 6).to("cuda", torch.bfloat16)
+    timm_dora.wrap(old, kind_actor(old, "forced").to("cuda", torch.bfloat16), cuda_graphs=True)
+    with torch.inference_mode():
+        old(x)
+    runner = next(iter(old._dora.graphs.values()))
+    dropped = [list(runner.graphs.values())]  # captured graphs; soon referenced by garbage only
+    assert dropped[0]
+    runner.graphs.clear()
+    del runner
+    timm_dora.unwrap(old)
+    segment = GraphRunner._segment
+
+    def segment_dropping_graphs(self, key):
+        fn = segment(self, key)
+
+        def run():
+            if dropped and torch.cuda.is_current_stream_capturing():
+                cycle = {"graphs": dropped.pop()}
+                cycle["self"] = cycle  # the only owner of the graphs: cyclic garbage once dropped
+                del cycle
+                threshold = gc.get_threshold()
+                gc.set_threshold(1)  # the next allocations start an automatic collection...
+                try:
+                    _ = [[] for _ in range(8)]
+                finally:
+                    gc.set_threshold(*threshold)
+            fn()
+        return run
+
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    wrap_kw = dict(actor=kind_actor(model, "closed").to("cuda", torch.bfloat16))
+    ref = _run(model, [x], **wrap_kw)
+    monkeypatch.setattr(GraphRunner, "_segment", segment_dropping_graphs)
+    got = _run(model, [x], **wrap_kw, cuda_graphs=True)
+    assert not dropped  # the garbage was made inside a capture
+    gc.collect()  # ...and is collected outside it
+    _assert_same(got[0], ref[0])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (host syncs are a CUDA notion)")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_replay_plan_forward_never_synchronises_on_cuda(graphs):

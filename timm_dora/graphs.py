@@ -45,9 +45,10 @@ each) and only the decisions and the deletion run eagerly, between replays:
   wait, so the host's bookkeeping runs while the GPU works). Its products run
   over more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
   decide differently (97-100 % of decisions agree on the H100, ``benchmarks/gpu_check.py``).
-  With :data:`FUSED_INTERVENTIONS` (off by default, not yet timed) the controller and the
-  deletion run inside the attention's graph where the gate opened in the last forward, reading
-  the keys in place from the qkv output.
+  With :data:`FUSED_INTERVENTIONS` (the default) the controller and the deletion run inside the
+  attention's graph where the gate opened in the last forward, reading the keys in place from the
+  qkv output (no key copy, one graph instead of two, no gate read between them); where that guess
+  is wrong the controller's work is wasted, and it removes nothing.
 
 Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
 needs one set; an actor on varied images captures new sizes as they come (each capture costs a
@@ -83,6 +84,8 @@ autograd, no autocast, a half-precision varlen backend on CUDA.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -94,15 +97,17 @@ from .actor_kernels import copy_open_keys
 from .packing import Packed, delete_rows, gather_survivors, varlen_attention
 from .policy import BlockContext, Decision, ForwardConstants
 
-__all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "graph_mode_reason", "rows_bucket", "ROWS_BUCKET", "MAX_CACHED"]
+__all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "release_all", "graph_mode_reason", "rows_bucket", "ROWS_BUCKET", "MAX_CACHED"]
 
 MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
 ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucket's rule
 # With the actor's Triton kernels, at a block whose gate opened in the last forward, run the
 # controller (and the deletion) in the same graph as the attention, reading the keys in place from
 # the attention's qkv output: no copy of the open images' keys, one graph instead of two, no gate
-# read between them. Off by default: prepared on the CPU, not yet timed on a GPU (NOTES change 32)
-FUSED_INTERVENTIONS = False
+# read between them. On by default since its A/B on an H100 (NOTES change 32: DeiT-B's actor share
+# 4.3 -> 4.0 %, ViT-Ti's 18.2 -> 17.2 %, medians of four alternating pairs); False restores the
+# two graphs per intervention
+FUSED_INTERVENTIONS = True
 
 
 def rows_bucket(total_rows: int) -> int:
@@ -126,6 +131,23 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """Python's cyclic garbage collector off for the duration (a capture): a collection inside a
+    capture can destroy an unreachable :class:`torch.cuda.CUDAGraph` (a wrapped model dropped
+    with its graphs: model and runner reference each other), and destroying a graph is not
+    permitted while a stream captures: it invalidates the capture
+    (``cudaErrorStreamCaptureInvalidated``, seen on an H100 in ``profile_forward.py``; torch's
+    ``torch.cuda.graph`` no longer collects before capturing)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class LazyKeysContext(BlockContext):
@@ -213,6 +235,17 @@ class GraphRunner:
         # other blocks, NoPrune's every block) run as chains of whole blocks: one segment each
         skips = getattr(policy, "prunes_nothing_at", None)
         self.skips: Optional[Callable[[int], bool]] = None if self.probing else skips
+
+    def release(self) -> None:
+        """Destroy the captured graphs now (their memory pool goes back to the allocator's cache)
+        and drop the gate's callbacks into this runner, the only references from its own objects
+        back to it, so that its buffers are freed as soon as it is dropped, without waiting for a
+        garbage collection. Called when a wrapped model drops a runner (unwrap, set_policy, the
+        cache's least recent entry); the runner must not be used afterwards."""
+        self.graphs.clear()
+        self.consts.keep = None
+        if getattr(self, "packed_consts", None) is not None:
+            self.packed_consts.keep = None
 
     def _attn_out(self, l: int) -> torch.Tensor:
         """Where block ``l``'s attention residual goes: ``xa`` for the actor (see ``__init__``),
@@ -539,7 +572,7 @@ class GraphRunner:
             # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read
             self.consts.memo.clear()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with _no_gc(), torch.cuda.graph(g, pool=self.pool):
             fn()
         self.graphs[key] = g
         if not self._consumes_input(key):
@@ -767,5 +800,12 @@ def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend:
     entry = GraphRunner(model, policy, images, backend, readout_mode)
     cache[key] = entry
     while len(cache) > MAX_CACHED:
-        cache.popitem(last=False)
+        cache.popitem(last=False)[1].release()
     return entry
+
+
+def release_all(cache) -> None:
+    """Release every runner of a wrapped model's cache (:meth:`GraphRunner.release`) and empty it."""
+    for runner in cache.values():
+        runner.release()
+    cache.clear()

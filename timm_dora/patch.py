@@ -286,6 +286,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     if not is_wrapped(model):
         raise ValueError("model is not wrapped by timm_dora")
     model.__class__ = model._dora.original_class
+    if model._dora.graphs:  # destroyed now, not at some later garbage collection
+        from .graphs import release_all
+
+        release_all(model._dora.graphs)
     for name in ("dora_actor",):
         if name in model._modules:
             del model._modules[name]
@@ -301,7 +305,10 @@ def set_policy(model: nn.Module, policy: Policy) -> None:
         raise ValueError("model is not wrapped by timm_dora")
     _check_policy(policy)
     model._dora.policy = policy
-    model._dora.graphs.clear()  # captured for the previous policy
+    if model._dora.graphs:  # captured for the previous policy
+        from .graphs import release_all
+
+        release_all(model._dora.graphs)
 
 
 def _check_policy(policy: Policy) -> None:
