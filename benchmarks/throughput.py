@@ -29,10 +29,12 @@ loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations p
   the actor's own FLOPs included (its removals per block scaled until the GFLOPs match,
   :func:`matched_counts`): the ceiling for the ``actor*`` rows at equal GFLOPs.
 
-Each row also records ``peak_memory_mib`` on CUDA: the peak allocated memory over its timed
-forwards (weights and the cycled input batches included, so rows of one backbone compare), and
-``peak_reserved_mib``, the peak memory reserved by the allocator over the row (the cache is emptied
-before each row; graph rows capture within the row, and their pools count here).
+Each row also records on CUDA ``peak_memory_mib``, the peak allocated memory over the whole row
+(weights and the cycled input batches included, so rows of one backbone compare; graph rows'
+captures included: a capture's warm-up runs outside the graphs' pool), ``steady_peak_memory_mib``,
+the same after the first warm-up (every batch seen, every graph captured: what serving costs), and
+``peak_reserved_mib``, the peak memory reserved by the allocator after the first warm-up (the
+cache is emptied before each row; the graphs' pools count here).
 
 Usage (prints a table; writes JSON with device, versions and the command):
 
@@ -210,7 +212,8 @@ def captured(fn: Callable, example: torch.Tensor) -> Callable:
 def time_forward(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: int, repeats: int):
     """The App. E.5 protocol of :func:`timm_dora.bench.time_forward`, keeping this script's row fields."""
     r = bench.time_forward(fn, inputs, warmup=warmup, iters=iters, repeats=repeats)
-    return {k: r[k] for k in ("ms_per_batch", "images_per_s", "repeats_images_per_s")}
+    keep = ("ms_per_batch", "images_per_s", "repeats_images_per_s", "warmup_peak_memory_mib", "steady_peak_memory_mib")
+    return {k: r[k] for k in keep if k in r}
 
 
 def gflops_of(model, plan, inputs):
@@ -288,9 +291,10 @@ def main(argv=None):
                 failed(config, e)
                 return
             if dev.type == "cuda":
-                r["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-                # CUDA graphs allocate their pools once, at capture, outside the timed forwards;
-                # the reserved peak (cache emptied before the row) counts them
+                # over the whole row (captures of new sizes included) and after the first warm-up
+                r["peak_memory_mib"] = max(r["warmup_peak_memory_mib"], r["steady_peak_memory_mib"])
+                # CUDA graphs allocate their pools once, at capture; the reserved peak (cache
+                # emptied before the row, reset after the first warm-up) counts them
                 r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
             row = {"model": name, "config": config, "gflops": gflops, **extra, **r}
             rows.append(row)

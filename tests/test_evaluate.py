@@ -163,6 +163,30 @@ def test_time_forward_protocol():
     res = time_forward(lambda x: calls.append(x.shape[0]), [torch.zeros(3, 1), torch.zeros(3, 1)], warmup=2, iters=5, repeats=3)
     assert len(calls) == 3 * (2 + 5) and res["batch"] == 3 and len(res["repeats_ms_per_batch"]) == 3
     assert res["images_per_s"] > 0
+    assert "steady_peak_memory_mib" not in res  # (CUDA only)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (its allocator's statistics)")
+def test_time_forward_peak_memory_in_two_phases():
+    """A first call that allocates 64 MiB more (as a capture's warm-up does) shows in the warm-up
+    peak, not in the steady one; steady calls that hold 16 MiB show there."""
+    from timm_dora.bench import time_forward
+
+    x = torch.zeros(4, 1, device="cuda")
+    state = {"first": True}
+
+    def fn(x):
+        extra = torch.empty((64 if state["first"] else 16) * 2**20, dtype=torch.uint8, device="cuda")
+        state["first"] = False
+        return extra.fill_(1)[:1]  # (nothing else allocated)
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() / 2**20
+    res = time_forward(fn, x, warmup=2, iters=3, repeats=2)
+    assert res["warmup_peak_memory_mib"] - base >= 64
+    assert 16 <= res["steady_peak_memory_mib"] - base < 32
 
 
 def test_paired_counts_and_their_standard_error_by_hand():

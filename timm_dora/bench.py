@@ -54,7 +54,11 @@ def time_forward(
     """Time ``fn`` on GPU-resident ``inputs`` (a list of batches, or one batch) by the App. E.5 protocol.
 
     Returns ``ms_per_batch`` and ``images_per_s`` (medians over repeats), the per-repeat values
-    (``repeats_ms_per_batch``, ``repeats_images_per_s``) and the protocol used.
+    (``repeats_ms_per_batch``, ``repeats_images_per_s``) and the protocol used. On CUDA also the
+    peak allocated memory in two phases: ``warmup_peak_memory_mib``, from the call's start (the
+    caller may reset the peak statistics before it) to the end of the first warm-up, where first
+    calls capture CUDA graphs and compile kernels, and ``steady_peak_memory_mib``, over everything
+    after it (with enough warm-up to see every batch, no first-time work is left there).
     """
     if isinstance(inputs, torch.Tensor):
         inputs = [inputs]
@@ -66,11 +70,15 @@ def time_forward(
         raise ValueError("all input batches must have the same size")
     device = inputs[0].device
     ms, ips = [], []
+    memory: Dict[str, float] = {}
     with torch.inference_mode():
-        for _ in range(repeats):
+        for r in range(repeats):
             for i in range(warmup):
                 fn(inputs[i % len(inputs)])
             _sync(device)
+            if r == 0 and device.type == "cuda":
+                memory["warmup_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             for i in range(iters):
                 fn(inputs[i % len(inputs)])
@@ -78,6 +86,8 @@ def time_forward(
             t = time.perf_counter() - t0
             ms.append(1000.0 * t / iters)
             ips.append(batch * iters / t)
+    if device.type == "cuda":
+        memory["steady_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return {
         "ms_per_batch": statistics.median(ms),
         "images_per_s": statistics.median(ips),
@@ -88,6 +98,7 @@ def time_forward(
         "warmup": warmup,
         "iters": iters,
         "repeats": repeats,
+        **memory,
     }
 
 
