@@ -58,7 +58,8 @@ def time_forward(
     peak allocated memory in two phases: ``warmup_peak_memory_mib``, from the call's start (the
     caller may reset the peak statistics before it) to the end of the first warm-up, where first
     calls capture CUDA graphs and compile kernels, and ``steady_peak_memory_mib``, over everything
-    after it (with enough warm-up to see every batch, no first-time work is left there).
+    after it (with enough warm-up to see every batch, no first-time work is left there). To
+    separate the two it resets the device's peak memory statistics after the first warm-up.
     """
     if isinstance(inputs, torch.Tensor):
         inputs = [inputs]

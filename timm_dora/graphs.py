@@ -139,8 +139,10 @@ def _no_gc():
     capture can destroy an unreachable :class:`torch.cuda.CUDAGraph` (a wrapped model dropped
     with its graphs: model and runner reference each other), and destroying a graph is not
     permitted while a stream captures: it invalidates the capture
-    (``cudaErrorStreamCaptureInvalidated``, seen on an H100 in ``profile_forward.py``; torch's
-    ``torch.cuda.graph`` no longer collects before capturing)."""
+    (``cudaErrorStreamCaptureInvalidated``, seen on an H100 in ``profile_forward.py``).
+    ``torch.cuda.graph`` collects before capturing only with
+    ``torch.compiler.config.force_cudagraph_gc``, and an automatic collection can start at any
+    allocation of Python objects during the capture."""
     enabled = gc.isenabled()
     gc.disable()
     try:
