@@ -96,18 +96,15 @@ def parse_reduction(target: str, default_blocks: List[int]):
 def schedule_for_reduction(model, target: float, blocks: List[int]):
     """Equal per-intervention removal counts reaching about ``target`` GFLOPs reduction."""
     cost = backbone_cost(model)
-    n0, p, depth = cost.num_patches, cost.num_prefix, len(cost.qkv_macs)
-    native = cost.native_macs()
+    n0 = cost.num_patches
+    native = 2 * cost.native_macs() / 1e9
     best = None
     for k in range(0, n0 // len(blocks) + 1, 2):
-        n, macs = n0, cost.patch_macs + cost.head_macs
-        ks = []
-        for l in range(depth):
-            kk = min(k, n - 4) if l in blocks else 0
-            macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n + p - kk])))
-            n -= kk
-            ks.append(kk)
-        red = 1 - macs / native
+        n, ks = n0, {}
+        for l in sorted(blocks):
+            ks[l] = min(k, n - 4)
+            n -= ks[l]
+        red = 1 - oracle_gflops(model, ks) / native
         if best is None or abs(red - target) < abs(best[0] - target):
             best = (red, [ks[l] for l in blocks])
     return best[1]

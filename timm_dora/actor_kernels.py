@@ -45,6 +45,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from .flops import actor_gate_macs, controller_macs_terms
 from .varlen_kernel import TILE, triton, varlen_attention_triton
 
 __all__ = ["fused_gate", "fused_controller", "copy_open_keys", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH", "ROW_LAUNCH"]
@@ -414,8 +415,6 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     :data:`TILE_ROWS`, or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
     ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks.
     """
-    from .flops import controller_macs_terms, actor_gate_macs
-
     reason = fused_controller_reason(actor, keys.dtype)
     if reason is not None:
         raise ValueError(f"fused controller: {reason}")

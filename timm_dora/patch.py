@@ -286,10 +286,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     if not is_wrapped(model):
         raise ValueError("model is not wrapped by timm_dora")
     model.__class__ = model._dora.original_class
-    if model._dora.graphs:  # destroyed now, not at some later garbage collection
-        from .graphs import release_all
-
-        release_all(model._dora.graphs)
+    _release_graphs(model._dora)
     for name in ("dora_actor",):
         if name in model._modules:
             del model._modules[name]
@@ -305,10 +302,16 @@ def set_policy(model: nn.Module, policy: Policy) -> None:
         raise ValueError("model is not wrapped by timm_dora")
     _check_policy(policy)
     model._dora.policy = policy
-    if model._dora.graphs:  # captured for the previous policy
+    _release_graphs(model._dora)  # captured for the previous policy
+
+
+def _release_graphs(state: "_DoraState") -> None:
+    """Destroy a wrapped model's CUDA graphs now, not at some later garbage collection
+    (:func:`timm_dora.graphs.release_all`)."""
+    if state.graphs:
         from .graphs import release_all
 
-        release_all(model._dora.graphs)
+        release_all(state.graphs)
 
 
 def _check_policy(policy: Policy) -> None:

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from .actor import Actor
-from .data import AUGMENT_LEVELS, cutmix_patches
+from . import data as D
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
 from .packing import rows_where
@@ -200,8 +200,6 @@ class Trainer:
     """Holds the frozen wrapped backbone, the actor, the critic, optimisers and all training state."""
 
     def __init__(self, cfg: TrainConfig):
-        from . import data as D
-
         self.cfg = cfg
         self.comm = _Comm()
         self.dev = torch.device(cfg.device)
@@ -297,7 +295,7 @@ class Trainer:
             if self.cfg.augment == "strong" and n > 1 and float(torch.rand(())) < self.cfg.cutmix_prob:
                 j = int(torch.randint(n - 1, ()))
                 other = self.rollout_set[j + (j >= i)][0]
-                img, _ = cutmix_patches(img, other, self.patch)
+                img, _ = D.cutmix_patches(img, other, self.patch)
             out.append(img)
         return torch.stack(out).to(self.dev, self.dtype)
 
@@ -656,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", required=True, help="labels CSV (path,label,...,split) or ImageFolder root")
     ap.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, selected/)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/state.pt exactly")
-    ap.add_argument("--augment", nargs="?", const="light", default="none", choices=AUGMENT_LEVELS,
+    ap.add_argument("--augment", nargs="?", const="light", default="none", choices=D.AUGMENT_LEVELS,
                     help="rollout augmentation for small pools (ours): light = crop (0.5-1) + flip; strong = crop "
                          "(0.25-1) + flip + RandAugment + label-free patch CutMix (--cutmix-prob); bare --augment = light")
     skip = {"model", "data", "out", "ppo", "augment"}
