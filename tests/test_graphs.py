@@ -5,6 +5,7 @@ tests check the path's logic (fixed buffers reused across forwards, the gate pro
 lazily recomputed keys, speculation, padded packed rows, the deletion into fixed buffers) against
 the default forward: every output must be identical.
 """
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -335,7 +336,7 @@ def test_fixed_shape_controller_equals_the_controller(family):
     with torch.no_grad():
         step = policy.probe(ctx)
         gate = torch.tensor([True, False, True, True, False])  # a mixed gate, whatever the actor said
-        dec = policy._decide(step._replace(gate=gate), gate.tolist())
+        dec = policy._decide(dataclasses.replace(step, gate=gate), gate.tolist())
         remove, removed, flops = policy.controller_fixed(keys, packed.cu_seqlens, max(lengths), p, step.h, n_visual, gate,
                                                          3, "sdpa_loop", lengths)
     assert gate.sum() == 3 and torch.equal(removed, dec.removed) and removed[~gate].eq(0).all()

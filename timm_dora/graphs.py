@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -161,14 +162,18 @@ class LazyKeysContext(BlockContext):
         super().__init__(keys=None, **kwargs)
 
     @property
-    def keys(self) -> torch.Tensor:
-        if self._keys is None:
+    def keys(self) -> Optional[torch.Tensor]:
+        if self._keys is None and self._keys_fn is not None:
             self._keys = self._keys_fn()
         return self._keys
 
     @keys.setter
     def keys(self, value: Optional[torch.Tensor]) -> None:
         self._keys = value
+
+    def release_keys(self) -> None:
+        if self.releasable:
+            self._keys, self._keys_fn = None, None  # not computed again either
 
 
 def graph_mode_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Optional[str]:
@@ -376,7 +381,7 @@ class GraphRunner:
                 self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
                 self._gate_copied(l)
                 # the keys are not kept; gate and history are read from the fixed outputs
-                self.steps[l] = step._replace(ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
+                self.steps[l] = replace(step, ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
 
             def cls_keys(k: torch.Tensor) -> None:  # [B, H, S, hd] -> the CLS keys [B, H, hd] (a view)
                 if keep and not self.triton_gate:  # as [B*S, d] rows (heads concatenated), the layout
@@ -486,7 +491,7 @@ class GraphRunner:
                 self.ctrl_in[2].copy_(step.gate)
                 self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
                 self._gate_copied(l)
-                self.steps[("packed", l)] = step._replace(ctx=None, keys=None, h=self.ctrl_in[0], gate=self.ctrl_in[2])
+                self.steps[("packed", l)] = replace(step, ctx=None, keys=None, h=self.ctrl_in[0], gate=self.ctrl_in[2])
 
             def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
                 if self.triton_gate:  # the gate reads the CLS keys in place, then only the open
@@ -625,7 +630,7 @@ class GraphRunner:
 
         blk = self.model.blocks[l]
         kw = dict(block=l, n_visual=n_visual, rho=rho, interventions=interventions, depth=self.depth,
-                  num_patches=self.num_patches, backend=self.backend, constants=consts)
+                  num_patches=self.num_patches, backend=self.backend, constants=consts, releasable=True)
         spec = self.probing and not self.opened[l]
         if self.skips is not None and (l <= self._chained_to or self.skips(l)):
             return self._chain(l, consts)

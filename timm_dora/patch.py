@@ -488,7 +488,8 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         else:
             with scope("dora.attention"):
                 x_attn, keys = attention_residual(blk, packed, backend)
-            ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts)
+            ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts,
+                               releasable=True)
             del keys
             if speculate:
                 with scope("dora.policy"):

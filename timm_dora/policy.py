@@ -26,7 +26,7 @@ policy at those blocks and replays each run of them as one segment.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -82,10 +82,11 @@ class BlockContext:
 
     Its tensors are valid during the policy call: with ``wrap(..., cuda_graphs=True)`` ``keys``
     and ``packed.x`` are views of buffers that later blocks overwrite; clone what must be kept.
+    A policy that has read what it needs of ``keys`` may call :meth:`release_keys`.
     """
 
     block: int
-    keys: torch.Tensor  # [T, d] attention keys of every packed row, heads concatenated
+    keys: Optional[torch.Tensor]  # [T, d] attention keys of every packed row, heads concatenated
     packed: Packed  # the batch entering this block (its layout; rows are pre-attention)
     n_visual: torch.Tensor  # [B] N_l, visual tokens entering the block
     rho: torch.Tensor  # [B] k_{l-1} / N_{l-1} (0 at l = 0)
@@ -94,10 +95,22 @@ class BlockContext:
     num_patches: int  # N0
     backend: str  # attention backend of this forward
     constants: Optional[ForwardConstants] = field(default=None, repr=False)  # shared by the forward's blocks
+    # the creator (the DORA forward) lets the policy drop ``keys`` once read (:meth:`release_keys`);
+    # a context made elsewhere keeps them (it may be reused after the call)
+    releasable: bool = field(default=False, repr=False)
 
     def __post_init__(self):
         if self.constants is None:
             self.constants = ForwardConstants(self.packed.batch_size, self.keys.device)
+
+    def release_keys(self) -> None:
+        """Drop this context's reference to ``keys`` (``None`` afterwards) if its creator allows
+        it (``releasable``: the contexts of the DORA forward; otherwise nothing happens). On the
+        eager path the keys are a view of the block's whole qkv output (three times their size),
+        which is then freed before the policy's own work and the MLP, as in the native forward,
+        unless the policy keeps a reference of its own."""
+        if self.releasable:
+            self.keys = None
 
     def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
         """The decision "no gate opened, nothing removed" (shared constant tensors)."""
@@ -326,11 +339,14 @@ class _FixedLayout(NamedTuple):
     uniform: bool = False
 
 
-class _GateStep(NamedTuple):
-    """What :meth:`ActorPolicy.begin` computed before the gate vector is read on the host."""
+@dataclass
+class _GateStep:
+    """What :meth:`ActorPolicy.begin` computed before the gate vector is read on the host.
+    Mutable: the decision drops ``keys`` (and the context's) as soon as it has gathered the
+    controller's rows, so that the block's qkv output is freed before the actor's encoder runs."""
 
-    ctx: BlockContext
-    keys: torch.Tensor  # in the actor's dtype
+    ctx: Optional[BlockContext]
+    keys: Optional[torch.Tensor]  # in the actor's dtype
     backend: str
     h: torch.Tensor
     gate: torch.Tensor
@@ -435,7 +451,7 @@ class ActorPolicy:
         """The decision from a :meth:`probe` and its gate vector on the host. ``ctx``: the block's
         context now (the probe's own is dropped after a capture; its keys may be computed lazily)."""
         if ctx is not None:
-            step = step._replace(ctx=ctx, keys=None)
+            step = replace(step, ctx=ctx, keys=None)
         return self._decide(step, gate_host)
 
     def controller_fixed(self, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, num_prefix: int,
@@ -566,7 +582,8 @@ class ActorPolicy:
     def _decide(self, step: _GateStep, gate_host: List[bool]) -> Decision:
         """The rest of the decision once the gate vector is on the host: the controller for the
         images whose gate opened (which enter it is the host's only question)."""
-        ctx, keys, backend, h, gate, gate_flops, rec = step
+        ctx, keys, backend, h, gate, gate_flops, rec = (step.ctx, step.keys, step.backend, step.h, step.gate,
+                                                        step.gate_flops, step.rec)
         actor, packed = self.actor, ctx.packed
         active_host = [i for i, g in enumerate(gate_host) if g]
         if not active_host:
@@ -584,6 +601,13 @@ class ActorPolicy:
         # controller input: CLS key + visual keys of each gate-active image, packed
         rows = rows_where(gate[packed.seg] & ((packed.pos == 0) | (packed.pos >= p)), sum(n_act_host) + len(active_host))
         ctrl = Packed(keys[rows], n_act + 1, [n + 1 for n in n_act_host], num_prefix=1)
+        # the keys are not read again: on the eager path they are a view of the block's whole qkv
+        # output, which would otherwise stay alive through the actor's encoder (a memory peak above
+        # native's; benchmarks/NOTES.md change 35). Drop every reference: this frame's, the step's
+        # and the context's (the caller's frames hold only those two objects).
+        del keys
+        step.keys = None
+        ctx.release_keys()
         z = actor.encode(ctrl.x, ctrl, h[active], ctx.block, backend)
 
         logits = actor.budget_logits(z[ctrl.starts], n_act)
