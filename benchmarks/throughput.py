@@ -34,7 +34,11 @@ Each row also records on CUDA ``peak_memory_mib``, the peak allocated memory ove
 captures included: a capture's warm-up runs outside the graphs' pool), ``steady_peak_memory_mib``,
 the same after the first warm-up (every batch seen, every graph captured: what serving costs), and
 ``peak_reserved_mib``, the peak memory reserved by the allocator after the first warm-up (the
-cache is emptied before each row; the graphs' pools count here).
+cache is emptied before each row; the graphs' pools count here). ``base_memory_mib`` is what was
+allocated when the row started (the model, the inputs, and what earlier rows left: the first graph
+capture of a process leaves cuBLAS's workspace for the capture stream, 33 MiB on the H100, in
+every later row), and ``peak_over_base_mib`` / ``steady_peak_over_base_mib`` the two peaks above
+it: what the row's own forwards add (the actor's weights, allocated before the row, not included).
 
 Usage (prints a table; writes JSON with device, versions and the command):
 
@@ -282,6 +286,7 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated() / 2**20
             try:
                 r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
             except Exception as e:
@@ -293,6 +298,12 @@ def main(argv=None):
                 # CUDA graphs allocate their pools once, at capture; the reserved peak (cache
                 # emptied before the row, reset after the first warm-up) counts them
                 r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+                # what the row's forwards add to what was allocated when it started: the model,
+                # its inputs and what earlier rows left (the cuBLAS workspaces of the graph
+                # captures' stream, allocated once per process) are in base_memory_mib
+                r["base_memory_mib"] = base
+                r["peak_over_base_mib"] = r["peak_memory_mib"] - base
+                r["steady_peak_over_base_mib"] = r["steady_peak_memory_mib"] - base
             row = {"model": name, "config": config, "gflops": gflops, **extra, **r}
             rows.append(row)
             print(f"{name:28s} {config:22s} {gflops:8.3f} GFLOPs {r['images_per_s']:10.1f} img/s {r['ms_per_batch']:8.3f} ms/batch", flush=True)

@@ -579,7 +579,10 @@ class GraphRunner:
             # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read
             self.consts.memo.clear()
         g = torch.cuda.CUDAGraph()
-        with _no_gc(), torch.cuda.graph(g, pool=self.pool):
+        # captured on the warm-up's stream, not torch's own capture stream: cuBLAS allocates a
+        # workspace (33 MiB on the H100, never returned) for every stream it runs on, and the
+        # capture stream would be a second one (NOTES change 36)
+        with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
             fn()
         self.graphs[key] = g
         if not self._consumes_input(key):
