@@ -273,11 +273,12 @@ def main(argv=None):
         cost = backbone_cost(model)
         native_gflops = 2 * cost.native_macs() / 1e9
         inputs = [torch.randn(args.batch, 3, *model.patch_embed.img_size, device=dev, dtype=dtype) for _ in range(args.batches)]
-        rows = []
+        rows = results["rows"]  # written out after every row (a run cut short keeps what it measured)
 
         def failed(config, e):
             """Record a failing configuration (the others' numbers must not be lost)."""
             rows.append({"model": name, "config": config, "error": f"{type(e).__name__}: {e}"})
+            write_json(args.out, results)
             print(f"{name:28s} {config:22s} FAILED: {type(e).__name__}: {e}", flush=True)
 
         def add(config, fn, gflops, **extra):
@@ -306,6 +307,7 @@ def main(argv=None):
                 r["steady_peak_over_base_mib"] = r["steady_peak_memory_mib"] - base
             row = {"model": name, "config": config, "gflops": gflops, **extra, **r}
             rows.append(row)
+            write_json(args.out, results)
             print(f"{name:28s} {config:22s} {gflops:8.3f} GFLOPs {r['images_per_s']:10.1f} img/s {r['ms_per_batch']:8.3f} ms/batch", flush=True)
 
         def first_forward(wrapped, config):
@@ -391,7 +393,6 @@ def main(argv=None):
                     add("oracle(actor)" + tag, fwd, oracle_gflops(model, ks), static_k=ks)
                 if "actor_oracle_graphs" in args.configs and dev.type == "cuda":
                     add("oracle_graphs(actor)" + tag, captured(fwd, inputs[0]), oracle_gflops(model, ks), static_k=ks)
-        results["rows"] += rows
         del model, inputs
         torch.cuda.empty_cache()
     write_json(args.out, results)
