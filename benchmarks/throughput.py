@@ -199,8 +199,8 @@ def captured(fn: Callable, example: torch.Tensor) -> Callable:
         fn(static_in)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(g):
-        static_out = fn(static_in)
+    with torch.inference_mode(), torch.cuda.graph(g, stream=side):  # (as timm_dora.graphs: one cuBLAS
+        static_out = fn(static_in)  # workspace for all captures, not one more stream's)
 
     def replay(x):
         static_in.copy_(x)
