@@ -135,3 +135,28 @@ def test_throughput_actor_rows_per_controller(tmp_path):
     assert configs[1] == configs[0].replace("[auto]", "[modules]")
     # on the CPU both run the modules (the eager controller): equal decisions, equal GFLOPs
     assert rows[0]["gflops"] == rows[1]["gflops"] and rows[0]["gate_rate"] == rows[1]["gate_rate"]
+
+
+def test_trained_oracle_matches_the_published_actors_gflops(tmp_path):
+    """The published ViT-Ti actor on real rollout images (CPU, a smoke run of the timing): its
+    eager and graph rows decide alike (same GFLOPs), and the oracle is the dense static schedule
+    at its GFLOPs: within one token of one block, at the blocks where the actor removed tokens."""
+    import trained_oracle
+    from helpers import SHARED
+
+    name = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+    out = tmp_path / "o.json"
+    res = trained_oracle.main([
+        "--model", name, "--weights", str(SHARED / "weights" / f"{name}.safetensors"),
+        "--actor", str(Path(__file__).resolve().parents[1] / "hub" / name),
+        "--data", str(SHARED / "data" / "imagenet-mini" / "labels.csv"), "--split", "rollout",
+        "--batch", "4", "--batches", "2", "--warmup", "1", "--iters", "1", "--repeats", "1",
+        "--device", "cpu", "--out", str(out)])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["native", "actor", "actor_graphs", "oracle(actor)"] == [r["config"] for r in res["rows"]]
+    actor, oracle = rows["actor"], rows["oracle(actor)"]
+    assert actor["gflops"] == rows["actor_graphs"]["gflops"] < rows["native"]["gflops"]
+    one_token = rows["native"]["gflops"] / 197  # a token through every block: an upper bound on one token's share
+    assert abs(oracle["gflops"] - actor["gflops"]) < one_token
+    pruned = {l for l, v in enumerate(actor["removed_per_block"]) if v > 0}
+    assert {int(l) for l, k in oracle["static_k"].items() if k > 0} <= pruned

@@ -1,0 +1,104 @@
+"""A trained actor's throughput against its own dense static oracle at equal GFLOPs (issue #8).
+
+Real weights, the actor from ``--actor`` (e.g. ``hub/<model>``), real images of ``--split``
+(default ``rollout``: the test split is for reporting accuracy, and the speed does not need it);
+the trained actor's decisions depend on real keys, so random inputs would not do. Rows (same
+inputs, same run): native; the wrapped model eagerly and from CUDA graphs; the dense static oracle
+at the actor's realized mean GFLOPs (its own FLOPs included, its removals spread over the blocks
+as the actor's mean removals: ``throughput.matched_counts``), eagerly and as one CUDA graph.
+Timing as ``throughput.py`` (``bench.time_forward``: CUDA events, warm-up, median of repeats).
+
+    python benchmarks/trained_oracle.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
+        --weights W.safetensors --actor hub/vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
+        --data labels.csv --out benchmarks/results/trained_oracle_h100_vit.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import timm_dora  # noqa: E402
+from throughput import captured, matched_counts, oracle_forward, oracle_gflops, time_forward  # noqa: E402
+from timm_dora.bench import bench_inputs  # noqa: E402
+from timm_dora.evaluate import environment, load_model, write_json  # noqa: E402
+from timm_dora.flops import backbone_cost  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--weights", required=True)
+    ap.add_argument("--actor", required=True, help="a published actor's folder (hub/<model>) or Hub id")
+    ap.add_argument("--data", required=True, help="labels CSV")
+    ap.add_argument("--split", default="rollout")
+    ap.add_argument("--batch", type=int, default=320)
+    ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = load_model(args.model, args.weights).eval().to(dev, dtype)
+    inputs, info = bench_inputs(model, batch=args.batch, batches=args.batches, device=dev, dtype=dtype,
+                                data=args.data, split=args.split, workers=2)
+    res = {**environment(dev, " ".join(["trained_oracle.py"] + (argv if argv is not None else sys.argv[1:]))),
+           "inputs": info, "protocol": {k: getattr(args, k) for k in ("warmup", "iters", "repeats")}, "rows": []}
+    native_gflops = 2 * backbone_cost(model).native_macs() / 1e9
+
+    def add(config, fn, gflops, **extra):
+        if dev.type == "cuda":
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
+        row = {"config": config, "gflops": gflops, **extra, **r}
+        res["rows"].append(row)
+        write_json(args.out, res)
+        print(f"{config:24s} {gflops:7.3f} GFLOPs {r['images_per_s']:10.1f} img/s", flush=True)
+        return row
+
+    native = add("native", model, native_gflops)
+    removed, gflops = [], []
+    for graphs in (False, True):
+        timm_dora.wrap(model, actor=args.actor, cuda_graphs=graphs)
+        with torch.inference_mode():
+            for x in inputs:  # the decisions on every batch: the mean the oracle is matched to
+                model(x)
+                if not graphs:
+                    s = model.dora_stats
+                    removed.append(s.removed.float())
+                    gflops.append(s.gflops)
+        if not graphs:
+            removed, gflops = torch.cat(removed).mean(0), float(torch.cat(gflops).mean())
+        row = add("actor_graphs" if graphs else "actor", model, gflops,
+                  removed_per_block=[round(float(v), 2) for v in removed])
+        timm_dora.unwrap(model)
+    ks = matched_counts(model, {l: float(v) for l, v in enumerate(removed) if v > 0}, gflops)
+    fwd = oracle_forward(model, ks)
+    oracle = add("oracle(actor)", fwd, oracle_gflops(model, ks), static_k=ks)
+    if dev.type == "cuda":
+        graph_oracle = add("oracle_graphs(actor)", captured(fwd, inputs[0]), oracle_gflops(model, ks), static_k=ks)
+        actor_eager, actor_graphs = res["rows"][1], res["rows"][2]
+        res["summary"] = {
+            "gflops_reduction": 1 - gflops / native_gflops,
+            "actor_of_oracle": actor_eager["images_per_s"] / oracle["images_per_s"],
+            "actor_graphs_of_graph_oracle": actor_graphs["images_per_s"] / graph_oracle["images_per_s"],
+            "actor_graphs_of_native": actor_graphs["images_per_s"] / native["images_per_s"],
+        }
+        print(res["summary"])
+    write_json(args.out, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
