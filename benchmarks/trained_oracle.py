@@ -68,20 +68,22 @@ def main(argv=None):
         return row
 
     native = add("native", model, native_gflops)
-    removed, gflops = [], []
+    def decisions():
+        """Mean removals per block and GFLOPs of the wrapped model's decisions on every batch."""
+        per_batch = []
+        with torch.inference_mode():
+            for x in inputs:
+                model(x)
+                per_batch.append((model.dora_stats.removed.float(), model.dora_stats.gflops))
+        return torch.cat([r for r, _ in per_batch]).mean(0), float(torch.cat([g for _, g in per_batch]).mean())
+
     for graphs in (False, True):
         timm_dora.wrap(model, actor=args.actor, cuda_graphs=graphs)
-        with torch.inference_mode():
-            for x in inputs:  # the decisions on every batch: the mean the oracle is matched to
-                model(x)
-                if not graphs:
-                    s = model.dora_stats
-                    removed.append(s.removed.float())
-                    gflops.append(s.gflops)
-        if not graphs:
-            removed, gflops = torch.cat(removed).mean(0), float(torch.cat(gflops).mean())
-        row = add("actor_graphs" if graphs else "actor", model, gflops,
-                  removed_per_block=[round(float(v), 2) for v in removed])
+        removed_l, gflops_l = decisions()
+        if not graphs:  # the oracle is matched to the eager path's decisions
+            removed, gflops = removed_l, gflops_l
+        add("actor_graphs" if graphs else "actor", model, gflops_l,
+            removed_per_block=[round(float(v), 2) for v in removed_l])
         timm_dora.unwrap(model)
     ks = matched_counts(model, {l: float(v) for l, v in enumerate(removed) if v > 0}, gflops)
     fwd = oracle_forward(model, ks)

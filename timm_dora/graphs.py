@@ -172,8 +172,9 @@ class LazyKeysContext(BlockContext):
         self._keys = value
 
     def release_keys(self) -> None:
+        """As :meth:`BlockContext.release_keys`; the keys are not computed again either."""
         if self.releasable:
-            self._keys, self._keys_fn = None, None  # not computed again either
+            self._keys, self._keys_fn = None, None
 
 
 def graph_mode_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Optional[str]:
