@@ -217,6 +217,34 @@ def time_forward(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: i
     return {k: r[k] for k in keep if k in r}
 
 
+def measure_row(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: int, repeats: int):
+    """One row: :func:`time_forward` and, on CUDA, the row's memory (see the module docstring): the
+    peaks over the whole row and after the first warm-up, the reserved peak, what was allocated
+    when the row started and the peaks above it. Collects garbage and empties the allocator's
+    cache first (graphs of unwrapped rows hold memory pools until collected)."""
+    cuda = inputs[0].device.type == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    r = time_forward(fn, inputs, warmup, iters, repeats)
+    if cuda:
+        # over the whole row (captures of new sizes included) and after the first warm-up
+        r["peak_memory_mib"] = max(r["warmup_peak_memory_mib"], r["steady_peak_memory_mib"])
+        # CUDA graphs allocate their pools once, at capture; the reserved peak (cache emptied
+        # before the row, reset after the first warm-up) counts them
+        r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+        # what the row's forwards add to what was allocated when it started: the model, its
+        # inputs and what earlier rows left (the cuBLAS workspace of the graph captures' stream,
+        # allocated once per process) are in base_memory_mib
+        r["base_memory_mib"] = base
+        r["peak_over_base_mib"] = r["peak_memory_mib"] - base
+        r["steady_peak_over_base_mib"] = r["steady_peak_memory_mib"] - base
+    return r
+
+
 def gflops_of(model, plan, inputs):
     timm_dora.set_policy(model, ReplayPolicy(plan, check=False))
     with torch.inference_mode():
@@ -282,29 +310,11 @@ def main(argv=None):
             print(f"{name:28s} {config:22s} FAILED: {type(e).__name__}: {e}", flush=True)
 
         def add(config, fn, gflops, **extra):
-            if dev.type == "cuda":  # peak memory of the timed forwards (weights and inputs included)
-                gc.collect()  # graphs of unwrapped rows hold memory pools until collected
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated() / 2**20
             try:
-                r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
+                r = measure_row(fn, inputs, args.warmup, args.iters, args.repeats)
             except Exception as e:
                 failed(config, e)
                 return
-            if dev.type == "cuda":
-                # over the whole row (captures of new sizes included) and after the first warm-up
-                r["peak_memory_mib"] = max(r["warmup_peak_memory_mib"], r["steady_peak_memory_mib"])
-                # CUDA graphs allocate their pools once, at capture; the reserved peak (cache
-                # emptied before the row, reset after the first warm-up) counts them
-                r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
-                # what the row's forwards add to what was allocated when it started: the model,
-                # its inputs and what earlier rows left (the cuBLAS workspaces of the graph
-                # captures' stream, allocated once per process) are in base_memory_mib
-                r["base_memory_mib"] = base
-                r["peak_over_base_mib"] = r["peak_memory_mib"] - base
-                r["steady_peak_over_base_mib"] = r["steady_peak_memory_mib"] - base
             row = {"model": name, "config": config, "gflops": gflops, **extra, **r}
             rows.append(row)
             write_json(args.out, results)

@@ -6,7 +6,8 @@ the trained actor's decisions depend on real keys, so random inputs would not do
 inputs, same run): native; the wrapped model eagerly and from CUDA graphs; the dense static oracle
 at the actor's realized mean GFLOPs (its own FLOPs included, its removals spread over the blocks
 as the actor's mean removals: ``throughput.matched_counts``), eagerly and as one CUDA graph.
-Timing as ``throughput.py`` (``bench.time_forward``: CUDA events, warm-up, median of repeats).
+Timing and memory fields as ``throughput.py`` (``throughput.measure_row``: warm-up, median of
+repeats; peaks and the memory allocated when the row started).
 
     python benchmarks/trained_oracle.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
         --weights W.safetensors --actor hub/vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
@@ -15,7 +16,6 @@ Timing as ``throughput.py`` (``bench.time_forward``: CUDA events, warm-up, media
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from pathlib import Path
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timm_dora  # noqa: E402
-from throughput import captured, matched_counts, oracle_forward, oracle_gflops, time_forward  # noqa: E402
+from throughput import captured, matched_counts, measure_row, oracle_forward, oracle_gflops  # noqa: E402
 from timm_dora.bench import bench_inputs  # noqa: E402
 from timm_dora.evaluate import environment, load_model, write_json  # noqa: E402
 from timm_dora.flops import backbone_cost  # noqa: E402
@@ -55,12 +55,7 @@ def main(argv=None):
     native_gflops = 2 * backbone_cost(model).native_macs() / 1e9
 
     def add(config, fn, gflops, **extra):
-        if dev.type == "cuda":
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        r = time_forward(fn, inputs, args.warmup, args.iters, args.repeats)
+        r = measure_row(fn, inputs, args.warmup, args.iters, args.repeats)
         row = {"config": config, "gflops": gflops, **extra, **r}
         res["rows"].append(row)
         write_json(args.out, res)

@@ -591,8 +591,9 @@ class GraphRunner:
 
     def _consumes_input(self, key: tuple) -> bool:
         """Segments that overwrite what they read, so must run exactly once: the controller (its
-        deletion gathers into the block input), a chain of blocks (the second block writes into
-        the first one's input) and, without the actor, the in-place MLP."""
+        deletion gathers into the block input), alone or after the attention in the same graph
+        (:data:`FUSED_INTERVENTIONS`), a chain of blocks (the second block writes into the first
+        one's input) and, without the actor, the in-place MLP."""
         return (key[0] in ("controller", "chain", "attention_controller", "attention_packed_controller")
                 or (key[0] == "mlp" and not self.probing))
 
