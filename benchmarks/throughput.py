@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timm  # noqa: E402
 
 import timm_dora  # noqa: E402
+import timm_dora.graphs  # noqa: E402
 from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
 from timm_dora import bench  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
@@ -252,6 +253,11 @@ def gflops_of(model, plan, inputs):
     return model.dora_stats
 
 
+def run_ahead_suffix(args, graphs: bool, ra: str) -> str:
+    """A graph row's suffix when both RUN_AHEAD settings are measured (``--run-ahead on off``)."""
+    return f"[run_ahead={ra}]" if graphs and len(args.run_ahead) > 1 else ""
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["deit_base_patch16_224", "vit_tiny_patch16_224"])
@@ -278,13 +284,25 @@ def main(argv=None):
     ap.add_argument("--fused-interventions", choices=["on", "off"], default="on",
                     help="timm_dora.graphs.FUSED_INTERVENTIONS for the *_graphs rows (the actor's controller in "
                          "its block's attention graph; NOTES change 32)")
+    ap.add_argument("--run-ahead", nargs="+", choices=["on", "off"], default=["on"],
+                    help="timm_dora.graphs.RUN_AHEAD for the gate-off and actor *_graphs rows (the dense "
+                         "blocks before the first open gate as one graph; NOTES change 37); both: an A/B in "
+                         "one run, suffix [run_ahead=...]")
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
     args = ap.parse_args(argv)
-    import timm_dora.graphs
-
+    args.argv = argv
+    saved = timm_dora.graphs.FUSED_INTERVENTIONS, timm_dora.graphs.RUN_AHEAD
     timm_dora.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
+    try:
+        return _measure(args)
+    finally:  # (module settings: a caller in the same process gets its own back)
+        timm_dora.graphs.FUSED_INTERVENTIONS, timm_dora.graphs.RUN_AHEAD = saved
+
+
+def _measure(args) -> dict:
+    argv = args.argv
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -340,11 +358,15 @@ def main(argv=None):
             sfx = "" if len(args.attn_backends) == 1 else f"[{ab}]"
             for config, speculate, graphs in (("gate_off", False, False), ("gate_off_spec", True, False),
                                               ("gate_off_graphs", False, True)):
-                if config in args.configs:
+                if config not in args.configs:
+                    continue
+                for ra in args.run_ahead if graphs else ["on"]:
+                    timm_dora.graphs.RUN_AHEAD = ra == "on"
+                    row_name = config + sfx + run_ahead_suffix(args, graphs, ra)
                     timm_dora.wrap(model, actor, speculate=speculate, cuda_graphs=graphs, attn_backend=ab)
-                    if not first_forward(model, config + sfx):
+                    if not first_forward(model, row_name):
                         continue
-                    add(config + sfx, model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
+                    add(row_name, model, float(model.dora_stats.gflops.mean()), backend=model.dora_stats.backend)
                     timm_dora.unwrap(model)
         for target in args.reductions:
             red, blocks = parse_reduction(target, args.blocks)
@@ -375,8 +397,9 @@ def main(argv=None):
                                                   ("actor_graphs", False, True)):
                     if config not in args.configs:
                         continue
-                    for ctl in args.controllers:
-                        csfx = sfx + ("" if len(args.controllers) == 1 else f"[{ctl}]")
+                    for ctl, ra in [(c, r) for c in args.controllers for r in (args.run_ahead if graphs else ["on"])]:
+                        csfx = sfx + ("" if len(args.controllers) == 1 else f"[{ctl}]") + run_ahead_suffix(args, graphs, ra)
+                        timm_dora.graphs.RUN_AHEAD = ra == "on"
                         policy = ActorPolicy(forced, speculate=speculate, fused_controller=None if ctl == "auto" else False)
                         timm_dora.wrap(model, policy=policy, cuda_graphs=graphs, attn_backend=ab)
                         if not first_forward(model, config + tag + csfx):

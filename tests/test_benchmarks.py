@@ -1,5 +1,6 @@
 """The throughput benchmark script still runs (CPU smoke test; real numbers come from the GPU)."""
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -28,6 +29,25 @@ def test_throughput_script_runs_every_configuration(tmp_path):
     actor, matched = rows["actor(random)"], rows["oracle(actor)"]
     assert sorted(int(l) for l in matched["static_k"]) == [1, 2]
     assert abs(matched["gflops"] - actor["gflops"]) / actor["gflops"] < 0.02
+
+
+def test_throughput_run_ahead_ab(tmp_path):
+    """``--run-ahead on off`` measures the graph rows with and without the run ahead in one run (same
+    decisions, so the same GFLOPs) and gives the module its setting back."""
+    from timm_dora import graphs
+
+    out = tmp_path / "t.json"
+    throughput.main(["--models", "vit_tiny_patch16_224", "--img-size", "96", "--batch", "8", "--batches", "2",
+                     "--warmup", "1", "--iters", "1", "--repeats", "1", "--device", "cpu", "--blocks", "1", "2",
+                     "--spread", "4", "--reductions", "0.4", "--configs", "gate_off", "gate_off_graphs",
+                     "actor_graphs", "--run-ahead", "on", "off", "--out", str(out)])
+    rows = {re.sub(r"@\d+%", "", r["config"]): r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["actor_graphs(random)[run_ahead=off]", "actor_graphs(random)[run_ahead=on]", "gate_off",
+                            "gate_off_graphs[run_ahead=off]", "gate_off_graphs[run_ahead=on]"]
+    for config in ("gate_off_graphs", "actor_graphs(random)"):
+        on, off = rows[config + "[run_ahead=on]"], rows[config + "[run_ahead=off]"]
+        assert on["gflops"] == off["gflops"]
+    assert graphs.RUN_AHEAD is True
 
 
 def test_throughput_reduction_with_its_own_blocks(tmp_path):

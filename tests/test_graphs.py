@@ -80,16 +80,20 @@ def _assert_same(a, b, exact=True):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("bucket", [1, 7])  # 7: packed rows padded (by 0-6 rows) in every block
 def test_graph_path_is_identical_to_the_default_forward(family, kind, bucket, monkeypatch):
-    """Identical without padding; with padded rows the same decisions, logits within rounding."""
+    """Identical without padding; with padded rows the same decisions, logits within rounding; with
+    the dense blocks run ahead in one segment (the default) and one segment per block."""
     monkeypatch.setattr(graphs_module, "ROWS_BUCKET", bucket)
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     xs = [images(model, 6, seed=s) for s in (1, 2, 1)]  # buffers reused; a batch seen again
     actor = kind_actor(model, kind)
     ref = _run(model, xs, actor=actor)
-    got = _run(model, xs, actor=actor, cuda_graphs=True)
     # exact where no controller ran and nothing was padded; where a gate opened the graphs' controller
     # ran on every image (products over more rows may round differently): same decisions, close logits
+    for a, b in zip(_run(model, xs, actor=actor, cuda_graphs=True), ref):
+        _assert_same(a, b, exact=bucket == 1 and kind == "closed")
+    monkeypatch.setattr(graphs_module, "RUN_AHEAD", False)
+    got = _run(model, xs, actor=actor, cuda_graphs=True)
     for a, b in zip(got, ref):
         _assert_same(a, b, exact=bucket == 1 and kind == "closed")
     stats, calls = ref[0][1], got[0][2]
@@ -161,6 +165,61 @@ def test_blocks_a_policy_skips_run_as_chains(monkeypatch):
     got = _run(model, [x], policy=NoPrune(), cuda_graphs=True)
     assert segments == [("chain", 0, depth - 1, total, True), ("readout",)]
     assert got[0][2] == [1] * depth  # every MLP exactly once
+
+
+def test_dense_blocks_run_ahead_in_one_segment_until_a_gate_opened(monkeypatch):
+    """With the actor (``RUN_AHEAD``), the dense blocks from block 0 up to the first whose gate
+    opened in the last forward run as one segment (the readout too when none opened), their gates
+    read at once. Where a gate opens inside that run, the images are embedded again, the blocks
+    before it replay as one segment and the block runs on its own: outputs and statistics equal the
+    default forward's."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    depth = len(model.blocks)
+    xs = [images(model, 3, seed=s) for s in (1, 2)]
+    segments, embeds = [], []
+    run = GraphRunner._run
+    monkeypatch.setattr(GraphRunner, "_run", lambda self, key: (segments.append(key), run(self, key))[1])
+    hook = model.patch_embed.register_forward_hook(lambda *a: embeds.append(1))
+
+    closed = kind_actor(model, "closed")
+    ref = _run(model, xs, actor=closed)
+    segments.clear(), embeds.clear()
+    got = _run(model, xs, actor=closed, cuda_graphs=True)
+    for a, b in zip(got, ref):
+        _assert_same(a, b)
+    assert segments == [("run_ahead", 0, depth, True)] * 2  # the whole forward, readout included
+    assert [g[2] for g in got] == [[1] * depth] * 2  # every MLP once (speculatively, all kept)
+    assert len(embeds) == 2 + 1  # one per forward (and one when the runner made its buffers)
+
+    forced = kind_actor(model, "forced")  # opens at blocks 1, 4 and 7, on every image
+    ref = _run(model, xs, actor=forced)
+    opened = ref[0][1].gate.any(0).tolist()
+    assert opened[:2] == [False, True]
+    segments.clear(), embeds.clear()
+    got = _run(model, xs, actor=forced, cuda_graphs=True)
+    for a, b in zip(got, ref):
+        _assert_same(a, b, exact=False)  # (the graphs' controller runs on every image)
+    # first forward: the run ahead over everything finds block 1 open, so the images are embedded
+    # again, block 0 replays alone and block 1 (no speculation now) runs its controller
+    assert segments[:3] == [("run_ahead", 0, depth, True), ("run_ahead", 0, 1, False), ("attention", 1, False)]
+    assert len(embeds) == 1 + 2 + 1
+    second = segments.index(("run_ahead", 0, 1, False), 2)  # the second forward starts from it
+    assert segments[second + 1] == ("attention", 1, False)
+    # MLPs: the first forward ran every block's in the run ahead, block 0's again, then its own
+    # (after a deletion: speculative, plus the survivors' where a gate opened); the second as the
+    # per-block path with the first forward's gates
+    assert got[0][2] == [2, 2] + [2 + o for o in opened[2:]]
+    before, now = (g.gate.any(0).tolist() for g in (got[0][1], got[1][1]))
+    assert got[1][2] == [1 if b else 1 + n for b, n in zip(before, now)]
+    hook.remove()
+
+    monkeypatch.setattr(graphs_module, "RUN_AHEAD", False)
+    segments.clear()
+    off = _run(model, xs, actor=forced, cuda_graphs=True)
+    for a, b in zip(off, got):
+        _assert_same(a, b)
+    assert not any(k[0] == "run_ahead" for k in segments)
 
 
 def test_keys_read_by_a_policy_are_recomputed_exactly():

@@ -109,6 +109,13 @@ ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucke
 # 4.3 -> 4.0 %, ViT-Ti's 18.2 -> 17.2 %, medians of four alternating pairs); False restores the
 # two graphs per intervention
 FUSED_INTERVENTIONS = True
+# With the actor, the dense blocks from block 0 up to the first whose gate opened in the last forward
+# (all of them and the readout where none opened) run ahead as one graph, with one host read of all
+# their gate vectors instead of one per block. Where a gate opens inside that run after all, the
+# graph's later blocks have computed on an unpruned batch they should not have: the forward then
+# embeds the images again and replays the blocks before that gate (as the next forward will), and
+# that block takes its deletion as usual (NOTES change 37). False: one graph per block
+RUN_AHEAD = True
 
 
 def rows_bucket(total_rows: int) -> int:
@@ -233,6 +240,12 @@ class GraphRunner:
             # recorded inside the graphs (external: a record node the host can wait on)
             self.gate_ready = [torch.cuda.Event(external=True) for _ in range(self.depth)]
             self.deleted_ready = torch.cuda.Event(external=True)  # the controller graph's deletion
+            self.ahead_ready = torch.cuda.Event(external=True)  # a run-ahead graph's gate vectors
+        # run ahead (RUN_AHEAD): the dense blocks 0 .. end-1 in one graph; (end, gate vectors) this forward
+        self.run_ahead = self.probing and RUN_AHEAD
+        self._ahead: Optional[Tuple[int, List[List[bool]]]] = None
+        self._ahead_logits = False
+        self._images: Optional[torch.Tensor] = None  # the forward's images (a wrong run ahead embeds them again)
         # speculation (the actor): block l's graph runs the MLP of all rows before the gate is read
         # unless its gate opened for some image in the last forward that reached it (there the
         # speculative MLP was wasted; a wrong guess the other way costs one gate read's latency)
@@ -341,10 +354,12 @@ class GraphRunner:
 
         kind, l = key[0], key[1] if len(key) > 1 else None
         model, b = self.model, self.batch
-        if kind == "readout":
+        if kind == "readout":  # key[1] (optional): its output's name ("ahead": a run ahead's own)
+            name = key[1] if len(key) > 1 else "dense"
+
             def readout_dense():
                 final = self.dense_inputs[self.depth % 2]
-                self.logits["dense"] = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
+                self.logits[name] = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
             return readout_dense
         if kind == "readout_packed":  # the CLS-token head after a deletion: the prefix rows of the
             # current layout (cu), final norm (per row: the same values as on all rows) and head
@@ -365,9 +380,26 @@ class GraphRunner:
                 attend()
                 control()
             return attention_controller
+        if kind == "run_ahead":  # dense blocks 0 .. key[2]-1, each with its speculative MLP, and
+            # (key[3]) the readout; after the last block's gate, every block's gate vector to the host
+            end, with_readout = key[2], key[3]
+            blocks = [self._segment(("attention", i, True, False, "ahead" if i == end - 1 else None))
+                      for i in range(end)]
+            read = self._segment(("readout", "ahead")) if with_readout else None
+
+            def run_ahead():
+                for block in blocks:
+                    block()
+                if read is not None:
+                    read()
+            return run_ahead
         if kind == "attention":  # dense; key[2]: the MLP runs in the same graph (speculation);
-            # key[3] (optional): the controller follows in the same graph and reads the keys in place
+            # key[3] (optional): the controller follows in the same graph and reads the keys in place;
+            # key[4] (optional): where the gate vector goes: "block" (default) to the host with an event
+            # of its own, None nowhere (a run ahead's earlier blocks), "ahead" with those of all
+            # earlier blocks and the run ahead's event (its last block)
             spec, in_place = key[2], len(key) > 3 and key[3]
+            to_host = key[4] if len(key) > 4 else "block"
             # where the gate is expected to open (no speculation) the keys are kept for the
             # controller: one copy instead of norm1 and qkv again
             keep = not spec and self.probing and self.k is not None and not in_place
@@ -379,8 +411,13 @@ class GraphRunner:
                 self.gate_out[l].copy_(step.gate)
                 if step.h is not self.h_out:  # (the memoised history already lives there)
                     self.h_out.copy_(step.h)
-                self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
-                self._gate_copied(l)
+                if to_host == "block":
+                    self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
+                    self._gate_copied(l)
+                elif to_host == "ahead":
+                    self.gate_host[:l + 1].copy_(self.gate_out[:l + 1], non_blocking=self.capture)
+                    if self.capture:
+                        self.ahead_ready.record(torch.cuda.current_stream(self.device))
                 # the keys are not kept; gate and history are read from the fixed outputs
                 self.steps[l] = replace(step, ctx=None, keys=None, gate=self.gate_out[l], h=self.h_out)
 
@@ -574,7 +611,7 @@ class GraphRunner:
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
-        if key[:2] == ("attention", 0):
+        if key[:2] == ("attention", 0) or key[0] == "run_ahead":
             # the gate's context (history and block embeddings) is memoised per forward constants:
             # made again inside block 0's capture, so that every replay recomputes it from the
             # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read
@@ -592,9 +629,9 @@ class GraphRunner:
     def _consumes_input(self, key: tuple) -> bool:
         """Segments that overwrite what they read, so must run exactly once: the controller (its
         deletion gathers into the block input), alone or after the attention in the same graph
-        (:data:`FUSED_INTERVENTIONS`), a chain of blocks (the second block writes into the first
-        one's input) and, without the actor, the in-place MLP."""
-        return (key[0] in ("controller", "chain", "attention_controller", "attention_packed_controller")
+        (:data:`FUSED_INTERVENTIONS`), a chain of blocks or a run ahead (the second block writes
+        into the first one's input) and, without the actor, the in-place MLP."""
+        return (key[0] in ("controller", "chain", "run_ahead", "attention_controller", "attention_packed_controller")
                 or (key[0] == "mlp" and not self.probing))
 
     def _padded(self, rows: int) -> int:
@@ -612,6 +649,8 @@ class GraphRunner:
         from .patch import embed
 
         self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
+        self._images = images if self.run_ahead else None  # (dropped by finish)
+        self._ahead, self._ahead_logits = None, False
         self.cur = None
         self._history = (None, None, None)  # the tensors last copied into history_in
         self._history_fresh = False  # copied since the last packed block's graph
@@ -639,6 +678,12 @@ class GraphRunner:
         spec = self.probing and not self.opened[l]
         if self.skips is not None and (l <= self._chained_to or self.skips(l)):
             return self._chain(l, consts)
+        if l == 0 and self.run_ahead and not self.opened[0]:
+            self._launch_ahead()
+        if self._ahead is not None and l < self._ahead[0]:  # ran ahead, its gate closed (read)
+            src = self.dense_inputs[l % 2]  # (no longer this block's input: a closed gate reads no keys)
+            ctx = LazyKeysContext(None, packed=src, **kw)
+            return self.policy.decide(self.steps[l], self._ahead[1][l], ctx), self.dense_attended, True
         if self.dense:
             fused = self._fuses(l)
             self._fused_at = l if fused else None
@@ -691,6 +736,32 @@ class GraphRunner:
         fused = self._fuses(l)
         self._fused_at = l if fused else None
         self._run(("attention_packed_controller" if fused else "attention_packed", l, rows, spec, fresh))
+
+    def _launch_ahead(self) -> None:
+        """Replay the run-ahead graph: dense blocks 0 up to the first block whose gate opened in the
+        last forward (every block and the readout where none did), then read all their gate
+        vectors at once (the host waits for the last block's gate; its attention, MLP and the
+        readout still run). Where some gate opened at block ``k`` inside the run after all, blocks
+        ``k`` and later ran on rows they should have pruned: the images are embedded again and
+        blocks ``0 .. k-1`` replay as the next forward's run ahead (the same kernels on the same
+        input: the same, closed, gates; not read again), and block ``k`` then runs on its own."""
+        from .patch import embed
+
+        end = next((i for i in range(1, self.depth) if self.opened[i]), self.depth)
+        with_readout = end == self.depth and self.readout_mode == "model" and self.model.global_pool == "token"
+        self._run(("run_ahead", 0, end, with_readout))
+        if self.capture:
+            self.ahead_ready.synchronize()
+        gates = self.gate_host[:end].tolist()
+        first_open = next((i for i, g in enumerate(gates) if any(g)), None)
+        if first_open is None:
+            self._ahead, self._ahead_logits = (end, gates), with_readout
+            return
+        self.opened[first_open] = True
+        self.x[0].copy_(embed(self.model, self._images).reshape(self.batch * self.seq, -1))
+        if first_open > 0:
+            self._run(("run_ahead", 0, first_open, False))
+        self._ahead = (first_open, gates[:first_open])
 
     def _fuses(self, l: int) -> bool:
         """Whether block ``l``'s attention graph also runs the controller (:data:`FUSED_INTERVENTIONS`,
@@ -792,6 +863,9 @@ class GraphRunner:
         """Logits (a copy of the graph's buffer) when the readout was replayed (the CLS-token head,
         dense or after a deletion), else ``None`` and the final rows for the eager readout: pooled
         readouts (their per-image pooling is not captured)."""
+        self._images = None
+        if self._ahead_logits:  # the run ahead's graph ended with the readout (no gate opened)
+            return self.logits["ahead"].clone(), None
         if self.readout_mode == "model" and self.model.global_pool == "token":
             kind = "dense" if self.dense else "packed"
             self._run(("readout",) if self.dense else ("readout_packed",))
