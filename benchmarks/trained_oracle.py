@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timm_dora  # noqa: E402
+import timm_dora.graphs  # noqa: E402
 from throughput import captured, matched_counts, measure_row, oracle_forward, oracle_gflops  # noqa: E402
 from timm_dora.bench import bench_inputs  # noqa: E402
 from timm_dora.evaluate import environment, load_model, write_json  # noqa: E402
@@ -41,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--run-ahead", choices=["on", "off"], default="on",
+                    help="timm_dora.graphs.RUN_AHEAD for the graph row (NOTES change 37)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -74,7 +77,11 @@ def main(argv=None):
 
     for graphs in (False, True):
         timm_dora.wrap(model, actor=args.actor, cuda_graphs=graphs)
-        removed_l, gflops_l = decisions()
+        saved, timm_dora.graphs.RUN_AHEAD = timm_dora.graphs.RUN_AHEAD, args.run_ahead == "on"
+        try:
+            removed_l, gflops_l = decisions()
+        finally:  # (read when the runner is made, in the first forward)
+            timm_dora.graphs.RUN_AHEAD = saved
         if not graphs:  # the oracle is matched to the eager path's decisions
             removed, gflops = removed_l, gflops_l
         add("actor_graphs" if graphs else "actor", model, gflops_l,

@@ -170,8 +170,8 @@ def test_blocks_a_policy_skips_run_as_chains(monkeypatch):
 def test_dense_blocks_run_ahead_in_one_segment_until_a_gate_opened(monkeypatch):
     """With the actor (``RUN_AHEAD``), the dense blocks from block 0 up to the first whose gate
     opened in the last forward run as one segment (the readout too when none opened), their gates
-    read at once. Where a gate opens inside that run, the images are embedded again, the blocks
-    before it replay as one segment and the block runs on its own: outputs and statistics equal the
+    read at once, after the next block's segment or before the logits are returned. Where a gate
+    opened inside that run, the forward runs again block by block: outputs and statistics equal the
     default forward's."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
@@ -200,19 +200,37 @@ def test_dense_blocks_run_ahead_in_one_segment_until_a_gate_opened(monkeypatch):
     got = _run(model, xs, actor=forced, cuda_graphs=True)
     for a, b in zip(got, ref):
         _assert_same(a, b, exact=False)  # (the graphs' controller runs on every image)
-    # first forward: the run ahead over everything finds block 1 open, so the images are embedded
-    # again, block 0 replays alone and block 1 (no speculation now) runs its controller
-    assert segments[:3] == [("run_ahead", 0, depth, True), ("run_ahead", 0, 1, False), ("attention", 1, False)]
+    # first forward: the run ahead over everything finds block 1 open when the logits are due, so
+    # the forward runs again block by block (block 1 without speculation now)
+    assert segments[:3] == [("run_ahead", 0, depth, True), ("attention", 0, True), ("attention", 1, False)]
     assert len(embeds) == 1 + 2 + 1
-    second = segments.index(("run_ahead", 0, 1, False), 2)  # the second forward starts from it
+    # the second forward runs ahead over block 0 only; its gates are read after block 1's segment
+    second = segments.index(("run_ahead", 0, 1, False))
     assert segments[second + 1] == ("attention", 1, False)
-    # MLPs: the first forward ran every block's in the run ahead, block 0's again, then its own
-    # (after a deletion: speculative, plus the survivors' where a gate opened); the second as the
-    # per-block path with the first forward's gates
+    # MLPs: the first forward ran every block's in the run ahead, then its own, block by block
+    # (block 0's speculatively; after a deletion: speculative, plus the survivors' where a gate
+    # opened); the second as the per-block path with the first forward's gates
     assert got[0][2] == [2, 2] + [2 + o for o in opened[2:]]
     before, now = (g.gate.any(0).tolist() for g in (got[0][1], got[1][1]))
     assert got[1][2] == [1 if b else 1 + n for b, n in zip(before, now)]
     hook.remove()
+
+    # a run ahead that ends before the last block (block 2 opened in the last forward, as far as
+    # the runner knows) while block 1 opens: found when block 2's segment has been enqueued
+    timm_dora.wrap(model, actor=forced, cuda_graphs=True)
+    try:
+        with torch.inference_mode():
+            model(xs[0])
+            runner = next(iter(model._dora.graphs.values()))
+            runner.opened[1:3] = [False, True]
+            segments.clear()
+            out = model(xs[0])
+            stats = model.dora_stats
+    finally:
+        timm_dora.unwrap(model)
+    assert segments[:4] == [("run_ahead", 0, 2, False), ("attention", 2, False), ("attention", 0, True),
+                            ("attention", 1, False)]
+    _assert_same((out, stats, None), ref[0], exact=False)
 
     monkeypatch.setattr(graphs_module, "RUN_AHEAD", False)
     segments.clear()
@@ -370,6 +388,25 @@ def test_captured_graphs_match_the_default_forward_on_cuda(kind, bucket, monkeyp
         if kind == "forced":  # the gate opens at blocks 1, 4, 7 only, whatever was removed before
             assert torch.equal(sa.gate.any(0), sb.gate.any(0))
         assert (sa.tokens[:, -1] >= 4).all() and torch.equal(sa.tokens, 16 - sa.removed.cumsum(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton gate and the capture)")
+def test_no_reference_to_a_captured_qkv_output_outlives_its_graph():
+    """A fused intervention graph's controller reads the keys as a view of the same graph's qkv
+    output; after the capture no reference to it may remain (it would pin that output's memory in
+    the graphs' pool, where later captures reuse freed memory)."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    timm_dora.wrap(model, actor=kind_actor(model, "forced").to("cuda", torch.bfloat16), cuda_graphs=True)
+    try:
+        with torch.inference_mode():
+            for s in (1, 2):
+                model(images(model, 6, seed=s).to("cuda", torch.bfloat16))
+        runner = next(iter(model._dora.graphs.values()))
+        assert runner.triton_gate and any(k[0] == "attention_controller" for k in runner.graphs)
+        assert runner._keys_in_place is None
+    finally:
+        timm_dora.unwrap(model)
 
 
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers"])  # one prefix token; five

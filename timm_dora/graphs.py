@@ -98,7 +98,7 @@ from .actor_kernels import copy_open_keys
 from .packing import Packed, delete_rows, gather_survivors, varlen_attention
 from .policy import BlockContext, Decision, ForwardConstants
 
-__all__ = ["GraphRunner", "LazyKeysContext", "graph_runner", "release_all", "graph_mode_reason", "rows_bucket", "ROWS_BUCKET", "MAX_CACHED"]
+__all__ = ["GraphRunner", "LazyKeysContext", "RunAheadMissed", "graph_runner", "release_all", "graph_mode_reason", "rows_bucket", "ROWS_BUCKET", "MAX_CACHED"]
 
 MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
 ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucket's rule
@@ -110,12 +110,19 @@ ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucke
 # two graphs per intervention
 FUSED_INTERVENTIONS = True
 # With the actor, the dense blocks from block 0 up to the first whose gate opened in the last forward
-# (all of them and the readout where none opened) run ahead as one graph, with one host read of all
-# their gate vectors instead of one per block. Where a gate opens inside that run after all, the
-# graph's later blocks have computed on an unpruned batch they should not have: the forward then
-# embeds the images again and replays the blocks before that gate (as the next forward will), and
-# that block takes its deletion as usual (NOTES change 37). False: one graph per block
+# (all of them and the readout where none opened) run ahead as one graph. The host takes their
+# gates as closed and goes on at once; it reads all their gate vectors in one go only where it must
+# know (after the next block's graph is enqueued, or before returning the logits). Where a gate
+# opened inside the run after all, the forward raises RunAheadMissed and patch.run runs it again
+# without running ahead (the next forward's run ahead then ends before that block; NOTES change
+# 37). False: one graph per block, each gate read after its block
 RUN_AHEAD = True
+
+
+class RunAheadMissed(Exception):
+    """A gate opened inside a run ahead (:data:`RUN_AHEAD`): this forward's later blocks ran on rows
+    that should have been pruned, so :func:`timm_dora.patch.run` runs the forward again, without
+    running ahead. Never reaches a caller of the model."""
 
 
 def rows_bucket(total_rows: int) -> int:
@@ -243,9 +250,9 @@ class GraphRunner:
             self.ahead_ready = torch.cuda.Event(external=True)  # a run-ahead graph's gate vectors
         # run ahead (RUN_AHEAD): the dense blocks 0 .. end-1 in one graph; (end, gate vectors) this forward
         self.run_ahead = self.probing and RUN_AHEAD
-        self._ahead: Optional[Tuple[int, List[List[bool]]]] = None
-        self._ahead_logits = False
-        self._images: Optional[torch.Tensor] = None  # the forward's images (a wrong run ahead embeds them again)
+        self._ahead = 0  # this forward's run ahead: its blocks 0 .. _ahead-1 (0: none)
+        self._ahead_unread = False  # their gates not read yet
+        self._ahead_logits = False  # it ended with the readout
         # speculation (the actor): block l's graph runs the MLP of all rows before the gate is read
         # unless its gate opened for some image in the last forward that reached it (there the
         # speculative MLP was wasted; a wrong guess the other way costs one gate read's latency)
@@ -359,7 +366,15 @@ class GraphRunner:
 
             def readout_dense():
                 final = self.dense_inputs[self.depth % 2]
-                self.logits[name] = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
+                logits = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
+                if name == "dense":
+                    self.logits[name] = logits
+                    return
+                fixed = self.logits.get(name)
+                if fixed is None:  # made by the warm-up, outside the capture and its memory pool
+                    with torch.inference_mode(False):
+                        fixed = self.logits[name] = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+                fixed.copy_(logits)
             return readout_dense
         if kind == "readout_packed":  # the CLS-token head after a deletion: the prefix rows of the
             # current layout (cu), final norm (per row: the same values as on all rows) and head
@@ -379,13 +394,18 @@ class GraphRunner:
             def attention_controller():
                 attend()
                 control()
+                # the keys were a view of this segment's qkv output: no reference may outlive the
+                # segment (after a capture it would hold that output's memory in the graphs' pool
+                # for good, where later captures could otherwise reuse it)
+                self._keys_in_place = None
             return attention_controller
         if kind == "run_ahead":  # dense blocks 0 .. key[2]-1, each with its speculative MLP, and
             # (key[3]) the readout; after the last block's gate, every block's gate vector to the host
             end, with_readout = key[2], key[3]
             blocks = [self._segment(("attention", i, True, False, "ahead" if i == end - 1 else None))
                       for i in range(end)]
-            read = self._segment(("readout", "ahead")) if with_readout else None
+            read = self._segment(("readout", "ahead")) if with_readout else None  # (into a fixed buffer:
+            # this segment consumes its input, so the warm-up's result is the first call's)
 
             def run_ahead():
                 for block in blocks:
@@ -642,15 +662,16 @@ class GraphRunner:
     # ------------------------------------------------------------------------------------------
     # one forward
 
-    def start(self, images: torch.Tensor) -> None:
+    def start(self, images: torch.Tensor, run_ahead: bool = True) -> None:
         """Embed the batch into the first block's input (the dense phase begins). Eagerly, from the
         caller's tensor: a captured embedding would need the images in a fixed buffer too, a
-        batch-sized copy per forward and the memory of that buffer."""
+        batch-sized copy per forward and the memory of that buffer. ``run_ahead=False``: not this
+        forward (it runs again after :class:`RunAheadMissed`)."""
         from .patch import embed
 
         self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
-        self._images = images if self.run_ahead else None  # (dropped by finish)
-        self._ahead, self._ahead_logits = None, False
+        self._ahead_now = self.run_ahead and run_ahead
+        self._ahead, self._ahead_unread, self._ahead_logits = 0, False, False
         self.cur = None
         self._history = (None, None, None)  # the tensors last copied into history_in
         self._history_fresh = False  # copied since the last packed block's graph
@@ -678,16 +699,15 @@ class GraphRunner:
         spec = self.probing and not self.opened[l]
         if self.skips is not None and (l <= self._chained_to or self.skips(l)):
             return self._chain(l, consts)
-        if l == 0 and self.run_ahead and not self.opened[0]:
+        if l == 0 and self._ahead_now and not self.opened[0]:
             self._launch_ahead()
-        if self._ahead is not None and l < self._ahead[0]:  # ran ahead, its gate closed (read)
-            src = self.dense_inputs[l % 2]  # (no longer this block's input: a closed gate reads no keys)
-            ctx = LazyKeysContext(None, packed=src, **kw)
-            return self.policy.decide(self.steps[l], self._ahead[1][l], ctx), self.dense_attended, True
+        if l < self._ahead:  # ran ahead: its gate taken as closed (checked by _check_ahead)
+            return Decision(consts.closed, consts.zeros, None, self.steps[l].gate_flops), self.dense_attended, True
         if self.dense:
             fused = self._fuses(l)
             self._fused_at = l if fused else None
             self._run(("attention_controller", l) if fused else ("attention", l, spec))
+            self._check_ahead()  # (the block right after a run ahead: its graph is enqueued)
             src = self.dense_inputs[l % 2]
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
             if not self.probing:
@@ -739,29 +759,29 @@ class GraphRunner:
 
     def _launch_ahead(self) -> None:
         """Replay the run-ahead graph: dense blocks 0 up to the first block whose gate opened in the
-        last forward (every block and the readout where none did), then read all their gate
-        vectors at once (the host waits for the last block's gate; its attention, MLP and the
-        readout still run). Where some gate opened at block ``k`` inside the run after all, blocks
-        ``k`` and later ran on rows they should have pruned: the images are embedded again and
-        blocks ``0 .. k-1`` replay as the next forward's run ahead (the same kernels on the same
-        input: the same, closed, gates; not read again), and block ``k`` then runs on its own."""
-        from .patch import embed
-
+        last forward (every block and the readout where none did). The host goes on without
+        waiting: :meth:`_check_ahead` reads the gates later."""
         end = next((i for i in range(1, self.depth) if self.opened[i]), self.depth)
         with_readout = end == self.depth and self.readout_mode == "model" and self.model.global_pool == "token"
         self._run(("run_ahead", 0, end, with_readout))
+        self._ahead, self._ahead_unread, self._ahead_logits = end, True, with_readout
+
+    def _check_ahead(self) -> None:
+        """Read the run ahead's gate vectors (once per forward, where the host must know: after the
+        next block's graph is enqueued, or before the logits are returned; the copy was made
+        right after its last block's gate, so the host rarely waits). Where some gate opened at
+        block ``k``, remember it (the next run ahead ends before ``k``) and raise
+        :class:`RunAheadMissed`: blocks ``k`` and later ran on rows they should have pruned."""
+        if not self._ahead_unread:
+            return
+        self._ahead_unread = False
         if self.capture:
             self.ahead_ready.synchronize()
-        gates = self.gate_host[:end].tolist()
+        gates = self.gate_host[:self._ahead].tolist()
         first_open = next((i for i, g in enumerate(gates) if any(g)), None)
-        if first_open is None:
-            self._ahead, self._ahead_logits = (end, gates), with_readout
-            return
-        self.opened[first_open] = True
-        self.x[0].copy_(embed(self.model, self._images).reshape(self.batch * self.seq, -1))
-        if first_open > 0:
-            self._run(("run_ahead", 0, first_open, False))
-        self._ahead = (first_open, gates[:first_open])
+        if first_open is not None:
+            self.opened[first_open] = True
+            raise RunAheadMissed(first_open)
 
     def _fuses(self, l: int) -> bool:
         """Whether block ``l``'s attention graph also runs the controller (:data:`FUSED_INTERVENTIONS`,
@@ -863,7 +883,7 @@ class GraphRunner:
         """Logits (a copy of the graph's buffer) when the readout was replayed (the CLS-token head,
         dense or after a deletion), else ``None`` and the final rows for the eager readout: pooled
         readouts (their per-image pooling is not captured)."""
-        self._images = None
+        self._check_ahead()
         if self._ahead_logits:  # the run ahead's graph ended with the readout (no gate opened)
             return self.logits["ahead"].clone(), None
         if self.readout_mode == "model" and self.model.global_pool == "token":

@@ -430,6 +430,16 @@ def _no_scope(name: str) -> contextlib.nullcontext:
 
 def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor, DoraStats]:
     """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and stats."""
+    from .graphs import RunAheadMissed
+
+    try:
+        return _run(model, x, policy, run_ahead=True)
+    except RunAheadMissed:  # (CUDA graphs: a gate opened inside the dense blocks run ahead) once more,
+        # block by block
+        return _run(model, x, policy, run_ahead=False)
+
+
+def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> Tuple[torch.Tensor, DoraStats]:
     state: _DoraState = model._dora
     cost = state.cost
     if model.training and any(getattr(m, "drop_prob", 0.0) > 0 for m in model.modules() if type(m).__name__ == "DropPath"):
@@ -452,7 +462,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=3)
     p = model.num_prefix_tokens
     if runner is not None:
-        runner.start(x)
+        runner.start(x, run_ahead)
         b, n0, dev = runner.batch, runner.num_patches, x.device
         packed = None
         del x
