@@ -119,8 +119,8 @@ FUSED_INTERVENTIONS = True
 RUN_AHEAD = True
 
 
-# A capture's warm-up allocates from the graphs' memory pool (a torch.cuda.MemPool, see
-# _warmup_pool); False: from the allocator's cache, as before change 38
+# A capture's warm-up allocates from the graphs' memory pool (see _allocating_to); False: from the
+# allocator's cache, as before change 38
 ALLOCATE_WARMUP_IN_POOL = True
 
 
@@ -172,13 +172,28 @@ def _no_gc():
             gc.enable()
 
 
-def _warmup_pool() -> Optional[object]:
-    """A ``torch.cuda.MemPool`` for a runner's graphs and their captures' warm-ups
-    (:data:`ALLOCATE_WARMUP_IN_POOL`), or ``None`` (this torch has none, or it is off): then the
-    graphs get a plain pool handle and the warm-ups allocate from the allocator's cache."""
-    if not ALLOCATE_WARMUP_IN_POOL or not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda, "use_mem_pool"):
-        return None
-    return torch.cuda.MemPool()
+@contextlib.contextmanager
+def _allocating_to(pool, device: torch.device):
+    """This thread's CUDA allocations from the graphs' memory pool for the duration (a capture's
+    warm-up): its activations are freed into the pool, where the capture that follows reuses them,
+    instead of into the allocator's cache beside the pool, which counted them twice at each new
+    capture's peak (NOTES change 38). Safe for the same reason that graphs share one pool: nothing
+    read after another segment runs lives in memory the pool counts as free. Without torch's
+    private-pool routing (``torch._C._cuda_beginAllocateCurrentThreadToPool``) the warm-up
+    allocates as before."""
+    begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if begin is None or end is None or release is None or not ALLOCATE_WARMUP_IN_POOL:
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    begin(index, pool)
+    try:
+        yield
+    finally:
+        end(index, pool)
+        release(index, pool)
 
 
 class LazyKeysContext(BlockContext):
@@ -285,7 +300,6 @@ class GraphRunner:
         garbage collection. Called when a wrapped model drops a runner (unwrap, set_policy, the
         cache's least recent entry); the runner must not be used afterwards."""
         self.graphs.clear()
-        self.mempool = None  # (after the graphs that use it)
         self.consts.keep = None
         if getattr(self, "packed_consts", None) is not None:
             self.packed_consts.keep = None
@@ -363,8 +377,7 @@ class GraphRunner:
         self.lengths_host = torch.zeros(b, dtype=torch.long, pin_memory=self.capture)
         self.logits: Dict[str, torch.Tensor] = {}  # the readout graphs' outputs: "dense", "packed"
         self.graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.mempool = _warmup_pool() if self.capture else None
-        self.pool = (self.mempool.id if self.mempool is not None else torch.cuda.graph_pool_handle()) if self.capture else None
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.cur: Optional[Packed] = None  # the packed phase's current rows (real layout), else None
         self.scale = [blk.attn.scale for blk in model.blocks]
 
@@ -644,14 +657,7 @@ class GraphRunner:
         # actor, the MLP (in place): they must run once, and the warm-up's result is kept
         side = _side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
-        # the warm-up allocates from the graphs' own pool where there is one (_warmup_pool): its
-        # activations are freed into that pool and the capture right after reuses them, instead of
-        # new blocks beside the allocator's cached ones (NOTES change 38). Safe for the reason the
-        # graphs share one pool: nothing read after another segment runs lives in memory the pool
-        # counts as free
-        routing = (torch.cuda.use_mem_pool(self.mempool, self.device) if self.mempool is not None
-                   else contextlib.nullcontext())
-        with torch.cuda.stream(side), routing:
+        with torch.cuda.stream(side), _allocating_to(self.pool, self.device):
             fn()
         torch.cuda.current_stream().wait_stream(side)
         if key[:2] == ("attention", 0) or key[0] == "run_ahead":
