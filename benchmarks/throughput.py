@@ -288,22 +288,17 @@ def main(argv=None):
                     help="timm_dora.graphs.RUN_AHEAD for the gate-off and actor *_graphs rows (the dense "
                          "blocks before the first open gate as one graph; NOTES change 37); both: an A/B in "
                          "one run, suffix [run_ahead=...]")
-    ap.add_argument("--warmup-in-pool", choices=["on", "off"], default="on",
-                    help="timm_dora.graphs.ALLOCATE_WARMUP_IN_POOL: a capture's warm-up allocates from the "
-                         "graphs' memory pool (NOTES change 38)")
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
     args = ap.parse_args(argv)
     args.argv = argv
-    g = timm_dora.graphs
-    saved = g.FUSED_INTERVENTIONS, g.RUN_AHEAD, g.ALLOCATE_WARMUP_IN_POOL
-    g.FUSED_INTERVENTIONS = args.fused_interventions == "on"
-    g.ALLOCATE_WARMUP_IN_POOL = args.warmup_in_pool == "on"
+    saved = timm_dora.graphs.FUSED_INTERVENTIONS, timm_dora.graphs.RUN_AHEAD
+    timm_dora.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
     try:
         return _measure(args)
     finally:  # (module settings: a caller in the same process gets its own back)
-        g.FUSED_INTERVENTIONS, g.RUN_AHEAD, g.ALLOCATE_WARMUP_IN_POOL = saved
+        timm_dora.graphs.FUSED_INTERVENTIONS, timm_dora.graphs.RUN_AHEAD = saved
 
 
 def _measure(args) -> dict:

@@ -409,41 +409,6 @@ def test_no_reference_to_a_captured_qkv_output_outlives_its_graph():
         timm_dora.unwrap(model)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the graphs' memory pool)")
-def test_capture_warm_ups_allocate_from_the_graphs_pool(monkeypatch):
-    """A capture's warm-up allocates from the graphs' pool (``ALLOCATE_WARMUP_IN_POOL``), where the
-    capture reuses what it freed: the first forward of a new runner (every capture) reserves less
-    than with the warm-ups in the allocator's cache, for the same logits."""
-    import timm
-
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval().to("cuda", torch.bfloat16)
-    x = torch.randn(64, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
-    actor = kind_actor(model, "forced").to("cuda", torch.bfloat16)
-
-    def first_forward():
-        timm_dora.wrap(model, actor=actor, cuda_graphs=True)
-        try:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_reserved()
-            with torch.inference_mode():
-                out = model(x)
-            torch.cuda.synchronize()
-            return out, torch.cuda.max_memory_reserved() - before
-        finally:
-            timm_dora.unwrap(model)
-            torch.cuda.empty_cache()
-
-    first_forward()  # (per-process initialisations: cuBLAS workspaces, Triton compilations)
-    monkeypatch.setattr(graphs_module, "ALLOCATE_WARMUP_IN_POOL", False)
-    ref, cache = first_forward()
-    monkeypatch.setattr(graphs_module, "ALLOCATE_WARMUP_IN_POOL", True)
-    out, pool = first_forward()
-    assert torch.equal(out, ref)
-    assert pool < cache, (pool / 2**20, cache / 2**20)
-
-
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers"])  # one prefix token; five
 def test_fixed_shape_controller_equals_the_controller(family):
     """``ActorPolicy.controller_fixed`` (every image, masked by the gate; what the graphs capture)

@@ -119,11 +119,6 @@ FUSED_INTERVENTIONS = True
 RUN_AHEAD = True
 
 
-# A capture's warm-up allocates from the graphs' memory pool (see _allocating_to); False: from the
-# allocator's cache, as before change 38
-ALLOCATE_WARMUP_IN_POOL = True
-
-
 class RunAheadMissed(Exception):
     """A gate opened inside a run ahead (:data:`RUN_AHEAD`): this forward's later blocks ran on rows
     that should have been pruned, so :func:`timm_dora.patch.run` runs the forward again, without
@@ -170,30 +165,6 @@ def _no_gc():
     finally:
         if enabled:
             gc.enable()
-
-
-@contextlib.contextmanager
-def _allocating_to(pool, device: torch.device):
-    """This thread's CUDA allocations from the graphs' memory pool for the duration (a capture's
-    warm-up): its activations are freed into the pool, where the capture that follows reuses them,
-    instead of into the allocator's cache beside the pool, which counted them twice at each new
-    capture's peak (NOTES change 38). Safe for the same reason that graphs share one pool: nothing
-    read after another segment runs lives in memory the pool counts as free. Without torch's
-    private-pool routing (``torch._C._cuda_beginAllocateCurrentThreadToPool``) the warm-up
-    allocates as before."""
-    begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    release = getattr(torch._C, "_cuda_releasePool", None)
-    if begin is None or end is None or release is None or not ALLOCATE_WARMUP_IN_POOL:
-        yield
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    begin(index, pool)
-    try:
-        yield
-    finally:
-        end(index, pool)
-        release(index, pool)
 
 
 class LazyKeysContext(BlockContext):
@@ -657,7 +628,7 @@ class GraphRunner:
         # actor, the MLP (in place): they must run once, and the warm-up's result is kept
         side = _side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), _allocating_to(self.pool, self.device):
+        with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
         if key[:2] == ("attention", 0) or key[0] == "run_ahead":
