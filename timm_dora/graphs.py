@@ -16,7 +16,13 @@ each) and only the decisions and the deletion run eagerly, between replays:
   there. The host waits for that event only, so it decides while the same graph's attention and
   MLP still run. With the actor's Triton gate (:mod:`timm_dora.actor_kernels`, the default on the
   ``triton`` backend) the gate is one kernel in line, before the attention kernel; otherwise the
-  ``nn`` modules' gate (about ten small kernels) runs in line there.
+  ``nn`` modules' gate (about ten small kernels) runs in line there. **Run ahead**
+  (:data:`RUN_AHEAD`): the blocks from block 0 up to the first whose gate opened in the last
+  forward (all of them and the readout where none did) are one graph instead, their gates copied
+  to pinned memory together right after the last one's; the host takes them as closed, reads them
+  once (after the next block's graph is enqueued, or before returning the logits) and, where one
+  opened after all, raises :class:`RunAheadMissed`: :func:`timm_dora.patch.run` then runs the
+  forward again block by block.
 - **packed phase** (after a deletion): rows are padded up to a multiple of a bucket size
   (:func:`rows_bucket`: about 1/256 of the batch's ``B*S`` rows, 16 to 256)
   and each block's attention residual and MLP residual are captured per (block, padded rows).
@@ -248,8 +254,9 @@ class GraphRunner:
             self.gate_ready = [torch.cuda.Event(external=True) for _ in range(self.depth)]
             self.deleted_ready = torch.cuda.Event(external=True)  # the controller graph's deletion
             self.ahead_ready = torch.cuda.Event(external=True)  # a run-ahead graph's gate vectors
-        # run ahead (RUN_AHEAD): the dense blocks 0 .. end-1 in one graph; (end, gate vectors) this forward
+        # run ahead (RUN_AHEAD): the dense blocks 0 .. end-1 in one graph (see _launch_ahead)
         self.run_ahead = self.probing and RUN_AHEAD
+        self._ahead_now = False  # this forward may run ahead (start)
         self._ahead = 0  # this forward's run ahead: its blocks 0 .. _ahead-1 (0: none)
         self._ahead_unread = False  # their gates not read yet
         self._ahead_logits = False  # it ended with the readout
