@@ -314,8 +314,9 @@ def test_autograd_or_training_falls_back_with_one_warning():
         ref = model(x)
     timm_dora.unwrap(model)
     timm_dora.wrap(model, actor, cuda_graphs=True)
-    with pytest.warns(UserWarning, match="runs eagerly: autograd is enabled"):
+    with pytest.warns(UserWarning, match="runs eagerly: autograd is enabled") as caught:
         out = model(x)
+    assert caught[0].filename == __file__  # attributed to the caller's line
     assert torch.equal(out.detach(), ref) and len(model._dora.graphs) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once only

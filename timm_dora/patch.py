@@ -459,7 +459,8 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
             runner = graph_runner(model, state.graphs, policy, x, backend, state.readout)
         elif not state.warned:
             state.warned = True
-            warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=3)
+            # (pointing at the caller of model(x): _run, run, forward and two frames of nn.Module's call between)
+            warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=6)
     p = model.num_prefix_tokens
     if runner is not None:
         runner.start(x, run_ahead)
