@@ -12,3 +12,6 @@ MINUTES=$M AUGMENT=strong EVERY=25 CARRY=.carry7 RUNS=.runsP OUT=$OUT NAMES="dei
 wait
 tail -3 $OUT/p700.txt $OUT/p350.txt
 ls -la $OUT
+# Second pair (another H100 call, 77 updates each): the same two lines with NAMES
+# "deit_tiny_t1.0@pool700s2" / "deit_tiny_t1.0@pool350s2" and --seed 1 added to EXTRA (results
+# deit_tiny_t1.0_pool{700,350}s2_*).
