@@ -292,17 +292,15 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
     args = ap.parse_args(argv)
-    args.argv = argv
     saved = timm_dora.graphs.FUSED_INTERVENTIONS, timm_dora.graphs.RUN_AHEAD
     timm_dora.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
     try:
-        return _measure(args)
+        return _measure(args, argv)
     finally:  # (module settings: a caller in the same process gets its own back)
         timm_dora.graphs.FUSED_INTERVENTIONS, timm_dora.graphs.RUN_AHEAD = saved
 
 
-def _measure(args) -> dict:
-    argv = args.argv
+def _measure(args, argv) -> dict:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -75,6 +75,7 @@ def main(argv=None):
                 per_batch.append((model.dora_stats.removed.float(), model.dora_stats.gflops))
         return torch.cat([r for r, _ in per_batch]).mean(0), float(torch.cat([g for _, g in per_batch]).mean())
 
+    wrapped = {}  # graphs: its row
     for graphs in (False, True):
         timm_dora.wrap(model, actor=args.actor, cuda_graphs=graphs)
         saved, timm_dora.graphs.RUN_AHEAD = timm_dora.graphs.RUN_AHEAD, args.run_ahead == "on"
@@ -84,15 +85,15 @@ def main(argv=None):
             timm_dora.graphs.RUN_AHEAD = saved
         if not graphs:  # the oracle is matched to the eager path's decisions
             removed, gflops = removed_l, gflops_l
-        add("actor_graphs" if graphs else "actor", model, gflops_l,
-            removed_per_block=[round(float(v), 2) for v in removed_l])
+        wrapped[graphs] = add("actor_graphs" if graphs else "actor", model, gflops_l,
+                              removed_per_block=[round(float(v), 2) for v in removed_l])
         timm_dora.unwrap(model)
     ks = matched_counts(model, {l: float(v) for l, v in enumerate(removed) if v > 0}, gflops)
     fwd = oracle_forward(model, ks)
     oracle = add("oracle(actor)", fwd, oracle_gflops(model, ks), static_k=ks)
     if dev.type == "cuda":
         graph_oracle = add("oracle_graphs(actor)", captured(fwd, inputs[0]), oracle_gflops(model, ks), static_k=ks)
-        actor_eager, actor_graphs = res["rows"][1], res["rows"][2]
+        actor_eager, actor_graphs = wrapped[False], wrapped[True]
         res["summary"] = {
             "gflops_reduction": 1 - gflops / native_gflops,
             "actor_of_oracle": actor_eager["images_per_s"] / oracle["images_per_s"],

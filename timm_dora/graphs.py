@@ -709,7 +709,7 @@ class GraphRunner:
         if l == 0 and self._ahead_now and not self.opened[0]:
             self._launch_ahead()
         if l < self._ahead:  # ran ahead: its gate taken as closed (checked by _check_ahead)
-            return Decision(consts.closed, consts.zeros, None, self.steps[l].gate_flops), self.dense_attended, True
+            return consts.nothing(self.steps[l].gate_flops), self.dense_attended, True
         if self.dense:
             fused = self._fuses(l)
             self._fused_at = l if fused else None
@@ -822,7 +822,7 @@ class GraphRunner:
             rows = self.batch * self.seq if self.dense else self._padded(self.cur.total)
             self._run(("chain", l, last, rows, self.dense))
             self._chained_to = last
-        nothing = Decision(consts.closed, consts.zeros, None, None)
+        nothing = consts.nothing()
         if self.dense:
             return nothing, self.dense_inputs[(l + 1) % 2], True
         return nothing, self.cur.with_x(self.x[(l + 1) % 2][: self.cur.total]), True

@@ -55,6 +55,10 @@ class ForwardConstants:
         # copies them into buffers outside its graphs' memory pool; see timm_dora.graphs)
         self.keep: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
 
+    def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
+        """The decision "no gate opened, nothing removed" (these shared constant tensors)."""
+        return Decision(self.closed, self.zeros, None, flops)
+
     @functools.cached_property
     def zeros(self) -> torch.Tensor:
         """int64 zeros: no token removed."""
@@ -114,7 +118,7 @@ class BlockContext:
 
     def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
         """The decision "no gate opened, nothing removed" (shared constant tensors)."""
-        return Decision(self.constants.closed, self.constants.zeros, None, flops)
+        return self.constants.nothing(flops)
 
     @property
     def n_visual_host(self) -> List[int]:
