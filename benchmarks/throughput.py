@@ -253,9 +253,27 @@ def gflops_of(model, plan, inputs):
     return model.dora_stats
 
 
-def run_ahead_suffix(args, graphs: bool, ra: str) -> str:
-    """A graph row's suffix when both RUN_AHEAD settings are measured (``--run-ahead on off``)."""
-    return f"[run_ahead={ra}]" if graphs and len(args.run_ahead) > 1 else ""
+def graph_variants(args, graphs: bool, run_ahead: bool = True):
+    """The module settings a row is measured under, with its name suffix: for ``*_graphs`` rows
+    every combination of ``--run-ahead`` (only where ``run_ahead``: the actor's rows),
+    ``--mlp-chunks`` and ``--reserve-pool``; a setting given once adds no suffix (several: an A/B
+    in one run, suffix ``[name=value]``)."""
+    if not graphs:
+        return [("", {})]
+    dims = [("mlp_chunks", "MLP_CHUNKS", args.mlp_chunks, int),
+            ("reserve_pool", "RESERVE_POOL", args.reserve_pool, lambda v: v == "on")]
+    if run_ahead:
+        dims.insert(0, ("run_ahead", "RUN_AHEAD", args.run_ahead, lambda v: v == "on"))
+    out = [("", {})]
+    for name, flag, values, convert in dims:
+        out = [(sfx + (f"[{name}={v}]" if len(values) > 1 else ""), {**settings, flag: convert(v)})
+               for sfx, settings in out for v in values]
+    return out
+
+
+def apply(settings: dict) -> None:
+    for name, value in settings.items():
+        setattr(timm_dora.graphs, name, value)
 
 
 def main(argv=None):
@@ -288,16 +306,23 @@ def main(argv=None):
                     help="timm_dora.graphs.RUN_AHEAD for the gate-off and actor *_graphs rows (the dense "
                          "blocks before the first open gate as one graph; NOTES change 37); both: an A/B in "
                          "one run, suffix [run_ahead=...]")
+    ap.add_argument("--mlp-chunks", nargs="+", type=int, default=[1],
+                    help="timm_dora.graphs.MLP_CHUNKS for the *_graphs rows (each graph's MLP in this many row "
+                         "chunks: a smaller memory pool); several: an A/B in one run, suffix [mlp_chunks=...]")
+    ap.add_argument("--reserve-pool", nargs="+", choices=["on", "off"], default=["on"],
+                    help="timm_dora.graphs.RESERVE_POOL for the *_graphs rows (one segment of the graphs' memory "
+                         "pool reserved before the first capture; NOTES change 39); both: suffix [reserve_pool=...]")
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
     args = ap.parse_args(argv)
-    saved = timm_dora.graphs.FUSED_INTERVENTIONS, timm_dora.graphs.RUN_AHEAD
+    flags = ("FUSED_INTERVENTIONS", "RUN_AHEAD", "MLP_CHUNKS", "RESERVE_POOL")
+    saved = {f: getattr(timm_dora.graphs, f) for f in flags}
     timm_dora.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
     try:
         return _measure(args, argv)
     finally:  # (module settings: a caller in the same process gets its own back)
-        timm_dora.graphs.FUSED_INTERVENTIONS, timm_dora.graphs.RUN_AHEAD = saved
+        apply(saved)
 
 
 def _measure(args, argv) -> dict:
@@ -358,9 +383,9 @@ def _measure(args, argv) -> dict:
                                               ("gate_off_graphs", False, True)):
                 if config not in args.configs:
                     continue
-                for ra in args.run_ahead if graphs else ["on"]:
-                    timm_dora.graphs.RUN_AHEAD = ra == "on"
-                    row_name = config + sfx + run_ahead_suffix(args, graphs, ra)
+                for vsfx, settings in graph_variants(args, graphs):
+                    apply(settings)
+                    row_name = config + sfx + vsfx
                     timm_dora.wrap(model, actor, speculate=speculate, cuda_graphs=graphs, attn_backend=ab)
                     if not first_forward(model, row_name):
                         continue
@@ -385,19 +410,20 @@ def _measure(args, argv) -> dict:
                         add("fixed" + tag + sfx, model, g, backend=model.dora_stats.backend, blocks=blocks,
                             mean_k=mean_k, tokens_range=[int(stats.tokens[:, -1].min()), int(stats.tokens[:, -1].max())])
                         timm_dora.unwrap(model)
-                if "fixed_graphs" in args.configs:
+                for vsfx, settings in graph_variants(args, True, run_ahead=False) if "fixed_graphs" in args.configs else []:
+                    apply(settings)
+                    row_name = "fixed_graphs" + tag + sfx + vsfx
                     timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), cuda_graphs=True, attn_backend=ab)
-                    if first_forward(model, "fixed_graphs" + tag + sfx):
-                        add("fixed_graphs" + tag + sfx, model, g, backend=model.dora_stats.backend, blocks=blocks,
-                            mean_k=mean_k)
+                    if first_forward(model, row_name):
+                        add(row_name, model, g, backend=model.dora_stats.backend, blocks=blocks, mean_k=mean_k)
                         timm_dora.unwrap(model)
                 for config, speculate, graphs in (("actor", False, False), ("actor_spec", True, False),
                                                   ("actor_graphs", False, True)):
                     if config not in args.configs:
                         continue
-                    for ctl, ra in [(c, r) for c in args.controllers for r in (args.run_ahead if graphs else ["on"])]:
-                        csfx = sfx + ("" if len(args.controllers) == 1 else f"[{ctl}]") + run_ahead_suffix(args, graphs, ra)
-                        timm_dora.graphs.RUN_AHEAD = ra == "on"
+                    for ctl, (vsfx, settings) in [(c, v) for c in args.controllers for v in graph_variants(args, graphs)]:
+                        csfx = sfx + ("" if len(args.controllers) == 1 else f"[{ctl}]") + vsfx
+                        apply(settings)
                         policy = ActorPolicy(forced, speculate=speculate, fused_controller=None if ctl == "auto" else False)
                         timm_dora.wrap(model, policy=policy, cuda_graphs=graphs, attn_backend=ab)
                         if not first_forward(model, config + tag + csfx):

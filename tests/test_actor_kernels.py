@@ -292,7 +292,7 @@ with torch.inference_mode():
                 runner.opened[1] = runner.opened[3] = True
         got, stats = P.run(model, x, model._dora.policy)
     runner = next(iter(model._dora.graphs.values()))
-    res = {"inline": runner.triton_gate, "opened": runner.opened, "ran": sorted(set(r for r in ran if r[1] is not None)), "max_diff": float((got - ref).abs().max()),
+    res = {"inline": runner.triton_gate, "k_buffer": runner.k is not None, "opened": runner.opened, "ran": sorted(set(r for r in ran if r[1] is not None)), "max_diff": float((got - ref).abs().max()),
            "tokens": stats.tokens.tolist(), "ref_tokens": ref_stats.tokens.tolist(),
            "gate": stats.gate.tolist(), "ref_gate": ref_stats.gate.tolist()}
 print(json.dumps(res))
@@ -310,6 +310,9 @@ def test_interpreted_graph_path_with_the_actor_kernels_equals_the_default_forwar
     place), including blocks guessed open where no gate opens."""
     res = run_interpreted(GRAPH_PATH.replace("__FUSED__", str(fused)), timeout=900)
     assert res["inline"] is True
+    # fused: no kept-keys buffer (keys read in place; recomputed where a gate opened unexpectedly,
+    # as in the first forward here)
+    assert res["k_buffer"] is (not fused)
     # the gate opens at blocks 2, 5 and 8 only (blocks 1 and 3, guessed open, were corrected)
     assert [i for i, o in enumerate(res["opened"]) if o] == [2, 5, 8]
     controllers = sorted([kind, l] for kind, l in res["ran"] if "controller" in kind)

@@ -50,6 +50,25 @@ def test_throughput_run_ahead_ab(tmp_path):
     assert graphs.RUN_AHEAD is True
 
 
+def test_throughput_mlp_chunks_ab(tmp_path):
+    """``--mlp-chunks 1 2``: every graph row once per setting (the eager rows once), with the same
+    GFLOPs, and the module's setting given back."""
+    from timm_dora import graphs
+
+    out = tmp_path / "t.json"
+    throughput.main(["--models", "vit_tiny_patch16_224", "--img-size", "96", "--batch", "8", "--batches", "2",
+                     "--warmup", "1", "--iters", "1", "--repeats", "1", "--device", "cpu", "--blocks", "1", "2",
+                     "--spread", "4", "--reductions", "0.4", "--configs", "gate_off", "gate_off_graphs",
+                     "fixed_graphs", "actor_graphs", "--mlp-chunks", "1", "2", "--out", str(out)])
+    rows = {re.sub(r"@\d+%", "", r["config"]): r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["actor_graphs(random)[mlp_chunks=1]", "actor_graphs(random)[mlp_chunks=2]", "fixed_graphs[mlp_chunks=1]",
+                            "fixed_graphs[mlp_chunks=2]", "gate_off", "gate_off_graphs[mlp_chunks=1]",
+                            "gate_off_graphs[mlp_chunks=2]"]
+    for config in ("gate_off_graphs", "fixed_graphs", "actor_graphs(random)"):
+        assert rows[config + "[mlp_chunks=1]"]["gflops"] == rows[config + "[mlp_chunks=2]"]["gflops"]
+    assert graphs.MLP_CHUNKS == 1
+
+
 def test_throughput_reduction_with_its_own_blocks(tmp_path):
     assert throughput.parse_reduction("0.55@1,4,7", [3, 6, 9]) == (0.55, [1, 4, 7])
     assert throughput.parse_reduction("0.38", [3, 6, 9]) == (0.38, [3, 6, 9])

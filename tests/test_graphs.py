@@ -113,6 +113,29 @@ def test_graph_path_is_identical_to_the_default_forward(family, kind, bucket, mo
         assert any(opened) and not all(stats.gate.all(0).tolist())
 
 
+@pytest.mark.parametrize("kind", ["biased", "replay", "none"])
+def test_mlp_in_row_chunks_gives_the_same_forward(kind, monkeypatch):
+    """``MLP_CHUNKS``: every graph segment's MLP in row chunks (in place without the actor, into
+    the next buffer with it; chunk ends inside sequences and past the real rows) gives the same
+    decisions and logits as the default forward, and the MLP runs once per chunk."""
+    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", 5)
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    xs = [images(model, 6, seed=s) for s in (1, 2)]
+    n0 = model.patch_embed.num_patches
+    wrap_kw = {"biased": dict(actor=kind_actor(model, "biased")),
+               "replay": dict(policy=ReplayPolicy(random_plan(6, n0, len(model.blocks), [2, 5]))),
+               "none": dict(policy=NoPrune())}[kind]
+    ref = _run(model, xs, **wrap_kw)
+    one = _run(model, xs, **wrap_kw, cuda_graphs=True)
+    monkeypatch.setattr(graphs_module, "MLP_CHUNKS", 3)
+    got = _run(model, xs, **wrap_kw, cuda_graphs=True)
+    for a, b in zip(got, ref):
+        _assert_same(a, b, exact=False)
+    for (_, _, c3), (_, _, c1) in zip(got, one):
+        assert c3 == [3 * c for c in c1]
+
+
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers"])
 def test_graph_path_with_host_policies(family, monkeypatch):
     """Policies without a gate probe decide on the host between the attention and MLP segments."""
@@ -408,6 +431,37 @@ def test_no_reference_to_a_captured_qkv_output_outlives_its_graph():
         assert runner._keys_in_place is None
     finally:
         timm_dora.unwrap(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the graphs' memory pool)")
+def test_captures_take_their_scratch_from_one_reserved_segment(monkeypatch):
+    """``RESERVE_POOL``: before the first capture one segment of the graphs' pool is reserved for
+    the largest expected scratch (``_scratch_bytes``), and the captures carve their intermediates
+    out of it: the pool holds less than when every intermediate size got its own segment, and the
+    forward is the same."""
+    model = make_model("deit_tiny_patch16_224").to("cuda", torch.bfloat16)  # 197 tokens: MiB-sized rows
+    actor = kind_actor(model, "forced").to("cuda", torch.bfloat16)
+    xs = [images(model, 64, seed=s).to("cuda", torch.bfloat16) for s in (1, 2)]
+    got = {}
+    for reserve in (False, True):
+        monkeypatch.setattr(graphs_module, "RESERVE_POOL", reserve)
+        timm_dora.wrap(model, actor=actor, cuda_graphs=True)
+        try:
+            with torch.inference_mode():
+                outs = [model(x) for x in xs + xs]
+            torch.cuda.synchronize()
+            runner = next(iter(model._dora.graphs.values()))
+            sizes = [seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                     if tuple(seg.get("segment_pool_id", ())) == tuple(runner.pool)]
+            got[reserve] = (outs, sizes, runner._scratch_bytes(), ("reserve",) in runner.graphs)
+        finally:
+            timm_dora.unwrap(model)
+    (outs_off, sizes_off, _, marker_off), (outs_on, sizes_on, scratch, marker_on) = got[False], got[True]
+    assert marker_on and not marker_off
+    assert max(sizes_on) >= scratch > 0
+    assert sum(sizes_on) < sum(sizes_off), (sizes_on, sizes_off)
+    for a, b in zip(outs_on, outs_off):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers"])  # one prefix token; five

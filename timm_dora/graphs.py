@@ -125,6 +125,33 @@ FUSED_INTERVENTIONS = True
 RUN_AHEAD = True
 
 
+# Before a runner's first capture, one segment of its graphs' memory pool is reserved, as large as
+# the largest segment's scratch is expected to be (:meth:`GraphRunner._scratch_bytes`), so that every
+# capture carves its intermediates out of it. Without it the pool grew one allocator segment per
+# intermediate size (qkv, the MLP's hidden activations, ...), and a segment's memory could not
+# serve a larger intermediate of a later capture: about 14 [B*S, d] tensors reserved where 9 are
+# live at once (NOTES change 39)
+RESERVE_POOL = True
+# The MLP of a graph segment in this many row chunks (1: all rows at once). Its hidden activations
+# (4d per row, twice while GELU runs) are the largest scratch of any segment, so they set the
+# graphs' memory pool; the rows are independent, so chunks change only the GEMMs' row counts
+MLP_CHUNKS = 1
+
+
+def _mlp_rows(blk: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`timm_dora.patch.mlp_residual` of ``x`` into ``out`` in :data:`MLP_CHUNKS` row chunks
+    (in place when ``x`` is ``out``: each chunk reads its own rows before writing them)."""
+    from .patch import mlp_residual
+
+    rows = x.shape[0]
+    step = -(-rows // max(1, MLP_CHUNKS))
+    if step >= rows:
+        return mlp_residual(blk, x, out=out)
+    for i in range(0, rows, step):
+        mlp_residual(blk, x[i:i + step], out=out[i:i + step])
+    return out
+
+
 class RunAheadMissed(Exception):
     """A gate opened inside a run ahead (:data:`RUN_AHEAD`): this forward's later blocks ran on rows
     that should have been pruned, so :func:`timm_dora.patch.run` runs the forward again, without
@@ -239,6 +266,15 @@ class GraphRunner:
         # reached the host only at the end of the graph, and captures of that branch failed on the
         # H100 after other runners had captured in the same process (NOTES, changes 27, 29, 30)
         self.triton_gate = self.probing and policy._use_fused(backend, self.x[0].dtype)
+        # the keys of packed blocks, kept for a policy that reads them and for the modules' gate
+        # (zeros: with the actor only the open images' rows are copied in; the others keep finite
+        # values). Not with the Triton gate and FUSED_INTERVENTIONS: the gate reads the CLS keys in
+        # place, a controller where the gate opened in the last forward reads the keys in place
+        # too, and one where it opened unexpectedly recomputes them from the block input (norm1
+        # and qkv again, only then): one [B*S, d] buffer less (NOTES change 39)
+        if self.copy_keys and not (self.triton_gate and FUSED_INTERVENTIONS):
+            with torch.inference_mode(False):
+                self.k = torch.zeros_like(self.x[0])
         if self.probing:
             with torch.inference_mode(False):
                 self.context_out = torch.zeros(self.depth, self.batch, actor.gate_hidden,
@@ -302,8 +338,7 @@ class GraphRunner:
         del x0
         self.x = [torch.empty((b * s, d), dtype=dtype, device=dev) for _ in range(2)]
         self.xa: Optional[torch.Tensor] = None  # the actor's attention output (made once probing is known)
-        # (zeros: with the actor only the open images' rows are copied in; the others keep finite values)
-        self.k = torch.zeros_like(self.x[0]) if self.copy_keys else None
+        self.k: Optional[torch.Tensor] = None  # the kept keys (made once the gate's kind is known)
         self.cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # cu_seqlens of the packed phase
         self.prefix = torch.arange(p, device=dev)  # a sequence's prefix rows from its start
         self.dense_inputs = [dense.with_x(t) for t in self.x]  # block l's dense input: [l % 2]
@@ -364,7 +399,7 @@ class GraphRunner:
     # it is run once per call, see _replay_or_capture)
 
     def _segment(self, key: tuple) -> Callable[[], None]:
-        from .patch import attention_residual, mlp_residual, readout
+        from .patch import attention_keys, attention_residual, readout
 
         kind, l = key[0], key[1] if len(key) > 1 else None
         model, b = self.model, self.batch
@@ -465,33 +500,39 @@ class GraphRunner:
                 attention_residual(blk, self.dense_inputs[l % 2], self.backend, out=self._attn_out(l), keys=False,
                                    on_keys=cls_keys if self.probing else None)
                 if spec:  # the MLP in the same graph, speculatively (the gate decides later)
-                    mlp_residual(blk, self.xa, out=self.x[(l + 1) % 2])
+                    _mlp_rows(blk, self.xa, out=self.x[(l + 1) % 2])
             return attention_dense
         if kind == "mlp":  # dense or packed: xa -> x[(l + 1) % 2]
             rows = key[2]
             src = self._attn_out(l)[:rows]  # in place (no actor) or from xa
-            return lambda: mlp_residual(blk, src, out=self.x[(l + 1) % 2][:rows])
+            return lambda: _mlp_rows(blk, src, out=self.x[(l + 1) % 2][:rows])
         if kind == "mlp_compacted":  # the survivors, gathered into x[l % 2] -> x[(l + 1) % 2]
             rows = key[2]
-            return lambda: mlp_residual(blk, self.x[l % 2][:rows], out=self.x[(l + 1) % 2][:rows])
+            return lambda: _mlp_rows(blk, self.x[l % 2][:rows], out=self.x[(l + 1) % 2][:rows])
         if kind == "controller":  # the actor's controller for every image, masked by the gate
             rows, dense, kept = key[2], key[3], key[4]  # kept: the dense attention graph kept the keys;
             # "in_place": the attention of the same graph left a view of them (FUSED_INTERVENTIONS)
             p = model.num_prefix_tokens
 
-            def controller():
-                from .patch import attention_keys
+            def packed_keys(n: int) -> torch.Tensor:  # the keys of the first n packed rows: read in
+                # place, kept, or recomputed from the block input (padded rows included, as the
+                # attention computed them; the deletion below overwrites that input only later)
+                if kept == "in_place":
+                    return self._keys_in_place[:n]
+                if self.k is not None:
+                    return self.k[:n]
+                return attention_keys(blk, SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False))[:n]
 
-                kept_keys = self._keys_in_place if kept == "in_place" else self.k
+            def controller():
                 if dense:  # keys kept by the attention graph, else recomputed from the block input
                     src = self.dense_inputs[l % 2]
                     step = self.steps[l]
-                    keys = kept_keys if kept else attention_keys(blk, src)
+                    keys = (self._keys_in_place if kept == "in_place" else self.k) if kept else attention_keys(blk, src)
                     args = (keys, src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
                 elif self.capture:
-                    args = (kept_keys[:rows], self.cu, None) + self.ctrl_in
+                    args = (packed_keys(rows), self.cu, None) + self.ctrl_in
                 else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
-                    args = (kept_keys[:self.cur.total], self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
+                    args = (packed_keys(self.cur.total), self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
                 keys, cu, lengths, h, n_visual, gate = args
                 # (written into the fixed outputs directly; uncaptured, the rows past the real ones
                 # are not the controller's: no removal there)
@@ -540,7 +581,9 @@ class GraphRunner:
                 layout = SimpleNamespace(batch_size=b, num_prefix=p, uniform=False, min_len=0,
                                          starts=self.cu[:-1].long())  # min_len 0: feasibility per image
                 n_visual, rho, interventions = self.history_in
-                return BlockContext(l, self.k[:rows] if keys is None else keys, layout, n_visual, rho, interventions,
+                if keys is None and self.k is not None:  # (the history part reads no keys)
+                    keys = self.k[:rows]
+                return BlockContext(l, keys, layout, n_visual, rho, interventions,
                                     self.depth, self.num_patches, self.backend, self.packed_consts)
 
             def gate_history():  # the gate's history part, from fixed buffers, at the graph's start
@@ -564,7 +607,7 @@ class GraphRunner:
                     gate_packed(k)
                     if in_place:  # [rows, d] (a view of the qkv output: row stride 3d)
                         self._keys_in_place = k.reshape(rows, -1)
-                    else:
+                    elif self.k is not None:  # (else a controller recomputes them)
                         copy_open_keys(k, self.cu, self.seq, self.ctrl_in[2], self.k)
                     return
                 self.k[:rows].copy_(k.reshape(rows, -1))
@@ -580,7 +623,7 @@ class GraphRunner:
                 attention_residual(blk, src, self.backend, out=self._attn_out(l)[:rows], attend=attend, keys=False,
                                    on_keys=keep_keys if self.copy_keys else None)
                 if spec:  # the MLP in the same graph, speculatively (the gate decides later)
-                    mlp_residual(blk, self.xa[:rows], out=self.x[(l + 1) % 2][:rows])
+                    _mlp_rows(blk, self.xa[:rows], out=self.x[(l + 1) % 2][:rows])
             return attention_packed
         raise KeyError(key)
 
@@ -634,6 +677,8 @@ class GraphRunner:
         # controller (its deletion overwrites the block input and layout it read) and, without the
         # actor, the MLP (in place): they must run once, and the warm-up's result is kept
         side = _side_stream(self.device)
+        if RESERVE_POOL and not self.graphs:
+            self._reserve_pool(side)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
@@ -652,6 +697,30 @@ class GraphRunner:
         self.graphs[key] = g
         if not self._consumes_input(key):
             g.replay()
+
+    def _scratch_bytes(self) -> int:
+        """The largest scratch space a segment is expected to need: a dense block's attention (its
+        input's ``norm1``, ``qkv``, the attention output and its reshaped copy: ``6 d`` per row) or
+        its MLP (``norm2``, the first linear's output and its activation: ``d + 2 h`` per row, ``h``
+        the MLP's widest linear layer, over :data:`MLP_CHUNKS` row chunks)."""
+        d = self.x[0].shape[1]
+        hidden = max((m.out_features for blk in self.model.blocks for m in blk.mlp.modules()
+                      if isinstance(m, nn.Linear)), default=4 * d)
+        per_row = max(6 * d, -(-(d + 2 * hidden) // max(1, MLP_CHUNKS)))
+        return self.batch * self.seq * per_row * self.x[0].element_size()
+
+    def _reserve_pool(self, side: "torch.cuda.Stream") -> None:
+        """Reserve :meth:`_scratch_bytes` in the graphs' pool as one allocator segment
+        (:data:`RESERVE_POOL`): a tensor allocated in a capture of its own (one memset node; the
+        graph is kept with the others, never replayed) and freed at once, so that the captures
+        after it split their intermediates out of that free block instead of growing the pool
+        one segment per intermediate size; what does not fit still gets segments of its own."""
+        g = torch.cuda.CUDAGraph()
+        with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
+            block = torch.empty(self._scratch_bytes(), dtype=torch.uint8, device=self.device)
+            block[:1].zero_()
+        del block
+        self.graphs[("reserve",)] = g
 
     def _consumes_input(self, key: tuple) -> bool:
         """Segments that overwrite what they read, so must run exactly once: the controller (its
@@ -733,7 +802,7 @@ class GraphRunner:
             self._launched = None
         else:
             self._attention_packed(l, rows, spec, n_visual, rho, interventions)
-        if self.copy_keys:
+        if self.k is not None:
             ctx = BlockContext(keys=self.k[:t], packed=src, **kw)
         else:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
