@@ -59,14 +59,20 @@ each) and only the decisions and the deletion run eagerly, between replays:
 Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
 needs one set; an actor on varied images captures new sizes as they come (each capture costs a
 warm-up run and a device synchronisation, once), at most about 256 sizes per block and kind.
-Graphs share one memory pool, so their number costs little memory.
+Graphs share one memory pool, so their number costs little memory. Before the first capture one
+segment of that pool is reserved for the largest expected scratch (:data:`RESERVE_POOL`), and the
+captures carve their intermediates out of it (H100, batch 320: the pool 9.0 ``[B*S, d]`` tensors
+instead of 14.1-14.4, and the steady reserved memory of every graph row below native timm's;
+NOTES change 39). :data:`MLP_CHUNKS` runs each graph's MLP in row chunks: a smaller pool, for
+0.6-2 % of throughput.
 
 Fixed buffers (per batch shape): two block inputs ``x[0]``/``x[1]`` (block ``l``
 reads ``x[l % 2]``), for the actor the attention-residual output ``xa`` (its speculative MLP must
 leave the attention output intact; without the actor the attention residual goes into the next
 block's input buffer and the MLP runs in place there, or the deletion gathers it back into the
-block's own input buffer) and, for policies that read keys, the keys ``k`` of packed blocks (each
-``[B*S, d]``), plus small ones for what a graph hands on (the
+block's own input buffer) and, for policies that read keys and the actor's ``nn`` gate, the keys
+``k`` of packed blocks (each ``[B*S, d]``; not with the Triton gate and
+:data:`FUSED_INTERVENTIONS`, see below), plus small ones for what a graph hands on (the
 dense gates and history, the controller's inputs and outputs). Every segment reads and writes only
 these and its own scratch space, so segments are captured lazily, the first time a (block, rows)
 pair occurs (a warm-up run, the capture, a replay; the controller's segment, which overwrites the
@@ -82,7 +88,10 @@ same values. In the packed phase they are copied into ``k`` unless the policy sa
 ``reads_keys = False`` (replay plans, :class:`~timm_dora.policy.NoPrune`). With the actor's Triton
 gate, both phases copy only the rows of the images whose gate just opened
 (:func:`~timm_dora.actor_kernels.copy_open_keys`, after the gate in the same graph; the gate reads
-the CLS keys in place): the controller reads no other rows' keys.
+the CLS keys in place): the controller reads no other rows' keys. With
+:data:`FUSED_INTERVENTIONS` as well (the default) nothing is copied and there is no ``k``: the
+fused controller reads the keys in place, and a controller where the gate opened unexpectedly
+recomputes them from the block input in either phase.
 
 Off CUDA the same segments run uncaptured (attention on the real rows, padded afterwards): that is
 how the CPU tests check this path against the default forward. Inference only: ``eval()``, no
