@@ -536,7 +536,10 @@ class GraphRunner:
                 if dense:  # keys kept by the attention graph, else recomputed from the block input
                     src = self.dense_inputs[l % 2]
                     step = self.steps[l]
-                    keys = (self._keys_in_place if kept == "in_place" else self.k) if kept else attention_keys(blk, src)
+                    if kept == "in_place":
+                        keys = self._keys_in_place
+                    else:
+                        keys = self.k if kept else attention_keys(blk, src)
                     args = (keys, src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
                 elif self.capture:
                     args = (packed_keys(rows), self.cu, None) + self.ctrl_in
