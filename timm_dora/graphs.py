@@ -523,28 +523,27 @@ class GraphRunner:
             # "in_place": the attention of the same graph left a view of them (FUSED_INTERVENTIONS)
             p = model.num_prefix_tokens
 
-            def packed_keys(n: int) -> torch.Tensor:  # the keys of the first n packed rows: read in
-                # place, kept, or recomputed from the block input (padded rows included, as the
-                # attention computed them; the deletion below overwrites that input only later)
+            def controller_keys(n: int) -> torch.Tensor:  # the keys of the first n rows: read in place,
+                # kept in k (by the dense attention graph only where it kept them, by the packed one
+                # wherever k exists), or recomputed from the block input (padded rows included, as
+                # the attention computed them; the deletion below overwrites that input only later)
                 if kept == "in_place":
                     return self._keys_in_place[:n]
-                if self.k is not None:
+                if self.k is not None and (kept or not dense):
                     return self.k[:n]
-                return attention_keys(blk, SimpleNamespace(x=self.x[l % 2][:rows], total=rows, uniform=False))[:n]
+                src = self.dense_inputs[l % 2] if dense else SimpleNamespace(x=self.x[l % 2][:rows], total=rows,
+                                                                             uniform=False)
+                return attention_keys(blk, src)[:n]
 
             def controller():
-                if dense:  # keys kept by the attention graph, else recomputed from the block input
+                if dense:
                     src = self.dense_inputs[l % 2]
                     step = self.steps[l]
-                    if kept == "in_place":
-                        keys = self._keys_in_place
-                    else:
-                        keys = self.k if kept else attention_keys(blk, src)
-                    args = (keys, src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
+                    args = (controller_keys(rows), src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
                 elif self.capture:
-                    args = (packed_keys(rows), self.cu, None) + self.ctrl_in
+                    args = (controller_keys(rows), self.cu, None) + self.ctrl_in
                 else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
-                    args = (packed_keys(self.cur.total), self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
+                    args = (controller_keys(self.cur.total), self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
                 keys, cu, lengths, h, n_visual, gate = args
                 # (written into the fixed outputs directly; uncaptured, the rows past the real ones
                 # are not the controller's: no removal there)
@@ -850,9 +849,15 @@ class GraphRunner:
         last forward (every block and the readout where none did). The host goes on without
         waiting: :meth:`_check_ahead` reads the gates later."""
         end = next((i for i in range(1, self.depth) if self.opened[i]), self.depth)
-        with_readout = end == self.depth and self.readout_mode == "model" and self.model.global_pool == "token"
+        with_readout = end == self.depth and self._captured_readout
         self._run(("run_ahead", 0, end, with_readout))
         self._ahead, self._ahead_unread, self._ahead_logits = end, True, with_readout
+
+    @property
+    def _captured_readout(self) -> bool:
+        """Whether the readout is a graph: the model's own CLS-token head (pooled readouts run
+        eagerly, see :meth:`finish`)."""
+        return self.readout_mode == "model" and self.model.global_pool == "token"
 
     def _check_ahead(self) -> None:
         """Read the run ahead's gate vectors (once per forward, where the host must know: after the
@@ -974,7 +979,7 @@ class GraphRunner:
         self._check_ahead()
         if self._ahead_logits:  # the run ahead's graph ended with the readout (no gate opened)
             return self.logits["ahead"].clone(), None
-        if self.readout_mode == "model" and self.model.global_pool == "token":
+        if self._captured_readout:
             kind = "dense" if self.dense else "packed"
             self._run(("readout",) if self.dense else ("readout_packed",))
             return self.logits[kind].clone(), None
