@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 import timm_dora
 import timm_dora.hub as hub
 from timm_dora import Actor
+from timm_dora.selection import select_checkpoint
 
 from helpers import hub_cache, images, make_model, offline  # noqa: F401 (offline: fixture)
 
@@ -365,7 +366,11 @@ def test_hub_configs_fit_real_backbones():
         config = json.loads((REPO / "hub" / entry["folder"] / "config.json").read_text())
         hub.validate_config(config)
         assert config["training"]["target_drop"] == 0.01 and config["training"]["model"] == name
-        assert config["training"]["selection"]["selected"]["name"] == f"u{config['training']['updates']:05d}"
+        record = config["training"]["selection"]
+        assert record["selected"]["name"] == f"u{config['training']['updates']:05d}"
+        # the recorded dev numbers, selected again at the recorded target, give the published checkpoint
+        again = select_checkpoint(record["checkpoints"], record["target_pp"])
+        assert (again.record.name, again.violates) == (record["selected"]["name"], record["violates"])
         actor, loaded = hub.load_pretrained(REPO / "hub" / entry["folder"])  # weights fit the config
         assert loaded == config and isinstance(actor, Actor)
         with torch.device("meta"):
