@@ -31,6 +31,59 @@ FULL_FAMILIES = {
 }
 
 
+# torch.utils.flop_counter counts these ops with the same formula in every torch release we support
+# (2 * M * N * K for a product, 2 * MACs for a convolution). Its attention entries are not stable: on
+# the CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu, which torch <= 2.14 does not
+# register (counted as 0 FLOPs) and torch 2.15 does. The FLOP tests therefore compare our accounting
+# with hand-computed formulas first, and with the counter only on these ops (plus SDPA where counted).
+STABLE_COUNTER_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution"})
+SDPA_COUNTER_OPS = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+})
+
+
+def counter_flops(fc) -> tuple:
+    """``(products, attention)`` of a finished ``FlopCounterMode``: the FLOPs it gave the
+    :data:`STABLE_COUNTER_OPS`, and those it gave SDPA (``None`` where this torch does not count
+    SDPA). Any other op counted is an error: the tests name every op they rely on."""
+    counts = {str(op): int(n) for op, n in fc.get_flop_counts()["Global"].items()}
+    unknown = set(counts) - STABLE_COUNTER_OPS - SDPA_COUNTER_OPS
+    assert not unknown, f"the counter counted ops these tests do not know: {sorted(unknown)}"
+    products = sum(n for op, n in counts.items() if op in STABLE_COUNTER_OPS)
+    attention = sum(n for op, n in counts.items() if op in SDPA_COUNTER_OPS)
+    return products, (attention if attention else None)
+
+
+def assert_counter_agrees(fc, products: int, attention: int) -> None:
+    """A finished ``FlopCounterMode`` agrees with hand-computed MACs: exactly ``products`` (linear
+    layers, convolutions and other matrix products) plus either exactly ``attention`` (the
+    ``QK^T`` and ``AV`` matmuls, whether counted as an SDPA op or as the ``bmm`` of SDPA's math
+    path) or none of it (a torch that does not register the CPU SDPA op)."""
+    stable, sdpa = counter_flops(fc)
+    counted = stable + (sdpa or 0)
+    assert counted in (2 * products, 2 * (products + attention)), (counted, 2 * products, 2 * attention)
+
+
+def hand_vit_macs(dims: dict, blocks) -> tuple:
+    """App. E.4 by hand for a plain pre-norm ViT: ``(products, attention)`` MACs of one image.
+
+    ``dims``: ``d`` (width), ``hidden`` (MLP), ``patch`` (side), ``patches``, ``classes``, ``heads``
+    (classifier heads: 2 with a distillation head). ``blocks``: ``(tokens in attention, tokens in
+    the MLP)`` per block, prefix tokens included. Products: the patch convolution, QKV and the output
+    projection on the attention tokens, the MLP's two layers on the MLP tokens, the classifier;
+    attention: ``QK^T`` and ``AV``, ``n * n * d`` each."""
+    d = dims["d"]
+    products = dims["patches"] * d * 3 * dims["patch"] ** 2 + dims["heads"] * d * dims["classes"]
+    attention = 0
+    for n_attn, n_mlp in blocks:
+        products += n_attn * (3 * d * d + d * d) + n_mlp * 2 * d * dims["hidden"]
+        attention += 2 * n_attn * n_attn * d
+    return products, attention
+
+
 def make_model(name: str, seed: int = 0, **kwargs) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = timm.create_model(name, pretrained=False, num_classes=kwargs.pop("num_classes", 10), **kwargs).eval()

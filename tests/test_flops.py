@@ -1,4 +1,5 @@
-"""GFLOPs accounting (App. E.4) against hand-computed values and torch.utils.flop_counter."""
+"""GFLOPs accounting (App. E.4) against hand-computed values, and torch.utils.flop_counter on the ops
+whose counting is stable across torch releases (``helpers.STABLE_COUNTER_OPS``)."""
 import timm
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -7,7 +8,7 @@ import timm_dora
 from timm_dora import Actor, ReplayPolicy
 from timm_dora.policy import ActorPolicy
 
-from helpers import images, make_model, plan_for_image, random_plan, reference_forward
+from helpers import assert_counter_agrees, hand_vit_macs, images, make_model, plan_for_image, random_plan, reference_forward
 from test_actor import _ctx
 
 
@@ -23,8 +24,13 @@ def test_native_deit_b16_and_dinov2_b14_match_table_1():
     assert round(timm_dora.native_gflops(deit), 1) == 35.1  # paper: 35.2 (its counter adds ~0.07)
 
 
-def test_per_image_gflops_equal_flop_counter_on_the_reference():
+# ViT-S/14 with 4 registers at 56 px (make_model: 10 classes): 16 patches of 3x14x14, CLS + 4 registers
+VIT_S_REG = dict(d=384, hidden=1536, patch=14, patches=16, classes=10, heads=1)
+
+
+def test_per_image_gflops_equal_hand_count_and_flop_counter_on_the_reference():
     model = make_model("vit_small_patch14_reg4_dinov2", img_size=56)
+    assert (model.embed_dim, model.blocks[0].mlp.fc1.out_features, model.num_prefix_tokens) == (384, 1536, 5)
     plan = random_plan(3, 16, 12, [0, 3, 7, 11], seed=2)
     x = images(model, 3)
     timm_dora.wrap(model, policy=ReplayPolicy(plan))
@@ -32,26 +38,41 @@ def test_per_image_gflops_equal_flop_counter_on_the_reference():
         model(x)
     gflops = model.dora_stats.gflops
     for i in range(3):
+        deletions, n, blocks = plan_for_image(plan, i), 5 + 16, []
+        for l in range(12):
+            k = len(deletions.get(l, []))
+            blocks.append((n, n - k))  # attention on the tokens entering the block, MLP on the survivors
+            n -= k
+        products, attention = hand_vit_macs(VIT_S_REG, blocks)
+        assert int(round(gflops[i].item() * 1e9)) == 2 * (products + attention), i
         with FlopCounterMode(display=False) as fc:
-            reference_forward(model, x[i : i + 1], plan_for_image(plan, i))
-        assert fc.get_total_flops() == int(round(gflops[i].item() * 1e9)), i
+            reference_forward(model, x[i : i + 1], deletions)
+        assert_counter_agrees(fc, products, attention)
     assert len(set(gflops.tolist())) == 3  # the trajectories differ, and so do the counts
 
 
 @torch.no_grad()
-def test_actor_flops_equal_flop_counter():
+def test_actor_flops_equal_hand_count_and_flop_counter():
     torch.manual_seed(0)
-    a = Actor(16, 4, 12)
+    a = Actor(16, 4, 12)  # d = 16, L = 4, N0 = 12: budgets {2, 4, 6, 8} (M = 4)
     a.gate_mlp[2].bias.fill_(1e4)
-    ctx = _ctx(torch.randn(13, 16), [13], 1, n0=12)
+    ctx = _ctx(torch.randn(13, 16), [13], 1, n0=12)  # CLS + 12 visual tokens: n = 13
     with FlopCounterMode(display=False) as fc:
         dec = ActorPolicy(a)(ctx)
     assert dec.gate.item()
+    # App. A by hand (width 128, 4 heads, FFN 256, budget head 128, selector 64), MACs:
+    gate = (16 + 16 + 3) * 64 + 64 * 1  # [K_CLS; e^G; h] -> 64 -> 1
+    per_token = 16 * 128 + 128 * 3 * 128 + 128 * 128 + 128 * 256 + 256 * 128  # W_in, QKV, proj, FFN
+    attention = 2 * 13 * 13 * 128  # the encoder's QK^T and AV
+    fixed = 3 * 128 + (128 * 128 + 128 * 4) + 1 * 128  # W_h on CLS, budget head on Z_CLS, W_k
+    selector = 12 * (128 * 64 + 64 * 1)  # on the 12 visual tokens
+    assert int(dec.flops.item()) == 2 * (gate + 13 * per_token + attention + fixed + selector) == 3_785_216
     # the gate's block-embedding part is made once per forward for all L = 4 blocks (shared by the
-    # images, 2 * 16 * 64 FLOPs a block): the other 3 blocks' parts are counted here, not reported
-    shared = 2 * 3 * 16 * 64
-    assert fc.get_total_flops() == int(dec.flops.item()) + shared
+    # images, 16 * 64 MACs a block): the other 3 blocks' parts are counted here, not reported
+    shared = 3 * 16 * 64
+    assert_counter_agrees(fc, gate + 13 * per_token + fixed + selector + shared, attention)
     a.gate_mlp[2].bias.fill_(-1e4)  # gate closed: only the gate MLP is paid
     with FlopCounterMode(display=False) as fc:
         dec = ActorPolicy(a)(ctx)
-    assert fc.get_total_flops() - shared == int(dec.flops) == 2 * ((16 + 19) * 64 + 64)
+    assert int(dec.flops) == 2 * gate
+    assert_counter_agrees(fc, gate + shared, 0)

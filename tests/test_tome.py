@@ -1,5 +1,6 @@
 """ToMe (and the dense static schedules): hand-worked cases, native equivalence, an independent
-per-image reference forward, and GFLOPs against torch.utils.flop_counter."""
+per-image reference forward, and GFLOPs against hand counts and torch.utils.flop_counter (on its
+stable ops, ``helpers.STABLE_COUNTER_OPS``)."""
 from __future__ import annotations
 
 import math
@@ -22,7 +23,7 @@ from timm_dora.baselines import (
 from timm_dora.baselines.static import parse_schedule, schedule_for_reduction
 from timm_dora.baselines.tome import embed
 
-from helpers import SMALL_FAMILIES, images, make_model
+from helpers import SMALL_FAMILIES, assert_counter_agrees, hand_vit_macs, images, make_model
 
 
 def _five_tokens(v2_metric):
@@ -161,20 +162,49 @@ def test_schedule_caps_at_half_the_visual_tokens():
         tome_schedule(model, [1, 2])
 
 
+# small variants at 64 / 56 px (make_model: 10 classes); heads: classifier heads (2 with distillation)
+TINY_DIMS = {
+    "deit": dict(d=192, hidden=768, patch=16, patches=16, classes=10, heads=1, prefix=1, head_dim=64),
+    "deit_distilled": dict(d=192, hidden=768, patch=16, patches=16, classes=10, heads=2, prefix=2, head_dim=64),
+    "dinov2_registers": dict(d=384, hidden=1536, patch=14, patches=16, classes=10, heads=1, prefix=5, head_dim=64),
+}
+
+
+def _hand_tome_macs(dims, r_per_block):
+    """ToMe by hand: per block, ``r = min(r_l, floor(N/2))`` merges after attention; the bipartite
+    similarity is ``ceil(N/2) x floor(N/2)`` dot products of head-mean keys (``head_dim``)."""
+    n, blocks, match = dims["patches"], [], 0
+    for rl in r_per_block:
+        r = min(rl, n // 2)
+        blocks.append((dims["prefix"] + n, dims["prefix"] + n - r))
+        if r:
+            match += -(-n // 2) * (n // 2) * dims["head_dim"]
+        n -= r
+    products, attention = hand_vit_macs(dims, blocks)
+    return products + match, attention
+
+
 @pytest.mark.parametrize("family,r", [("deit", 2), ("deit_distilled", 3), ("dinov2_registers", [0, 4, 0, 2, 0, 0, 1, 0, 0, 0, 0, 0])])
-def test_tome_gflops_equal_flop_counter(family, r):
+def test_tome_gflops_equal_hand_count_and_flop_counter(family, r):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
+    dims = TINY_DIMS[family]
+    assert (model.embed_dim, model.num_prefix_tokens, model.blocks[0].attn.head_dim) == (dims["d"], dims["prefix"], dims["head_dim"])
     x = images(model, 2)
+    r_list = r if isinstance(r, list) else [r] * 12
+    products, attention = _hand_tome_macs(dims, r_list)
+    cost = tome_gflops(model, r)
+    assert int(round(cost.gflops * 1e9)) == 2 * (products + attention)
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         tome_forward(model, x, r)
-    cost = tome_gflops(model, r)
-    assert fc.get_total_flops() == 2 * int(round(cost.gflops * 1e9))
+    assert_counter_agrees(fc, 2 * products, 2 * attention)  # two images
     assert cost.matching_gflops > 0
     assert cost.gflops < timm_dora.native_gflops(model)
+    products, attention = _hand_tome_macs(dims, [0] * 12)
+    assert int(round(timm_dora.native_gflops(model) * 1e9)) == 2 * (products + attention)
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
         tome_forward(model, x, 0)
-    assert fc.get_total_flops() == 2 * int(round(timm_dora.native_gflops(model) * 1e9))
+    assert_counter_agrees(fc, 2 * products, 2 * attention)
 
 
 # ---------------------------------------------------------------------------------- static schedules
@@ -185,10 +215,15 @@ def test_static_rules_and_gflops():
     x = images(model, 2)
     sched = parse_schedule("2:4, 5:6")
     assert sched == {2: 4, 5: 6}
-    for rule in ("cls_sim", "slice"):
+    dims = TINY_DIMS["deit_distilled"]  # CLS + distillation token, 16 patches
+    visual = [16] * 3 + [12] * 3 + [6] * 6  # visual tokens entering each block
+    blocks = [(2 + n, 2 + n - sched.get(l, 0)) for l, n in enumerate(visual)]
+    products, attention = hand_vit_macs(dims, blocks)
+    for rule, cosines in (("cls_sim", 16 * 192 + 12 * 192), ("slice", 0)):  # cls_sim: N_l keys . CLS key
+        assert int(round(static_gflops(model, sched, rule) * 1e9)) == 2 * (products + attention + cosines), rule
         with torch.no_grad(), FlopCounterMode(display=False) as fc:
             static_forward(model, x, sched, rule)
-        assert fc.get_total_flops() == 2 * int(round(static_gflops(model, sched, rule) * 1e9)), rule
+        assert_counter_agrees(fc, 2 * (products + cosines), 2 * attention)  # two images
     assert static_gflops(model, sched, "cls_sim") > static_gflops(model, sched, "slice")
     with pytest.raises(ValueError):
         static_forward(model, x, {0: 16})

@@ -1,6 +1,9 @@
 """End to end: the timm-dora-train CLI on a tiny random ViT and generated images (CPU)."""
 import collections
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,6 +69,22 @@ def test_cli_trains_logs_checkpoints_and_resumes_exactly(data, tmp_path, one_thr
     a = Actor.from_pretrained(full / "checkpoints" / "u00004").state_dict()
     b = Actor.from_pretrained(part / "checkpoints" / "u00004").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_runs_are_bitwise_reproducible_across_processes(data, tmp_path):
+    """Two fresh processes, two CPU threads each (torch's CPU index_put accumulates with atomics on
+    several threads unless the run selects deterministic algorithms, as the CLI does on the CPU)."""
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "timm_dora.train", *ARGS, "--updates", "2", "--data", str(data), "--out", str(out)]
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        runs.append((Actor.from_pretrained(out / "checkpoints" / "u00002").state_dict(), read_metrics(out)))
+    (a, ma), (b, mb) = runs
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _without_timings(ma) == _without_timings(mb)
+    assert not torch.are_deterministic_algorithms_enabled()  # in-process runs leave the setting as it was
 
 
 def _without_timings(rows):

@@ -26,6 +26,7 @@ flagged) picks the actor written to ``OUT/selected``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -545,6 +546,7 @@ class Trainer:
             "cpu_gen": self.cpu_gen.get_state(),
             "checkpoints": self.checkpoints,
             "config": dataclasses.asdict(self.cfg),
+            "cpu_threads": torch.get_num_threads(),
         }
 
     def load_state_dict(self, state: Dict) -> None:
@@ -559,6 +561,12 @@ class Trainer:
         self.gen.set_state(state["gen"])
         self.cpu_gen.set_state(state["cpu_gen"])
         self.checkpoints = list(state["checkpoints"])
+        threads = state.get("cpu_threads")
+        if self.dev.type == "cpu" and threads and threads != torch.get_num_threads():
+            # CPU float reductions split their work by thread count: the same count continues exactly
+            print(f"--resume: using {threads} CPU threads, as the saved run did (this process had "
+                  f"{torch.get_num_threads()})", file=sys.stderr)
+            torch.set_num_threads(threads)
 
     def save_checkpoint(self) -> CheckpointRecord:
         """Evaluate on dev and save actor + training state (first process only; shared record)."""
@@ -762,6 +770,29 @@ def _main(args: argparse.Namespace, cfg: TrainConfig) -> int:
     if (out / "state.pt").exists() and not args.resume:
         print(f"{out}/state.pt exists: pass --resume to continue it, or choose another --out", file=sys.stderr)
         return 2
+    with _deterministic_on_cpu(cfg.device):
+        return _train(args, cfg, out)
+
+
+@contextlib.contextmanager
+def _deterministic_on_cpu(device: str):
+    """On the CPU, make a fixed-seed run bitwise reproducible across processes (for one thread
+    count, ``torch.get_num_threads()``). torch's CPU ``index_put_(accumulate=True)``, the backward
+    of advanced indexing, adds from several threads with atomics, in an order that changes from
+    run to run (fresh processes differed by up to 6e-5 after 4 updates of the test run);
+    ``torch.use_deterministic_algorithms`` selects its sorted kernel. CUDA runs keep torch's
+    default kernels (atomics in backward passes): they are reproducible to float rounding, not
+    bit for bit. The previous setting is restored on exit."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if torch.device(device).type == "cpu":
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
     trainer = Trainer(cfg)
     if args.resume:
         state_file = out / "state.pt"
