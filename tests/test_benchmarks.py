@@ -1,5 +1,6 @@
 """The throughput benchmark script still runs (CPU smoke test; real numbers come from the GPU)."""
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -199,3 +200,39 @@ def test_trained_oracle_matches_the_published_actors_gflops(tmp_path):
     assert abs(oracle["gflops"] - actor["gflops"]) < one_token
     pruned = {l for l, v in enumerate(actor["removed_per_block"]) if v > 0}
     assert {int(l) for l, k in oracle["static_k"].items() if k > 0} <= pruned
+
+
+def test_train_speed_script_runs_and_splits_updates_into_phases(tmp_path):
+    """benchmarks/train_speed.py on a small DeiT-B (CPU smoke test; real numbers come from the GPU)."""
+    import train_speed
+    labels = tmp_path / "labels.csv"
+    root = tmp_path
+    from PIL import Image
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    rows = ["path,label,synset,set,split"]
+    for i, split in enumerate(["rollout"] * 6 + ["qc"] * 2 + ["dev"] * 2):
+        Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()).save(root / f"{i}.png")
+        rows.append(f"{i}.png,{i % 4},n{i % 4:08d},x,{split}")
+    labels.write_text("\n".join(rows) + "\n")
+    small = ["--img-size", "48", "--num-classes", "4", "--rollout-images", "6", "--checkpoint-every", "2",
+             "--feedback-cadence", "2", "--qc-shards", "2", "--gate-minibatch", "16", "--controller-minibatch", "4",
+             "--critic-minibatch", "16", "--actor-epochs", "2", "--critic-epochs", "2", "--a-init", "5"]
+    out = tmp_path / "speed.json"
+    train_speed.main(["--data", str(labels), "--configs", "deit_base_random", "--updates", "3", "--warmup", "1",
+                      "--device", "cpu", "--extra", " ".join(small),
+                      "--out", str(out)])
+    res = json.loads(out.read_text())
+    r = res["configs"]["deit_base_random"]
+    assert res["device_type"] == "cpu" and r["measured_updates"] == 3 and len(r["updates"]) == 4
+    assert {"data", "native", "rollout", "shadows", "old_values", "actor_update", "critic_update"} <= set(r["phases"])
+    assert r["feedback_s"] is not None and r["checkpoint_s"] > 0
+    for u in r["updates"]:
+        assert abs(u["update_s"] - sum(u["phases"].values())) < 1e-9
+    # the full recipe: setup + 1,171 updates + a feedback check every 2 and a checkpoint every 2 updates
+    cadence = int(r["flags"][r["flags"].index("--feedback-cadence") + 1])
+    every = 2
+    expect = (r["setup_s"] + 1171 * r["s_per_update_without_feedback"] + (1171 // cadence) * r["feedback_s"]
+              + math.ceil(1171 / every) * r["checkpoint_s"]) / 60
+    assert abs(r["full_recipe_min"] - expect) < 1e-9

@@ -55,6 +55,10 @@ def test_cli_trains_logs_checkpoints_and_resumes_exactly(data, tmp_path, one_thr
     for key in ("a_u", "return_mean", "compression", "gflops", "entropy_gate", "loss_value", "rollout_images_per_s"):
         assert all(key in r for r in m), key
     assert "d_u" in m[1] and "d_u" not in m[0]  # feedback every 2 updates, after the rollout
+    core = {"data", "native", "rollout", "shadows", "old_values", "actor_update", "critic_update", "metrics"}
+    assert set(m[0]["phases"]) == core and set(m[1]["phases"]) == core | {"feedback", "checkpoint"}
+    assert all(v >= 0 for r in m for v in r["phases"].values())
+    assert sum(m[0]["phases"].values()) <= m[0]["update_s"] * 1.01 + 0.01  # the phases split the update
     assert m[2]["a_u"] == m[1]["a_next"]  # a_{u+1} applies from the next rollout on
     sel = json.loads((full / "selection.json").read_text())
     assert {c["name"] for c in sel["checkpoints"]} == {"u00002", "u00004"}
@@ -88,7 +92,7 @@ def test_cli_runs_are_bitwise_reproducible_across_processes(data, tmp_path):
 
 
 def _without_timings(rows):
-    return [{k: v for k, v in r.items() if k not in ("rollout_images_per_s", "update_s")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("rollout_images_per_s", "update_s", "phases")} for r in rows]
 
 
 def test_cli_refuses_overlapping_splits_and_existing_runs(data, tmp_path):

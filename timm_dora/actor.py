@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .packing import Packed, PackedTransformerBlock
+from .packing import Packed, PackedTransformerBlock, lookup
 
 __all__ = [
     "Actor",
@@ -173,6 +173,8 @@ class Actor(nn.Module):
         per_image = F.linear(h.to(dtype), w[:, d + g :])  # [B, 64]
         if block is None:
             return per_block[:, None] + per_image[None]
+        if isinstance(block, torch.Tensor) and block.dim() == 1:  # one block per image (PPO minibatches)
+            return lookup(per_block, block) + per_image
         return per_block[block] + per_image
 
     def gate_logit(self, cls_key: torch.Tensor, h: torch.Tensor, block: Union[int, torch.Tensor],
@@ -194,9 +196,10 @@ class Actor(nn.Module):
         or ``[A]`` indices (sequences from different blocks, as in PPO minibatches). Returns
         ``[T, 128]``.
         """
-        emb = self.block_embed[block]
-        if emb.dim() == 2:
-            emb = emb[packed.seg]
+        if isinstance(block, torch.Tensor) and block.dim() == 1:  # one block per sequence: per row
+            emb = lookup(self.block_embed, block[packed.seg])
+        else:
+            emb = self.block_embed[block]
         x = self.w_in(keys) + emb.to(keys.dtype)
         cls_rows = packed.starts
         x = x.index_add(0, cls_rows, self.w_h(h.to(keys.dtype)).to(x.dtype))  # autocast may make them differ
@@ -214,7 +217,7 @@ class Actor(nn.Module):
         index of each visual row (``W_k`` runs once per image).
         """
         cond = self.w_k(fraction[:, None].to(z_visual.dtype))
-        return self.selector(z_visual + cond[seg]).squeeze(-1).float()
+        return self.selector(z_visual + lookup(cond, seg)).squeeze(-1).float()
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from .actor import budget_grid
-from .packing import Packed, PackedTransformerBlock, select_backend
+from .packing import Packed, PackedTransformerBlock, lookup, select_backend
 from .rewards import compression_before
 
 __all__ = [
@@ -268,7 +268,7 @@ class Critic(nn.Module):
         seg, pos = layout.seg, layout.pos
         blk = torch.as_tensor(block, dtype=torch.long, device=dev).expand(s)
         x = self.token_proj(tokens.to(dtype))
-        x = x + self.block_embed[blk][seg] + self.type_embed[(pos >= num_prefix).long()]
+        x = x + lookup(self.block_embed, blk[seg]) + lookup(self.type_embed, (pos >= num_prefix).long())
         # prepend the value token: sequence i occupies rows starts[i] + i .. starts[i] + i + n_i
         seq = x.new_zeros(tokens.shape[0] + s, self.width)
         packed = Packed(seq, n + 1, [m + 1 for m in lengths], num_prefix=1)

@@ -197,13 +197,52 @@ class _Minibatch:
     idx: Optional[torch.Tensor] = None
 
 
+class PhaseClock:
+    """Seconds per phase of one update, for ``metrics.jsonl`` and the speed benchmark.
+
+    On CUDA, events on the current stream: nothing waits for the device until :meth:`read`, which
+    the update calls after its metrics have come back to the host anyway. ``sync=True`` (the speed
+    benchmark, ``benchmarks/train_speed.py``) synchronizes at every boundary as well, so a phase
+    that only keeps the host busy is charged to itself, not to the next one. On the CPU,
+    ``time.perf_counter``. A phase marked several times in one update adds up."""
+
+    def __init__(self, device: torch.device, sync: bool = False):
+        self.cuda, self.sync = device.type == "cuda", sync
+        self.marks: List[tuple] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        if self.sync:
+            torch.cuda.synchronize()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.marks = [("", self._now())]
+
+    def mark(self, phase: str) -> None:
+        """End the running phase, naming it ``phase``."""
+        self.marks.append((phase, self._now()))
+
+    def read(self) -> Dict[str, float]:
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out: Dict[str, float] = {}
+        for (_, a), (phase, b) in zip(self.marks, self.marks[1:]):
+            out[phase] = out.get(phase, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out
+
+
 class Trainer:
     """Holds the frozen wrapped backbone, the actor, the critic, optimisers and all training state."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, sync_phases: bool = False):
         self.cfg = cfg
         self.comm = _Comm()
         self.dev = torch.device(cfg.device)
+        self.clock = PhaseClock(self.dev, sync=sync_phases)  # per-phase times of each update
         if cfg.ppo.rollout_images % self.comm.world:
             raise ValueError(f"--rollout-images {cfg.ppo.rollout_images} must be divisible by the number of processes {self.comm.world}")
         self.local_batch = cfg.ppo.rollout_images // self.comm.world
@@ -307,18 +346,24 @@ class Trainer:
         cfg, p, comm = self.cfg, self.cfg.ppo, self.comm
         self.u += 1
         u = self.u
+        clock = self.clock
         t0 = time.perf_counter()
+        clock.start()
         batch = p.rollout_images
         idx = torch.tensor(next(self.sampler))  # the global batch, identical on every process
         mine = torch.arange(comm.rank * self.local_batch, (comm.rank + 1) * self.local_batch)
         noise = RolloutNoise.draw(self.depth, batch, self.actor.num_budgets, self.num_patches, self.gen, self.dev)
         x = self._rollout_images(idx[mine])
+        clock.mark("data")
         a_u = self.feedback.coefficient
         self.actor.eval()
         with torch.no_grad():
             z_native = run(self.model, x, NoPrune())[0].float()
+            clock.mark("native")
             traj = collect(self.model, self.actor, x, z_native=z_native, noise=noise.rows(mine.to(self.dev)))
+            clock.mark("rollout")
             d = shadow_divergences(self.model, x, traj, p.kd_temperature, cfg.shadow_chunk)
+            clock.mark("shadows")
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
         t_rollout = time.perf_counter() - t0
@@ -333,6 +378,7 @@ class Trainer:
             drop = comm.broadcast_object(drop)
             self.feedback.update(u, drop, shard)
             m.update(d_u=drop, qc_shard=shard, a_next=self.feedback.coefficient)
+            clock.mark("feedback")
         rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
         m.update(self._ppo_update(traj, d, rewards, a_u))
         if self.dev.type == "cuda":
@@ -345,7 +391,8 @@ class Trainer:
         ]).double().cpu())
         keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions")
         m.update({k: float(v) / batch for k, v in zip(keys, sums)})
-        m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all)
+        clock.mark("metrics")
+        m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read())
         return m
 
     def _values(self, traj: Trajectory, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor, lengths: List[int]) -> torch.Tensor:
@@ -426,6 +473,7 @@ class Trainer:
             for s in range(0, n_c, chunk):
                 u = self._values(traj, q, zn, ci[s : s + chunk], [tok_len_h[t] for t in ctrl_t_h[s : s + chunk]])
                 vs[s : s + chunk] = self.critic.selector_value(u, traj.budget_index[s : s + chunk], frac[s : s + chunk])
+        self.clock.mark("old_values")
         vg_ret = self.rms.denormalize(vg)
         _, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
         ret_t = ret.T.reshape(-1)
@@ -490,6 +538,7 @@ class Trainer:
                 log("entropy_budget", hb_sum / n)
                 log("entropy_selector", hs_sum / n)
         self.actor.eval()
+        self.clock.mark("actor_update")
 
         self.critic.train()
         cparams = list(self.critic.parameters())
@@ -517,6 +566,7 @@ class Trainer:
             self.opts["critic"].step()
             log("loss_value", loss)
         self.critic.eval()
+        self.clock.mark("critic_update")
         # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
         names = [k for k, v in stats.items() if v]
         flat = comm.sum_(torch.cat([t for k in names for t in stats[k]]).cpu()) if names else torch.zeros(0)
@@ -609,15 +659,18 @@ class Trainer:
         if cfg.progress and main:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.total_updates, initial=self.u, desc="DORA PPO", dynamic_ncols=True)
+            # tqdm shows s/update (or updates/s) and the remaining time
+            bar = tqdm(total=cfg.total_updates, initial=self.u, desc="DORA PPO", unit="update", dynamic_ncols=True)
         start = time.perf_counter()
         try:
             while self.u < cfg.total_updates:
                 m = self.step()
                 out_of_time = self.comm.broadcast_object(cfg.max_minutes > 0 and time.perf_counter() - start > 60 * cfg.max_minutes)
                 if self.u % cfg.checkpoint_every == 0 or self.u == cfg.total_updates or out_of_time:
+                    t = time.perf_counter()
                     rec = self.save_checkpoint()
                     m.update(dev_top1=rec.top1, dev_gflops=rec.gflops, dev_native_top1=rec.native_top1)
+                    m["phases"]["checkpoint"] = time.perf_counter() - t  # dev evaluation and saving
                 if main:
                     log.write(json.dumps(m) + "\n")
                     log.flush()
