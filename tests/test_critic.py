@@ -153,3 +153,34 @@ def test_encode_takes_device_lengths_and_checks_blocks():
         critic.encode(tokens, lengths, torch.tensor([0, L, 1]), q, z)
     with pytest.raises(ValueError, match="out of range"):
         critic.encode(tokens, lengths, -1, q, z)
+
+
+@pytest.mark.parametrize("num_prefix", [1, 2])
+def test_padded_batch_equals_packed_values_and_gradients(num_prefix):
+    """encode_padded (fixed shapes, padded keys masked) gives the packed encode's u_l and gradients;
+    garbage in the padding changes nothing."""
+    lengths = [7, 2, 4]
+    tokens, q, z = _inputs(lengths, seed=6)
+    block = torch.tensor([2, 0, 1])
+    n = 9
+    padded = torch.randn(len(lengths), n, D) * 50  # the padding is garbage
+    offset = 0
+    for i, m in enumerate(lengths):
+        padded[i, :m] = tokens[offset:offset + m]
+        offset += m
+    grads = []
+    for fn in ("packed", "padded"):
+        critic = _critic()
+        critic.train()
+        if fn == "packed":
+            u = critic.encode(tokens, lengths, block, q, z, num_prefix)
+        else:
+            u = critic.encode_padded(padded, torch.tensor(lengths), block, q, z, num_prefix)
+        loss = critic.gate_value(u).square().sum() + critic.selector_value(u, torch.tensor([1, 4, 0]), torch.tensor([0.5, 0.4, 0.1])).sum()
+        loss.backward()
+        grads.append((u.detach(), {k: p.grad.clone() for k, p in critic.named_parameters() if p.grad is not None}))
+    (u_packed, g_packed), (u_padded, g_padded) = grads
+    assert torch.allclose(u_padded, u_packed, atol=1e-5)
+    assert g_packed.keys() == g_padded.keys()
+    for k in g_packed:
+        assert torch.allclose(g_padded[k], g_packed[k], atol=1e-5, rtol=1e-4), k

@@ -282,6 +282,37 @@ class Critic(nn.Module):
         value = self.norm(seq[value_rows])
         return torch.cat([value, self.scalar_proj(q.to(dtype)), self.logit_proj(z_native.to(dtype))], dim=-1)
 
+    def encode_padded(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        block: torch.Tensor,
+        q: torch.Tensor,
+        z_native: torch.Tensor,
+        num_prefix: int = 1,
+    ) -> torch.Tensor:
+        """:meth:`encode` on a padded batch: ``tokens`` ``[S, N, d]``, sequence ``i`` in rows
+        ``0..lengths[i]-1`` (prefix first), padding after; ``lengths`` ``[S]`` int64 and ``block``
+        ``[S]`` on the tokens' device. The same ``u_l`` up to float rounding (padded keys are
+        masked out of attention); every shape is fixed by ``S`` and ``N``, so PPO minibatches need
+        no host reads. Returns ``[S, 384]``."""
+        s, n, _ = tokens.shape
+        if q.shape != (s, SCALAR_DIM):
+            raise ValueError(f"q must be [S={s}, {SCALAR_DIM}], got {tuple(q.shape)}")
+        if z_native.shape != (s, self.num_classes):
+            raise ValueError(f"z_native must be [S={s}, {self.num_classes}], got {tuple(z_native.shape)}")
+        torch._assert_async(((block >= 0) & (block < self.depth)).all(), f"block index out of range [0, {self.depth})")
+        dtype, dev = self.token_proj.weight.dtype, tokens.device
+        pos = torch.arange(n, device=dev)
+        x = self.token_proj(tokens.to(dtype))
+        x = x + lookup(self.block_embed, block)[:, None] + lookup(self.type_embed, (pos >= num_prefix).long())[None]
+        seq = torch.cat([self.value_token.to(dtype).expand(s, 1, -1), x], dim=1)  # the value token first
+        valid = torch.arange(n + 1, device=dev)[None, :] <= lengths[:, None]  # value token + the sequence
+        for blk_mod in self.blocks:
+            seq = blk_mod.forward_padded(seq, valid)
+        value = self.norm(seq[:, 0])
+        return torch.cat([value, self.scalar_proj(q.to(dtype)), self.logit_proj(z_native.to(dtype))], dim=-1)
+
     def gate_value(self, u: torch.Tensor) -> torch.Tensor:
         """``V^G_l`` (``[S]``): does not depend on the budget."""
         return self.gate_head(u).squeeze(-1)

@@ -410,3 +410,15 @@ class PackedTransformerBlock(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).view(t, 3, self.num_heads, hd).unbind(1)
         x = x + self.proj(varlen_attention(q, k, v, packed, hd ** -0.5, backend).reshape(t, w))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+    def forward_padded(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The same block on a padded batch ``x`` ``[S, N, w]``; ``valid`` ``[S, N]`` marks each
+        sequence's real rows (a prefix of every row, at least one). Padded keys are masked out, so
+        real rows get exactly the maths of :meth:`forward`; padded rows are computed and meaningless.
+        Shapes do not depend on the lengths (PPO minibatches of fixed shape, no host reads)."""
+        s, n, w = x.shape
+        hd = w // self.num_heads
+        q, k, v = self.qkv(self.norm1(x)).view(s, n, 3, self.num_heads, hd).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=hd ** -0.5)
+        x = x + self.proj(o.transpose(1, 2).reshape(s, n, w))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))

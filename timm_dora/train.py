@@ -43,7 +43,7 @@ from .actor import Actor
 from . import data as D
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
-from .packing import rows_where
+from .packing import Packed
 from .patch import run, wrap
 from .policy import ActorPolicy, NoPrune, RolloutNoise
 from .ppo import (
@@ -51,7 +51,7 @@ from .ppo import (
     gae_shared_return, standardize,
 )
 from .rewards import step_rewards, token_layer_compression
-from .rollout import Trajectory, collect, evaluate_controller, evaluate_gate, gather_packed, shadow_divergences
+from .rollout import Trajectory, collect, evaluate_controller, evaluate_gate, shadow_divergences
 from .selection import CheckpointRecord, select_checkpoint
 
 __all__ = ["TrainConfig", "Trainer", "main"]
@@ -395,10 +395,17 @@ class Trainer:
         m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read())
         return m
 
-    def _values(self, traj: Trajectory, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor, lengths: List[int]) -> torch.Tensor:
-        """``u_l`` of the transitions ``idx``; ``lengths``: their token counts (host ints)."""
-        tokens, _ = gather_packed(traj.tokens, traj.token_lengths, idx, lengths)
-        return self.critic.encode(tokens, lengths, traj.block[idx], q[idx], zn[idx], traj.num_prefix, traj.token_lengths[idx])
+    def _padded_tokens(self, traj: Trajectory, lengths: List[int]) -> torch.Tensor:
+        """The critic's input ``H_l`` of every transition, padded to ``P + N0`` rows: ``[B*L, P+N0, d]``
+        (one scatter per update; each minibatch then gathers whole rows, in fixed shapes)."""
+        layout = Packed(traj.tokens, traj.token_lengths, lengths, traj.num_prefix)
+        out = traj.tokens.new_zeros(len(lengths), traj.num_prefix + self.num_patches, traj.tokens.shape[1])
+        out[layout.seg, layout.pos] = traj.tokens
+        return out
+
+    def _values(self, traj: Trajectory, tokens: torch.Tensor, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``u_l`` of the transitions ``idx`` (``tokens``: :meth:`_padded_tokens`)."""
+        return self.critic.encode_padded(tokens[idx], traj.token_lengths[idx], traj.block[idx], q[idx], zn[idx], traj.num_prefix)
 
     def _standardize(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantage standardisation over the eligible transitions of *all* processes."""
@@ -439,9 +446,9 @@ class Trainer:
         # host copies: global feasible and gate-on flags in t order, then this process's layout
         flags = torch.stack([traj.feasible, traj.ctrl_of >= 0]).long().view(2, depth, b).permute(2, 1, 0)
         flags = comm.gather(flags.contiguous()).permute(2, 1, 0).reshape(-1)  # [2, L, B] flattened
-        host = torch.cat([flags, traj.token_lengths, traj.ctrl_of, traj.ctrl_t, traj.ctrl_lengths, traj.valid.sum(1)])
-        sizes = [batch * depth] * 2 + [n_t] * 2 + [n_c] * 3
-        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_t_h, ctrl_len_h, width_h = (t.tolist() for t in host.cpu().split(sizes))
+        host = torch.cat([flags, traj.token_lengths, traj.ctrl_of, traj.ctrl_lengths, traj.valid.sum(1)])
+        sizes = [batch * depth] * 2 + [n_t] * 2 + [n_c] * 2
+        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_len_h, width_h = (t.tolist() for t in host.cpu().split(sizes))
         # minibatches, drawn in the order the loops use them; their local ids go to the device at once
         feas_g = [t for t, f in enumerate(feas_h) if f]
         on_g = [t for t, o in enumerate(on_h) if o]
@@ -463,15 +470,16 @@ class Trainer:
         # old values (normalised units) and the shared lambda-return
         self.critic.eval()
         chunk = 1024
+        tokens = self._padded_tokens(traj, tok_len_h)
         with torch.no_grad():
             vg, vb = torch.empty(n_t, device=dev), torch.empty(n_t, device=dev)
             t_loc = torch.arange(n_t, device=dev)
             for s in range(0, n_t, chunk):
-                u = self._values(traj, q, zn, t_loc[s : s + chunk], tok_len_h[s : s + chunk])
+                u = self._values(traj, tokens, q, zn, t_loc[s : s + chunk])
                 vg[s : s + chunk], vb[s : s + chunk] = self.critic.gate_value(u), self.critic.budget_value(u)
             vs = torch.empty(n_c, device=dev)
             for s in range(0, n_c, chunk):
-                u = self._values(traj, q, zn, ci[s : s + chunk], [tok_len_h[t] for t in ctrl_t_h[s : s + chunk]])
+                u = self._values(traj, tokens, q, zn, ci[s : s + chunk])
                 vs[s : s + chunk] = self.critic.selector_value(u, traj.budget_index[s : s + chunk], frac[s : s + chunk])
         self.clock.mark("old_values")
         vg_ret = self.rms.denormalize(vg)
@@ -545,18 +553,20 @@ class Trainer:
         for mb in critic_mbs:
             idx = mb.idx
             if mb.local:
-                u = self._values(traj, q, zn, idx, [tok_len_h[t] for t in mb.local])
+                # every value head on every transition of the minibatch (fixed shapes); the budget and
+                # selector losses count the gate-on transitions only, divided by their global number
+                u = self._values(traj, tokens, q, zn, idx)
                 loss = clipped_value_loss(self.critic.gate_value(u), vg[idx], target[idx], p.value_clip, p.huber_delta).sum() / len(mb.ids)
-                n_on = sum(ctrl_of_h[t] >= 0 for t in mb.local)
-                if n_on:
-                    n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
+                n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
+                if n_on_g and n_c:  # (n_c: this process holds gate-on transitions at all)
                     c = traj.ctrl_of[idx]
-                    on = rows_where(c >= 0, n_on)
-                    cm, t_on = c[on], idx[on]
-                    vbn = self.critic.budget_value(u[on])
-                    vsn = self.critic.selector_value(u[on], traj.budget_index[cm], frac[cm])
-                    loss = loss + clipped_value_loss(vbn, vb[t_on], target[t_on], p.value_clip, p.huber_delta).sum() / n_on_g
-                    loss = loss + clipped_value_loss(vsn, vs[cm], target[t_on], p.value_clip, p.huber_delta).sum() / n_on_g
+                    on, cm = c >= 0, c.clamp_min(0)
+                    vbn = self.critic.budget_value(u)
+                    vsn = self.critic.selector_value(u, traj.budget_index[cm], frac[cm])
+                    lb = clipped_value_loss(vbn, vb[idx], target[idx], p.value_clip, p.huber_delta)
+                    ls = clipped_value_loss(vsn, vs[cm], target[idx], p.value_clip, p.huber_delta)
+                    loss = loss + torch.where(on, lb, 0.0).sum() / n_on_g
+                    loss = loss + torch.where(on, ls, 0.0).sum() / n_on_g
             else:
                 loss = sum(q.sum() for q in cparams) * 0.0
             self.opts["critic"].zero_grad(set_to_none=True)
