@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--updates", type=int, default=20, help="measured updates per configuration")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--extra", default="", help="more timm-dora-train flags for every configuration (quoted)")
+    ap.add_argument("--extra", default="", help="more timm-dora-train flags for every configuration, one string: "
+                    "--extra='--no-cuda-graphs'")
     ap.add_argument("--profile", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -43,6 +43,7 @@ from .actor import Actor
 from . import data as D
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
+from .graph_step import CapturedStep
 from .packing import Packed
 from .patch import run, wrap
 from .policy import ActorPolicy, NoPrune, RolloutNoise
@@ -92,6 +93,7 @@ class TrainConfig:
     eval_batch: int = 256
     tensorboard: bool = False
     progress: bool = True
+    cuda_graphs: bool = True  # ours: replay the critic's PPO steps from CUDA graphs (CUDA, one process)
     ppo: PPOConfig = field(default_factory=PPOConfig)
 
     @property
@@ -197,6 +199,47 @@ class _Minibatch:
     idx: Optional[torch.Tensor] = None
 
 
+class _CriticBatch:
+    """Static buffers of the critic's PPO minibatches: one update's per-transition inputs and
+    targets (refilled in place every update) and one minibatch's rows (refilled before every step),
+    so that a step always reads the same tensors (:class:`~timm_dora.graph_step.CapturedStep`).
+
+    A minibatch fills ``capacity`` rows: ``idx`` (local transition ids, padded with 0) and ``w``
+    (which rows are real); ``n_ids`` and ``n_on`` are the loss divisors (global counts)."""
+
+    FIELDS = ("tokens", "lengths", "block", "q", "zn", "vg", "vb", "target", "ctrl_of", "budget_index", "frac", "vs")
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity = capacity
+        self.idx = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.w = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.n_ids = torch.ones((), device=device)
+        self.n_on = torch.ones((), device=device)
+        self.shapes = None
+
+    def load(self, **tensors: torch.Tensor) -> bool:
+        """Copy one update's tensors in (the controller ones, of ``n_c <= B*L`` rows, into buffers of
+        ``B*L``); returns whether the buffers were (re)allocated."""
+        n_t = tensors["lengths"].shape[0]
+        shapes = {k: (n_t, *t.shape[1:], t.dtype) for k, t in tensors.items()}
+        fresh = shapes != self.shapes
+        if fresh:
+            for k, t in tensors.items():
+                setattr(self, k, t.new_zeros(n_t, *t.shape[1:]))
+            self.shapes = shapes
+        for k, t in tensors.items():
+            getattr(self, k)[: t.shape[0]].copy_(t)
+        return fresh
+
+    def select(self, idx: torch.Tensor, n_ids: int, n_on: int) -> None:
+        n = idx.shape[0]
+        self.idx[:n].copy_(idx)
+        self.idx[n:].zero_()
+        self.w.copy_(torch.arange(self.capacity, device=self.w.device) < n)
+        self.n_ids.fill_(float(n_ids))
+        self.n_on.fill_(float(max(n_on, 1)))
+
+
 class PhaseClock:
     """Seconds per phase of one update, for ``metrics.jsonl`` and the speed benchmark.
 
@@ -284,6 +327,7 @@ class Trainer:
             self.actor.load_state_dict(_warm_start(cfg.init_actor, self.actor, self.model, cfg.readout))
         self.actor = self.actor.to(self.dev)
         self.critic = Critic.for_model(model, budget_step=cfg.budget_step, backend="padded").to(self.dev)
+        self.graphs = cfg.cuda_graphs and self.dev.type == "cuda" and self.comm.world == 1
         p = cfg.ppo
         g = actor_parameter_groups(self.actor)
         self.groups = g
@@ -292,8 +336,11 @@ class Trainer:
             "shared": torch.optim.Adam(g["shared"], lr=p.lr_shared),
             "budget": torch.optim.Adam(g["budget"], lr=p.lr_budget),
             "selector": torch.optim.Adam(g["selector"], lr=p.lr_selector),
-            "critic": torch.optim.Adam(self.critic.parameters(), lr=p.lr_critic),
+            # capturable: the critic's step is replayed from CUDA graphs (one process on CUDA)
+            "critic": torch.optim.Adam(self.critic.parameters(), lr=p.lr_critic, capturable=self.graphs),
         }
+        self.critic_batch = _CriticBatch(p.critic_minibatch, self.dev)
+        self.critic_steps: Dict[bool, CapturedStep] = {}  # by "has gate-on transitions", captured on first use
         self.rms = RunningMeanStd()
         self.feedback = FeedbackController(
             a_init=cfg.a_init, target=cfg.target_drop, cadence=cfg.feedback_cadence,
@@ -406,6 +453,46 @@ class Trainer:
     def _values(self, traj: Trajectory, tokens: torch.Tensor, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``u_l`` of the transitions ``idx`` (``tokens``: :meth:`_padded_tokens`)."""
         return self.critic.encode_padded(tokens[idx], traj.token_lengths[idx], traj.block[idx], q[idx], zn[idx], traj.num_prefix)
+
+    def _critic_step(self, gate_on: bool) -> torch.Tensor:
+        """One critic step on the minibatch in ``self.critic_batch``: eager, or (one process on
+        CUDA) replayed from the CUDA graph of its kind (with or without gate-on transitions)."""
+        if not self.graphs:
+            return self._critic_minibatch(gate_on)
+        step = self.critic_steps.get(gate_on)
+        if step is None:
+            step = self.critic_steps[gate_on] = CapturedStep(
+                lambda: self._critic_minibatch(gate_on), list(self.critic.parameters()), self.opts["critic"])
+        return step()
+
+    def _critic_minibatch(self, gate_on: bool) -> torch.Tensor:
+        """Clipped value regression of every value head (App. D.2) on the minibatch in
+        ``self.critic_batch``, then the gradient step; returns the (detached) loss. Fixed shapes, no
+        host reads: the heads run on every row, and the losses count the real rows (``w``), the
+        budget and selector ones only the gate-on transitions, each divided by its global count.
+        ``gate_on=False`` (no gate-on transition in the minibatch) leaves those heads out, so their
+        parameters get no gradient and Adam skips them."""
+        cb, p = self.critic_batch, self.cfg.ppo
+        critic, idx = self.critic, cb.idx
+        u = critic.encode_padded(cb.tokens[idx], cb.lengths[idx], cb.block[idx], cb.q[idx], cb.zn[idx],
+                                 self.model.num_prefix_tokens)
+        lg = clipped_value_loss(critic.gate_value(u), cb.vg[idx], cb.target[idx], p.value_clip, p.huber_delta)
+        loss = torch.where(cb.w, lg, 0.0).sum() / cb.n_ids
+        if gate_on:
+            c = cb.ctrl_of[idx]
+            on, cm = (c >= 0) & cb.w, c.clamp_min(0)
+            lb = clipped_value_loss(critic.budget_value(u), cb.vb[idx], cb.target[idx], p.value_clip, p.huber_delta)
+            vsn = critic.selector_value(u, cb.budget_index[cm], cb.frac[cm])
+            ls = clipped_value_loss(vsn, cb.vs[cm], cb.target[idx], p.value_clip, p.huber_delta)
+            loss = loss + torch.where(on, lb, 0.0).sum() / cb.n_on
+            loss = loss + torch.where(on, ls, 0.0).sum() / cb.n_on
+        params = list(critic.parameters())
+        self.opts["critic"].zero_grad(set_to_none=True)
+        loss.backward()
+        self.comm.sum_grads(params)
+        torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
+        self.opts["critic"].step()
+        return loss.detach()
 
     def _standardize(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantage standardisation over the eligible transitions of *all* processes."""
@@ -549,31 +636,23 @@ class Trainer:
         self.clock.mark("actor_update")
 
         self.critic.train()
-        cparams = list(self.critic.parameters())
+        cb = self.critic_batch
+        if cb.load(tokens=tokens, lengths=traj.token_lengths, block=traj.block, q=q, zn=zn, vg=vg, vb=vb, target=target,
+                   ctrl_of=traj.ctrl_of, budget_index=traj.budget_index, frac=frac, vs=vs):
+            self.critic_steps.clear()  # new buffers: capture again
         for mb in critic_mbs:
-            idx = mb.idx
             if mb.local:
-                # every value head on every transition of the minibatch (fixed shapes); the budget and
-                # selector losses count the gate-on transitions only, divided by their global number
-                u = self._values(traj, tokens, q, zn, idx)
-                loss = clipped_value_loss(self.critic.gate_value(u), vg[idx], target[idx], p.value_clip, p.huber_delta).sum() / len(mb.ids)
                 n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
-                if n_on_g and n_c:  # (n_c: this process holds gate-on transitions at all)
-                    c = traj.ctrl_of[idx]
-                    on, cm = c >= 0, c.clamp_min(0)
-                    vbn = self.critic.budget_value(u)
-                    vsn = self.critic.selector_value(u, traj.budget_index[cm], frac[cm])
-                    lb = clipped_value_loss(vbn, vb[idx], target[idx], p.value_clip, p.huber_delta)
-                    ls = clipped_value_loss(vsn, vs[cm], target[idx], p.value_clip, p.huber_delta)
-                    loss = loss + torch.where(on, lb, 0.0).sum() / n_on_g
-                    loss = loss + torch.where(on, ls, 0.0).sum() / n_on_g
-            else:
+                cb.select(mb.idx, len(mb.ids), n_on_g)
+                loss = self._critic_step(n_on_g > 0 and n_c > 0)  # (n_c: this process holds gate-on transitions)
+            else:  # this process holds none of the minibatch: zero contribution, same collectives
+                cparams = list(self.critic.parameters())
                 loss = sum(q.sum() for q in cparams) * 0.0
-            self.opts["critic"].zero_grad(set_to_none=True)
-            loss.backward()
-            comm.sum_grads(cparams)
-            torch.nn.utils.clip_grad_norm_(cparams, clip)
-            self.opts["critic"].step()
+                self.opts["critic"].zero_grad(set_to_none=True)
+                loss.backward()
+                comm.sum_grads(cparams)
+                torch.nn.utils.clip_grad_norm_(cparams, clip)
+                self.opts["critic"].step()
             log("loss_value", loss)
         self.critic.eval()
         self.clock.mark("critic_update")

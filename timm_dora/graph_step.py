@@ -1,0 +1,79 @@
+"""A training step of fixed shapes replayed from a CUDA graph (issue #28).
+
+A PPO minibatch step (forward, loss, backward, gradient clipping, Adam) of the small critic launches
+hundreds of small kernels: on the H100 the host took about 13 ms to issue what the GPU ran in about
+1 ms. :class:`CapturedStep` captures such a step once and then replays it, one launch per step.
+
+The step must read everything that changes from one call to the next from *static buffers* (the
+same tensors every call, refilled in place by the caller before each call), take no host decisions
+from device values, and use an optimiser created with ``capturable=True``. Capturing needs a few
+warm-up steps first (cuBLAS and autograd allocate on their first use); they run on copies of the
+parameters' and the optimiser's state, which are put back afterwards, so the first replayed step
+starts from exactly the state an eager step would have started from.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+__all__ = ["CapturedStep"]
+
+
+class CapturedStep:
+    """``step()`` on CUDA, captured as a CUDA graph on the first call and replayed afterwards.
+
+    Args:
+        step: the training step; returns a tensor (e.g. the detached loss) that the replays refill.
+        params: every parameter the step updates.
+        optimizer: the optimiser ``step`` calls (``capturable=True``).
+        warmup: eager steps (undone afterwards) before the capture.
+    """
+
+    def __init__(self, step: Callable[[], torch.Tensor], params: List[torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer, warmup: int = 3) -> None:
+        self.step, self.params, self.optimizer, self.warmup = step, list(params), optimizer, warmup
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.out: Optional[torch.Tensor] = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.out
+
+    def _capture(self) -> None:
+        saved = self._snapshot()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self._restore(saved)
+        self.optimizer.zero_grad(set_to_none=True)  # the captured backward writes fresh gradients
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.step()
+
+    def _snapshot(self) -> Dict:
+        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
+                 for p in self.params if p in self.optimizer.state}
+        return {"params": [p.detach().clone() for p in self.params], "state": state}
+
+    @torch.no_grad()
+    def _restore(self, saved: Dict) -> None:
+        """Parameters and optimiser state back to ``saved``, in place (the graph keeps addresses).
+        State the warm-up created (the optimiser's first step) is zeroed: Adam with a zero step
+        count and zero moments is a fresh Adam."""
+        for p, v in zip(self.params, saved["params"]):
+            p.copy_(v)
+        for p in self.params:
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            before = saved["state"].get(p, {})
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    v.copy_(before[k]) if k in before else v.zero_()
