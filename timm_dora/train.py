@@ -207,8 +207,6 @@ class _CriticBatch:
     A minibatch fills ``capacity`` rows: ``idx`` (local transition ids, padded with 0) and ``w``
     (which rows are real); ``n_ids`` and ``n_on`` are the loss divisors (global counts)."""
 
-    FIELDS = ("tokens", "lengths", "block", "q", "zn", "vg", "vb", "target", "ctrl_of", "budget_index", "frac", "vs")
-
     def __init__(self, capacity: int, device: torch.device):
         self.capacity = capacity
         self.idx = torch.zeros(capacity, dtype=torch.long, device=device)
