@@ -133,3 +133,50 @@ def test_plackett_luce_ignores_padding_that_points_at_a_chosen_column():
     valid = torch.tensor([[True, False, False]])
     expected = 2.0 - torch.logsumexp(s[0], 0)
     assert torch.allclose(plackett_luce_log_prob(s, order, valid), expected[None])
+
+
+def test_padded_controller_evaluation_equals_the_packed_reference():
+    """rollout.evaluate_controller (fixed shapes: keys padded to one width, the order to the largest
+    budget, padding masked) gives the packed, per-sequence computation's budget and selector
+    log-probs and entropies, and their gradients, on fp32 (1e-5)."""
+    from timm_dora.actor import masked_categorical, plackett_luce_log_prob, selector_entropy, to_padded
+    from timm_dora.rollout import evaluate_controller
+
+    g = torch.Generator().manual_seed(5)
+    n_visual = [16, 9, 12, 6]
+    lengths = torch.tensor(n_visual) + 1
+    block = torch.tensor([0, 2, 1, 2])
+    h = torch.rand(4, 3, generator=g)
+    results = []
+    for path in ("packed", "padded"):
+        torch.manual_seed(0)
+        actor = Actor(32, 3, 16)
+        keys = torch.randn(int(lengths.sum()), 32, generator=torch.Generator().manual_seed(1))
+        bi = torch.tensor([5, 2, 0, 0])  # k = 12, 6, 2, 2 (feasible: k <= n - 4)
+        k = actor.budgets[bi]
+        # a recorded order: k distinct visual columns of each sequence, then padding
+        order = torch.stack([torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(i))[:int(k[i])],
+                                        torch.zeros(12 - int(k[i]), dtype=torch.long)]) for i, n in enumerate(n_visual)])
+        valid = torch.arange(12)[None] < k[:, None]
+        packed = Packed(keys, lengths, lengths.tolist(), num_prefix=1)
+        if path == "packed":
+            z = actor.encode(keys, packed, h, block, "sdpa_loop")
+            n = lengths - 1
+            dist = masked_categorical(actor.budget_logits(z[packed.starts], n))
+            vis = packed.pos >= 1
+            s = actor.selector_scores(z[vis], k.float() / n.float(), packed.seg[vis])
+            scores = to_padded(s, packed.seg[vis], packed.pos[vis] - 1, 4, 16, float("-inf"))
+            out = dist.log_prob(bi), dist.entropy(), plackett_luce_log_prob(scores, order, valid), selector_entropy(scores)
+        else:
+            wide = int(actor.budgets[-1])  # the training buffers' order width: the largest budget
+            order_p = torch.cat([order, order.new_zeros(4, wide - 12)], 1)
+            valid_p = torch.cat([valid, valid.new_zeros(4, wide - 12)], 1)
+            out = evaluate_controller(actor, packed.padded(20), lengths, h, block, bi, order_p, valid_p)
+        sum(o.sum() for o in out).backward()
+        results.append(([o.detach() for o in out], {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}))
+    (ref, g_ref), (got, g_got) = results
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, atol=1e-5), (a, b)
+    assert g_ref.keys() == g_got.keys() and {n.split(".")[0] for n in g_ref} >= {"w_in", "encoder", "budget_head", "selector", "w_k"}
+    for n in g_ref:
+        assert torch.allclose(g_got[n], g_ref[n], atol=1e-5, rtol=1e-4), n

@@ -293,15 +293,18 @@ def test_budget_step_sets_the_grid_of_actor_critic_and_rollouts(data, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_critic_steps_equal_eager_steps(data, tmp_path):
-    """The critic's steps replayed from CUDA graphs train as the eager ones do (float rounding:
-    capturable Adam and the replayed kernels may round differently)."""
+def test_cuda_graph_ppo_steps_equal_eager_steps(data, tmp_path):
+    """The gate, controller and critic steps replayed from CUDA graphs train as the eager ones do
+    (float rounding: capturable Adam and the replayed kernels may round differently)."""
     runs = {}
     for flag in ("--cuda-graphs", "--no-cuda-graphs"):
         out = tmp_path / flag.strip("-")
         argv = [("cuda" if a == "cpu" else a) for a in ARGS] + ["--updates", "2", "--data", str(data), "--out", str(out), flag]
         assert main(argv) == 0
         runs[flag] = read_metrics(out)
+    keys = ("loss_value", "loss_gate", "loss_budget", "loss_selector", "entropy_gate", "entropy_budget",
+            "entropy_selector", "return_mean", "compression")
     for a, b in zip(runs["--cuda-graphs"], runs["--no-cuda-graphs"]):
-        for k in ("loss_value", "loss_gate", "return_mean", "compression"):
+        assert a["interventions"] > 0  # the rollouts pruned: controller steps ran
+        for k in keys:
             assert abs(a[k] - b[k]) <= 1e-3 * max(1.0, abs(b[k])), (a["update"], k, a[k], b[k])

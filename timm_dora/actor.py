@@ -205,19 +205,33 @@ class Actor(nn.Module):
         x = x.index_add(0, cls_rows, self.w_h(h.to(keys.dtype)).to(x.dtype))  # autocast may make them differ
         return self.encoder(x, packed, backend)
 
+    def encode_padded(self, keys: torch.Tensor, lengths: torch.Tensor, h: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """:meth:`encode` on a padded batch: ``keys`` ``[A, N, d]`` (sequence ``a`` in rows
+        ``0..lengths[a]-1``, its CLS key first, padding after), ``lengths``, ``block`` ``[A]`` and ``h``
+        ``[A, 3]`` on the keys' device. The same ``Z_l`` on the real rows up to float rounding (padded
+        keys are masked out of attention); every shape is fixed by ``A`` and ``N``, so PPO minibatches
+        need no host reads. Returns ``[A, N, 128]`` (padded rows meaningless)."""
+        x = self.w_in(keys) + lookup(self.block_embed, block)[:, None].to(keys.dtype)
+        cls = x[:, :1] + self.w_h(h.to(keys.dtype))[:, None].to(x.dtype)
+        x = torch.cat([cls, x[:, 1:]], dim=1)
+        valid = torch.arange(keys.shape[1], device=keys.device)[None, :] < lengths[:, None]
+        return self.encoder.forward_padded(x, valid)
+
     def budget_logits(self, z_cls: torch.Tensor, n_visual: torch.Tensor) -> torch.Tensor:
         """``[A, M]`` float32 budget logits with infeasible budgets set to ``-inf``."""
         logits = self.budget_head(z_cls).float()
         return logits.masked_fill(~self.feasible_budgets(n_visual), float("-inf"))
 
-    def selector_scores(self, z_visual: torch.Tensor, fraction: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-        """Removal scores ``s_j = MLP_S(Z_j + W_k k/N_l)`` (``[Tv]`` float32).
+    def selector_scores(self, z_visual: torch.Tensor, fraction: torch.Tensor, seg: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Removal scores ``s_j = MLP_S(Z_j + W_k k/N_l)`` (float32), ``W_k`` run once per image.
 
-        ``fraction``: ``[A]`` removal fraction ``k/N_l`` per active image; ``seg``: ``[Tv]`` image
-        index of each visual row (``W_k`` runs once per image).
+        ``fraction``: ``[A]`` removal fraction ``k/N_l`` per active image. Packed rows: ``z_visual``
+        ``[Tv, 128]`` with ``seg`` ``[Tv]`` the image of each row; returns ``[Tv]``. Padded rows
+        (``seg=None``): ``z_visual`` ``[A, N, 128]``; returns ``[A, N]``.
         """
         cond = self.w_k(fraction[:, None].to(z_visual.dtype))
-        return self.selector(z_visual + lookup(cond, seg)).squeeze(-1).float()
+        cond = cond[:, None] if seg is None else lookup(cond, seg)
+        return self.selector(z_visual + cond).squeeze(-1).float()
 
 
 # --------------------------------------------------------------------------------------------

@@ -308,9 +308,9 @@ class Critic(nn.Module):
         x = x + lookup(self.block_embed, block)[:, None] + lookup(self.type_embed, (pos >= num_prefix).long())[None]
         seq = torch.cat([self.value_token.to(dtype).expand(s, 1, -1), x], dim=1)  # the value token first
         valid = torch.arange(n + 1, device=dev)[None, :] <= lengths[:, None]  # value token + the sequence
-        for blk_mod in self.blocks:
+        for blk_mod in self.blocks[:-1]:
             seq = blk_mod.forward_padded(seq, valid)
-        value = self.norm(seq[:, 0])
+        value = self.norm(self.blocks[-1].forward_padded_first(seq, valid))  # only the value token is read
         return torch.cat([value, self.scalar_proj(q.to(dtype)), self.logit_proj(z_native.to(dtype))], dim=-1)
 
     def gate_value(self, u: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ starts from exactly the state an eager step would have started from.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -26,13 +26,15 @@ class CapturedStep:
     Args:
         step: the training step; returns a tensor (e.g. the detached loss) that the replays refill.
         params: every parameter the step updates.
-        optimizer: the optimiser ``step`` calls (``capturable=True``).
+        optimizers: the optimiser, or optimisers, ``step`` calls (each ``capturable=True``).
         warmup: eager steps (undone afterwards) before the capture.
     """
 
     def __init__(self, step: Callable[[], torch.Tensor], params: List[torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer, warmup: int = 3) -> None:
-        self.step, self.params, self.optimizer, self.warmup = step, list(params), optimizer, warmup
+                 optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], warmup: int = 3) -> None:
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        self.step, self.params, self.optimizers, self.warmup = step, list(params), list(optimizers), warmup
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.out: Optional[torch.Tensor] = None
 
@@ -48,18 +50,29 @@ class CapturedStep:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
-                self.optimizer.zero_grad(set_to_none=True)
+                self._zero_grad()
                 self.step()
         torch.cuda.current_stream().wait_stream(side)
         self._restore(saved)
-        self.optimizer.zero_grad(set_to_none=True)  # the captured backward writes fresh gradients
+        self._zero_grad()  # the captured backward writes fresh gradients
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self.step()
 
+    def _zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def _state(self, p: torch.nn.Parameter) -> Dict:
+        """``p``'s optimiser state (empty before its first step)."""
+        for opt in self.optimizers:
+            if p in opt.state:
+                return opt.state[p]
+        return {}
+
     def _snapshot(self) -> Dict:
-        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
-                 for p in self.params if p in self.optimizer.state}
+        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self._state(p).items()}
+                 for p in self.params}
         return {"params": [p.detach().clone() for p in self.params], "state": state}
 
     @torch.no_grad()
@@ -70,10 +83,8 @@ class CapturedStep:
         for p, v in zip(self.params, saved["params"]):
             p.copy_(v)
         for p in self.params:
-            st = self.optimizer.state.get(p)
-            if not st:
-                continue
-            before = saved["state"].get(p, {})
+            st = self._state(p)
+            before = saved["state"][p]
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     v.copy_(before[k]) if k in before else v.zero_()

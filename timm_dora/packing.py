@@ -153,6 +153,14 @@ class Packed:
                 new.__dict__[name] = self.__dict__[name]
         return new
 
+    def padded(self, width: int, x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` (default ``self.x``) as a zero-padded ``[B, width, ...]``: sequence ``i`` in rows
+        ``0..lengths[i]-1`` (``width >= max_len``)."""
+        x = self.x if x is None else x
+        out = x.new_zeros(self.batch_size, width, *x.shape[1:])
+        out[self.seg, self.pos] = x
+        return out
+
     def prefix_rows(self, x: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[B, num_prefix, ...]`` rows of the prefix tokens of every sequence."""
         x = self.x if x is None else x
@@ -416,9 +424,25 @@ class PackedTransformerBlock(nn.Module):
         sequence's real rows (a prefix of every row, at least one). Padded keys are masked out, so
         real rows get exactly the maths of :meth:`forward`; padded rows are computed and meaningless.
         Shapes do not depend on the lengths (PPO minibatches of fixed shape, no host reads)."""
+        return self._padded(x, valid, x.shape[1])
+
+    def forward_padded_first(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Row 0 of :meth:`forward_padded` (``[S, w]``) at the cost of row 0: keys and values come
+        from every row, the query, attention output, projection and FFN only from row 0 (each row's
+        output depends on the other rows through their keys and values alone). The critic's value
+        token after its last block."""
+        return self._padded(x, valid, 1)[:, 0]
+
+    def _padded(self, x: torch.Tensor, valid: torch.Tensor, rows: int) -> torch.Tensor:
+        """:meth:`forward_padded`'s output at the first ``rows`` rows."""
         s, n, w = x.shape
         hd = w // self.num_heads
-        q, k, v = self.qkv(self.norm1(x)).view(s, n, 3, self.num_heads, hd).permute(2, 0, 3, 1, 4)
+        h = self.norm1(x)
+        if rows == n:
+            q, k, v = self.qkv(h).view(s, n, 3, self.num_heads, hd).permute(2, 0, 3, 1, 4)
+        else:  # the query projection only where it is read
+            q = F.linear(h[:, :rows], self.qkv.weight[:w], self.qkv.bias[:w]).view(s, rows, self.num_heads, hd).transpose(1, 2)
+            k, v = F.linear(h, self.qkv.weight[w:], self.qkv.bias[w:]).view(s, n, 2, self.num_heads, hd).permute(2, 0, 3, 1, 4)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=hd ** -0.5)
-        x = x + self.proj(o.transpose(1, 2).reshape(s, n, w))
+        x = x[:, :rows] + self.proj(o.transpose(1, 2).reshape(s, rows, w))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))

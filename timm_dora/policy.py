@@ -547,7 +547,9 @@ class ActorPolicy:
         dtype = actor.w_in.weight.dtype
         if keys.dtype != dtype:  # e.g. an fp32 actor in training on a bf16 backbone
             keys = keys.to(dtype)
-            backend = select_backend(dev.type, dtype)
+            # fp32 on CUDA: one masked fused kernel per block (as the PPO minibatches run it),
+            # not one kernel per sequence
+            backend = "padded" if dev.type == "cuda" else select_backend(dev.type, dtype)
         h, context = self._gate_context(ctx, dtype)
         if cls_key is not None:
             cls_key = cls_key.to(dtype)

@@ -21,33 +21,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .actor import Actor, masked_categorical, plackett_luce_log_prob, selector_entropy, to_padded
-from .packing import Packed, rows_where
+from .actor import Actor, masked_categorical, plackett_luce_log_prob, selector_entropy
 from .patch import run
 from .policy import ActorPolicy, BlockContext, Decision, NoPrune, ReplayPolicy, RolloutNoise
 from .rewards import fidelity_divergence, fill_gate_off
 
-__all__ = ["Trajectory", "collect", "shadow_divergences", "gather_packed", "evaluate_gate", "evaluate_controller"]
+__all__ = ["Trajectory", "collect", "shadow_divergences", "evaluate_gate", "evaluate_controller"]
 
 Plan = Dict[int, Tuple[torch.Tensor, torch.Tensor]]
-
-
-def gather_packed(x: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor,
-                  idx_lengths: Optional[List[int]] = None) -> Tuple[torch.Tensor, List[int]]:
-    """Rows of the sequences ``idx`` of a packed ``x`` with per-sequence ``lengths``.
-
-    Returns the gathered rows (sequence order of ``idx``) and their lengths as host ints.
-    ``idx_lengths``: those host ints (``lengths[idx]``) when the caller already has them; without
-    them they are read from the device (a host synchronisation).
-    """
-    starts = torch.cumsum(lengths, 0) - lengths
-    n = lengths[idx]
-    n_host = n.tolist() if idx_lengths is None else idx_lengths
-    total = sum(n_host)
-    seq = torch.repeat_interleave(torch.arange(len(n_host), device=x.device), n, output_size=total)
-    first = torch.cumsum(n, 0) - n
-    rows = starts[idx][seq] + torch.arange(total, device=x.device) - first[seq]
-    return x[rows], n_host
 
 
 @dataclass
@@ -226,38 +207,35 @@ def shadow_divergences(model: nn.Module, images: torch.Tensor, traj: Trajectory,
 # re-evaluating recorded actions under the current actor (PPO)
 
 
-def evaluate_gate(actor: Actor, traj: Trajectory, idx: torch.Tensor):
-    """Log-prob and entropy of the recorded gate decisions ``idx`` under the current actor.
+def evaluate_gate(actor: Actor, cls_key: torch.Tensor, h: torch.Tensor, block: torch.Tensor, gate: torch.Tensor):
+    """Log-prob and entropy of recorded gate decisions ``gate`` (``[S]`` bool) under the current
+    actor, from their observations (``cls_key`` ``[S, d]``, ``h`` ``[S, 3]``, ``block`` ``[S]``).
 
     The distribution skips argument validation (a host synchronisation per check).
     """
-    logit = actor.gate_logit(traj.cls_key[idx], traj.h[idx], traj.block[idx]).float()
+    logit = actor.gate_logit(cls_key, h, block).float()
     dist = torch.distributions.Bernoulli(logits=logit, validate_args=False)
-    return dist.log_prob(traj.gate[idx].float()), dist.entropy()
+    return dist.log_prob(gate.float()), dist.entropy()
 
 
-def evaluate_controller(actor: Actor, traj: Trajectory, idx: torch.Tensor, backend: str,
-                        lengths: Optional[List[int]] = None, width: Optional[int] = None):
-    """Budget and selector log-probs and entropies of the controller transitions ``idx``.
+def evaluate_controller(actor: Actor, keys: torch.Tensor, lengths: torch.Tensor, h: torch.Tensor, block: torch.Tensor,
+                        budget_index: torch.Tensor, order: torch.Tensor, valid: torch.Tensor):
+    """Budget and selector log-probs and entropies of recorded controller decisions under the
+    current actor, on a padded batch of fixed shapes (no host reads).
 
-    ``lengths``: ``traj.ctrl_lengths[idx]`` and ``width``: ``traj.valid[idx].sum(1).max()`` (the
-    columns of ``traj.order`` any of these rows uses), as host ints. Each one not given is read
-    from the device; with both the call never waits for the device.
+    ``keys`` ``[A, N, d]``: each sequence's CLS key then its visual keys, zero-padded after
+    ``lengths[a]`` rows (:meth:`~timm_dora.packing.Packed.padded` of ``Trajectory.ctrl_keys``);
+    ``h`` ``[A, 3]``, ``block`` and ``budget_index`` ``[A]``; ``order``/``valid`` ``[A, K]`` the
+    recorded Plackett-Luce order (any ``K`` at least the largest budget, ``valid`` False beyond
+    each row's budget). Padded visual columns score ``-inf``, so they take no probability.
+    Returns ``(log pi_B, H_B, log pi_S, H_S)``, each ``[A]``.
     """
-    keys, lengths = gather_packed(traj.ctrl_keys, traj.ctrl_lengths, idx, lengths)
-    if width is None:
-        width = int(traj.valid[idx].sum(1).max())
-    t = traj.ctrl_t[idx]
-    n = traj.ctrl_lengths[idx] - 1
-    packed = Packed(keys, traj.ctrl_lengths[idx], lengths, num_prefix=1)
-    z = actor.encode(keys, packed, traj.h[t], traj.block[t], backend)
-    dist = masked_categorical(actor.budget_logits(z[packed.starts], n), validate_args=False)
-    bi = traj.budget_index[idx]
-    k = actor.budgets[bi]
-    vis = rows_where(packed.pos >= 1, packed.total - len(lengths))
-    vseg = packed.seg[vis]
-    s = actor.selector_scores(z[vis], k.float() / n.float(), vseg)
-    scores = to_padded(s, vseg, packed.pos[vis] - 1, len(lengths), max(lengths) - 1, float("-inf"))
-    order, valid = traj.order[idx, :width], traj.valid[idx, :width]
+    z = actor.encode_padded(keys, lengths, h, block)
+    n = lengths - 1
+    dist = masked_categorical(actor.budget_logits(z[:, 0], n), validate_args=False)
+    k = actor.budgets[budget_index]
+    scores = actor.selector_scores(z[:, 1:], k.float() / n.float())
+    cols = torch.arange(scores.shape[1], device=scores.device)
+    scores = scores.masked_fill(cols[None, :] >= n[:, None], float("-inf"))
     order = torch.where(valid, order, torch.zeros_like(order))
-    return dist.log_prob(bi), dist.entropy(), plackett_luce_log_prob(scores, order, valid), selector_entropy(scores)
+    return dist.log_prob(budget_index), dist.entropy(), plackett_luce_log_prob(scores, order, valid), selector_entropy(scores)

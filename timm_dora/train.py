@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -38,6 +39,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .actor import Actor
 from . import data as D
@@ -89,11 +91,12 @@ class TrainConfig:
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit
-    shadow_chunk: int = 512
+    shadow_chunk: int = 2048  # shadow rows per packed forward (memory only: each row is computed alone)
     eval_batch: int = 256
     tensorboard: bool = False
     progress: bool = True
-    cuda_graphs: bool = True  # ours: replay the critic's PPO steps from CUDA graphs (CUDA, one process)
+    cuda_graphs: bool = True  # ours: replay the PPO minibatch steps from CUDA graphs (CUDA, one process)
+    critic_bf16: Optional[bool] = None  # ours: the critic's token branch under bf16 autocast (fp32 weights, Adam, heads, losses); None: on CUDA only
     ppo: PPOConfig = field(default_factory=PPOConfig)
 
     @property
@@ -170,7 +173,10 @@ class _Comm:
             self.dist.barrier()
 
     def sum_list(self, grads, params) -> List[torch.Tensor]:
-        """Sum a list of per-parameter gradients (``None`` = zero) across processes."""
+        """Sum a list of per-parameter gradients (``None`` = zero) across processes (in one
+        process: the list as given)."""
+        if not self.on:
+            return list(grads)
         flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
         self.sum_(flat)
         out, offset = [], 0
@@ -199,42 +205,43 @@ class _Minibatch:
     idx: Optional[torch.Tensor] = None
 
 
-class _CriticBatch:
-    """Static buffers of the critic's PPO minibatches: one update's per-transition inputs and
-    targets (refilled in place every update) and one minibatch's rows (refilled before every step),
-    so that a step always reads the same tensors (:class:`~timm_dora.graph_step.CapturedStep`).
+class _StaticBatch:
+    """Static buffers of one kind of PPO minibatch: one update's per-transition tensors (refilled in
+    place every update, in buffers of a fixed number of rows) and one minibatch's rows (refilled
+    before every step), so that a step always reads the same tensors
+    (:class:`~timm_dora.graph_step.CapturedStep`).
 
-    A minibatch fills ``capacity`` rows: ``idx`` (local transition ids, padded with 0) and ``w``
-    (which rows are real); ``n_ids`` and ``n_on`` are the loss divisors (global counts)."""
+    A minibatch fills ``capacity`` rows: ``idx`` (local row ids, padded with 0, a real row) and
+    ``w`` (which rows are real); ``n`` and ``n_on`` are the loss divisors (global counts)."""
 
     def __init__(self, capacity: int, device: torch.device):
         self.capacity = capacity
         self.idx = torch.zeros(capacity, dtype=torch.long, device=device)
         self.w = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.n_ids = torch.ones((), device=device)
+        self.n = torch.ones((), device=device)
         self.n_on = torch.ones((), device=device)
         self.shapes = None
 
-    def load(self, **tensors: torch.Tensor) -> bool:
-        """Copy one update's tensors in (the controller ones, of ``n_c <= B*L`` rows, into buffers of
-        ``B*L``); returns whether the buffers were (re)allocated."""
-        n_t = tensors["lengths"].shape[0]
-        shapes = {k: (n_t, *t.shape[1:], t.dtype) for k, t in tensors.items()}
+    def load(self, rows: int, **tensors: torch.Tensor) -> bool:
+        """Copy one update's tensors (each of at most ``rows`` rows) into buffers of ``rows`` rows;
+        returns whether the buffers were (re)allocated. Rows past a tensor's own keep the values of
+        an earlier update (real rows, never read as real here)."""
+        shapes = {k: (rows, *t.shape[1:], t.dtype) for k, t in tensors.items()}
         fresh = shapes != self.shapes
         if fresh:
             for k, t in tensors.items():
-                setattr(self, k, t.new_zeros(n_t, *t.shape[1:]))
+                setattr(self, k, t.new_zeros(rows, *t.shape[1:]))
             self.shapes = shapes
         for k, t in tensors.items():
             getattr(self, k)[: t.shape[0]].copy_(t)
         return fresh
 
-    def select(self, idx: torch.Tensor, n_ids: int, n_on: int) -> None:
-        n = idx.shape[0]
-        self.idx[:n].copy_(idx)
-        self.idx[n:].zero_()
-        self.w.copy_(torch.arange(self.capacity, device=self.w.device) < n)
-        self.n_ids.fill_(float(n_ids))
+    def select(self, idx: torch.Tensor, n: int, n_on: int = 1) -> None:
+        m = idx.shape[0]
+        self.idx[:m].copy_(idx)
+        self.idx[m:].zero_()
+        self.w.copy_(torch.arange(self.capacity, device=self.w.device) < m)
+        self.n.fill_(float(n))
         self.n_on.fill_(float(max(n_on, 1)))
 
 
@@ -329,16 +336,19 @@ class Trainer:
         p = cfg.ppo
         g = actor_parameter_groups(self.actor)
         self.groups = g
+        # capturable: the minibatch steps are replayed from CUDA graphs (one process on CUDA)
+        adam = functools.partial(torch.optim.Adam, capturable=self.graphs)
         self.opts = {
-            "gate": torch.optim.Adam(g["gate"], lr=p.lr_gate),
-            "shared": torch.optim.Adam(g["shared"], lr=p.lr_shared),
-            "budget": torch.optim.Adam(g["budget"], lr=p.lr_budget),
-            "selector": torch.optim.Adam(g["selector"], lr=p.lr_selector),
-            # capturable: the critic's step is replayed from CUDA graphs (one process on CUDA)
-            "critic": torch.optim.Adam(self.critic.parameters(), lr=p.lr_critic, capturable=self.graphs),
+            "gate": adam(g["gate"], lr=p.lr_gate),
+            "shared": adam(g["shared"], lr=p.lr_shared),
+            "budget": adam(g["budget"], lr=p.lr_budget),
+            "selector": adam(g["selector"], lr=p.lr_selector),
+            "critic": adam(self.critic.parameters(), lr=p.lr_critic),
         }
-        self.critic_batch = _CriticBatch(p.critic_minibatch, self.dev)
-        self.critic_steps: Dict[bool, CapturedStep] = {}  # by "has gate-on transitions", captured on first use
+        self.gate_batch = _StaticBatch(p.gate_minibatch, self.dev)
+        self.ctrl_batch = _StaticBatch(p.controller_minibatch, self.dev)
+        self.critic_batch = _StaticBatch(p.critic_minibatch, self.dev)
+        self.captured: Dict[object, CapturedStep] = {}  # minibatch steps by kind, captured on first use
         self.rms = RunningMeanStd()
         self.feedback = FeedbackController(
             a_init=cfg.a_init, target=cfg.target_drop, cadence=cfg.feedback_cadence,
@@ -440,42 +450,94 @@ class Trainer:
         m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read())
         return m
 
-    def _padded_tokens(self, traj: Trajectory, lengths: List[int]) -> torch.Tensor:
-        """The critic's input ``H_l`` of every transition, padded to ``P + N0`` rows: ``[B*L, P+N0, d]``
-        (one scatter per update; each minibatch then gathers whole rows, in fixed shapes)."""
-        layout = Packed(traj.tokens, traj.token_lengths, lengths, traj.num_prefix)
-        out = traj.tokens.new_zeros(len(lengths), traj.num_prefix + self.num_patches, traj.tokens.shape[1])
-        out[layout.seg, layout.pos] = traj.tokens
-        return out
+    def _critic_precision(self):
+        """bf16 autocast for the critic's token branch (``critic_bf16``; by default on CUDA only);
+        weights, Adam, the value heads and the losses stay fp32. No autocast cache: the steps are
+        captured as CUDA graphs."""
+        on = self.cfg.critic_bf16 if self.cfg.critic_bf16 is not None else self.dev.type == "cuda"
+        if on:
+            return torch.autocast(self.dev.type, dtype=torch.bfloat16, cache_enabled=False)
+        return contextlib.nullcontext()
 
-    def _values(self, traj: Trajectory, tokens: torch.Tensor, q: torch.Tensor, zn: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """``u_l`` of the transitions ``idx`` (``tokens``: :meth:`_padded_tokens`)."""
-        return self.critic.encode_padded(tokens[idx], traj.token_lengths[idx], traj.block[idx], q[idx], zn[idx], traj.num_prefix)
+    def _values(self, cb: "_StaticBatch", idx: torch.Tensor) -> torch.Tensor:
+        """``u_l`` (fp32) of the transitions ``idx`` of the critic's buffers ``cb``."""
+        with self._critic_precision():
+            u = self.critic.encode_padded(cb.tokens[idx], cb.lengths[idx], cb.block[idx], cb.q[idx], cb.zn[idx],
+                                          self.model.num_prefix_tokens)
+        return u.float()
 
-    def _critic_step(self, gate_on: bool) -> torch.Tensor:
-        """One critic step on the minibatch in ``self.critic_batch``: eager, or (one process on
-        CUDA) replayed from the CUDA graph of its kind (with or without gate-on transitions)."""
+    def _step(self, key, fn, params: List[torch.Tensor], opts: List[str]) -> torch.Tensor:
+        """One PPO minibatch step ``fn`` (reading only static buffers): eager, or (one process on
+        CUDA) replayed from the CUDA graph captured for ``key`` on its first call."""
         if not self.graphs:
-            return self._critic_minibatch(gate_on)
-        step = self.critic_steps.get(gate_on)
+            return fn()
+        step = self.captured.get(key)
         if step is None:
-            step = self.critic_steps[gate_on] = CapturedStep(
-                lambda: self._critic_minibatch(gate_on), list(self.critic.parameters()), self.opts["critic"])
+            step = self.captured[key] = CapturedStep(fn, params, [self.opts[o] for o in opts])
         return step()
+
+    def _gate_minibatch(self) -> torch.Tensor:
+        """Clipped PPO on the gate decisions of the minibatch in ``self.gate_batch`` (App. D.2-D.3)
+        and the gate's gradient step; returns ``[loss, entropy]`` (detached). The sums count the
+        real rows (``w``), divided by the minibatch's global size."""
+        gb, p = self.gate_batch, self.cfg.ppo
+        i = gb.idx
+        lp, ent = evaluate_gate(self.actor, gb.cls_key[i], gb.h[i], gb.block[i], gb.gate[i])
+        surr = clipped_surrogate(lp, gb.logp_old[i], gb.adv[i], p.clip_eps)
+        loss = torch.where(gb.w, surr - p.entropy_gate * ent, 0.0).sum() / gb.n
+        params = self.groups["gate"]
+        self.opts["gate"].zero_grad(set_to_none=True)
+        loss.backward()
+        self.comm.sum_grads(params)
+        torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
+        self.opts["gate"].step()
+        return torch.stack([loss, torch.where(gb.w, ent, 0.0).sum() / gb.n]).detach()
+
+    def _controller_minibatch(self) -> torch.Tensor:
+        """Clipped PPO on the budget and selector decisions of the minibatch in ``self.ctrl_batch``
+        (App. D.2-D.4): symmetric PCGrad of the two losses' gradients on the shared encoder, each
+        head its own gradient, then the three gradient steps; returns ``[loss_B, loss_S, H_B, H_S]``
+        (detached). Each loss reaches the shared encoder and its own head only, so one backward
+        pass per loss gives every gradient."""
+        cb, p, comm = self.ctrl_batch, self.cfg.ppo, self.comm
+        i = cb.idx
+        lb, hb, ls, hs = evaluate_controller(self.actor, cb.keys[i], cb.lengths[i], cb.h[i], cb.block[i],
+                                             cb.budget_index[i], cb.order[i], cb.valid[i])
+
+        def mean(x: torch.Tensor) -> torch.Tensor:  # over the real rows, by the global minibatch size
+            return torch.where(cb.w, x, 0.0).sum() / cb.n
+
+        hb, hs = mean(hb), mean(hs)
+        loss_b = mean(clipped_surrogate(lb, cb.budget_logp_old[i], cb.adv_b[i], p.clip_eps)) - p.entropy_budget * hb
+        loss_s = mean(clipped_surrogate(ls, cb.selector_logp_old[i], cb.adv_s[i], p.clip_eps)) - p.entropy_selector * hs
+        shared, budget, selector = self.groups["shared"], self.groups["budget"], self.groups["selector"]
+        g_b = torch.autograd.grad(loss_b, shared + budget, retain_graph=True, allow_unused=True)
+        g_s = torch.autograd.grad(loss_s, shared + selector, allow_unused=True)
+        for name in ("shared", "budget", "selector"):
+            self.opts[name].zero_grad(set_to_none=True)
+        n = len(shared)
+        for q, g in zip(budget + selector, g_b[n:] + g_s[n:]):
+            q.grad = g
+        comm.sum_grads(budget + selector)
+        apply_pcgrad(shared, comm.sum_list(g_b[:n], shared), comm.sum_list(g_s[:n], shared), p.max_grad_norm, p.pcgrad_eps)
+        torch.nn.utils.clip_grad_norm_(budget, p.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(selector, p.max_grad_norm)
+        for name in ("shared", "budget", "selector"):
+            self.opts[name].step()
+        return torch.stack([loss_b, loss_s, hb, hs]).detach()
 
     def _critic_minibatch(self, gate_on: bool) -> torch.Tensor:
         """Clipped value regression of every value head (App. D.2) on the minibatch in
-        ``self.critic_batch``, then the gradient step; returns the (detached) loss. Fixed shapes, no
-        host reads: the heads run on every row, and the losses count the real rows (``w``), the
-        budget and selector ones only the gate-on transitions, each divided by its global count.
-        ``gate_on=False`` (no gate-on transition in the minibatch) leaves those heads out, so their
-        parameters get no gradient and Adam skips them."""
+        ``self.critic_batch``, then the gradient step; returns the (detached) loss. The heads run on
+        every row; the losses count the real rows (``w``), the budget and selector ones only the
+        gate-on transitions, each divided by its global count. ``gate_on=False`` (no gate-on
+        transition in the minibatch) leaves those heads out, so their parameters get no gradient
+        and Adam skips them."""
         cb, p = self.critic_batch, self.cfg.ppo
         critic, idx = self.critic, cb.idx
-        u = critic.encode_padded(cb.tokens[idx], cb.lengths[idx], cb.block[idx], cb.q[idx], cb.zn[idx],
-                                 self.model.num_prefix_tokens)
+        u = self._values(cb, idx)
         lg = clipped_value_loss(critic.gate_value(u), cb.vg[idx], cb.target[idx], p.value_clip, p.huber_delta)
-        loss = torch.where(cb.w, lg, 0.0).sum() / cb.n_ids
+        loss = torch.where(cb.w, lg, 0.0).sum() / cb.n
         if gate_on:
             c = cb.ctrl_of[idx]
             on, cm = (c >= 0) & cb.w, c.clamp_min(0)
@@ -520,10 +582,12 @@ class Trainer:
         global minibatch counts, and gradients are summed across processes before PCGrad,
         clipping and the optimiser steps, so the maths equals the single-process update.
 
-        The integers the minibatch shapes depend on come to the host in one transfer and all
-        minibatch indices go to the device in one, so in a single process the minibatch loops never
-        wait for the device (with several, ``_Comm.sum_grads`` still reads back, after each
-        gradient all-reduce, which parameters any process used)."""
+        Every minibatch step reads fixed-shape static buffers (:class:`_StaticBatch`: the update's
+        tensors, padded token sequences, the minibatch's rows and weights), so the step is the
+        same on every call: one process on CUDA replays it from a CUDA graph. The integers the
+        minibatches depend on come to the host in one transfer and all minibatch indices go to the
+        device in one; a process holding none of a minibatch runs it with no real row (zero
+        gradients, the same collectives)."""
         p, dev, comm = self.cfg.ppo, self.dev, self.comm
         b, depth = traj.k.shape
         batch = p.rollout_images
@@ -531,14 +595,17 @@ class Trainer:
         # host copies: global feasible and gate-on flags in t order, then this process's layout
         flags = torch.stack([traj.feasible, traj.ctrl_of >= 0]).long().view(2, depth, b).permute(2, 1, 0)
         flags = comm.gather(flags.contiguous()).permute(2, 1, 0).reshape(-1)  # [2, L, B] flattened
-        host = torch.cat([flags, traj.token_lengths, traj.ctrl_of, traj.ctrl_lengths, traj.valid.sum(1)])
-        sizes = [batch * depth] * 2 + [n_t] * 2 + [n_c] * 2
-        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_len_h, width_h = (t.tolist() for t in host.cpu().split(sizes))
+        host = torch.cat([flags, traj.token_lengths, traj.ctrl_of, traj.ctrl_lengths])
+        sizes = [batch * depth] * 2 + [n_t] * 2 + [n_c]
+        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_len_h = (t.tolist() for t in host.cpu().split(sizes))
         # minibatches, drawn in the order the loops use them; their local ids go to the device at once
         feas_g = [t for t, f in enumerate(feas_h) if f]
         on_g = [t for t, o in enumerate(on_h) if o]
         actor_epochs = [(self._epoch(feas_g, p.gate_minibatch), self._epoch(on_g, p.controller_minibatch))
                         for _ in range(p.actor_epochs)]
+        for _, ctrl_mbs in actor_epochs:
+            for mb in ctrl_mbs:
+                mb.local = [ctrl_of_h[t] for t in mb.local]  # rows of the controller's buffers
         critic_mbs = [mb for _ in range(p.critic_epochs) for mb in self._epoch(list(range(batch * depth)), p.critic_minibatch)]
         mbs = [mb for gate_mbs, ctrl_mbs in actor_epochs for mb in gate_mbs + ctrl_mbs] + critic_mbs
         flat = torch.tensor([t for mb in mbs for t in mb.local], dtype=torch.long).to(dev)
@@ -547,25 +614,23 @@ class Trainer:
 
         phi = native_features(traj.z_native, self.cfg.tau_b)
         q = trajectory_scalar_states(traj.k, d, phi, a_u, self.num_patches).transpose(0, 1).reshape(n_t, -1)
-        zn = traj.z_native.repeat(depth, 1)  # transition t = l * B + b
         ci = traj.ctrl_t
         n_ctrl = traj.ctrl_lengths - 1
         frac = self.actor.budgets[traj.budget_index].float() / n_ctrl.clamp_min(1).float()  # k_l / N_l
+        # the critic's inputs, padded: H_l of each transition in P + N0 rows (one scatter per update)
+        tokens = Packed(traj.tokens, traj.token_lengths, tok_len_h, traj.num_prefix).padded(traj.num_prefix + self.num_patches)
+        cb = self.critic_batch
+        fresh = cb.load(n_t, tokens=tokens, lengths=traj.token_lengths, block=traj.block, q=q,
+                        zn=traj.z_native.repeat(depth, 1), ctrl_of=traj.ctrl_of, budget_index=traj.budget_index, frac=frac)
 
         # old values (normalised units) and the shared lambda-return
         self.critic.eval()
         chunk = 1024
-        tokens = self._padded_tokens(traj, tok_len_h)
         with torch.no_grad():
-            vg, vb = torch.empty(n_t, device=dev), torch.empty(n_t, device=dev)
             t_loc = torch.arange(n_t, device=dev)
-            for s in range(0, n_t, chunk):
-                u = self._values(traj, tokens, q, zn, t_loc[s : s + chunk])
-                vg[s : s + chunk], vb[s : s + chunk] = self.critic.gate_value(u), self.critic.budget_value(u)
-            vs = torch.empty(n_c, device=dev)
-            for s in range(0, n_c, chunk):
-                u = self._values(traj, tokens, q, zn, ci[s : s + chunk])
-                vs[s : s + chunk] = self.critic.selector_value(u, traj.budget_index[s : s + chunk], frac[s : s + chunk])
+            u = torch.cat([self._values(cb, t_loc[s : s + chunk]) for s in range(0, n_t, chunk)])
+            vg, vb = self.critic.gate_value(u), self.critic.budget_value(u)
+            vs = self.critic.selector_value(u[ci], traj.budget_index, frac)
         self.clock.mark("old_values")
         vg_ret = self.rms.denormalize(vg)
         _, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
@@ -575,93 +640,56 @@ class Trainer:
         adv_b = self._standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones)
         adv_s = self._standardize(ret_t[ci] - self.rms.denormalize(vs), ones)
         self.rms.update(comm.gather(ret_t.view(depth, b).T.contiguous()).T.reshape(-1))  # global, t order
-        target = self.rms.normalize(ret_t)
+        fresh |= cb.load(n_t, vg=vg, vb=vb, vs=vs, target=self.rms.normalize(ret_t))
 
-        stats: Dict[str, List[torch.Tensor]] = {k: [] for k in ("loss_gate", "loss_budget", "loss_selector", "loss_value",
-                                                              "entropy_gate", "entropy_budget", "entropy_selector")}
+        # the actor's inputs: the gate's per transition, the controller's per gate-on transition
+        # (keys padded to 1 + N0 rows, the recorded order to the largest budget's columns)
+        fresh |= self.gate_batch.load(n_t, cls_key=traj.cls_key, h=traj.h, block=traj.block, gate=traj.gate,
+                                      logp_old=traj.gate_logp_old, adv=adv_g)
+        pad = (0, int(self.actor.budgets[-1]) - traj.order.shape[1])
+        kb = self.ctrl_batch
+        fresh |= kb.load(n_t, keys=Packed(traj.ctrl_keys, traj.ctrl_lengths, ctrl_len_h, 1).padded(1 + self.num_patches),
+                         lengths=traj.ctrl_lengths, h=traj.h[ci], block=traj.block[ci], budget_index=traj.budget_index,
+                         budget_logp_old=traj.budget_logp_old, selector_logp_old=traj.selector_logp_old,
+                         order=F.pad(traj.order, pad), valid=F.pad(traj.valid, pad), adv_b=adv_b, adv_s=adv_s)
+        kb.lengths[n_c:].fill_(1 + self.num_patches)  # rows no transition fills: a harmless full sequence
+        if fresh:
+            self.captured.clear()  # new buffers: capture again
 
-        def log(name: str, value: torch.Tensor) -> None:  # kept on the device: read once, after the update
-            stats[name].append(value.detach().double().reshape(1))
-
-        clip = p.max_grad_norm
-        backend = "padded"  # fp32 training minibatches: one masked kernel, not one per sequence
+        logs: Dict[str, List[torch.Tensor]] = {"gate": [], "controller": [], "critic": []}
+        gate_params = self.groups["gate"]
+        ctrl_params = self.groups["shared"] + self.groups["budget"] + self.groups["selector"]
         self.actor.train()
-        shared = self.groups["shared"]
-        private = self.groups["budget"] + self.groups["selector"]
         for gate_mbs, ctrl_mbs in actor_epochs:
             for mb in gate_mbs:
-                idx, n = mb.idx, len(mb.ids)
-                lp, ent = evaluate_gate(self.actor, traj, idx)
-                surr = clipped_surrogate(lp, traj.gate_logp_old[idx], adv_g[idx], p.clip_eps).sum()
-                loss = (surr - p.entropy_gate * ent.sum()) / n
-                self.opts["gate"].zero_grad(set_to_none=True)
-                loss.backward()
-                comm.sum_grads(self.groups["gate"])
-                torch.nn.utils.clip_grad_norm_(self.groups["gate"], clip)
-                self.opts["gate"].step()
-                log("loss_gate", loss)
-                log("entropy_gate", ent.sum() / n)
+                self.gate_batch.select(mb.idx, len(mb.ids))
+                logs["gate"].append(self._step("gate", self._gate_minibatch, gate_params, ["gate"]).double())
             for mb in ctrl_mbs:
-                n = len(mb.ids)
-                if mb.local:
-                    c = [ctrl_of_h[t] for t in mb.local]
-                    idx = traj.ctrl_of[mb.idx]
-                    lengths, width = [ctrl_len_h[i] for i in c], max(width_h[i] for i in c)
-                    lb, hb, ls, hs = evaluate_controller(self.actor, traj, idx, backend, lengths, width)
-                    loss_b = (clipped_surrogate(lb, traj.budget_logp_old[idx], adv_b[idx], p.clip_eps).sum() - p.entropy_budget * hb.sum()) / n
-                    loss_s = (clipped_surrogate(ls, traj.selector_logp_old[idx], adv_s[idx], p.clip_eps).sum() - p.entropy_selector * hs.sum()) / n
-                    hb_sum, hs_sum = hb.sum(), hs.sum()
-                else:  # this process holds none of the minibatch: zero contribution, same collectives
-                    loss_b = loss_s = sum(q.sum() for q in shared + private) * 0.0
-                    hb_sum = hs_sum = torch.zeros((), device=dev)
-                gb = torch.autograd.grad(loss_b, shared, retain_graph=True, allow_unused=True)
-                gs = torch.autograd.grad(loss_s, shared, retain_graph=True, allow_unused=True)
-                gb, gs = comm.sum_list(gb, shared), comm.sum_list(gs, shared)
-                for name in ("shared", "budget", "selector"):
-                    self.opts[name].zero_grad(set_to_none=True)
-                (loss_b + loss_s).backward()  # private head gradients (shared ones are replaced below)
-                comm.sum_grads(private)
-                apply_pcgrad(shared, gb, gs, clip, p.pcgrad_eps)
-                torch.nn.utils.clip_grad_norm_(self.groups["budget"], clip)
-                torch.nn.utils.clip_grad_norm_(self.groups["selector"], clip)
-                for name in ("shared", "budget", "selector"):
-                    self.opts[name].step()
-                log("loss_budget", loss_b)
-                log("loss_selector", loss_s)
-                log("entropy_budget", hb_sum / n)
-                log("entropy_selector", hs_sum / n)
+                kb.select(mb.idx, len(mb.ids))
+                out = self._step("controller", self._controller_minibatch, ctrl_params, ["shared", "budget", "selector"])
+                logs["controller"].append(out.double())
         self.actor.eval()
         self.clock.mark("actor_update")
 
         self.critic.train()
-        cb = self.critic_batch
-        if cb.load(tokens=tokens, lengths=traj.token_lengths, block=traj.block, q=q, zn=zn, vg=vg, vb=vb, target=target,
-                   ctrl_of=traj.ctrl_of, budget_index=traj.budget_index, frac=frac, vs=vs):
-            self.critic_steps.clear()  # new buffers: capture again
+        cparams = list(self.critic.parameters())
         for mb in critic_mbs:
-            if mb.local:
-                n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
-                cb.select(mb.idx, len(mb.ids), n_on_g)
-                loss = self._critic_step(n_on_g > 0 and n_c > 0)  # (n_c: this process holds gate-on transitions)
-            else:  # this process holds none of the minibatch: zero contribution, same collectives
-                cparams = list(self.critic.parameters())
-                loss = sum(q.sum() for q in cparams) * 0.0
-                self.opts["critic"].zero_grad(set_to_none=True)
-                loss.backward()
-                comm.sum_grads(cparams)
-                torch.nn.utils.clip_grad_norm_(cparams, clip)
-                self.opts["critic"].step()
-            log("loss_value", loss)
+            n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
+            cb.select(mb.idx, len(mb.ids), n_on_g)
+            gate_on = n_on_g > 0 and n_c > 0  # (n_c: this process holds gate-on transitions)
+            out = self._step(("critic", gate_on), functools.partial(self._critic_minibatch, gate_on), cparams, ["critic"])
+            logs["critic"].append(out.double().reshape(1))
         self.critic.eval()
         self.clock.mark("critic_update")
         # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
-        names = [k for k, v in stats.items() if v]
-        flat = comm.sum_(torch.cat([t for k in names for t in stats[k]]).cpu()) if names else torch.zeros(0)
-        out, at = {k: float("nan") for k in stats}, 0
-        for k in names:
-            n = len(stats[k])
-            out[k] = float(flat[at : at + n].mean())
-            at += n
+        names = {"gate": ("loss_gate", "entropy_gate"), "critic": ("loss_value",),
+                 "controller": ("loss_budget", "loss_selector", "entropy_budget", "entropy_selector")}
+        out = {k: float("nan") for ks in names.values() for k in ks}
+        kinds = [k for k in names if logs[k]]
+        if kinds:
+            means = comm.sum_(torch.cat([torch.stack(logs[k]).mean(0) for k in kinds]).cpu())
+            keys = [name for k in kinds for name in names[k]]
+            out.update({k: float(v) for k, v in zip(keys, means)})
         return out
 
     # ---------------------------------------------------------------------------------------
