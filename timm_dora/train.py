@@ -96,6 +96,7 @@ class TrainConfig:
     tensorboard: bool = False
     progress: bool = True
     cuda_graphs: bool = True  # ours: replay the PPO minibatch steps from CUDA graphs (CUDA, one process)
+    compile: Optional[bool] = None  # ours: torch.compile (Inductor) the critic's token branch; None: on CUDA only
     critic_bf16: Optional[bool] = None  # ours: the critic's token branch under bf16 autocast (fp32 weights, Adam, heads, losses); None: on CUDA only
     ppo: PPOConfig = field(default_factory=PPOConfig)
 
@@ -349,6 +350,11 @@ class Trainer:
         self.ctrl_batch = _StaticBatch(p.controller_minibatch, self.dev)
         self.critic_batch = _StaticBatch(p.critic_minibatch, self.dev)
         self.captured: Dict[object, CapturedStep] = {}  # minibatch steps by kind, captured on first use
+        # the critic's fixed-shape token branch, compiled by Inductor (--compile; on CUDA by default):
+        # H100, ViT-Ti, same run: critic update 0.39 -> 0.27 s, about 40 s of compiling in the first
+        # update. The controller's forward gained nothing (its fp32 attention backward dominates).
+        compiled = cfg.compile if cfg.compile is not None else self.dev.type == "cuda"
+        self.critic_tokens = torch.compile(self.critic.encode_padded, dynamic=False) if compiled else self.critic.encode_padded
         self.rms = RunningMeanStd()
         self.feedback = FeedbackController(
             a_init=cfg.a_init, target=cfg.target_drop, cadence=cfg.feedback_cadence,
@@ -462,7 +468,7 @@ class Trainer:
     def _values(self, cb: "_StaticBatch", idx: torch.Tensor) -> torch.Tensor:
         """``u_l`` (fp32) of the transitions ``idx`` of the critic's buffers ``cb``."""
         with self._critic_precision():
-            u = self.critic.encode_padded(cb.tokens[idx], cb.lengths[idx], cb.block[idx], cb.q[idx], cb.zn[idx],
+            u = self.critic_tokens(cb.tokens[idx], cb.lengths[idx], cb.block[idx], cb.q[idx], cb.zn[idx],
                                           self.model.num_prefix_tokens)
         return u.float()
 
