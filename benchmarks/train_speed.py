@@ -79,6 +79,7 @@ def measure(name: str, args) -> Dict:
         checkpoint_s = time.perf_counter() - t
         if args.profile and name == args.configs[0]:
             profile(trainer, args.profile)
+        trainer.stop_prefetch()  # its workers would go on making batches during the next configuration
     cfg = trainer.cfg
     measured = updates[args.warmup :]
     plain = [u for u in measured if not u["feedback"]]

@@ -231,6 +231,29 @@ def test_augmented_rollout_images_depend_only_on_seed_update_and_image(data, tmp
     assert not torch.equal(tr._rollout_images(idx), x)
 
 
+def test_rollout_batches_made_ahead_in_workers_equal_the_in_process_ones(data, tmp_path, one_thread, monkeypatch):
+    """``--data-workers`` makes the augmented rollout batches ahead, in worker processes, while the
+    update runs: the run equals the in-process one bit for bit, and a resumed run (whose workers
+    start again from the restored sampler) equals both."""
+    from timm_dora import data as D
+
+    served = []
+    original = D.RolloutPrefetch.__next__
+    monkeypatch.setattr(D.RolloutPrefetch, "__next__", lambda self: served.append(1) or original(self))
+    runs = {}
+    for workers in ("0", "2"):
+        out = tmp_path / workers
+        assert main(ARGS + ["--data", str(data), "--out", str(out), "--augment", "strong", "--data-workers", workers]) == 0
+        runs[workers] = _without_timings(read_metrics(out))
+    assert runs["2"] == runs["0"] and len(runs["0"]) == 4
+    assert len(served) == 4  # the workers' batches, only in the run that asked for them
+    part = tmp_path / "part"
+    args = ARGS + ["--data", str(data), "--out", str(part), "--augment", "strong", "--data-workers", "2"]
+    assert main(args + ["--updates", "2"]) == 0
+    assert main(args + ["--resume"]) == 0
+    assert _without_timings(read_metrics(part)) == runs["0"]
+
+
 def test_strong_augmentation_pastes_patch_aligned_rectangles(data, tmp_path):
     """``--augment strong``: with ``--cutmix-prob 1`` each image is its ``--cutmix-prob 0`` self
     with one rectangle of whole 16 x 16 tiles replaced (the other image's tokens); bare
@@ -308,3 +331,21 @@ def test_cuda_graph_ppo_steps_equal_eager_steps(data, tmp_path):
         assert a["interventions"] > 0  # the rollouts pruned: controller steps ran
         for k in keys:
             assert abs(a[k] - b[k]) <= 1e-3 * max(1.0, abs(b[k])), (a["update"], k, a[k], b[k])
+
+
+def test_minibatch_buffers_are_allocated_once(data, tmp_path):
+    """The PPO steps' static buffers keep their storage from one update to the next (a captured
+    CUDA graph reads them by address: new storage would force a new capture every update)."""
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    tr = Trainer(config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out", str(tmp_path)])))
+    batches = (tr.gate_batch, tr.ctrl_batch, tr.critic_batch)
+
+    def storage():
+        return {(i, k): getattr(b, k).data_ptr() for i, b in enumerate(batches) for k in b.shapes}
+
+    tr.step()
+    first = storage()
+    assert {k for _, k in first} >= {"tokens", "vg", "target", "keys", "order", "cls_key", "adv"}
+    tr.step()
+    assert storage() == first

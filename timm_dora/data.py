@@ -37,8 +37,10 @@ from timm.utils.misc import natural_key
 
 __all__ = [
     "AUGMENT_LEVELS",
+    "AugmentedPool",
     "ImageFolderDataset",
     "LabelsCSVDataset",
+    "RolloutPrefetch",
     "RolloutSampler",
     "augment_level",
     "check_disjoint",
@@ -48,6 +50,7 @@ __all__ = [
     "fixed_shards",
     "open_split",
     "preload",
+    "seed_all",
     "train_transform",
 ]
 
@@ -553,3 +556,95 @@ class RolloutSampler:
         self.position = int(state["position"])
         self.epoch = int(state["epoch"])
         self.generator.set_state(state["generator"])
+
+
+# --------------------------------------------------------------------------------------------
+# Augmented rollout batches
+# --------------------------------------------------------------------------------------------
+def seed_all(value: int) -> None:
+    """Seed ``random``, ``numpy`` and ``torch``'s global RNGs (the ones timm's and torchvision's
+    transforms draw from) from one integer."""
+    import random
+
+    import numpy as np
+
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+
+
+class AugmentedPool(torch.utils.data.Dataset):
+    """The rollout pool as the training run sees it: item ``(u, i)`` is pool image ``i`` as augmented
+    for update ``u`` (``(key, image)`` is returned). Every draw is seeded by ``(seed, u, i)`` in each
+    RNG the transforms use (``random`` for timm's crop and RandAugment, ``numpy``, ``torch`` for the
+    flip and the CutMix), so an item is the same in any process, worker or order: resumable, and
+    equal for any world size. ``strong``: with probability ``cutmix_prob`` a patch-aligned rectangle
+    of another pool image (itself augmented) is pasted in, label-free (:func:`cutmix_patches`)."""
+
+    def __init__(self, images: torch.utils.data.Dataset, seed: int, strong: bool, cutmix_prob: float, patch: int):
+        self.images, self.seed, self.strong, self.cutmix_prob, self.patch = images, seed, strong, cutmix_prob, patch
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: Tuple[int, int]) -> Tuple[Tuple[int, int], torch.Tensor]:
+        u, i = key
+        n = len(self.images)
+        seed_all((self.seed * 1_000_003 + u) * 1_000_003 + i)
+        img = self.images[i][0]
+        if self.strong and n > 1 and float(torch.rand(())) < self.cutmix_prob:
+            j = int(torch.randint(n - 1, ()))
+            img, _ = cutmix_patches(img, self.images[j + (j >= i)][0], self.patch)
+        return key, img
+
+
+class _StackKeyed:
+    """Collate ``(key, image)`` items into ``(keys, images)``, the images in ``dtype`` (the
+    training process's input dtype: converting here halves a bf16 run's transfer, same values)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, items: List[Tuple[Tuple[int, int], torch.Tensor]]) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
+        return [k for k, _ in items], torch.stack([x for _, x in items]).to(self.dtype)
+
+
+def _background_worker(_: int) -> None:
+    """DataLoader worker start: a lower CPU priority than the training process, whose host work
+    (launching the GPU's kernels) is on the update's critical path."""
+    os.nice(10)
+
+
+class RolloutPrefetch:
+    """Augmented rollout batches made ahead, in ``workers`` processes, while the training process
+    runs the current update: ``next(prefetch)`` gives ``(keys, images)`` of the next update.
+
+    The batches follow a copy of the run's :class:`RolloutSampler` from update ``u0 + 1`` on, each
+    sliced to this process's share (``local``, positions in the global batch); the caller checks
+    the keys against the batch it draws itself. Each worker makes whole batches (``workers`` of them
+    in flight), so a batch's latency is one worker's, hidden while fewer than ``workers`` updates
+    run in the time one worker makes a batch. :meth:`close` stops the workers."""
+
+    def __init__(self, pool: AugmentedPool, sampler: RolloutSampler, u0: int, local: Sequence[int], workers: int,
+                 dtype: torch.dtype = torch.float32):
+        import copy
+
+        ahead = copy.deepcopy(sampler)
+
+        def batches() -> Iterator[List[Tuple[int, int]]]:
+            u = u0
+            while True:
+                u += 1
+                idx = next(ahead)
+                yield [(u, idx[m]) for m in local]
+
+        self.loader = torch.utils.data.DataLoader(
+            pool, batch_sampler=batches(), num_workers=workers, collate_fn=_StackKeyed(dtype), prefetch_factor=1,
+            worker_init_fn=_background_worker)  # no pinning thread: it would touch CUDA while a step is captured
+        self.it = iter(self.loader)
+
+    def __next__(self) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
+        return next(self.it)
+
+    def close(self) -> None:
+        self.it = None  # the DataLoader's iterator stops its workers when it is released

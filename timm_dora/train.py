@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class TrainConfig:
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit
+    data_workers: Optional[int] = None  # ours: processes augmenting rollout batches ahead of the update (None: min(4, cores - 1); 0: none)
     shadow_chunk: int = 2048  # shadow rows per packed forward (memory only: each row is computed alone)
     eval_batch: int = 256
     tensorboard: bool = False
@@ -221,19 +223,20 @@ class _StaticBatch:
         self.w = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.n = torch.ones((), device=device)
         self.n_on = torch.ones((), device=device)
-        self.shapes = None
+        self.shapes: Dict[str, tuple] = {}
 
     def load(self, rows: int, **tensors: torch.Tensor) -> bool:
         """Copy one update's tensors (each of at most ``rows`` rows) into buffers of ``rows`` rows;
-        returns whether the buffers were (re)allocated. Rows past a tensor's own keep the values of
-        an earlier update (real rows, never read as real here)."""
-        shapes = {k: (rows, *t.shape[1:], t.dtype) for k, t in tensors.items()}
-        fresh = shapes != self.shapes
-        if fresh:
-            for k, t in tensors.items():
-                setattr(self, k, t.new_zeros(rows, *t.shape[1:]))
-            self.shapes = shapes
+        returns whether any buffer was (re)allocated (a new shape: captured steps must be captured
+        again). Rows past a tensor's own keep the values of an earlier update (real rows, never read
+        as real here)."""
+        fresh = False
         for k, t in tensors.items():
+            shape = (rows, *t.shape[1:], t.dtype)
+            if self.shapes.get(k) != shape:
+                setattr(self, k, t.new_zeros(rows, *t.shape[1:]))
+                self.shapes[k] = shape
+                fresh = True
             getattr(self, k)[: t.shape[0]].copy_(t)
         return fresh
 
@@ -321,8 +324,13 @@ class Trainer:
         dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
         D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})
         self.rollout_pool = None if cfg.augment != "none" else D.preload(self.rollout_set, self.dev)
+        self.augmented, self.prefetch = None, None
         if cfg.augment != "none":
             self.rollout_set.keep_decoded()  # decode each file once; the random crop/flip still run per update
+            self.augmented = D.AugmentedPool(self.rollout_set, cfg.ppo.seed, cfg.augment == "strong", cfg.cutmix_prob, self.patch)
+        if cfg.data_workers is not None and cfg.data_workers < 0:
+            raise ValueError(f"--data-workers must be 0 or more, got {cfg.data_workers}")
+        self.workers = cfg.data_workers if cfg.data_workers is not None else min(4, (os.cpu_count() or 1) - 1)
         self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
         self.dev_x, self.dev_y = D.preload(dev_set, self.dev)
         self.qc_shard_idx = D.fixed_shards(len(qc_set), cfg.qc_shards)
@@ -382,23 +390,22 @@ class Trainer:
         return torch.cat(preds), torch.cat(gflops)
 
     def _rollout_images(self, idx: torch.Tensor) -> torch.Tensor:
-        """The rollout inputs of pool images ``idx`` at this update. Augmented draws are seeded per
-        (seed, update, image) in every RNG the transforms use (``random`` for timm's crop and
-        RandAugment, ``numpy``, ``torch`` for the flip and the CutMix): resumable, and equal for any
-        world size. ``strong``: with probability ``cutmix_prob`` a patch-aligned rectangle of another
-        pool image (itself augmented) is pasted in, label-free (:func:`data.cutmix_patches`)."""
+        """The rollout inputs of pool images ``idx`` at this update, made in this process
+        (:class:`~timm_dora.data.AugmentedPool`: every draw seeded per (seed, update, image))."""
         if self.rollout_pool is not None:
             return self.rollout_pool[0][idx.to(self.dev)].to(self.dtype)
-        out, n = [], len(self.rollout_set)
-        for i in idx.tolist():
-            _seed_all((self.cfg.ppo.seed * 1_000_003 + self.u) * 1_000_003 + i)
-            img = self.rollout_set[i][0]
-            if self.cfg.augment == "strong" and n > 1 and float(torch.rand(())) < self.cfg.cutmix_prob:
-                j = int(torch.randint(n - 1, ()))
-                other = self.rollout_set[j + (j >= i)][0]
-                img, _ = D.cutmix_patches(img, other, self.patch)
-            out.append(img)
-        return torch.stack(out).to(self.dev, self.dtype)
+        return torch.stack([self.augmented[(self.u, i)][1] for i in idx.tolist()]).to(self.dev, self.dtype)
+
+    def _next_images(self, idx: List[int], mine: torch.Tensor) -> torch.Tensor:
+        """This process's rollout inputs of the global batch ``idx``: from the workers that made
+        them ahead (``data_workers``), else made here. The prefetched keys must be this update's."""
+        if self.prefetch is None:
+            return self._rollout_images(torch.tensor(idx)[mine])
+        keys, x = next(self.prefetch)
+        expect = [(self.u, idx[m]) for m in mine.tolist()]
+        if keys != expect:
+            raise RuntimeError(f"prefetched rollout batch {keys[:2]}... is not update {self.u}'s {expect[:2]}...")
+        return x.to(self.dev, self.dtype)
 
     # ---------------------------------------------------------------------------------------
     def step(self) -> Dict[str, float]:
@@ -411,10 +418,13 @@ class Trainer:
         t0 = time.perf_counter()
         clock.start()
         batch = p.rollout_images
-        idx = torch.tensor(next(self.sampler))  # the global batch, identical on every process
         mine = torch.arange(comm.rank * self.local_batch, (comm.rank + 1) * self.local_batch)
+        if self.prefetch is None and self.augmented is not None and self.workers > 0:
+            # batches from this update on, made ahead from a copy of the sampler as it stands now
+            self.prefetch = D.RolloutPrefetch(self.augmented, self.sampler, u - 1, mine.tolist(), self.workers, self.dtype)
+        idx = next(self.sampler)  # the global batch, identical on every process
         noise = RolloutNoise.draw(self.depth, batch, self.actor.num_budgets, self.num_patches, self.gen, self.dev)
-        x = self._rollout_images(idx[mine])
+        x = self._next_images(idx, mine)
         clock.mark("data")
         a_u = self.feedback.coefficient
         self.actor.eval()
@@ -720,7 +730,14 @@ class Trainer:
             "cpu_threads": torch.get_num_threads(),
         }
 
+    def stop_prefetch(self) -> None:
+        """Stop the processes making rollout batches ahead (the next update starts them again)."""
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.prefetch = None
+
     def load_state_dict(self, state: Dict) -> None:
+        self.stop_prefetch()  # its batches follow the sampler state being replaced
         self.u = int(state["u"])
         self.actor.load_state_dict(state["actor"])
         self.critic.load_state_dict(state["critic"])
@@ -803,6 +820,7 @@ class Trainer:
                     print(f"--max-minutes reached after update {self.u}: stopping (resume with --resume)", file=sys.stderr)
                     break
         finally:
+            self.stop_prefetch()
             if log is not None:
                 log.close()
             if bar is not None:
@@ -885,18 +903,6 @@ def _warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Di
         diff = {k: (v, here.get(k)) for k, v in loaded.config().items() if here.get(k) != v}
         raise ValueError(f"--init-actor {source}: its sizes differ from this run's actor (saved, here): {diff}")
     return loaded.state_dict()
-
-
-def _seed_all(value: int) -> None:
-    """Seed ``random``, ``numpy`` and ``torch``'s global RNGs (the ones timm's and torchvision's
-    transforms draw from) from one integer."""
-    import random
-
-    import numpy as np
-
-    random.seed(value)
-    np.random.seed(value % 2**32)
-    torch.manual_seed(value)
 
 
 def _truncate_log(path: Path, last_update: int) -> None:
