@@ -253,10 +253,7 @@ class Critic(nn.Module):
         s, dev = len(lengths), tokens.device
         if sum(lengths) != tokens.shape[0] or min(lengths, default=1) < 1:
             raise ValueError(f"lengths {lengths} do not partition {tokens.shape[0]} token rows")
-        if q.shape != (s, SCALAR_DIM):
-            raise ValueError(f"q must be [S={s}, {SCALAR_DIM}], got {tuple(q.shape)}")
-        if z_native.shape != (s, self.num_classes):
-            raise ValueError(f"z_native must be [S={s}, {self.num_classes}], got {tuple(z_native.shape)}")
+        self._check_per_sequence(s, q, z_native)
         range_msg = f"block index out of range [0, {self.depth})"
         if isinstance(block, torch.Tensor):
             torch._assert_async(((block >= 0) & (block < self.depth)).all(), range_msg)
@@ -279,8 +276,7 @@ class Critic(nn.Module):
         backend = select_backend(dev.type, dtype, self.backend)
         for blk_mod in self.blocks:
             seq = blk_mod(seq, packed, backend)
-        value = self.norm(seq[value_rows])
-        return torch.cat([value, self.scalar_proj(q.to(dtype)), self.logit_proj(z_native.to(dtype))], dim=-1)
+        return self._u(self.norm(seq[value_rows]), q, z_native)
 
     def encode_padded(
         self,
@@ -295,12 +291,10 @@ class Critic(nn.Module):
         ``0..lengths[i]-1`` (prefix first), padding after; ``lengths`` ``[S]`` int64 and ``block``
         ``[S]`` on the tokens' device. The same ``u_l`` up to float rounding (padded keys are
         masked out of attention); every shape is fixed by ``S`` and ``N``, so PPO minibatches need
-        no host reads. Returns ``[S, 384]``."""
+        no host reads. The last block computes only the value token's row, the one row read
+        (:meth:`~timm_dora.packing.PackedTransformerBlock.forward_padded_first`). Returns ``[S, 384]``."""
         s, n, _ = tokens.shape
-        if q.shape != (s, SCALAR_DIM):
-            raise ValueError(f"q must be [S={s}, {SCALAR_DIM}], got {tuple(q.shape)}")
-        if z_native.shape != (s, self.num_classes):
-            raise ValueError(f"z_native must be [S={s}, {self.num_classes}], got {tuple(z_native.shape)}")
+        self._check_per_sequence(s, q, z_native)
         torch._assert_async(((block >= 0) & (block < self.depth)).all(), f"block index out of range [0, {self.depth})")
         dtype, dev = self.token_proj.weight.dtype, tokens.device
         pos = torch.arange(n, device=dev)
@@ -310,7 +304,17 @@ class Critic(nn.Module):
         valid = torch.arange(n + 1, device=dev)[None, :] <= lengths[:, None]  # value token + the sequence
         for blk_mod in self.blocks[:-1]:
             seq = blk_mod.forward_padded(seq, valid)
-        value = self.norm(self.blocks[-1].forward_padded_first(seq, valid))  # only the value token is read
+        return self._u(self.norm(self.blocks[-1].forward_padded_first(seq, valid)), q, z_native)  # only the value token is read
+
+    def _check_per_sequence(self, s: int, q: torch.Tensor, z_native: torch.Tensor) -> None:
+        if q.shape != (s, SCALAR_DIM):
+            raise ValueError(f"q must be [S={s}, {SCALAR_DIM}], got {tuple(q.shape)}")
+        if z_native.shape != (s, self.num_classes):
+            raise ValueError(f"z_native must be [S={s}, {self.num_classes}], got {tuple(z_native.shape)}")
+
+    def _u(self, value: torch.Tensor, q: torch.Tensor, z_native: torch.Tensor) -> torch.Tensor:
+        """``u_l = [value-token output; W_q q_l; W_z z^N]`` (``[S, 384]``)."""
+        dtype = self.token_proj.weight.dtype
         return torch.cat([value, self.scalar_proj(q.to(dtype)), self.logit_proj(z_native.to(dtype))], dim=-1)
 
     def gate_value(self, u: torch.Tensor) -> torch.Tensor:
