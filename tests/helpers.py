@@ -12,6 +12,9 @@ import timm
 import torch
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# tests on the real backbones and images of ../shared (absent on the GPU machine and elsewhere)
+needs_shared = pytest.mark.skipif(not (SHARED / "weights").is_dir() or not (SHARED / "data" / "imagenet-mini").is_dir(),
+                                  reason="../shared (real weights and images) not present")
 
 # (timm name, create_model kwargs): small variants of every supported family, random weights.
 SMALL_FAMILIES = {

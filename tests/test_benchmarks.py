@@ -8,6 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import throughput  # noqa: E402
+from helpers import needs_shared  # noqa: E402
 
 
 def test_throughput_script_runs_every_configuration(tmp_path):
@@ -177,6 +178,7 @@ def test_throughput_actor_rows_per_controller(tmp_path):
     assert rows[0]["gflops"] == rows[1]["gflops"] and rows[0]["gate_rate"] == rows[1]["gate_rate"]
 
 
+@needs_shared
 def test_trained_oracle_matches_the_published_actors_gflops(tmp_path):
     """The published ViT-Ti actor on real rollout images (CPU, a smoke run of the timing): its
     eager and graph rows decide alike (same GFLOPs), and the oracle is the dense static schedule

@@ -95,8 +95,9 @@ def test_packed_batch_equals_per_sequence():
     offset = 0
     for i, n in enumerate(lengths):
         alone = critic(tokens[offset:offset + n], [n], block[i:i + 1], q[i:i + 1], z[i:i + 1])
-        assert torch.allclose(alone.gate, joint.gate[i:i + 1], atol=1e-6)
-        assert torch.allclose(alone.u, joint.u[i:i + 1], atol=1e-6)
+        # batched and single-sequence matmuls round differently (1.1e-6 seen on a 16-core CPU)
+        assert torch.allclose(alone.gate, joint.gate[i:i + 1], atol=1e-5)
+        assert torch.allclose(alone.u, joint.u[i:i + 1], atol=1e-5)
         offset += n
     # changing one sequence's tokens leaves the others' values untouched
     t2 = tokens.clone()

@@ -20,7 +20,7 @@ import timm_dora
 from timm_dora.data import eval_transform, open_split
 from timm_dora.train import create_backbone
 
-from helpers import SHARED, hub_cache, offline  # noqa: F401 (offline: fixture)
+from helpers import SHARED, hub_cache, needs_shared, offline  # noqa: F401 (offline: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCES = sorted((REPO / "tests" / "data").glob("actor_reference_*.json"))
@@ -32,6 +32,7 @@ def test_every_published_actor_has_a_reference():
     assert published == recorded
 
 
+@needs_shared
 @pytest.mark.parametrize("ref_path", REFERENCES, ids=[p.stem for p in REFERENCES])
 def test_published_actor_reproduces_recorded_decisions(ref_path, tmp_path, offline, monkeypatch):
     ref = json.loads(ref_path.read_text())
