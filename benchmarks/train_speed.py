@@ -6,8 +6,9 @@ at every phase boundary (``Trainer(sync_phases=True)``; a normal run records the
 CUDA events and no extra waits). Per configuration it records the seconds of every phase of every
 update, ``s_per_update`` (median over the measured updates, after ``--warmup`` updates), the median
 of each phase, one feedback check and one checkpoint (dev evaluation + saving), and the minutes the
-full recipe would take: ``setup + U * (s_per_update - feedback share) + U / cadence * feedback +
-ceil(U / checkpoint_every) * checkpoint`` for ``U = 1,171`` updates.
+full recipe would take: ``setup + one-time + U * (s_per_update - feedback share) + U / cadence *
+feedback + ceil(U / checkpoint_every) * checkpoint`` for ``U = 1,171`` updates, where ``one-time``
+is what the warm-up updates took beyond a plain update (compiling, capturing CUDA graphs).
 
 Configurations (each a list of CLI flags; ``--data``/``--weights-dir`` fill in the paths):
 
@@ -90,7 +91,8 @@ def measure(name: str, args) -> Dict:
     s_update = statistics.median(u["update_s"] for u in measured)
     s_plain = statistics.median(u["update_s"] for u in (plain or measured))
     u_total = FULL_RECIPE_UPDATES
-    full_s = (setup_s + u_total * s_plain + (u_total // cfg.feedback_cadence) * (feedback_s or 0.0)
+    one_time_s = sum(max(u["update_s"] - s_plain, 0.0) for u in updates[: args.warmup])  # compiling, capturing
+    full_s = (setup_s + one_time_s + u_total * s_plain + (u_total // cfg.feedback_cadence) * (feedback_s or 0.0)
               + math.ceil(u_total / cfg.checkpoint_every) * checkpoint_s)
     return {
         "flags": CONFIGS[name] + args.extra,
@@ -103,6 +105,7 @@ def measure(name: str, args) -> Dict:
         "feedback_s": feedback_s,
         "checkpoint_s": checkpoint_s,
         "setup_s": setup_s,
+        "one_time_s": one_time_s,
         "full_recipe_min": full_s / 60,
         "rollout_images_per_s": cfg.ppo.rollout_images / statistics.median(
             u["phases"]["data"] + u["phases"]["native"] + u["phases"]["rollout"] + u["phases"]["shadows"] for u in measured),
