@@ -4,7 +4,7 @@ Batch 320, head dim 64, bf16, ``q, k, v`` as the views of one fused ``qkv`` proj
 hd]``, as in a wrapped block). Per backbone width (ViT-Ti 3 heads, ViT-S 6, DeiT-B 12) and mean
 tokens per image (197 = unpruned, then mean +- ``--spread``): the FlashAttention-2 varlen kernel of
 the ``torch_varlen`` backend (``aten::_flash_attention_forward``), this package's Triton kernel
-(``timm_dora.varlen_kernel``) for each ``--tiles`` configuration, and dense SDPA (timm's own path,
+(``timm_dora.engine.varlen_kernel``) for each ``--tiles`` configuration, and dense SDPA (timm's own path,
 cuDNN on an H100) on a uniform batch with the same row count (the oracle's kernel). Each time is the
 median over ``--repeats`` CUDA-event measurements of ``--iters`` calls replayed from one CUDA
 graph (GPU time only: the wrapped forward replays its attention from graphs too). Also per
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.varlen_kernel import TILE, varlen_attention_triton  # noqa: E402
+from timm_dora.engine.varlen_kernel import TILE, varlen_attention_triton  # noqa: E402
 
 
 def cuda_time_us(fn, iters: int, repeats: int) -> float:

@@ -9,9 +9,9 @@ For each backbone (default: the two real ones in ``../shared/weights``, ViT-Ti A
    ``--static-blocks`` with the ``cls_sim`` rule and the zero-overhead ``slice`` speed reference,
    DORA when ``--actor`` is given, and then the App. F.1 selector substitutions ``--selectors``
    that keep DORA's gates and budgets);
-3. throughput of every configuration with the App. E.5 protocol (:func:`timm_dora.bench.time_forward`)
+3. throughput of every configuration with the App. E.5 protocol (:func:`timm_dora.evaluate.bench.time_forward`)
    on full batches of those same images (1,300 test images give 4 batches of 320);
-4. with a DORA row, the accuracy-matched table (App. E.2, :mod:`timm_dora.matching`).
+4. with a DORA row, the accuracy-matched table (App. E.2, :mod:`timm_dora.evaluate.matching`).
 
 One JSON per backbone, ``<out>/compare_<model>.json``. The paper's timing is 200 + 200 forwards x 5
 repeats; for a quick run on one H100 use ``--warmup 50 --iters 50 --repeats 3`` (both Tiny
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timm_dora.bench import bench, bench_inputs  # noqa: E402
+from timm_dora.evaluate.bench import bench, bench_inputs  # noqa: E402
 from timm_dora.data import eval_transform, open_split, preload  # noqa: E402
 from timm_dora.evaluate import (  # noqa: E402
     DoraMethod,
@@ -51,9 +51,9 @@ from timm_dora.evaluate import (  # noqa: E402
     precision_for,
     tensor_batches,
 )
-from timm_dora.baselines.static import schedule_for_reduction  # noqa: E402
-from timm_dora.flops import native_gflops  # noqa: E402
-from timm_dora.matching import table_from_results  # noqa: E402
+from timm_dora.evaluate.baselines.static import schedule_for_reduction  # noqa: E402
+from timm_dora.engine.flops import native_gflops  # noqa: E402
+from timm_dora.evaluate.matching import table_from_results  # noqa: E402
 
 MODELS = ["vit_tiny_patch16_224.augreg_in21k_ft_in1k", "deit_tiny_patch16_224.fb_in1k"]
 _REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
     if dora is not None:
         dora.close()
     if dora is not None and args.cuda_graphs:
-        # the same actor replayed from CUDA graphs (timm_dora.graphs): accuracy, GFLOPs and speed
+        # the same actor replayed from CUDA graphs (timm_dora.engine.graphs): accuracy, GFLOPs and speed
         g = DoraMethod(model, actor, cuda_graphs=True)
         g.name = "dora-cuda-graphs"
         row = [r for r in evaluate(model, [g], tensor_batches(images, labels, args.batch), device=device)

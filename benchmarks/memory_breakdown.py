@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timm  # noqa: E402
 
 import timm_dora  # noqa: E402
-import timm_dora.graphs  # noqa: E402
+import timm_dora.engine.graphs  # noqa: E402
 from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.flops import backbone_cost  # noqa: E402
-from throughput import apply, fixed_plan, gate_forced_actor, graph_variants, schedule_for_reduction  # noqa: E402
+from timm_dora.engine.flops import backbone_cost  # noqa: E402
+from throughput import apply, fixed_plan, setting_home, gate_forced_actor, graph_variants, schedule_for_reduction  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -133,12 +133,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=320)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--mlp-chunks", type=int, nargs="+", default=[1], help="timm_dora.graphs.MLP_CHUNKS for the graph rows (each: its own row)")
+    ap.add_argument("--mlp-chunks", type=int, nargs="+", default=[1], help="timm_dora.engine.segments.MLP_CHUNKS for the graph rows (each: its own row)")
     ap.add_argument("--reserve-pool", nargs="+", choices=["on", "off"], default=["on"],
-                    help="timm_dora.graphs.RESERVE_POOL for the graph rows (each: its own row)")
+                    help="timm_dora.engine.segments.RESERVE_POOL for the graph rows (each: its own row)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    saved = {f: getattr(timm_dora.graphs, f) for f in ("MLP_CHUNKS", "RESERVE_POOL")}
+    saved = {f: getattr(setting_home(f), f) for f in ("MLP_CHUNKS", "RESERVE_POOL")}
     try:
         return _measure(args, argv)
     finally:

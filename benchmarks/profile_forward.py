@@ -6,7 +6,7 @@ fewer GFLOPs; ``actor``: an untrained actor whose gate is forced open at the sam
 
 - ``ms_per_forward``: median wall time of a forward (CUDA events), next to native timm;
 - ``device_ms``: per forward, the span on the GPU timeline of each ``dora.*`` scope of
-  :func:`timm_dora.patch.run` (attention, policy = actor + selection, compact = deletion and
+  :func:`timm_dora.engine.patch.run` (attention, policy = actor + selection, compact = deletion and
   repacking, mlp, readout), from ``torch.profiler`` over ``--iters`` forwards. It is the span from
   the scope's first kernel to its last, so it includes the GPU's idle gaps while the host catches
   up: a launch-bound or synchronising scope shows up with its real cost;
@@ -41,7 +41,7 @@ from throughput import fixed_plan, gate_forced_actor, schedule_for_reduction  # 
 from helpers import recorded_plan  # noqa: E402
 from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.flops import backbone_cost  # noqa: E402
+from timm_dora.engine.flops import backbone_cost  # noqa: E402
 
 SCOPES = ("dora.attention", "dora.policy", "dora.compact", "dora.mlp", "dora.readout")
 
@@ -99,12 +99,12 @@ def main():
     ap.add_argument("--graph-configs", nargs="+", default=["gate_off", "actor", "actor_modules"],
                     choices=["gate_off", "actor", "actor_modules"], help="which cuda_graphs=True rows")
     ap.add_argument("--fused-interventions", choices=["on", "off"], default="on",
-                    help="timm_dora.graphs.FUSED_INTERVENTIONS: the controller in the attention's graph (NOTES change 32)")
+                    help="timm_dora.engine.graphs.FUSED_INTERVENTIONS: the controller in the attention's graph (NOTES change 32)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import timm_dora.graphs
+    import timm_dora.engine.graphs
 
-    timm_dora.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
+    timm_dora.engine.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
     dev, dtype = torch.device("cuda"), torch.bfloat16
     res = {**environment(dev, "python benchmarks/profile_forward.py " + " ".join(sys.argv[1:])),
            "batch": args.batch, "rows": []}

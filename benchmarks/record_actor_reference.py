@@ -1,7 +1,7 @@
 """Record a published actor's decisions on a fixed slice of the test split (CPU, fp32).
 
     python benchmarks/record_actor_reference.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
-        --actor hub/vit_tiny_patch16_224.augreg_in21k_ft_in1k --images 64 \\
+        --actor timm_dora/hub/actors/vit_tiny_patch16_224.augreg_in21k_ft_in1k --images 64 \\
         --out tests/data/actor_reference_vit_tiny.json
 
 The first ``--images`` rows of the ``test`` split of ``../shared/data/imagenet-mini/labels.csv`` are
@@ -25,8 +25,9 @@ sys.path.insert(0, str(_REPO))
 
 from timm_dora.data import eval_transform, open_split  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.patch import run, unwrap, wrap  # noqa: E402
-from timm_dora.train import create_backbone  # noqa: E402
+from timm_dora.engine.patch import run, unwrap  # noqa: E402
+from timm_dora.api import wrap  # noqa: E402
+from timm_dora.backbone import create_backbone  # noqa: E402
 
 SHARED = _REPO.parent / "shared"
 
@@ -60,7 +61,7 @@ def reference_decisions(model_name: str, weights: Path, actor, labels_csv: Path,
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--actor", required=True, help="actor folder (hub/<name>)")
+    ap.add_argument("--actor", required=True, help="actor folder (timm_dora/hub/actors/<name>)")
     ap.add_argument("--weights", default=None, help="backbone safetensors (default: ../shared/weights/<model>*)")
     ap.add_argument("--data", default=str(SHARED / "data" / "imagenet-mini" / "labels.csv"))
     ap.add_argument("--images", type=int, default=64)

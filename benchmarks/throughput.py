@@ -3,7 +3,7 @@
 GPU-resident preprocessed inputs (random images: throughput does not depend on pixel or weight
 values), bf16 weights and activations, batch 320, ``--batches`` distinct batches cycled, per repeat
 200 warm-up and 200 timed forwards with a CUDA synchronisation right before and after the timed
-loop, 5 repeats, median (:func:`timm_dora.bench.time_forward`). Configurations per backbone:
+loop, 5 repeats, median (:func:`timm_dora.evaluate.bench.time_forward`). Configurations per backbone:
 
 - ``native``: the unwrapped timm model (its fused SDPA attention).
 - ``gate_off``: wrapped with an actor whose gate never opens (the actor's gate runs every block).
@@ -60,11 +60,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timm  # noqa: E402
 
 import timm_dora  # noqa: E402
-import timm_dora.graphs  # noqa: E402
+import timm_dora.engine.graphs  # noqa: E402
+import timm_dora.engine.segments  # noqa: E402
 from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
-from timm_dora import bench  # noqa: E402
+from timm_dora.evaluate import bench  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.flops import backbone_cost  # noqa: E402
+from timm_dora.engine.flops import backbone_cost  # noqa: E402
 
 
 def fixed_plan(batch: int, n0: int, blocks: List[int], mean_k: List[int], spread: int, seed: int, device):
@@ -191,7 +192,7 @@ def oracle_forward(model, ks: Dict[int, int]):
 def captured(fn: Callable, example: torch.Tensor) -> Callable:
     """``fn`` on a fixed-shape batch as one CUDA graph (input copied into a fixed buffer, output
     cloned): the launch-free ceiling of a static schedule."""
-    from timm_dora.graphs import _side_stream
+    from timm_dora.engine.segments import _side_stream
 
     static_in = example.clone()
     side = _side_stream(example.device)
@@ -200,7 +201,7 @@ def captured(fn: Callable, example: torch.Tensor) -> Callable:
         fn(static_in)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(g, stream=side):  # (as timm_dora.graphs: one cuBLAS
+    with torch.inference_mode(), torch.cuda.graph(g, stream=side):  # (as timm_dora.engine.graphs: one cuBLAS
         static_out = fn(static_in)  # workspace for all captures, not one more stream's)
 
     def replay(x):
@@ -212,7 +213,7 @@ def captured(fn: Callable, example: torch.Tensor) -> Callable:
 
 
 def time_forward(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: int, repeats: int):
-    """The App. E.5 protocol of :func:`timm_dora.bench.time_forward`, keeping this script's row fields."""
+    """The App. E.5 protocol of :func:`timm_dora.evaluate.bench.time_forward`, keeping this script's row fields."""
     r = bench.time_forward(fn, inputs, warmup=warmup, iters=iters, repeats=repeats)
     keep = ("ms_per_batch", "images_per_s", "repeats_images_per_s", "warmup_peak_memory_mib", "steady_peak_memory_mib")
     return {k: r[k] for k in keep if k in r}
@@ -271,9 +272,14 @@ def graph_variants(args, graphs: bool, run_ahead: bool = True):
     return out
 
 
+def setting_home(name: str):
+    """The engine module that holds the setting ``name``."""
+    return timm_dora.engine.segments if name in ("MLP_CHUNKS", "RESERVE_POOL") else timm_dora.engine.graphs
+
+
 def apply(settings: dict) -> None:
     for name, value in settings.items():
-        setattr(timm_dora.graphs, name, value)
+        setattr(setting_home(name), name, value)
 
 
 def main(argv=None):
@@ -300,25 +306,25 @@ def main(argv=None):
                     help="the actor rows once per controller: auto (the fused Triton kernels where the triton "
                          "backend runs) and/or modules (fused_controller=False); suffix [c] when more than one")
     ap.add_argument("--fused-interventions", choices=["on", "off"], default="on",
-                    help="timm_dora.graphs.FUSED_INTERVENTIONS for the *_graphs rows (the actor's controller in "
+                    help="timm_dora.engine.graphs.FUSED_INTERVENTIONS for the *_graphs rows (the actor's controller in "
                          "its block's attention graph; NOTES change 32)")
     ap.add_argument("--run-ahead", nargs="+", choices=["on", "off"], default=["on"],
-                    help="timm_dora.graphs.RUN_AHEAD for the gate-off and actor *_graphs rows (the dense "
+                    help="timm_dora.engine.graphs.RUN_AHEAD for the gate-off and actor *_graphs rows (the dense "
                          "blocks before the first open gate as one graph; NOTES change 37); both: an A/B in "
                          "one run, suffix [run_ahead=...]")
     ap.add_argument("--mlp-chunks", nargs="+", type=int, default=[1],
-                    help="timm_dora.graphs.MLP_CHUNKS for the *_graphs rows (each graph's MLP in this many row "
+                    help="timm_dora.engine.segments.MLP_CHUNKS for the *_graphs rows (each graph's MLP in this many row "
                          "chunks: a smaller memory pool); several: an A/B in one run, suffix [mlp_chunks=...]")
     ap.add_argument("--reserve-pool", nargs="+", choices=["on", "off"], default=["on"],
-                    help="timm_dora.graphs.RESERVE_POOL for the *_graphs rows (one segment of the graphs' memory "
+                    help="timm_dora.engine.segments.RESERVE_POOL for the *_graphs rows (one segment of the graphs' memory "
                          "pool reserved before the first capture; NOTES change 39); both: suffix [reserve_pool=...]")
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
     args = ap.parse_args(argv)
     flags = ("FUSED_INTERVENTIONS", "RUN_AHEAD", "MLP_CHUNKS", "RESERVE_POOL")
-    saved = {f: getattr(timm_dora.graphs, f) for f in flags}
-    timm_dora.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
+    saved = {f: getattr(setting_home(f), f) for f in flags}
+    timm_dora.engine.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
     try:
         return _measure(args, argv)
     finally:  # (module settings: a caller in the same process gets its own back)

@@ -1,6 +1,6 @@
 """A trained actor's throughput against its own dense static oracle at equal GFLOPs (issue #8).
 
-Real weights, the actor from ``--actor`` (e.g. ``hub/<model>``), real images of ``--split``
+Real weights, the actor from ``--actor`` (e.g. ``timm_dora/hub/actors/<model>``), real images of ``--split``
 (default ``rollout``: the test split is for reporting accuracy, and the speed does not need it);
 the trained actor's decisions depend on real keys, so random inputs would not do. Rows (same
 inputs, same run): native; the wrapped model eagerly and from CUDA graphs; the dense static oracle
@@ -10,7 +10,7 @@ Timing and memory fields as ``throughput.py`` (``throughput.measure_row``: warm-
 repeats; peaks and the memory allocated when the row started).
 
     python benchmarks/trained_oracle.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
-        --weights W.safetensors --actor hub/vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
+        --weights W.safetensors --actor timm_dora/hub/actors/vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
         --data labels.csv --out benchmarks/results/trained_oracle_h100_vit.json
 """
 from __future__ import annotations
@@ -23,18 +23,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timm_dora  # noqa: E402
-import timm_dora.graphs  # noqa: E402
+import timm_dora.engine.graphs  # noqa: E402
 from throughput import captured, matched_counts, measure_row, oracle_forward, oracle_gflops  # noqa: E402
-from timm_dora.bench import bench_inputs  # noqa: E402
+from timm_dora.evaluate.bench import bench_inputs  # noqa: E402
 from timm_dora.evaluate import environment, load_model, write_json  # noqa: E402
-from timm_dora.flops import backbone_cost  # noqa: E402
+from timm_dora.engine.flops import backbone_cost  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--weights", required=True)
-    ap.add_argument("--actor", required=True, help="a published actor's folder (hub/<model>) or Hub id")
+    ap.add_argument("--actor", required=True, help="a published actor's folder (timm_dora/hub/actors/<model>) or Hub id")
     ap.add_argument("--data", required=True, help="labels CSV")
     ap.add_argument("--split", default="rollout")
     ap.add_argument("--batch", type=int, default=320)
@@ -43,7 +43,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--run-ahead", choices=["on", "off"], default="on",
-                    help="timm_dora.graphs.RUN_AHEAD for the graph row (NOTES change 37)")
+                    help="timm_dora.engine.graphs.RUN_AHEAD for the graph row (NOTES change 37)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -78,11 +78,11 @@ def main(argv=None):
     wrapped = {}  # graphs: its row
     for graphs in (False, True):
         timm_dora.wrap(model, actor=args.actor, cuda_graphs=graphs)
-        saved, timm_dora.graphs.RUN_AHEAD = timm_dora.graphs.RUN_AHEAD, args.run_ahead == "on"
+        saved, timm_dora.engine.graphs.RUN_AHEAD = timm_dora.engine.graphs.RUN_AHEAD, args.run_ahead == "on"
         try:
             removed_l, gflops_l = decisions()
         finally:  # (read when the runner is made, in the first forward)
-            timm_dora.graphs.RUN_AHEAD = saved
+            timm_dora.engine.graphs.RUN_AHEAD = saved
         if not graphs:  # the oracle is matched to the eager path's decisions
             removed, gflops = removed_l, gflops_l
         wrapped[graphs] = add("actor_graphs" if graphs else "actor", model, gflops_l,

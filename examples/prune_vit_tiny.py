@@ -19,7 +19,7 @@ import timm_dora
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-ACTOR = REPO / "hub" / "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+ACTOR = REPO / "timm_dora" / "hub" / "actors" / "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 WEIGHTS = SHARED / "weights" / "vit_tiny_patch16_224.augreg_in21k_ft_in1k.safetensors"
 DATA = SHARED / "data" / "imagenet-mini"
 

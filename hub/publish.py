@@ -1,4 +1,4 @@
-"""Validate the pretrained-actor folders in hub/ and (with --upload) publish them to the Hub.
+"""Validate the published actors shipped in timm_dora/hub/actors/ and (with --upload) publish them to the Hub.
 
     python hub/publish.py                    # dry run: validate, print what would be uploaded
     python hub/publish.py --upload           # create repos if needed, upload folders with weights
@@ -25,7 +25,6 @@ except ImportError:  # run from a checkout without installing
 from huggingface_hub import HfApi
 from huggingface_hub.repocard import metadata_load
 
-HUB_DIR = Path(__file__).resolve().parent
 ALLOWED_FILES = {"README.md", hub.CONFIG_NAME, hub.WEIGHTS_NAME}
 CARD_TAGS = {"timm", "image-classification", "token-pruning", "dora"}
 
@@ -78,9 +77,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--upload", action="store_true", help="upload to the Hub (default: dry run)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="registered actor names to handle")
     parser.add_argument("--token", default=None, help="Hub token (default: huggingface_hub's login)")
-    parser.add_argument("--root", type=Path, default=HUB_DIR, help="folder holding the actor folders")
+    parser.add_argument("--root", type=Path, default=hub.ACTORS_DIR, help="folder holding the actor folders")
     parser.add_argument("--registry", type=Path, default=None,
-                        help="registry file (default: ROOT/registry.json if present, else timm_dora/registry.json)")
+                        help="registry file (default: ROOT/registry.json if present, else timm_dora/hub/registry.json)")
     args = parser.parse_args(argv)
 
     reg_file = args.registry or (args.root / "registry.json" if (args.root / "registry.json").is_file() else hub.REGISTRY_FILE)

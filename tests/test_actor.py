@@ -4,7 +4,7 @@ import torch
 
 
 from timm_dora import Actor, BlockContext, Packed
-from timm_dora.actor import budget_grid, ordered_topk
+from timm_dora.policy.actor import budget_grid, ordered_topk
 from timm_dora.policy import ActorPolicy
 
 
@@ -126,7 +126,7 @@ def test_sampled_policy_respects_feasibility_and_records_log_prob_inputs():
 
 def test_plackett_luce_ignores_padding_that_points_at_a_chosen_column():
     # regression: padded order entries pointing at column 0 must not un-mark a chosen column 0
-    from timm_dora.actor import plackett_luce_log_prob
+    from timm_dora.policy.actor import plackett_luce_log_prob
 
     s = torch.tensor([[2.0, 0.5, -1.0, 0.0]])
     order = torch.tensor([[0, 0, 0]])
@@ -139,8 +139,8 @@ def test_padded_controller_evaluation_equals_the_packed_reference():
     """rollout.evaluate_controller (fixed shapes: keys padded to one width, the order to the largest
     budget, padding masked) gives the packed, per-sequence computation's budget and selector
     log-probs and entropies, and their gradients, on fp32 (1e-5)."""
-    from timm_dora.actor import masked_categorical, plackett_luce_log_prob, selector_entropy, to_padded
-    from timm_dora.rollout import evaluate_controller
+    from timm_dora.policy.actor import masked_categorical, plackett_luce_log_prob, selector_entropy, to_padded
+    from timm_dora.train.rollout import evaluate_controller
 
     g = torch.Generator().manual_seed(5)
     n_visual = [16, 9, 12, 6]

@@ -1,4 +1,4 @@
-"""The actor's controller fused into Triton kernels (``timm_dora.actor_kernels``).
+"""The actor's controller fused into Triton kernels (``timm_dora.policy.actor_kernels``).
 
 On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` must be set before they
 are defined, so in a subprocess) and ``ActorPolicy.controller_fixed`` with them is compared with the
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from helpers import capture_graph, run_interpreted, triton_version
 from timm_dora import Actor
-from timm_dora.actor_kernels import fused_controller, fused_controller_reason
+from timm_dora.policy.actor_kernels import fused_controller, fused_controller_reason
 from timm_dora.policy import ActorPolicy
 
 pytest.importorskip("triton")
@@ -69,7 +69,7 @@ for name, d, n0, p, lengths, gate in (
     (r0, k0, f0), (r1, k1, f1) = res[False], res[True]
     tiled = None
     if p == 1:  # other rows per program for each row kernel (what a benchmark sweeps): the same results
-        from timm_dora.actor_kernels import fused_controller
+        from timm_dora.policy.actor_kernels import fused_controller
         with torch.no_grad():
             tiled = fused_controller(actor, keys, cu, max(lengths), h, n_visual, gate, 4, cu, p, t + 9,
                                      tile={"embed": (32, 4), "out_ffn": (16, 4), "scores": (64, 4)})
@@ -86,7 +86,7 @@ for name, d, n0, p, lengths, gate in (
         "out_tail": stale[0][t + 9:].tolist(),
     }
 # the gate: one kernel against the modules' logit >= 0 and the feasibility rule
-from timm_dora.actor_kernels import fused_gate
+from timm_dora.policy.actor_kernels import fused_gate
 torch.manual_seed(0)
 actor = perturbed(Actor(192, 12, 196), 3)
 with torch.no_grad():
@@ -106,7 +106,7 @@ out["gate"] = {"equal": bool(torch.equal(ref, got)), "equal_2d": bool(torch.equa
                "open": int(ref.sum()), "first4": got[:4].tolist(), "dtype": str(got.dtype)}
 # the open images' keys copied for the controller (dense [B, H, S, hd] and packed [rows, H, hd]
 # sources, strided views as attention gives them); the other rows keep what they held
-from timm_dora.actor_kernels import copy_open_keys
+from timm_dora.engine.varlen_kernel import copy_open_keys
 g = torch.Generator().manual_seed(5)
 keys4 = torch.randn(4, 7, 3, 64, generator=g).transpose(1, 2)  # [B, H, S, hd], S not the inner dim
 gate4 = torch.tensor([True, False, True, False])
@@ -232,7 +232,7 @@ def test_cuda_fused_controller_matches_modules_and_replays_from_a_graph():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fused_gate_matches_modules():
-    from timm_dora.actor_kernels import fused_gate
+    from timm_dora.policy.actor_kernels import fused_gate
 
     torch.manual_seed(0)
     actor = Actor(768, 12, 196).cuda().to(torch.bfloat16).eval()
@@ -258,7 +258,7 @@ import json, sys
 sys.path.insert(0, "tests")
 import torch
 import timm_dora
-import timm_dora.patch as P
+import timm_dora.engine.patch as P
 from helpers import images, make_model
 from timm_dora import Actor, ActorPolicy
 
@@ -279,7 +279,7 @@ with torch.inference_mode():
     # the graph path as on an H100: the triton backend, so the actor's Triton gate runs in line,
     # the open images' keys are copied by copy_open_keys and the controller is fused
     P.select_backend = lambda device_type, dtype, preference="auto": "triton"
-    import timm_dora.graphs as G
+    import timm_dora.engine.graphs as G
     G.FUSED_INTERVENTIONS = __FUSED__  # the controller in the attention's graph where the gate opened before
     timm_dora.wrap(model, policy=ActorPolicy(actor, fused_controller=True), cuda_graphs=True)
     ran = []

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from timm_dora.critic import SCALAR_DIM, Critic, native_features, scalar_state, trajectory_scalar_states
+from timm_dora.train.critic import SCALAR_DIM, Critic, native_features, scalar_state, trajectory_scalar_states
 
 D, L, M, C = 32, 3, 6, 10
 

@@ -1,4 +1,5 @@
-"""timm_dora.data: datasets, transforms, disjointness, shards, preload and the resumable sampler."""
+"""timm_dora.data (datasets, transforms, disjointness, shards, preload) and timm_dora.train.pool (the
+resumable sampler, augmentation)."""
 from __future__ import annotations
 
 import csv
@@ -10,19 +11,8 @@ import timm
 import torch
 from PIL import Image
 
-from timm_dora.data import (
-    ImageFolderDataset,
-    LabelsCSVDataset,
-    RolloutSampler,
-    augment_level,
-    check_disjoint,
-    cutmix_patches,
-    eval_transform,
-    fixed_shards,
-    open_split,
-    preload,
-    train_transform,
-)
+from timm_dora.data import ImageFolderDataset, LabelsCSVDataset, check_disjoint, eval_transform, fixed_shards, open_split, preload
+from timm_dora.train.pool import RolloutSampler, augment_level, cutmix_patches, train_transform
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 MINI = SHARED / "data" / "imagenet-mini"

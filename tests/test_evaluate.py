@@ -157,7 +157,7 @@ def test_bench_cli_smoke(setup_files):
 
 
 def test_time_forward_protocol():
-    from timm_dora.bench import time_forward
+    from timm_dora.evaluate.bench import time_forward
 
     calls = []
     res = time_forward(lambda x: calls.append(x.shape[0]), [torch.zeros(3, 1), torch.zeros(3, 1)], warmup=2, iters=5, repeats=3)
@@ -170,7 +170,7 @@ def test_time_forward_protocol():
 def test_time_forward_peak_memory_in_two_phases():
     """A first call that allocates 64 MiB more (as a capture's warm-up does) shows in the warm-up
     peak, not in the steady one; steady calls that hold 16 MiB show there."""
-    from timm_dora.bench import time_forward
+    from timm_dora.evaluate.bench import time_forward
 
     x = torch.zeros(4, 1, device="cuda")
     state = {"first": True}

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from timm_dora.feedback import FeedbackController, paired_drop
+from timm_dora.train.feedback import FeedbackController, paired_drop
 
 
 def test_paired_drop():

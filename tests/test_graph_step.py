@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from timm_dora.graph_step import CapturedStep
+from timm_dora.train.graph_step import CapturedStep
 
 
 def _net_and_data(device="cpu", capturable=False):

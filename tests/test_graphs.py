@@ -19,8 +19,9 @@ from throughput import gate_forced_actor  # noqa: E402
 
 import timm_dora  # noqa: E402
 from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
-from timm_dora import graphs as graphs_module  # noqa: E402
-from timm_dora.graphs import MAX_CACHED, GraphRunner  # noqa: E402
+from timm_dora.engine import graphs as graphs_module  # noqa: E402
+from timm_dora.engine import segments as segments_module  # noqa: E402
+from timm_dora.engine.graphs import MAX_CACHED, GraphRunner  # noqa: E402
 from timm_dora.policy import Decision  # noqa: E402
 
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan  # noqa: E402
@@ -128,7 +129,7 @@ def test_mlp_in_row_chunks_gives_the_same_forward(kind, monkeypatch):
                "none": dict(policy=NoPrune())}[kind]
     ref = _run(model, xs, **wrap_kw)
     one = _run(model, xs, **wrap_kw, cuda_graphs=True)
-    monkeypatch.setattr(graphs_module, "MLP_CHUNKS", 3)
+    monkeypatch.setattr(segments_module, "MLP_CHUNKS", 3)
     got = _run(model, xs, **wrap_kw, cuda_graphs=True)
     for a, b in zip(got, ref):
         _assert_same(a, b, exact=False)
@@ -444,7 +445,7 @@ def test_captures_take_their_scratch_from_one_reserved_segment(monkeypatch):
     xs = [images(model, 64, seed=s).to("cuda", torch.bfloat16) for s in (1, 2)]
     got = {}
     for reserve in (False, True):
-        monkeypatch.setattr(graphs_module, "RESERVE_POOL", reserve)
+        monkeypatch.setattr(segments_module, "RESERVE_POOL", reserve)
         timm_dora.wrap(model, actor=actor, cuda_graphs=True)
         try:
             with torch.inference_mode():
@@ -468,7 +469,7 @@ def test_captures_take_their_scratch_from_one_reserved_segment(monkeypatch):
 def test_fixed_shape_controller_equals_the_controller(family):
     """``ActorPolicy.controller_fixed`` (every image, masked by the gate; what the graphs capture)
     against the controller of ``ActorPolicy.__call__`` on a ragged packed batch: same removals."""
-    from timm_dora.packing import Packed
+    from timm_dora.engine.packing import Packed
     from timm_dora.policy import BlockContext, ForwardConstants
 
     name, kw = SMALL_FAMILIES[family]

@@ -8,12 +8,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import host_overhead  # noqa: E402
 from throughput import fixed_plan, gate_forced_actor  # noqa: E402
 
+import sync_counter  # noqa: E402
 import timm_dora  # noqa: E402
 from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
-from timm_dora.packing import Packed, delete_rows  # noqa: E402
+from timm_dora.engine.packing import Packed, delete_rows  # noqa: E402
 
 BLOCKS = [3, 6, 9]
 
@@ -21,13 +21,13 @@ BLOCKS = [3, 6, 9]
 @pytest.fixture(scope="module")
 def micro():
     torch.manual_seed(0)
-    return host_overhead.micro_model(), torch.randn(4, 3, 32, 32)
+    return sync_counter.micro_model(), torch.randn(4, 3, 32, 32)
 
 
 def _syncs(model, x, **kw):
     timm_dora.wrap(model, **kw)
     try:
-        c = host_overhead.count_ops(model, x)
+        c = sync_counter.count_ops(model, x)
         return c.syncs, model.dora_stats
     finally:
         timm_dora.unwrap(model)

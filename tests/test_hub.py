@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import huggingface_hub
@@ -13,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 import timm_dora
 import timm_dora.hub as hub
+import timm_dora.hub.published as hub_published
 from timm_dora import Actor
-from timm_dora.selection import select_checkpoint
+from timm_dora.train.selection import select_checkpoint
 
 from helpers import hub_cache, images, make_model, offline  # noqa: F401 (offline: fixture)
 
@@ -184,25 +186,75 @@ def test_registry_lists_planned_actors():
     assert names == ["deit_tiny_patch16_224.fb_in1k", "vit_tiny_patch16_224.augreg_in21k_ft_in1k"]
     for name, entry in hub.registry().items():
         assert entry == {"repo_id": f"timm-dora/{name}", "folder": name}
-        assert (REPO / "hub" / name / "config.json").is_file()
+        assert (REPO / "timm_dora" / "hub" / "actors" / name / "config.json").is_file()
 
 
-def test_resolve_from_pretrained_cfg(saved, tmp_path, offline, spy):
+def test_resolve_registered_actor_from_the_package_with_no_network(spy, monkeypatch):
+    """wrap(model) with no actor: the registered actor for the model's pretrained_cfg is read from
+    this package (offline first), with no Hub call, even with no connection at all."""
+    import timm
+
+    monkeypatch.setattr(socket, "create_connection", no_connection)
+    with torch.device("meta"):
+        model = timm.create_model(NAME, pretrained=False)
+    resolved = hub.resolve_actor(model)
+    packaged, _ = hub.load_pretrained(hub.ACTORS_DIR / NAME)
+    assert same_weights(packaged, resolved) and spy == []
+    assert hub.packaged_actor(NAME) == hub.ACTORS_DIR / NAME
+
+
+def test_resolve_from_pretrained_cfg(saved, tmp_path, offline, spy, monkeypatch):
     model, actor, folder = saved
-    cache = tmp_path / "cache"
-    hub_cache(cache, f"timm-dora/{NAME}", {COMMIT_A: folder}, {"main": COMMIT_A})
-
-    resolved = hub.resolve_actor(model, cache_dir=cache)  # registry: pretrained_cfg -> repo id
-    assert spy[0][:2] == (f"timm-dora/{NAME}", "config.json")
-    assert same_weights(actor, resolved)
+    shipped = tmp_path / "shipped"  # the package's actors folder, holding this small model's actor
+    shutil.copytree(folder, shipped / NAME)
+    monkeypatch.setattr(hub_published, "ACTORS_DIR", shipped)
+    resolved = hub.resolve_actor(model)  # registry: pretrained_cfg -> the shipped folder
+    assert same_weights(actor, resolved) and spy == []
     assert torch.equal(decisions(model, actor)[1], decisions(model, resolved)[1])
     assert hub.resolve_actor(model, actor) is actor
+    cache = tmp_path / "cache"
+    hub_cache(cache, f"timm-dora/{NAME}", {COMMIT_A: folder}, {"main": COMMIT_A})
     assert same_weights(actor, hub.resolve_actor(model, f"hf-hub:timm-dora/{NAME}", cache_dir=cache, readout="model"))
+    assert spy[0][:2] == (f"timm-dora/{NAME}", "config.json")
     assert same_weights(actor, hub.resolve_actor(model, folder))
     assert same_weights(actor, hub.resolve_actor(model, str(folder)))
+    # registered but not shipped: its Hub repository (here from the cache: offline)
+    monkeypatch.setattr(hub_published, "ACTORS_DIR", tmp_path / "empty")
+    assert same_weights(actor, hub.resolve_actor(model, cache_dir=cache))
 
 
-def test_resolve_errors(saved, tmp_path, offline):
+def no_connection(*args, **kwargs):
+    raise OSError("[Errno -2] Name or service not known")
+
+
+def test_unreachable_hub_fails_at_once_or_reads_the_cache(saved, tmp_path, monkeypatch):
+    """No connection and HF_HUB_OFFLINE unset: a Hub actor comes from the cache, and one that is not
+    cached fails at once, saying what to pass: huggingface_hub is asked for cached files only, so
+    it makes no request (alone it retries a failing one for about 25 s)."""
+    model, actor, folder = saved
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "create_connection", no_connection)
+    calls = []
+    real = huggingface_hub.hf_hub_download
+
+    def recording(repo_id, filename, **kw):
+        calls.append((repo_id, filename, kw.get("local_files_only")))
+        return real(repo_id, filename, **kw)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", recording)
+    assert hub.hub_reachable() == (False, "huggingface.co is unreachable ([Errno -2] Name or service not known)")
+    cache = tmp_path / "cache"
+    hub_cache(cache, "org/actor", {COMMIT_A: folder}, {"main": COMMIT_A})
+    assert same_weights(actor, hub.resolve_actor(model, "org/actor", cache_dir=cache))
+    with pytest.raises(FileNotFoundError, match=r"actor 'org/absent' is on the Hugging Face Hub, which cannot be "
+                       r"reached \(huggingface.co is unreachable .*\), and it is not in the local cache: pass a local "
+                       r"actor folder"):
+        hub.resolve_actor(model, "org/absent", cache_dir=cache)
+    assert calls == [("org/actor", "config.json", True), ("org/actor", "model.safetensors", True),
+                     ("org/absent", "config.json", True)]
+
+
+def test_resolve_errors(saved, tmp_path, offline, monkeypatch):
     model, _, folder = saved
     with pytest.raises(ValueError, match=r"no pretrained DORA actor is registered for 'deit_tiny_distilled.*available: "
                        r"deit_tiny_patch16_224\.fb_in1k, vit_tiny_patch16_224\.augreg_in21k_ft_in1k"):
@@ -213,10 +265,14 @@ def test_resolve_errors(saved, tmp_path, offline):
         hub.resolve_actor(model, folder, readout="lc1")
     with pytest.raises(FileNotFoundError, match="no actor folder"):
         hub.resolve_actor(model, str(tmp_path / "missing" / "actor"))
-    # registered but not in the cache while offline: huggingface_hub's error, named and chained
-    with pytest.raises(ValueError, match=r"registered for 'vit_tiny_patch16_224.augreg_in21k_ft_in1k' \(timm-dora/") as err:
-        hub.resolve_actor(make_model("vit_tiny_patch16_224", img_size=64), cache_dir=tmp_path / "empty")
-    assert isinstance(err.value.__cause__, LocalEntryNotFoundError)
+    # the shipped actor is checked against the model like any other
+    with pytest.raises(ValueError, match="config backbone.num_patches=196 but the model has num_patches=16"):
+        hub.resolve_actor(model)
+    # registered, not shipped, not cached, HF_HUB_OFFLINE=1: at once, saying what to pass
+    monkeypatch.setattr(hub_published, "ACTORS_DIR", tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match=r"actor 'timm-dora/deit_tiny_patch16_224.fb_in1k' is on the Hugging "
+                       r"Face Hub, which cannot be reached \(HF_HUB_OFFLINE is set\)"):
+        hub.resolve_actor(model, cache_dir=tmp_path / "empty-cache")
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,7 +419,7 @@ def test_hub_configs_fit_real_backbones():
     import timm
 
     for name, entry in hub.registry().items():
-        config = json.loads((REPO / "hub" / entry["folder"] / "config.json").read_text())
+        config = json.loads((REPO / "timm_dora" / "hub" / "actors" / entry["folder"] / "config.json").read_text())
         hub.validate_config(config)
         assert config["training"]["target_drop"] == 0.01 and config["training"]["model"] == name
         record = config["training"]["selection"]
@@ -371,7 +427,7 @@ def test_hub_configs_fit_real_backbones():
         # the recorded dev numbers, selected again at the recorded target, give the published checkpoint
         again = select_checkpoint(record["checkpoints"], record["target_pp"])
         assert (again.record.name, again.violates) == (record["selected"]["name"], record["violates"])
-        actor, loaded = hub.load_pretrained(REPO / "hub" / entry["folder"])  # weights fit the config
+        actor, loaded = hub.load_pretrained(REPO / "timm_dora" / "hub" / "actors" / entry["folder"])  # weights fit the config
         assert loaded == config and isinstance(actor, Actor)
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False)
@@ -393,7 +449,7 @@ def test_publish_fails_and_uploads(saved, tmp_path, monkeypatch, capsys):
     publish = load_publish()
     root = tmp_path / "hubroot"
     shutil.copytree(folder, root / NAME)
-    shutil.copy(REPO / "hub" / NAME / "README.md", root / NAME / "README.md")
+    shutil.copy(REPO / "timm_dora" / "hub" / "actors" / NAME / "README.md", root / NAME / "README.md")
     (root / "registry.json").write_text(json.dumps({NAME: {"repo_id": f"org/{NAME}", "folder": NAME}}))
 
     uploaded = []

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from timm_dora.matching import Point, compare, format_table, match, points_from_rows, table_from_results
+from timm_dora.evaluate.matching import Point, compare, format_table, match, points_from_rows, table_from_results
 
 
 def _curve(name, pts):

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from timm_dora.packing import Packed, delete_rows, gather_survivors, select_backend, varlen_attention
+from timm_dora.engine.packing import Packed, delete_rows, gather_survivors, select_backend, varlen_attention
 
 
 def block_diagonal_reference(q, k, v, lengths, scale):

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from timm_dora.actor import Actor, gumbel_like, ordered_topk, plackett_luce_log_prob
-from timm_dora.ppo import (
+from timm_dora.policy.actor import Actor, gumbel_like, ordered_topk, plackett_luce_log_prob
+from timm_dora.train.ppo import (
     PPOConfig,
     RunningMeanStd,
     actor_parameter_groups,
@@ -92,7 +92,7 @@ _GUMBEL_LIKE_BROKEN = not bool(torch.isfinite(gumbel_like(_probe, torch.Generato
 
 @pytest.mark.xfail(
     _GUMBEL_LIKE_BROKEN, strict=True,
-    reason="timm_dora.actor.gumbel_like returns NaN: in `-torch.log(u).clamp_min(1e-20)` the clamp binds before the "
+    reason="timm_dora.policy.actor.gumbel_like returns NaN: in `-torch.log(u).clamp_min(1e-20)` the clamp binds before the "
     "minus, so log(u) < 0 becomes 1e-20 and the outer log sees -1e-20; fix: "
     "`-torch.log((-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20))`",
 )

@@ -2,10 +2,10 @@
 
 For every ``tests/data/actor_reference_*.json`` (written by ``benchmarks/record_actor_reference.py``
 when an actor is published): the real backbone from ``../shared/weights`` is wrapped with **no
-actor argument**, so the actor comes through the registry and the Hugging Face cache exactly as a
-user's would (the cache is laid out from ``hub/<name>/``, offline), and its decisions (gate and
-removed tokens per block), predictions, GFLOPs and top-1 on the recorded slice of the test split
-must equal the recorded ones.
+actor argument**, so the actor comes through the registry from the package exactly as a user's
+would (``HF_HUB_OFFLINE=1``: no Hub involved), and its decisions (gate and removed tokens per
+block), predictions, GFLOPs and top-1 on the recorded slice of the test split must equal the
+recorded ones.
 """
 from __future__ import annotations
 
@@ -18,32 +18,28 @@ import torch
 
 import timm_dora
 from timm_dora.data import eval_transform, open_split
-from timm_dora.train import create_backbone
+from timm_dora.backbone import create_backbone
 
-from helpers import SHARED, hub_cache, needs_shared, offline  # noqa: F401 (offline: fixture)
+from helpers import SHARED, needs_shared, offline  # noqa: F401 (offline: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCES = sorted((REPO / "tests" / "data").glob("actor_reference_*.json"))
 
 
 def test_every_published_actor_has_a_reference():
-    published = sorted(p.parent.name for p in (REPO / "hub").glob("*/model.safetensors"))
+    published = sorted(p.parent.name for p in (REPO / "timm_dora" / "hub" / "actors").glob("*/model.safetensors"))
     recorded = sorted(json.loads(p.read_text())["model"] for p in REFERENCES)
     assert published == recorded
 
 
 @needs_shared
 @pytest.mark.parametrize("ref_path", REFERENCES, ids=[p.stem for p in REFERENCES])
-def test_published_actor_reproduces_recorded_decisions(ref_path, tmp_path, offline, monkeypatch):
+def test_published_actor_reproduces_recorded_decisions(ref_path, offline):
     ref = json.loads(ref_path.read_text())
     name = ref["model"]
-    folder = REPO / "hub" / name
+    folder = timm_dora.hub.packaged_actor(name)
+    assert folder == REPO / "timm_dora" / "hub" / "actors" / name
     assert hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest() == ref["actor_sha256"]
-    entry = timm_dora.hub.registry()[name]
-    cache = tmp_path / "hf"
-    hub_cache(cache, entry["repo_id"], {"c" * 40: folder}, {"main": "c" * 40})
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the reference was recorded single-threaded
@@ -63,7 +59,7 @@ def _check(ref: dict, name: str) -> None:
     y = torch.tensor([ds[i][1] for i in range(n)])
     with torch.no_grad():
         native = model(x).argmax(1)
-        timm_dora.wrap(model)  # no actor: the registered one, from the (offline) Hub cache
+        timm_dora.wrap(model)  # no actor: the registered one, shipped in the package
         pred = model(x).argmax(1)
     stats = model.dora_stats
 

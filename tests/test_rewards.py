@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from timm_dora.rewards import (
+from timm_dora.train.rewards import (
     compression_before,
     compression_increments,
     fidelity_divergence,

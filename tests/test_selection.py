@@ -1,7 +1,7 @@
 """Checkpoint selection (paper App. E.2)."""
 import pytest
 
-from timm_dora.selection import CheckpointRecord, select_checkpoint
+from timm_dora.train.selection import CheckpointRecord, select_checkpoint
 
 
 def R(name, top1, gflops, native=81.79):

@@ -13,7 +13,8 @@ from throughput import gate_forced_actor  # noqa: E402
 
 import timm_dora  # noqa: E402
 from timm_dora import ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
-from timm_dora.policy import RolloutNoise, host_reader  # noqa: E402
+from timm_dora.policy import RolloutNoise  # noqa: E402
+from timm_dora.policy.actor_policy import host_reader  # noqa: E402
 
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import timm_dora
-from timm_dora.baselines import (
+from timm_dora.evaluate.baselines import (
     ToMe,
     bipartite_soft_matching,
     proportional_attention,
@@ -20,8 +20,8 @@ from timm_dora.baselines import (
     tome_gflops,
     tome_schedule,
 )
-from timm_dora.baselines.static import parse_schedule, schedule_for_reduction
-from timm_dora.baselines.tome import embed
+from timm_dora.evaluate.baselines.static import parse_schedule, schedule_for_reduction
+from timm_dora.evaluate.baselines.tome import embed
 
 from helpers import SMALL_FAMILIES, assert_counter_agrees, hand_vit_macs, images, make_model
 

@@ -135,7 +135,7 @@ def test_ppo_update_host_reads_do_not_grow_with_minibatches(data, tmp_path, monk
     """One PPO update waits for the device a fixed number of times, however many minibatches it has."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    from timm_dora.ppo import PPOConfig
+    from timm_dora.train.ppo import PPOConfig
     from timm_dora.train import TrainConfig, Trainer
 
     reads = _HostReads()
@@ -235,11 +235,11 @@ def test_rollout_batches_made_ahead_in_workers_equal_the_in_process_ones(data, t
     """``--data-workers`` makes the augmented rollout batches ahead, in worker processes, while the
     update runs: the run equals the in-process one bit for bit, and a resumed run (whose workers
     start again from the restored sampler) equals both."""
-    from timm_dora import data as D
+    from timm_dora.train import pool as P
 
     served = []
-    original = D.RolloutPrefetch.__next__
-    monkeypatch.setattr(D.RolloutPrefetch, "__next__", lambda self: served.append(1) or original(self))
+    original = P.RolloutPrefetch.__next__
+    monkeypatch.setattr(P.RolloutPrefetch, "__next__", lambda self: served.append(1) or original(self))
     runs = {}
     for workers in ("0", "2"):
         out = tmp_path / workers
@@ -294,9 +294,9 @@ def test_budget_step_sets_the_grid_of_actor_critic_and_rollouts(data, tmp_path):
     tr = trainer("--budget-step", "4")
     assert tr.actor.budgets.tolist() == [4, 8, 12] and tr.actor.budget_step == 4
     assert tr.critic.num_budgets == 3
-    from timm_dora.patch import run
+    from timm_dora.engine.patch import run
     from timm_dora.policy import NoPrune, RolloutNoise
-    from timm_dora.rollout import collect
+    from timm_dora.train.rollout import collect
 
     x = tr._rollout_images(torch.arange(6))
     noise = RolloutNoise.draw(tr.depth, 6, tr.actor.num_budgets, tr.num_patches, tr.gen, tr.dev)

@@ -1,4 +1,4 @@
-"""The Triton varlen attention kernel (``timm_dora.varlen_kernel``, the ``triton`` backend).
+"""The Triton varlen attention kernel (``timm_dora.engine.varlen_kernel``, the ``triton`` backend).
 
 On the CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1`` must be set before the
 kernel is defined, so in a subprocess) and is compared with one SDPA call per sequence; on CUDA
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import capture_graph, run_interpreted, triton_version
-from timm_dora.packing import Packed, select_backend, varlen_attention
+from timm_dora.engine.packing import Packed, select_backend, varlen_attention
 
 pytest.importorskip("triton")  # a dependency of torch's CUDA wheels (the CI's PyPI torch)
 
@@ -18,7 +18,7 @@ INTERPRETED = r"""
 import json, sys
 import torch
 import torch.nn.functional as F
-from timm_dora.varlen_kernel import varlen_attention_triton
+from timm_dora.engine.varlen_kernel import varlen_attention_triton
 
 def reference(q, k, v, cu, scale):
     b = cu.tolist()
@@ -65,7 +65,7 @@ def test_interpreted_kernel_matches_per_sequence_sdpa():
 
 
 def test_kernel_input_errors():
-    from timm_dora.varlen_kernel import varlen_attention_triton
+    from timm_dora.engine.varlen_kernel import varlen_attention_triton
 
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="head dims"):
@@ -83,7 +83,7 @@ def test_triton_backend_refused_off_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_kernel_matches_reference_and_replays_from_a_graph():
-    from timm_dora.varlen_kernel import varlen_attention_triton
+    from timm_dora.engine.varlen_kernel import varlen_attention_triton
 
     torch.manual_seed(0)
     dev = "cuda"

@@ -1,25 +1,22 @@
 """timm-dora: DORA token pruning for timm Vision Transformers.
 
     import timm, timm_dora
-    model = timm.create_model("deit_base_patch16_224", pretrained=True).eval()
-    actor = timm_dora.Actor.for_model(model)          # or a trained actor
-    timm_dora.wrap(model, actor)
+    model = timm.create_model("vit_tiny_patch16_224.augreg_in21k_ft_in1k", pretrained=True).eval()
+    timm_dora.wrap(model)                              # the actor published for this backbone
     logits = model(images)                             # prunes, packs, runs varlen attention
     model.dora_stats.gflops                            # per-image GFLOPs of that forward
 
-Modules: :mod:`~timm_dora.actor` (the actor network and its distributions),
-:mod:`~timm_dora.policy` (per-block decisions), :mod:`~timm_dora.packing` (packed batches, row
-deletion, varlen attention), :mod:`~timm_dora.flops` (GFLOPs accounting), :mod:`~timm_dora.patch`
-(the timm integration).
+The layers, bottom up: :mod:`~timm_dora.engine` (the inference engine: timm integration, block
+program and its eager and CUDA-graph executors, packing, attention kernels, FLOPs; it runs any
+policy), :mod:`~timm_dora.policy` (the actor and the policies), :mod:`~timm_dora.hub` (actor files,
+the published actors), then the applications: :mod:`~timm_dora.train` (PPO),
+:mod:`~timm_dora.evaluate` (eval, bench, baselines) and :mod:`~timm_dora.viz` (pictures).
 """
-from .actor import Actor
 from . import hub  # noqa: F401  (attaches Actor.from_pretrained / save_pretrained / push_to_hub)
-from .flops import native_gflops
-from .packing import Packed
-from .patch import DoraStats, is_wrapped, run, set_policy, unwrap, wrap
-from .policy import ActorPolicy, BlockContext, Decision, NoPrune, ReplayPolicy
-
-__version__ = "0.1.0"
+from .api import wrap
+from .engine import DoraStats, Packed, is_wrapped, native_gflops, run, set_policy, unwrap
+from .policy import Actor, ActorPolicy, BlockContext, Decision, NoPrune, ReplayPolicy
+from .version import __version__
 
 __all__ = [
     "Actor",
@@ -30,6 +27,7 @@ __all__ = [
     "NoPrune",
     "Packed",
     "ReplayPolicy",
+    "__version__",
     "is_wrapped",
     "native_gflops",
     "run",

@@ -13,9 +13,9 @@ import sys
 from typing import List, Optional
 
 COMMANDS = {
-    "eval": ("timm_dora.evaluate", "top-1, GFLOPs and policy statistics of native and wrapped models"),
-    "bench": ("timm_dora.bench", "throughput with the paper's App. E.5 timing protocol"),
-    "viz": ("timm_dora.viz", "pictures: pruning trajectories, policy statistics, training dynamics"),
+    "eval": ("timm_dora.evaluate.cli", "top-1, GFLOPs and policy statistics of native and wrapped models"),
+    "bench": ("timm_dora.evaluate.bench", "throughput with the paper's App. E.5 timing protocol"),
+    "viz": ("timm_dora.viz.cli", "pictures: pruning trajectories, policy statistics, training dynamics"),
 }
 
 

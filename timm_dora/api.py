@@ -1,0 +1,108 @@
+"""The public face: :func:`wrap` a timm ViT with a DORA actor (an :class:`~timm_dora.policy.Actor`, a
+folder, a Hub id, or the actor registered for the model) or with any policy.
+
+It resolves the actor (:mod:`timm_dora.hub`), builds its :class:`~timm_dora.policy.ActorPolicy` and
+hands the policy to the engine (:func:`timm_dora.engine.patch.wrap`), which knows nothing of
+actors' files or the Hub.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import torch.nn as nn
+
+from .engine.patch import check_supported, is_wrapped, is_wrapped_as
+from .engine.patch import wrap as engine_wrap
+from .engine.protocol import Policy
+from .hub import resolve_actor
+from .policy import Actor, ActorPolicy
+
+__all__ = ["wrap"]
+
+
+def wrap(
+    model: nn.Module,
+    actor: Union[Actor, str, "os.PathLike[str]", None] = None,
+    *,
+    policy: Optional[Policy] = None,
+    readout: str = "model",
+    attn_backend: str = "auto",
+    speculate: bool = False,
+    cuda_graphs: bool = False,
+    **hub_kwargs,
+) -> nn.Module:
+    """Patch a timm ``VisionTransformer`` in place so that its forward prunes tokens with DORA.
+
+    Args:
+        model: a timm ViT (``VisionTransformer`` or subclass, e.g. DeiT distilled, DINOv2, models
+            with register tokens). Its weights are not modified.
+        actor: an :class:`~timm_dora.policy.Actor`; a local folder, ``"hf-hub:org/name"`` or Hub
+            repo id of a pretrained actor; or ``None`` for the actor registered for the model's
+            ``pretrained_cfg`` (shipped inside this package for the registered backbones, see
+            :mod:`timm_dora.hub`). It runs with the deterministic deployment rule and is
+            registered as ``model.dora_actor``, so ``model.to(...)`` moves it too.
+        policy: instead of an actor, any policy callable (see :mod:`timm_dora.engine.protocol`).
+        readout: ``"model"`` follows ``model.global_pool`` (CLS token, or ``avg``/``max``/
+            ``avgmax`` over surviving patch tokens); ``"lc1"`` is DINOv2's linear readout
+            (normed CLS concatenated with the mean of normed surviving patch tokens).
+        attn_backend: ``"auto"`` or one of ``triton``, ``flash``, ``torch_varlen``, ``sdpa_loop``
+            (:mod:`timm_dora.engine.packing`).
+        speculate: inference only, opt-in: each block enqueues its MLP on the unpruned batch
+            before the host reads the actor's gate, so the GPU does not idle at that read
+            (``ActorPolicy(actor, speculate=True)``). Outputs, decisions and statistics are
+            identical; GFLOPs do not count the speculative MLP, which is wasted compute at blocks
+            where some gate opens (and keeps the block's keys and input rows alive while it
+            runs). Pays when gates rarely open. With ``policy=``, construct the policy with
+            ``speculate=True`` instead (it must offer ``begin``, see
+            :mod:`timm_dora.engine.protocol`).
+        cuda_graphs: inference only, opt-in: the forward's heavy segments (each block's attention
+            and MLP residuals, the actor's gate and controller with the deletion, the readout)
+            are captured as CUDA graphs on first use and replayed; host decisions run eagerly in
+            between (:mod:`timm_dora.engine.graphs`). Until the first deletion shapes are fixed
+            by the batch shape; after it, packed rows are padded to a multiple of a bucket of
+            about 1/256 of the batch's rows (16 to 256; one graph per block and size). Graphs are
+            kept for up to 4 batch shapes (and policies). Needs ``eval()``, no autograd
+            (``torch.inference_mode()``) and, on CUDA, bf16/fp16 without autocast; otherwise the
+            forward runs eagerly with one warning. The graphs read the weights in place; moving
+            or casting the model recaptures. Costs memory: a few ``[B*S, d]`` buffers and the
+            graphs' pool per batch shape. Results match the default path up to rounding (the
+            captured controller runs on every image, masked, so in bf16 a near-tie may decide
+            differently). Off CUDA the same segments run uncaptured (how the CPU tests check it).
+        hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
+            ``force_download`` when the actor is loaded from the Hub.
+
+    Wrapping again with the same actor/policy and options is a no-op; with different ones it
+    raises (call :func:`unwrap` first). After each forward ``model.dora_stats`` holds a
+    :class:`~timm_dora.engine.patch.DoraStats`.
+    """
+    if actor is not None and policy is not None:
+        raise ValueError("pass an actor or a policy, not both")
+    options = dict(readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs)
+    if policy is not None:
+        if speculate and not getattr(policy, "speculate", False):
+            raise ValueError(
+                "speculate=True with policy=: speculation is the policy's option, construct it with "
+                "speculate=True (e.g. ActorPolicy(actor, speculate=True))"
+            )
+        return engine_wrap(model, policy, **options)
+    current = model._dora.policy if is_wrapped(model) else None
+    same = isinstance(current, ActorPolicy) and current.actor is actor and current.speculate == speculate
+    if is_wrapped_as(model, current if same else None, **options):  # (raises if wrapped otherwise)
+        return model
+    check_supported(model, readout, attn_backend)  # before any download
+    actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
+    _check_actor(model, actor)
+    return engine_wrap(model, ActorPolicy(actor, speculate=speculate), actor=actor, **options)
+
+
+def _check_actor(model: nn.Module, actor: Actor) -> None:
+    want = {
+        "embed_dim": model.blocks[0].attn.qkv.out_features // 3,
+        "depth": len(model.blocks),
+        "num_patches": model.patch_embed.num_patches,
+    }
+    for name, value in want.items():
+        got = getattr(actor, name)
+        if got != value:
+            raise ValueError(f"actor does not fit this backbone: actor.{name}={got} but the model has {name}={value}")

@@ -1,0 +1,119 @@
+"""One block of the DORA forward, composed from the timm model's own submodules.
+
+Nothing of timm's forward is copied: the embedding is ``norm_pre(patch_drop(_pos_embed(
+patch_embed(x))))``, a block is ``norm1``, ``attn.qkv``, ``attn.q_norm``/``k_norm``, attention,
+``attn.norm``, ``attn.proj``, ``ls1``, ``drop_path1`` (the attention residual), then ``norm2``,
+``mlp``, ``ls2``, ``drop_path2`` (the MLP residual), and the readout is the model's final ``norm``
+and head (``forward_head`` for the CLS token, else the model's pooling over surviving tokens).
+The functions work on packed rows (:class:`~timm_dora.engine.packing.Packed`): dense
+``[B, S, d]`` while every image has all its tokens, ragged after a deletion. Both executors (the
+eager forward in :mod:`~timm_dora.engine.patch` and the CUDA graphs in
+:mod:`~timm_dora.engine.graphs`) run exactly these functions.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .packing import Packed, rows_where, varlen_attention
+
+__all__ = ["embed", "attention_keys", "attention_residual", "mlp_residual", "readout"]
+
+
+def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The model's own token embedding: ``norm_pre(patch_drop(_pos_embed(patch_embed(x))))``."""
+    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(images))))
+
+
+def _qk_v(attn: nn.Module, y: torch.Tensor, packed: Packed):
+    """``(q, k, v)`` after ``q_norm``/``k_norm``: dense ``[B, H, S, hd]`` views on a uniform
+    batch (as timm's Attention), else ``[T, H, hd]``."""
+    qkv = attn.qkv(y)
+    if packed.uniform:  # no per-tensor view ops
+        q, k, v = qkv.view(packed.batch_size, packed.max_len, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    else:
+        q, k, v = qkv.view(packed.total, 3, attn.num_heads, attn.head_dim).unbind(1)
+    return attn.q_norm(q), attn.k_norm(k), v
+
+
+def _keys_rows(k: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """Keys as ``[T, d]`` rows (heads concatenated) from :func:`_qk_v`'s layout."""
+    return (k.transpose(1, 2) if packed.uniform else k).reshape(packed.total, -1)
+
+
+def attention_keys(blk: nn.Module, packed: Packed) -> torch.Tensor:
+    """The keys ``[T, d]`` that :func:`attention_residual` returns, recomputed from the block input
+    (``norm1``, ``qkv``, ``k_norm``: the same operations, so the same values)."""
+    _, k, _ = _qk_v(blk.attn, blk.norm1(packed.x), packed)
+    return _keys_rows(k, packed)
+
+
+def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Optional[torch.Tensor] = None,
+                       attend: Optional[Callable] = None, on_keys: Optional[Callable[[torch.Tensor], None]] = None,
+                       keys: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``x + drop_path1(ls1(attn(norm1(x))))`` on packed rows; also returns the keys ``[T, d]``
+    (``None`` when ``keys`` is false: on a uniform batch they are a transposed copy).
+    ``out``: write the result there (a fixed buffer of a CUDA graph). ``attend``: ``(q, k, v) ->
+    o`` (``[T, H, hd]``) instead of :func:`varlen_attention` on a non-uniform batch (the graphs'
+    padded rows). ``on_keys``: called with the keys as soon as they exist (before the attention
+    itself; ``[B, H, S, hd]`` on a uniform batch, else ``[T, H, hd]``): the CUDA graphs fork the
+    actor's gate there, so that it runs beside the attention kernel."""
+    attn = blk.attn
+    t = packed.total
+    y = blk.norm1(packed.x)
+    q, k, v = _qk_v(attn, y, packed)
+    if on_keys is not None:
+        on_keys(k)
+    if packed.uniform:
+        o = F.scaled_dot_product_attention(q, k, v, scale=attn.scale).transpose(1, 2).reshape(t, -1)
+    else:
+        o = (varlen_attention(q, k, v, packed, attn.scale, backend) if attend is None else attend(q, k, v)).reshape(t, -1)
+    o = attn.norm(o)
+    gate = getattr(attn, "gate", None)
+    if gate is not None:
+        o = o * gate(y).sigmoid()
+    o = attn.proj_drop(attn.proj(o))
+    return torch.add(packed.x, blk.drop_path1(blk.ls1(o)), out=out), _keys_rows(k, packed) if keys else None
+
+
+def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows (into ``out`` when given)."""
+    return torch.add(x, blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x)))), out=out)
+
+
+def _segment_pool(packed: Packed, pool: str, include_prefix: bool) -> torch.Tensor:
+    x = packed.x
+    b, p = packed.batch_size, packed.num_prefix
+    if include_prefix:
+        rows, counts = None, packed.lengths
+    else:
+        rows = rows_where(packed.pos >= p, packed.total - b * p)
+        counts = packed.lengths - p
+    seg = packed.seg if rows is None else packed.seg[rows]
+    xs = x if rows is None else x[rows]
+    out = {}
+    if pool in ("avg", "avgmax"):
+        total = torch.zeros(b, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, seg, xs.float())
+        out["avg"] = (total / counts[:, None]).to(x.dtype)
+    if pool in ("max", "avgmax"):
+        init = torch.full((b, x.shape[1]), float("-inf"), dtype=x.dtype, device=x.device)
+        out["max"] = init.scatter_reduce(0, seg[:, None].expand_as(xs), xs, reduce="amax")
+    if pool == "avgmax":
+        return 0.5 * (out["max"] + out["avg"])
+    return out[pool]
+
+
+def readout(model: nn.Module, packed: Packed, mode: str) -> torch.Tensor:
+    """Logits from the final-normed packed tokens, as the model's own head would compute them."""
+    if mode == "lc1":
+        cls = packed.x[packed.starts]
+        feats = torch.cat([cls, _segment_pool(packed, "avg", include_prefix=False)], dim=-1)
+        return model.head(model.head_drop(feats))
+    if model.global_pool == "token":
+        # timm's own head on the prefix rows: CLS (and the distillation token for DeiT-distilled)
+        return model.forward_head(packed.prefix_rows())
+    feats = _segment_pool(packed, model.global_pool, bool(getattr(model, "pool_include_prefix", False)))
+    return model.head(model.head_drop(model.fc_norm(feats)))

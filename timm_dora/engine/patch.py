@@ -1,0 +1,422 @@
+"""The timm integration: ``wrap`` / ``unwrap`` a timm ``VisionTransformer`` in place with a policy,
+and the DORA forward (:func:`run`).
+
+The wrapped model's ``forward`` runs the block program of :mod:`~timm_dora.engine.blocks` (the
+model's own submodules, nothing of timm's forward copied). Per block:
+
+1. attention on the ``P + N_l`` tokens of each image (packed; dense while lengths are equal);
+2. the attention residual;
+3. the policy decides from the block's keys; the chosen rows are deleted for real;
+4. the MLP residual on the survivors only.
+
+With a speculating policy (``ActorPolicy(actor, speculate=True)``) steps 3-4 run in two phases:
+the policy enqueues its gate and an asynchronous copy of the gate vector to the host, the MLP of
+the unpruned batch is enqueued, and only then does the host wait (for the gate copy, not the
+MLP). When nothing is removed that MLP is the block's output; otherwise it is discarded and step 4
+runs on the survivors. Results are identical either way. With ``cuda_graphs=True`` the same
+program is replayed from CUDA graphs (:mod:`~timm_dora.engine.graphs`).
+
+As in ToMe, wrapping swaps the instance's class for a subclass that overrides ``forward``;
+``unwrap`` puts the original class back, so native behaviour is restored bit for bit. Other
+methods (``forward_features``, ``forward_head``, ``forward_intermediates``) stay timm's, unpruned:
+a pruned batch has no dense ``[B, N, d]`` form.
+
+This is the engine's ``wrap``: it takes a policy. :func:`timm_dora.wrap` also takes an actor (a
+module, a folder or a Hub id) and builds the actor's policy.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.profiler import record_function
+
+from .blocks import attention_residual, embed, mlp_residual, readout
+from .flops import BackboneCost, backbone_cost
+from .graphs import RunAheadMissed, graph_mode_reason, graph_runner, release_all
+from .packing import BACKENDS, Packed, delete_rows, rows_where, segment_ids, select_backend
+from .protocol import BlockContext, ForwardConstants, Policy
+
+__all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check_supported", "DoraStats", "run",
+           "READOUTS", "SUPPORTED_POOLS"]
+
+READOUTS = ("model", "lc1")
+SUPPORTED_POOLS = ("token", "avg", "max", "avgmax")
+
+
+@dataclass
+class DoraStats:
+    """Per-forward statistics of a wrapped model (``model.dora_stats``), tensors on the model's device.
+
+    Attributes:
+        tokens: ``[B, L]`` visual tokens of each image after each block (``N_{l+1}``).
+        gate: ``[B, L]`` bool, the policy intervened at that block.
+        removed: ``[B, L]`` tokens removed at that block (``k_l``).
+        gflops: ``[B]`` GFLOPs of the complete forward of each image, actor included (App. E.4).
+        policy_gflops: ``[B]`` the policy's (actor's) share of ``gflops``.
+        backend: the attention backend that ran the packed blocks.
+        removed_patches: per block, ``None`` or ``(image, patch)``: two ``[R]`` int64 tensors
+            naming each removed token by its image and its index in the patch grid
+            (``0 .. N0-1``, row-major), for pictures of per-image trajectories.
+    """
+
+    tokens: torch.Tensor
+    gate: torch.Tensor
+    removed: torch.Tensor
+    gflops: torch.Tensor
+    policy_gflops: torch.Tensor
+    backend: str
+    removed_patches: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+
+    def summary(self) -> Dict[str, object]:
+        """Batch means as plain Python numbers (one host sync)."""
+        return {
+            "gflops_mean": float(self.gflops.mean()),
+            "gflops_min": float(self.gflops.min()),
+            "gflops_max": float(self.gflops.max()),
+            "policy_gflops_mean": float(self.policy_gflops.mean()),
+            "gate_rate_per_block": self.gate.float().mean(0).tolist(),
+            "tokens_mean_per_block": self.tokens.float().mean(0).tolist(),
+            "backend": self.backend,
+        }
+
+
+class _LazyStats(DoraStats):
+    """A :class:`DoraStats` computed on first access: a forward whose statistics nobody reads (a
+    serving loop, a throughput benchmark) does not pay for them (about 40 small kernels)."""
+
+    def __init__(self, compute: Callable[[], Dict[str, object]]):
+        self.__dict__["_compute"] = compute
+
+    def __getattr__(self, name: str):  # only for attributes not set yet
+        if name.startswith("__") or "_compute" not in self.__dict__:
+            raise AttributeError(name)
+        self.__dict__.update(self.__dict__.pop("_compute")())
+        return getattr(self, name)
+
+
+@dataclass
+class _DoraState:
+    policy: Policy
+    readout: str
+    attn_backend: str
+    cost: BackboneCost
+    original_class: type
+    cuda_graphs: bool = False
+    graphs: "OrderedDict" = field(default_factory=OrderedDict)  # graphs.GraphRunner per batch shape
+    warned: bool = False  # the one warning that cuda_graphs could not be used
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+
+
+def _vit_class():
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer
+
+
+def check_supported(model: nn.Module, readout: str = "model", attn_backend: str = "auto") -> None:
+    """Raise ``TypeError``/``ValueError`` naming why ``model`` cannot be wrapped (with these options)."""
+    from timm.layers import Attention
+    from timm.models.vision_transformer import Block
+
+    vit = _vit_class()
+    if not isinstance(model, vit):
+        raise TypeError(
+            f"timm_dora.wrap supports timm VisionTransformer models (ViT, DeiT, DINOv2, ...); got "
+            f"{type(model).__module__}.{type(model).__name__}"
+        )
+    if readout not in READOUTS:
+        raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+    if attn_backend != "auto" and attn_backend not in BACKENDS:
+        raise ValueError(f"attn_backend must be 'auto' or one of {BACKENDS}, got {attn_backend!r}")
+    if model.cls_token is None:
+        raise ValueError("DORA's gate reads the CLS key: models without a class token are not supported")
+    if getattr(model, "attn_pool", None) is not None:
+        raise ValueError("attention-pool (MAP) heads are not supported: global_pool must be one of " f"{SUPPORTED_POOLS}")
+    if readout == "model" and model.global_pool not in SUPPORTED_POOLS:
+        raise ValueError(f"global_pool={model.global_pool!r} is not supported; use one of {SUPPORTED_POOLS}")
+    if readout == "lc1":
+        head = model.head
+        if not isinstance(head, nn.Linear) or head.in_features != 2 * model.embed_dim:
+            raise ValueError(
+                "readout='lc1' concatenates CLS with the patch mean and needs model.head to be an "
+                f"nn.Linear with in_features = 2 * embed_dim = {2 * model.embed_dim}"
+            )
+    for i, blk in enumerate(model.blocks):
+        if not isinstance(blk, Block) or type(blk).forward is not Block.forward:
+            raise TypeError(f"block {i} is {type(blk).__name__}; only timm's standard pre-norm Block is supported")
+        if type(blk.attn) is not Attention:
+            raise TypeError(f"block {i} attention is {type(blk.attn).__name__}; only timm.layers.Attention is supported")
+
+
+# --------------------------------------------------------------------------------------------
+# wrap / unwrap
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _dora_class(cls: type) -> type:
+    if cls not in _CLASSES:
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits, stats = run(self, x, self._dora.policy)
+            self.dora_stats = stats
+            return logits
+
+        _CLASSES[cls] = type(f"Dora{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    return _CLASSES[cls]
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "_dora", None), _DoraState)
+
+
+def is_wrapped_as(model: nn.Module, policy: Optional[Policy], *, readout: str = "model", attn_backend: str = "auto",
+                  cuda_graphs: bool = False) -> bool:
+    """Whether ``model`` is already wrapped with exactly this policy and options (wrapping again is
+    then a no-op). ``False`` if it is not wrapped; ``ValueError`` if it is wrapped otherwise (or
+    ``policy`` is ``None``): :func:`unwrap` must come first."""
+    if not is_wrapped(model):
+        return False
+    state = model._dora
+    if state.policy is policy and (state.readout, state.attn_backend, state.cuda_graphs) == (readout, attn_backend, bool(cuda_graphs)):
+        return True
+    raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
+
+
+def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backend: str = "auto",
+         cuda_graphs: bool = False, actor: Optional[nn.Module] = None) -> nn.Module:
+    """Patch a timm ``VisionTransformer`` in place so that its forward prunes with ``policy``.
+
+    The engine's wrap: :func:`timm_dora.wrap` (the public one) documents the options and builds
+    the policy of an actor. ``actor``: the module the policy runs, registered as
+    ``model.dora_actor`` (cast to the model's device and dtype; ``model.to(...)`` moves it too).
+    Wrapping again with the same policy and options is a no-op; with others it raises.
+    """
+    _check_policy(policy)
+    if is_wrapped_as(model, policy, readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs):
+        return model
+    check_supported(model, readout, attn_backend)
+    original = type(model)
+    model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, bool(cuda_graphs))
+    if actor is not None:
+        p = next(model.parameters())
+        model.add_module("dora_actor", actor.to(device=p.device, dtype=p.dtype))
+    model.__class__ = _dora_class(original)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Undo :func:`wrap`: the original class, no actor submodule, native forward."""
+    if not is_wrapped(model):
+        raise ValueError("model is not wrapped by timm_dora")
+    model.__class__ = model._dora.original_class
+    _release_graphs(model._dora)
+    for name in ("dora_actor",):
+        if name in model._modules:
+            del model._modules[name]
+    for name in ("_dora", "dora_stats"):
+        if name in model.__dict__:
+            delattr(model, name)
+    return model
+
+
+def set_policy(model: nn.Module, policy: Policy) -> None:
+    """Replace the policy of a wrapped model (e.g. a sampling :class:`ActorPolicy` for training)."""
+    if not is_wrapped(model):
+        raise ValueError("model is not wrapped by timm_dora")
+    _check_policy(policy)
+    model._dora.policy = policy
+    _release_graphs(model._dora)  # captured for the previous policy
+
+
+def _release_graphs(state: "_DoraState") -> None:
+    """Destroy a wrapped model's CUDA graphs now, not at some later garbage collection
+    (:func:`timm_dora.engine.graphs.release_all`)."""
+    if state.graphs:
+        release_all(state.graphs)
+
+
+def _check_policy(policy: Policy) -> None:
+    if not callable(policy):
+        raise TypeError(f"a policy must be callable as policy(ctx) -> Decision; got {type(policy).__name__}")
+    if getattr(policy, "speculate", False) and not callable(getattr(policy, "begin", None)):
+        raise TypeError(
+            f"{type(policy).__name__} has speculate=True but does not support speculation: it needs a "
+            "begin(ctx) -> finish method (see timm_dora.engine.protocol; ActorPolicy has one)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# the forward
+
+
+def _no_scope(name: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
+
+
+def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor, DoraStats]:
+    """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and stats."""
+    try:
+        return _run(model, x, policy, run_ahead=True)
+    except RunAheadMissed:  # (CUDA graphs: a gate opened inside the dense blocks run ahead) once more,
+        # block by block
+        return _run(model, x, policy, run_ahead=False)
+
+
+def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> Tuple[torch.Tensor, DoraStats]:
+    state: _DoraState = model._dora
+    cost = state.cost
+    if model.training and any(getattr(m, "drop_prob", 0.0) > 0 for m in model.modules() if type(m).__name__ == "DropPath"):
+        raise RuntimeError("stochastic depth is per image and cannot act on packed rows: call model.eval() first")
+    speculate = bool(getattr(policy, "speculate", False))
+    if speculate:
+        _check_policy(policy)
+        if model.training:
+            raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
+    runner = None  # the forward replayed from CUDA graphs (graphs.GraphRunner), when enabled
+    if state.cuda_graphs and tuple(x.shape[-2:]) == tuple(model.patch_embed.img_size):
+        backend = select_backend(x.device.type, x.dtype, state.attn_backend)
+        why = graph_mode_reason(model, x, backend)
+        if why is None:
+            runner = graph_runner(model, state.graphs, policy, x, backend, state.readout)
+        elif not state.warned:
+            state.warned = True
+            # (pointing at the caller of model(x): _run, run, forward and two frames of nn.Module's call between)
+            warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=6)
+    p = model.num_prefix_tokens
+    if runner is not None:
+        runner.start(x, run_ahead)
+        b, n0, dev = runner.batch, runner.num_patches, x.device
+        packed = None
+        del x
+    else:
+        x = embed(model, x)
+        b, s, _ = x.shape
+        n0 = s - p
+        if n0 != cost.num_patches:
+            raise ValueError(
+                f"input gives {n0} patch tokens but the model (and its actor) were built for {cost.num_patches}; "
+                "DORA needs the input size the model was created with"
+            )
+        dtype = x.dtype
+        if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")  # attention inputs come out of autocast linears
+        backend = select_backend(x.device.type, dtype, state.attn_backend)
+        packed = Packed.from_dense(x, p, track_ids=True)
+        dev = x.device
+        del x  # the packed view is the only reference: freed once block 0 replaces it (as native does)
+    depth = len(model.blocks)
+    # profiler scopes only while a profiler runs (each costs two dispatcher calls otherwise)
+    scope = record_function if torch.autograd._profiler_enabled() else _no_scope
+    consts = ForwardConstants(b, dev)
+    n_visual = torch.full((b,), n0, dtype=torch.long, device=dev)
+    rho, interventions = consts.no_rho, consts.zeros
+    entering, gates, removed_all, removed_patches, policy_flops = [], [], [], [], []
+    scalar_flops = 0.0
+    for l, blk in enumerate(model.blocks):
+        speculative = None  # the MLP of the unpruned batch, enqueued before the host waits
+        if runner is not None:
+            with scope("dora.graphs"):
+                dec, packed, mlp_done = runner.block(l, n_visual, rho, interventions, consts)
+        else:
+            with scope("dora.attention"):
+                x_attn, keys = attention_residual(blk, packed, backend)
+            ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts,
+                               releasable=True)
+            del keys
+            if speculate:
+                with scope("dora.policy"):
+                    finish = policy.begin(ctx)  # enqueues the gate and its copy to the host
+                del ctx
+                with scope("dora.mlp_speculative"):
+                    speculative = mlp_residual(blk, x_attn)
+                with scope("dora.policy"):
+                    dec = finish()  # waits for the gate copy, not for the MLP
+                del finish  # frees the keys and the pre-attention rows
+            else:
+                with scope("dora.policy"):
+                    dec = policy(ctx)
+                del ctx
+            packed = packed.with_x(x_attn)
+            # no extra activation may outlive its use: the keys (possibly a view of the whole qkv
+            # output) are dead before the MLP (before the non-speculative one), the pre-deletion
+            # rows before the next attention
+            del x_attn
+        entering.append(n_visual)
+        gates.append(dec.gate)
+        removed_all.append(dec.removed)
+        if isinstance(dec.flops, torch.Tensor):
+            policy_flops.append(dec.flops)
+        elif dec.flops is not None:
+            scalar_flops += dec.flops
+        if dec.gate is not consts.closed:
+            interventions = interventions + dec.gate.long()
+            if runner is not None and dec.remove is None:
+                runner.leave_dense()  # the history changed: the dense graphs' gate assumed it did not
+        if dec.remove is None:  # nothing removed: N_l unchanged, rho_{l+1} = 0
+            removed_patches.append(None)
+            rho = consts.no_rho
+        else:
+            speculative = None  # some gate opened: the speculative MLP is discarded
+            rho = dec.removed.float() / n_visual.float()
+            n_visual = n_visual - dec.removed
+            with scope("dora.compact"):
+                before = packed
+                if runner is not None:
+                    # the survivors' MLP replays too; the next block's history goes into the graphs'
+                    # buffers before the runner waits for the deletion
+                    runner.delete(l, before, dec, history=(n_visual, rho, interventions))
+                    after_total = runner.cur.total
+                else:
+                    packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
+                    after_total = packed.total
+                # which patches went, resolved only if the statistics are read (not the rows)
+                removed_patches.append((before.lengths, before.total, before.ids, dec.remove, before.total - after_total))
+                del before
+            if runner is not None:
+                continue
+        if runner is not None:
+            runner.mlp(l, packed, mlp_done)
+        elif speculative is not None:
+            packed = packed.with_x(speculative)
+            del speculative
+        else:
+            with scope("dora.mlp"):
+                packed = packed.with_x(mlp_residual(blk, packed.x))
+    logits = None
+    if runner is not None:
+        with scope("dora.readout"):
+            logits, packed = runner.finish()
+    if logits is None:
+        with scope("dora.readout"):
+            packed = packed.with_x(model.norm(packed.x))
+            logits = readout(model, packed, state.readout)
+    def statistics() -> Dict[str, object]:
+        # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
+        removed = torch.stack(removed_all, 1)
+        n_attn = torch.stack(entering, 1) + p
+        own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
+        if scalar_flops:
+            own = own + scalar_flops  # integer-valued float64 sums: exact in any order
+        flops = 2.0 * (cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_attn - removed).sum(1)) + own
+        patches = []
+        for entry in removed_patches:
+            if entry is None:
+                patches.append(None)
+                continue
+            lengths, total, ids, remove, count = entry
+            rows = rows_where(remove, count)
+            patches.append((segment_ids(lengths, total)[rows], ids[rows] - p))
+        return dict(tokens=n0 - removed.cumsum(1), gate=torch.stack(gates, 1), removed=removed, gflops=flops / 1e9,
+                    policy_gflops=own / 1e9, backend=backend, removed_patches=patches)
+
+    return logits, _LazyStats(statistics)

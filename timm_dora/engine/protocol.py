@@ -1,0 +1,138 @@
+"""The engine's side of a policy: what it hands a policy at each block and what it takes back.
+
+A *policy* is any callable ``policy(ctx: BlockContext) -> Decision``. The wrapped forward calls it
+once per block, after the attention residual, and deletes the rows it names before the MLP. The
+policies themselves (DORA's actor, replays, ``NoPrune``) live in :mod:`timm_dora.policy`; the
+engine knows only this protocol.
+
+Speculation (opt-in): a policy whose ``speculate`` attribute is true also offers
+``begin(ctx) -> finish``. ``begin`` only *enqueues* the work up to the decision's one host read
+(for the actor: the gate and an asynchronous copy of the gate vector into pinned host memory,
+followed by a CUDA event); the wrapped forward then enqueues the MLP of the unpruned batch and only
+then calls ``finish()``, which waits for that copy (not for the MLP) and returns the same
+:class:`Decision` as ``policy(ctx)``. When the decision removes nothing the speculative MLP result
+is the block's output; otherwise it is discarded.
+
+Known skips (optional): ``prunes_nothing_at(block) -> bool``, true where the call would return
+``ctx.nothing()`` whatever the batch. The CUDA-graph path (:mod:`timm_dora.engine.graphs`) then
+does not call the policy at those blocks and replays each run of them as one segment.
+``reads_keys = False``: the policy never reads ``ctx.keys`` (the graphs then keep no keys for it).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .packing import Packed
+
+__all__ = ["BlockContext", "Decision", "ForwardConstants", "Policy"]
+
+Policy = Callable[["BlockContext"], "Decision"]
+
+
+class ForwardConstants:
+    """Constant ``[B]`` tensors that every block of one forward shares, created on first use.
+
+    Policies return them instead of allocating per block; the wrapped forward recognises
+    :attr:`closed` (by identity) as "no gate opened". Never write into them.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device):
+        self.batch_size, self.device = batch_size, device
+        self.memo: Dict[object, object] = {}  # per-forward values a policy computes once (see ActorPolicy)
+        # where memoised tensors must live: ``keep(*tensors) -> tensors`` (a CUDA graph runner
+        # copies them into buffers outside its graphs' memory pool; see timm_dora.graphs)
+        self.keep: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
+
+    def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
+        """The decision "no gate opened, nothing removed" (these shared constant tensors)."""
+        return Decision(self.closed, self.zeros, None, flops)
+
+    @functools.cached_property
+    def zeros(self) -> torch.Tensor:
+        """int64 zeros: no token removed."""
+        return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def closed(self) -> torch.Tensor:
+        """bool False: the gate stayed closed for every image."""
+        return torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+
+    @functools.cached_property
+    def opened(self) -> torch.Tensor:
+        """bool True (e.g. every image has a feasible budget)."""
+        return torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
+
+    @functools.cached_property
+    def no_rho(self) -> torch.Tensor:
+        """float32 zeros: ``rho`` after a block that removed nothing."""
+        return torch.zeros(self.batch_size, dtype=torch.float32, device=self.device)
+
+
+@dataclass
+class BlockContext:
+    """What a policy sees at block ``block`` (after the attention residual, before the MLP).
+
+    Its tensors are valid during the policy call: with ``wrap(..., cuda_graphs=True)`` ``keys``
+    and ``packed.x`` are views of buffers that later blocks overwrite; clone what must be kept.
+    A policy that has read what it needs of ``keys`` may call :meth:`release_keys`.
+    """
+
+    block: int
+    keys: Optional[torch.Tensor]  # [T, d] attention keys of every packed row, heads concatenated
+    packed: Packed  # the batch entering this block (its layout; rows are pre-attention)
+    n_visual: torch.Tensor  # [B] N_l, visual tokens entering the block
+    rho: torch.Tensor  # [B] k_{l-1} / N_{l-1} (0 at l = 0)
+    interventions: torch.Tensor  # [B] E_<l, earlier blocks where the gate opened
+    depth: int  # L
+    num_patches: int  # N0
+    backend: str  # attention backend of this forward
+    constants: Optional[ForwardConstants] = field(default=None, repr=False)  # shared by the forward's blocks
+    # the creator (the DORA forward) lets the policy drop ``keys`` once read (:meth:`release_keys`);
+    # a context made elsewhere keeps them (it may be reused after the call)
+    releasable: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        if self.constants is None:
+            self.constants = ForwardConstants(self.packed.batch_size, self.keys.device)
+
+    def release_keys(self) -> None:
+        """Drop this context's reference to ``keys`` (``None`` afterwards) if its creator allows
+        it (``releasable``: the contexts of the DORA forward; otherwise nothing happens). On the
+        eager path the keys are a view of the block's whole qkv output (three times their size),
+        which is then freed before the policy's own work and the MLP, as in the native forward,
+        unless the policy keeps a reference of its own."""
+        if self.releasable:
+            self.keys = None
+
+    def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
+        """The decision "no gate opened, nothing removed" (shared constant tensors)."""
+        return self.constants.nothing(flops)
+
+    @property
+    def n_visual_host(self) -> List[int]:
+        p = self.packed.num_prefix
+        return [n - p for n in self.packed.lengths_host]
+
+
+@dataclass
+class Decision:
+    """One block's decision for every image.
+
+    ``gate[b]``: the policy intervened on image ``b``. ``removed[b]``: tokens it removes (``k_l``,
+    0 where the gate is off). ``remove``: ``[T]`` bool over the packed rows; ``None`` exactly when
+    nothing is removed (``removed`` is then 0 everywhere). ``flops``: the policy's own FLOPs per
+    image at this block: a ``[B]`` tensor, a float (the same for every image) or ``None`` (free).
+    ``removed_host``: optional host copy of ``removed``; with it the deletion needs no host sync.
+    A decision's tensors may be shared (forward constants, a replay plan's cached tensors): never
+    write into them.
+    """
+
+    gate: torch.Tensor
+    removed: torch.Tensor
+    remove: Optional[torch.Tensor] = None
+    flops: Union[None, float, torch.Tensor] = None
+    removed_host: Optional[List[int]] = None  # ``removed`` as a list, when the policy knows it without a sync

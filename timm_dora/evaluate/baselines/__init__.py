@@ -1,0 +1,34 @@
+"""Baselines implemented in this project from their papers (no code copied).
+
+- :mod:`~timm_dora.evaluate.baselines.tome`: ToMe token merging (bipartite soft matching, proportional
+  attention, size tracking), dense and input-uniform: :func:`tome_forward`, :class:`ToMe`.
+- :mod:`~timm_dora.evaluate.baselines.static`: dense static pruning schedules (fixed counts at fixed
+  blocks; tokens chosen per image by CLS-key similarity, or sliced for a zero-overhead speed
+  reference): :func:`static_forward`, :class:`StaticPrune`.
+- :mod:`~timm_dora.evaluate.baselines.selectors`: the App. F.1 selector substitutions (Random,
+  Similarity, Attention-WPR) as policies that replay DORA's recorded gates and budgets.
+
+Every baseline reports GFLOPs per image under the same App. E.4 accounting as DORA.
+"""
+from .selectors import SELECTORS, AttentionWPRSelector, RandomSelector, RecordedSelector, SimilaritySelector
+from .static import StaticPrune, parse_schedule, schedule_for_reduction, static_forward, static_gflops
+from .tome import ToMe, bipartite_soft_matching, proportional_attention, tome_forward, tome_gflops, tome_schedule
+
+__all__ = [
+    "SELECTORS",
+    "AttentionWPRSelector",
+    "RandomSelector",
+    "RecordedSelector",
+    "SimilaritySelector",
+    "StaticPrune",
+    "ToMe",
+    "bipartite_soft_matching",
+    "parse_schedule",
+    "proportional_attention",
+    "schedule_for_reduction",
+    "static_forward",
+    "static_gflops",
+    "tome_forward",
+    "tome_gflops",
+    "tome_schedule",
+]

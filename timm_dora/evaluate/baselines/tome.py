@@ -1,0 +1,265 @@
+"""ToMe, Token Merging (Bolya et al., ICLR 2023), as a dense baseline on a timm ViT.
+
+Implemented from the paper's description (no code copied), composing each block's own timm
+submodules (``norm1``, ``attn.qkv``, ``attn.q_norm``/``k_norm``, ``attn.norm``, ``attn.proj``,
+``ls1``, ``drop_path1``, ``norm2``, ``mlp``, ``ls2``, ``drop_path2``) as :mod:`timm_dora.patch`
+does. Per block ``l``:
+
+1. attention on the tokens entering the block, with *proportional attention*: ``log s_j`` (the
+   size of key token ``j``, i.e. how many patches it stands for) is added to every attention
+   logit of column ``j`` after the ``1/sqrt(d_h)`` scaling;
+2. the attention residual;
+3. *bipartite soft matching* on the block's keys averaged over heads: the visual tokens are
+   split by alternation into ``A`` (even positions among the visual tokens) and ``B`` (odd
+   positions); each ``A`` token draws an edge to its most cosine-similar ``B`` token; the ``r_l``
+   edges with the highest similarity are merged: the ``A`` token is folded into its ``B`` token by
+   size-weighted averaging, ``x <- (sum_i s_i x_i) / sum_i s_i``, and the sizes add up. Output
+   order: prefix tokens, unmerged ``A`` tokens (original order), then ``B`` tokens;
+4. the MLP residual on the ``N_l - r_l`` merged tokens.
+
+Choices where the ToMe paper is silent or leaves options (documented, tested):
+
+- Prefix tokens (CLS, distillation token, registers) are taken out before matching and put back
+  first: they are never merged and never absorb a token ("CLS protected"); the alternation runs
+  over the visual tokens only.
+- ``r_l`` is capped at ``floor(N_l / 2)`` visual tokens (ToMe merges at most half the tokens of
+  a layer); :func:`tome_schedule` gives the effective per-block ``r`` and token counts.
+- Similarity scores are computed in float32 (the paper's score-comparison rule); ties between
+  equal edge scores go to the lower ``A`` index (stable sort).
+- Attention: PyTorch SDPA. While every token still has size 1 (before the first merge, and for
+  ``r = 0``) the bias is all zeros and is not passed, so the call is exactly timm's fused one
+  (FlashAttention on CUDA); after the first merge the ``log(size)`` bias is passed as a float
+  ``attn_mask`` of shape ``[B, 1, 1, N]``, which on CUDA rules out FlashAttention (no bias) and
+  selects the memory-efficient SDPA kernel (additive bias): the fastest path whose semantics
+  allow proportional attention. ``prop_attn=False`` runs ToMe without it (flash throughout).
+- The readout is the model's own head (CLS token; ``avg`` pooling averages merged tokens
+  without size weights, as timm's head does).
+
+GFLOPs (App. E.4 rule, 1 MAC = 2 FLOPs, matrix products only): patch embedding, per block the
+attention projections and the two attention matmuls on the ``P + N_l`` tokens entering it, the
+MLP on ``P + N_l - r_l`` tokens, the classifier, **and ToMe's matching**: the similarity matmul
+``|A| x |B|`` on head-averaged keys of width ``d_h`` (``ceil(N_l/2) * floor(N_l/2) * d_h`` MACs
+per merging block). Normalisations, argmax/sort, the weighted average (scatter-add), the
+``log(size)`` bias and the head mean are not matrix products and count as runtime only. This is
+exactly what ``torch.utils.flop_counter`` counts on :func:`tome_forward` (tested).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...engine.flops import backbone_cost
+from ...engine.patch import check_supported
+
+__all__ = [
+    "ToMe",
+    "attention_with_keys",
+    "bipartite_soft_matching",
+    "embed",
+    "head",
+    "proportional_attention",
+    "tome_forward",
+    "tome_gflops",
+    "tome_schedule",
+]
+
+RSchedule = Union[int, Sequence[int]]
+
+
+# --------------------------------------------------------------------------------------------
+# dense pieces shared by the dense baselines (ToMe, static schedules)
+
+
+def embed(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's own token embedding: ``norm_pre(patch_drop(_pos_embed(patch_embed(x))))``."""
+    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+
+
+def head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Final norm and the model's own head (``forward_head``)."""
+    return model.forward_head(model.norm(x))
+
+
+def proportional_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_size: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d_h) + log s) v`` through SDPA; ``q, k, v``: ``[B, H, N, d_h]``.
+
+    ``log_size``: ``[B, N]`` (``None``: all sizes are 1, plain attention). It is added to the
+    logits of every query for key column ``j``, which is the same as attending to ``s_j`` copies
+    of key ``j``.
+    """
+    mask = None if log_size is None else log_size[:, None, None, :].to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention_with_keys(
+    blk: nn.Module, x: torch.Tensor, log_size: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x + drop_path1(ls1(attn(norm1(x))))`` composed from the block's submodules (the same ops
+    as timm's fused path), with optional proportional attention; also returns the keys
+    ``[B, H, N, d_h]`` (after ``k_norm``)."""
+    attn = blk.attn
+    b, n, _ = x.shape
+    y = blk.norm1(x)
+    gate = getattr(attn, "gate", None)
+    qkv = attn.qkv(y).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    o = proportional_attention(q, k, v, log_size)
+    o = attn.norm(o.transpose(1, 2).reshape(b, n, -1))
+    if gate is not None:
+        o = o * gate(y).sigmoid()
+    o = attn.proj_drop(attn.proj(o))
+    return x + blk.drop_path1(blk.ls1(o)), k
+
+
+def _mlp_residual(blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+
+
+# --------------------------------------------------------------------------------------------
+# bipartite soft matching
+
+
+def bipartite_soft_matching(
+    x: torch.Tensor, metric: torch.Tensor, size: torch.Tensor, r: int, num_prefix: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``r`` visual tokens of every image by ToMe's bipartite soft matching.
+
+    Args:
+        x: ``[B, N, C]`` tokens (``num_prefix`` prefix tokens first).
+        metric: ``[B, N, c]`` matching features (ToMe: the block's keys averaged over heads).
+        size: ``[B, N]`` token sizes (patches each token stands for).
+        r: merges per image; must be ``<= |A| = ceil(N_vis / 2)`` and ``|B| >= 1`` when ``r > 0``.
+        num_prefix: prefix tokens, excluded from matching and kept first.
+
+    Returns ``(x [B, N - r, C], size [B, N - r])``: prefix, unmerged ``A`` tokens in their
+    original order, then the ``B`` tokens (each the size-weighted average of itself and the ``A``
+    tokens merged into it).
+    """
+    if r <= 0:
+        return x, size
+    p = num_prefix
+    b, n, c = x.shape
+    xv, sv = x[:, p:], size[:, p:]
+    mv = metric[:, p:].float()
+    mv = mv / mv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    ma, mb = mv[:, 0::2], mv[:, 1::2]
+    na, nb = ma.shape[1], mb.shape[1]
+    if nb == 0 or r > na:
+        raise ValueError(f"cannot merge r={r} tokens from {n - p} visual tokens (|A|={na}, |B|={nb})")
+    scores = ma @ mb.transpose(1, 2)  # [B, |A|, |B|] cosine similarities (the counted matmul)
+    best, dst = scores.max(dim=-1)  # each A token's edge: its most similar B token
+    order = torch.sort(best, dim=-1, descending=True, stable=True).indices
+    src, unm = order[:, :r], order[:, r:].sort(dim=-1).values
+    xa, xb = xv[:, 0::2], xv[:, 1::2]
+    sa, sb = sv[:, 0::2], sv[:, 1::2]
+    dst_of_src = dst.gather(1, src)  # [B, r]
+    # size-weighted average: sum of s*x over each merged group, divided by the summed size
+    sb_new = sb.scatter_add(1, dst_of_src, sa.gather(1, src))
+    wb = (xb * sb[..., None]).scatter_add(
+        1, dst_of_src[..., None].expand(b, r, c), xa.gather(1, src[..., None].expand(b, r, c)) * sa.gather(1, src)[..., None]
+    )
+    xb_new = wb / sb_new[..., None]
+    x_unm = xa.gather(1, unm[..., None].expand(b, na - r, c))
+    s_unm = sa.gather(1, unm)
+    return torch.cat([x[:, :p], x_unm, xb_new], dim=1), torch.cat([size[:, :p], s_unm, sb_new], dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# schedule, forward, GFLOPs
+
+
+def _r_list(model: nn.Module, r: RSchedule) -> List[int]:
+    depth = len(model.blocks)
+    if isinstance(r, int):
+        rs = [r] * depth
+    else:
+        rs = [int(v) for v in r]
+        if len(rs) != depth:
+            raise ValueError(f"r schedule has {len(rs)} entries but the model has {depth} blocks")
+    if any(v < 0 for v in rs):
+        raise ValueError(f"r must be >= 0, got {rs}")
+    return rs
+
+
+def tome_schedule(model: nn.Module, r: RSchedule) -> Tuple[List[int], List[int]]:
+    """``(effective r per block, visual tokens entering each block)``; ``r_l`` is capped at
+    ``floor(N_l / 2)`` (at most half the visual tokens are merged in one block)."""
+    n = model.patch_embed.num_patches
+    eff, entering = [], []
+    for rl in _r_list(model, r):
+        entering.append(n)
+        rl = min(rl, n // 2)
+        eff.append(rl)
+        n -= rl
+    return eff, entering
+
+
+@dataclass(frozen=True)
+class ToMeCost:
+    gflops: float  # per image, matching included
+    matching_gflops: float  # the similarity matmuls' share
+    r: List[int]  # effective merges per block
+    tokens: List[int]  # visual tokens after each block
+
+
+def tome_gflops(model: nn.Module, r: RSchedule) -> ToMeCost:
+    """GFLOPs per image of :func:`tome_forward` (same for every image: ToMe is input-uniform)."""
+    cost = backbone_cost(model)
+    p = cost.num_prefix
+    eff, entering = tome_schedule(model, r)
+    macs = float(cost.patch_macs + cost.head_macs)
+    match = 0.0
+    for l, (rl, n) in enumerate(zip(eff, entering)):
+        macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n + p - rl])))
+        if rl > 0:
+            head_dim = cost.attn_dim[l] // model.blocks[l].attn.num_heads
+            match += math.ceil(n / 2) * (n // 2) * head_dim
+    tokens = [n - rl for rl, n in zip(eff, entering)]
+    return ToMeCost(2 * (macs + match) / 1e9, 2 * match / 1e9, eff, tokens)
+
+
+def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: bool = True) -> torch.Tensor:
+    """Logits of ``model`` (a timm ViT, not wrapped) on images ``x`` with ToMe merging ``r`` tokens
+    per block (an int, or one value per block). ``r = 0`` is the native forward."""
+    eff, _ = tome_schedule(model, r)
+    p = model.num_prefix_tokens
+    x = embed(model, x)
+    size: Optional[torch.Tensor] = None  # None while every token has size 1
+    for blk, rl in zip(model.blocks, eff):
+        log_size = size.log() if (size is not None and prop_attn) else None
+        x, k = attention_with_keys(blk, x, log_size)
+        if rl > 0:
+            if size is None:
+                size = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+            x, size = bipartite_soft_matching(x, k.mean(1), size, rl, p)
+        x = _mlp_residual(blk, x)
+    return head(model, x)
+
+
+class ToMe:
+    """A ToMe configuration as a callable: ``ToMe(model, r)(images) -> logits``.
+
+    The model is not modified (a function of its submodules). ``cost`` holds the per-image GFLOPs
+    and the effective schedule.
+    """
+
+    def __init__(self, model: nn.Module, r: RSchedule, prop_attn: bool = True):
+        check_supported(model)
+        self.model, self.r, self.prop_attn = model, r, prop_attn
+        self.cost = tome_gflops(model, r)
+
+    @property
+    def name(self) -> str:
+        r = self.r if isinstance(self.r, int) else ",".join(str(v) for v in self.r)
+        return f"tome(r={r}{'' if self.prop_attn else ', no prop-attn'})"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return tome_forward(self.model, x, self.r, self.prop_attn)

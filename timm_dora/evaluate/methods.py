@@ -1,0 +1,203 @@
+"""The methods ``timm-dora eval`` / ``bench`` compare: native timm, DORA, the App. F.1 selector
+substitutions, ToMe and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
+a lean ``timing_fn`` for timing, ``close`` to give the model back), made by :func:`build_method`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..api import wrap
+from ..engine import is_wrapped, native_gflops, run, unwrap
+from .baselines.selectors import SELECTORS
+from .baselines.static import StaticPrune
+from .baselines.tome import ToMe
+
+__all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ToMeMethod", "StaticMethod", "Output",
+           "build_method", "native_forward"]
+
+METHODS = ("native", "dora", "tome", "static", "random", "similarity", "attention-wpr")
+
+
+def native_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's own forward, also on a wrapped model (``forward_head(forward_features(x))``)."""
+    if is_wrapped(model):
+        return model.forward_head(model.forward_features(x))
+    return model(x)
+
+
+@dataclass
+class Output:
+    """One method's result on one batch."""
+
+    logits: torch.Tensor
+    gflops: torch.Tensor  # [B] per-image GFLOPs
+    gate: Optional[torch.Tensor] = None  # [B, L] bool
+    removed: Optional[torch.Tensor] = None  # [B, L]
+    tokens: Optional[torch.Tensor] = None  # [B, L] visual tokens after each block
+    backend: Optional[str] = None
+
+
+def _uniform(b: int, device, gflops: float, removed: Optional[Sequence[int]] = None, n0: Optional[int] = None) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"gflops": torch.full((b,), float(gflops), dtype=torch.float64, device=device)}
+    if removed is not None:
+        r = torch.tensor(list(removed), dtype=torch.long, device=device)
+        out["removed"] = r[None].expand(b, -1)
+        out["gate"] = out["removed"] > 0
+        out["tokens"] = (n0 - torch.cumsum(r, 0))[None].expand(b, -1)
+    return out
+
+
+class Method:
+    """A method under evaluation: ``outputs(x) -> {row name: Output}`` and a lean ``timing_fn``."""
+
+    name = "method"
+    config: Dict[str, Any] = {}
+
+    def outputs(self, x: torch.Tensor) -> Dict[str, Output]:
+        raise NotImplementedError
+
+    def timing_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The callable timed by :mod:`timm_dora.bench` (logits only)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Undo what the method did to the model (e.g. unwrap)."""
+
+
+class NativeMethod(Method):
+    name = "native"
+
+    def __init__(self, model: nn.Module):
+        self.model, self.gflops, self.config = model, native_gflops(model), {}
+
+    def outputs(self, x):
+        logits = native_forward(self.model, x)
+        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.gflops))}
+
+    def timing_fn(self):
+        return self.model if not is_wrapped(self.model) else (lambda x: native_forward(self.model, x))
+
+
+class DoraMethod(Method):
+    """DORA with a (deterministic) actor; wraps the model in place until :meth:`close`."""
+
+    name = "dora"
+
+    def __init__(self, model: nn.Module, actor=None, **wrap_kwargs):
+        self.model = model
+        self._owns = not is_wrapped(model)
+        wrap(model, actor, **wrap_kwargs)
+        self.config = {"actor": actor if isinstance(actor, (str, type(None))) else type(actor).__name__}
+
+    def _output(self, logits, s) -> Output:
+        return Output(logits, s.gflops, s.gate, s.removed, s.tokens, s.backend)
+
+    def outputs(self, x):
+        logits = self.model(x)
+        return {self.name: self._output(logits, self.model.dora_stats)}
+
+    def timing_fn(self):
+        return self.model
+
+    def close(self):
+        if self._owns and is_wrapped(self.model):
+            unwrap(self.model)
+
+
+class SelectorMethod(DoraMethod):
+    """App. F.1: DORA's gates and budgets on each batch, another selector (rows: ``dora`` and it)."""
+
+    def __init__(self, model: nn.Module, selector: str, actor=None, seed: int = 0, wpr_iters: int = 30, **wrap_kwargs):
+        if selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {tuple(SELECTORS)}, got {selector!r}")
+        super().__init__(model, actor, **wrap_kwargs)
+        self.cls, self.name = SELECTORS[selector], selector
+        self.kwargs: Dict[str, Any] = {"model": model}
+        if selector == "random":
+            self.kwargs["generator"] = torch.Generator().manual_seed(seed)
+        if selector == "attention-wpr":
+            self.kwargs["iters"] = wpr_iters
+        self.config = {**self.config, "selector": selector, "seed": seed if selector == "random" else None,
+                       "wpr_iters": wpr_iters if selector == "attention-wpr" else None}
+
+    def outputs(self, x):
+        logits_d, st_d = run(self.model, x, self.model._dora.policy)
+        policy = self.cls.from_stats(st_d, **self.kwargs)
+        logits_s, st_s = run(self.model, x, policy)
+        return {"dora": self._output(logits_d, st_d), self.name: self._output(logits_s, st_s)}
+
+    def timing_fn(self):
+        raise ValueError("selector substitutions are an accuracy study (App. F.1); they have no deployment timing")
+
+
+class ToMeMethod(Method):
+    def __init__(self, model: nn.Module, r, prop_attn: bool = True):
+        self.fn = ToMe(model, r, prop_attn)
+        self.name = self.fn.name
+        self.n0 = model.patch_embed.num_patches
+        self.config = {"r": r if isinstance(r, int) else list(r), "prop_attn": prop_attn, "r_effective": self.fn.cost.r,
+                       "matching_gflops": self.fn.cost.matching_gflops}
+
+    def outputs(self, x):
+        logits = self.fn(x)
+        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.cost.gflops, self.fn.cost.r, self.n0))}
+
+    def timing_fn(self):
+        return self.fn
+
+
+class StaticMethod(Method):
+    def __init__(self, model: nn.Module, schedule, rule: str = "cls_sim"):
+        self.fn = StaticPrune(model, schedule, rule)
+        self.name = self.fn.name
+        self.n0 = model.patch_embed.num_patches
+        self.ks = [self.fn.schedule.get(l, 0) for l in range(len(model.blocks))]
+        self.config = {"schedule": {str(b): k for b, k in sorted(self.fn.schedule.items())}, "rule": rule}
+
+    def outputs(self, x):
+        logits = self.fn(x)
+        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.gflops, self.ks, self.n0))}
+
+    def timing_fn(self):
+        return self.fn
+
+
+def _parse_r(r):
+    if r is None:
+        raise ValueError("--method tome needs --r (one value, or one per block)")
+    if isinstance(r, (list, tuple)):
+        return int(r[0]) if len(r) == 1 else [int(v) for v in r]
+    return int(r)
+
+
+def build_method(
+    model: nn.Module,
+    method: str,
+    *,
+    actor=None,
+    r=None,
+    prop_attn: bool = True,
+    schedule=None,
+    rule: str = "cls_sim",
+    seed: int = 0,
+    wpr_iters: int = 30,
+    attn_backend: str = "auto",
+    cuda_graphs: bool = False,
+) -> Method:
+    """A :class:`Method` by name (see :data:`METHODS`)."""
+    if method == "native":
+        return NativeMethod(model)
+    if method == "dora":
+        return DoraMethod(model, actor, attn_backend=attn_backend, cuda_graphs=cuda_graphs)
+    if method == "tome":
+        return ToMeMethod(model, _parse_r(r), prop_attn)
+    if method == "static":
+        if not schedule:
+            raise ValueError("--method static needs --schedule block:count[,block:count...]")
+        return StaticMethod(model, schedule, rule)
+    if method in ("random", "similarity", "attention-wpr"):
+        return SelectorMethod(model, method, actor, seed=seed, wpr_iters=wpr_iters, attn_backend=attn_backend)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")

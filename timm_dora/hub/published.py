@@ -1,0 +1,136 @@
+"""The published actors, and what an ``actor`` argument resolves to.
+
+``registry.json`` maps a backbone's timm name (``"architecture.tag"``) to its actor: ``folder``, the
+copy shipped inside this package (``timm_dora/hub/actors/<folder>``: a few hundred kB each), and
+``repo_id``, the Hugging Face Hub repository it is published to. Offline first: a registered
+backbone's actor is read from the package, with no network; the Hub serves everything else
+(``"hf-hub:org/name"``, bare repo ids). When the Hub cannot be reached (no connection, or
+``HF_HUB_OFFLINE=1``) a Hub actor comes from huggingface_hub's cache, and if it is not cached the
+call fails at once with a message saying what to pass instead, not after huggingface_hub's
+retries (about 25 s).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+from urllib.parse import urlparse
+
+import torch.nn as nn
+
+from ..policy import Actor
+from .files import HF_PREFIX, _is_local, backbone_info, check_backbone, load_pretrained
+
+__all__ = ["ACTORS_DIR", "REGISTRY_FILE", "available_actors", "hub_reachable", "packaged_actor", "registry",
+           "resolve_actor"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+HERE = Path(__file__).resolve().parent
+REGISTRY_FILE = HERE / "registry.json"  # package data, next to the actors it names
+ACTORS_DIR = HERE / "actors"  # package data: one folder per published actor (config, weights, model card)
+PROBE_TIMEOUT_S = 2.0  # how long resolving an actor waits to learn whether the Hub answers at all
+
+
+def registry(path: Optional[PathLike] = None) -> Dict[str, Dict[str, str]]:
+    """The registry of published actors: ``{"architecture.tag": {"repo_id": ..., "folder": ...}}``."""
+    path = Path(path) if path is not None else REGISTRY_FILE
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def available_actors() -> List[str]:
+    """Sorted names (``"architecture.tag"``) of the backbones with a registered pretrained actor."""
+    return sorted(registry())
+
+
+def packaged_actor(name: str) -> Optional[Path]:
+    """The folder of the actor shipped in this package for backbone ``name`` (``None`` if none)."""
+    entry = registry().get(name)
+    if entry is None or not entry.get("folder"):
+        return None
+    folder = ACTORS_DIR / entry["folder"]
+    return folder if (folder / "model.safetensors").is_file() else None
+
+
+def hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> Tuple[bool, str]:
+    """``(whether a connection to the Hub's endpoint opens within timeout, why not)``; ``False``
+    at once with ``HF_HUB_OFFLINE=1``."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False, "HF_HUB_OFFLINE is set"
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return False, f"{host} is unreachable ({e})"
+    return True, ""
+
+
+def _model_name(model: nn.Module) -> str:
+    info = backbone_info(model)
+    if not info["architecture"]:
+        raise ValueError("the model has no pretrained_cfg architecture: pass actor= explicitly")
+    return f"{info['architecture']}.{info['pretrained_tag']}" if info["pretrained_tag"] else info["architecture"]
+
+
+def _from_hub(source: str, hub_kwargs: Dict) -> Tuple[Actor, Dict]:
+    """:func:`load_pretrained` from the Hub, or from huggingface_hub's cache alone where the Hub
+    does not answer (then a ``FileNotFoundError`` at once if it is not cached)."""
+    if hub_kwargs.get("local_files_only"):
+        return load_pretrained(source, **hub_kwargs)
+    reachable, why = hub_reachable()
+    if reachable:
+        return load_pretrained(source, **hub_kwargs)
+    try:
+        return load_pretrained(source, **{**hub_kwargs, "local_files_only": True})
+    except OSError:
+        raise FileNotFoundError(
+            f"actor {source!r} is on the Hugging Face Hub, which cannot be reached ({why}), and it is not in the "
+            "local cache: pass a local actor folder (or a timm_dora.Actor) instead"
+        ) from None
+
+
+def _is_hub_id(source: str) -> bool:
+    return source.startswith(HF_PREFIX) or not _is_local(source)
+
+
+def resolve_actor(model: nn.Module, actor: Union[Actor, PathLike, None] = None, *, readout: Optional[str] = None,
+                  **hub_kwargs) -> Actor:
+    """The actor to use with ``model``.
+
+    - an :class:`Actor`: returned as is;
+    - a string or path: a local folder, ``"hf-hub:org/name"`` or a bare Hub repo id, loaded with
+      :func:`~timm_dora.hub.files.load_pretrained` (``hub_kwargs``; an unreachable Hub falls back
+      to the cache at once) and checked with :func:`~timm_dora.hub.files.check_backbone`;
+    - ``None``: the registered actor for the model's ``pretrained_cfg`` (``architecture.tag``),
+      read from this package (no network; from its Hub repository if the package does not ship
+      it); ``ValueError`` listing :func:`available_actors` if none is registered.
+    """
+    if isinstance(actor, Actor):
+        return actor
+    if actor is None:
+        name = _model_name(model)
+        entry = registry().get(name)
+        if entry is None:
+            raise ValueError(
+                f"no pretrained DORA actor is registered for {name!r}; available: "
+                f"{', '.join(available_actors()) or 'none'}. Pass actor= (an Actor, a folder or 'hf-hub:org/name')"
+            )
+        folder = packaged_actor(name)
+        if folder is not None:
+            loaded, config = load_pretrained(folder)
+        else:  # registered, not shipped: its Hub repository
+            loaded, config = _from_hub(entry["repo_id"], hub_kwargs)
+    elif isinstance(actor, (str, os.PathLike)):
+        source = os.fspath(actor)
+        loaded, config = _from_hub(source, hub_kwargs) if _is_hub_id(source) else load_pretrained(source, **hub_kwargs)
+    else:
+        raise TypeError(f"actor must be a timm_dora.Actor, a path, a Hub repo id or None; got {type(actor).__name__}")
+    check_backbone(config, model, readout)
+    return loaded

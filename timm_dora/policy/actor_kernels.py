@@ -1,0 +1,424 @@
+"""The actor's deterministic gate and controller as Triton kernels (inference).
+
+**Gate** (:func:`fused_gate`): ``W2 SiLU(W1_K K_CLS + c_l) + b2 >= 0`` and the feasibility rule, one
+kernel per block instead of about ten (``c_l``: the first layer's context part,
+:meth:`timm_dora.actor.Actor.gate_bias`, computed once per history). Inside a CUDA graph the
+small kernels of the module path each waited for a whole backbone kernel on the other stream (the
+persistent GEMMs hold every SM), so the gate vector reached the host only at the end of the
+block's graph, and the GPU idled while the host decided (``benchmarks/NOTES.md``, change 26).
+
+**Controller** (:func:`fused_controller`): where a gate opens, the controller (``W_in`` and the
+shared encoder block, the budget head, the selector, the ``k`` highest scores) runs over every
+token of the gate-active images. Written with ``torch.nn`` modules it is about 90 kernels per
+intervention, each a few microseconds on an H100 over ``[T, 128]`` activations: latency- and
+memory-bound, not arithmetic. Here it is six kernels, each reading its rows once and keeping
+everything between two matrix products in registers:
+
+1. ``_embed_qkv``: ``X = W_in K + b_in + e^C_l (+ W_h h_l on CLS rows)``, ``LayerNorm``, ``qkv``
+   (it also clears the removal flags);
+2. the encoder's attention: :func:`timm_dora.varlen_kernel.varlen_attention_triton`;
+3. ``_out_ffn``: output projection and residual, ``LayerNorm``, the GELU FFN and its residual
+   (``Z_l``);
+4. ``_budget``: the budget head on ``Z_CLS`` (``LayerNorm``, ``128 -> 128 -> M``), the infeasible
+   budgets masked, the arg-max (ties to the smaller budget, as ``torch.argmax``) and ``k``
+   (zero where the gate is closed), and the actor's FLOPs per image;
+5. ``_scores``: the selector ``MLP_S(Z_j + W_k k/N_l)`` on every visual row, into a padded
+   ``[B, NP]`` score matrix;
+6. ``_select``: each visual token's rank in its image (higher score first, ties to the lower
+   index: the order of a stable descending sort, as :func:`timm_dora.actor.ordered_topk`),
+   and the removal flag ``rank < k`` at the token's row of the block's layout.
+
+Each module's output is rounded to the activations' dtype where the ``nn`` modules round it (the
+linear layers' and the residual sums' outputs), so in bf16 the decisions equal the module
+path's up to the order of the fp32 sums (near-ties may go the other way, as between any two
+kernels).
+
+No shape depends on the sequence lengths and no value is read on the host: the call is captured
+in the controller's CUDA graph (:mod:`timm_dora.graphs`) and replayed with new lengths. Rows past
+``cu_seqlens[-1]`` are neither read nor written (except the removal mask's, which stay
+``False``). Off CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), which is
+how the CPU tests compare them with the module path.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from ..engine.flops import actor_gate_macs, controller_macs_terms
+from ..engine.varlen_kernel import TILE, triton, varlen_attention_triton
+
+__all__ = ["fused_gate", "fused_controller", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH", "ROW_LAUNCH"]
+
+if triton is not None:
+    import triton.language as tl
+
+# rows per program of each row-wise kernel and its warps, fixed (no autotuning inside a capture):
+# 128 rows, 8 warps the fastest of five tiles for all three together on an H100 at every shape of
+# benchmarks/controller_kernels.py (results/controller_kernels_h100.json: 10-14 % faster than 64
+# rows, 4 warps); then, per kernel (NOTES change 31), _embed_qkv at 64 rows, where it spills no
+# registers (benchmarks/kernel_regs.py), 4-15 us faster at every shape
+# (results/controller_kernels_h100_tiles_fch*.json), while _out_ffn at 64 rows was 25-45 us slower
+TILE_ROWS = {"embed": (64, 8), "out_ffn": (128, 8), "scores": (128, 8)}
+# the other launch parameters (Triton's num_stages; the K loop's block over the key width; the FFN's
+# hidden units per step): module constants so that benchmarks can sweep them
+# gate: 16 images per program, the key width in blocks of 256 (64 below that width), no software
+# pipelining: DeiT-B's d=768 17.5 -> 6.0 us, ViT-Ti's 192 3.6 -> 3.2 us at batch 320 (H100; the
+# fastest of 72 configurations, .scratch sweep in benchmarks/NOTES.md, change 29)
+GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
+ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def fused_controller_reason(actor, dtype: torch.dtype, gate_only: bool = False) -> "str | None":
+    """Why :func:`fused_controller` (or, ``gate_only``, :func:`fused_gate`) cannot run this actor
+    (``None``: it can)."""
+    if triton is None:
+        return "the triton package is not installed"
+    enc = actor.encoder
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {dtype} is not supported"
+    if not _pow2(actor.gate_hidden):
+        return f"actor gate_hidden={actor.gate_hidden} is not a power of two >= 16"
+    if gate_only:
+        return None
+    for name in ("width", "ffn_dim", "budget_hidden", "selector_hidden"):
+        if not _pow2(getattr(actor, name)):
+            return f"actor {name}={getattr(actor, name)} is not a power of two >= 16"
+    if actor.width // enc.num_heads not in TILE:
+        return f"the encoder's head dim {actor.width // enc.num_heads} is not one of {sorted(TILE)}"
+    if actor.width > 256:
+        return f"actor width={actor.width} is over 256 (register budget of the row kernels)"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, DT: tl.constexpr):
+        """Rounded to the activations' dtype and back to fp32 (where an ``nn`` module's output is)."""
+        return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _layer_norm(x, G, B, offs, W: tl.constexpr, eps):
+        mean = tl.sum(x, 1) / W
+        xc = x - mean[:, None]
+        var = tl.sum(xc * xc, 1) / W
+        g = tl.load(G + offs).to(tl.float32)
+        b = tl.load(B + offs).to(tl.float32)
+        return xc * tl.rsqrt(var + eps)[:, None] * g[None, :] + b[None, :]
+
+    @triton.jit
+    def _linear(x, Wt, Bias, outs, ins, stride_w, DT: tl.constexpr, PREC: tl.constexpr):
+        """An ``nn.Linear`` on a row tile: ``x`` ``[R, IN]`` (in the dtype) times the weight's rows
+        ``outs`` and columns ``ins`` (row stride ``stride_w``) plus the bias, rounded to the dtype
+        as the module's output is (fp32 values)."""
+        w = tl.load(Wt + outs[:, None] * stride_w + ins[None, :])
+        out = tl.dot(x, tl.trans(w), input_precision=PREC) + tl.load(Bias + outs).to(tl.float32)[None, :]
+        return _round(out, DT)
+
+    @triton.jit
+    def _silu(x, DT: tl.constexpr):
+        """SiLU, rounded to the dtype as the module's output is."""
+        return _round(x / (1.0 + tl.exp(-x)), DT)
+
+    @triton.jit
+    def _row_tile(CU, nseq, BLOCK_R: tl.constexpr, W: tl.constexpr):
+        """The program's tile of a packed layout's rows: the rows, which are real (before
+        ``CU[nseq]``), the rows as int64 offsets, the columns, and whether any row is real."""
+        r0 = tl.program_id(0) * BLOCK_R
+        total = tl.load(CU + nseq)
+        rows = r0 + tl.arange(0, BLOCK_R)
+        return rows, rows < total, rows.to(tl.int64), tl.arange(0, W), r0 < total
+
+    @triton.jit
+    def _seg_pos(CU, rows, live, nseq, steps):
+        """Each row's sequence (the last ``j < nseq`` with ``CU[j] <= row``; rows past the last
+        sequence count as its own) and position in it, by a binary search over ``CU`` in
+        ``steps >= ceil(log2(nseq))`` halvings: what ``policy.segment_and_position`` computes, here
+        without two ``[rows]`` tensors and the five small kernels that make them."""
+        lo = tl.zeros_like(rows)  # CU[lo] <= row (CU[0] = 0); the answer lies in [lo, hi)
+        hi = lo + nseq
+        for _ in range(steps):
+            mid = (lo + hi) // 2
+            go = tl.load(CU + mid, mask=live, other=0) <= rows
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        return lo, rows - tl.load(CU + lo, mask=live, other=0)
+
+    @triton.jit
+    def _gelu(x):
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+    @triton.jit
+    def _gate(CLS, stride_b, stride_h, HD, BIAS, W1, stride_w1, W2, B2, NVIS, GATE, nseq, min_keep, step,
+              D: tl.constexpr, G: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+        DT = BIAS.dtype.element_ty
+        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        live = seqs < nseq
+        gs = tl.arange(0, G)
+        acc = tl.zeros([BLOCK_B, G], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            inside = ks < D
+            # column c of the keys is head c // hd, channel c % hd (any head and image strides)
+            col = (ks // HD) * stride_h + ks % HD
+            a = tl.load(CLS + seqs.to(tl.int64)[:, None] * stride_b + col[None, :], mask=live[:, None] & inside[None, :],
+                        other=0.0)
+            w = tl.load(W1 + gs[:, None] * stride_w1 + ks[None, :], mask=inside[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        bias = tl.load(BIAS + seqs[:, None] * G + gs[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        hid = _round(acc + bias, DT)
+        hid = _silu(hid, DT)
+        logit = _round(tl.sum(hid * tl.load(W2 + gs).to(tl.float32)[None, :], 1) + tl.load(B2).to(tl.float32), DT)
+        n_visual = tl.load(NVIS + seqs, mask=live, other=0)
+        tl.store(GATE + seqs, (logit >= 0) & (n_visual - min_keep >= step), mask=live)
+
+    @triton.jit
+    def _embed_qkv(KEYS, stride_k, H, CU, nseq, steps, WIN, BIN, EMB, WH, G1, B1, WQKV, BQKV, X, QKV, REMOVE, total,
+                   eps, D: tl.constexpr, W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PREC: tl.constexpr):
+        rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
+        # the removal flags start False (``_select`` sets them later): every row of the block's
+        # layout, real or not, is some program's (the grid covers the layout's rows too)
+        tl.store(REMOVE + r64, rows < 0, mask=rows < total)
+        if any_real:
+            DT = X.dtype.element_ty
+            acc = tl.zeros([BLOCK_R, W], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(KEYS + r64[:, None] * stride_k + ks[None, :], mask=live[:, None] & (ks[None, :] < D), other=0.0)
+                w = tl.load(WIN + cols[:, None] * D + ks[None, :], mask=ks[None, :] < D, other=0.0)  # [W, BLOCK_K]
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+            x = _round(acc + tl.load(BIN + cols).to(tl.float32)[None, :], DT)  # w_in(K)
+            x = _round(x + tl.load(EMB + cols).to(tl.float32)[None, :], DT)  # + e^C_l
+            seg, pos = _seg_pos(CU, rows, live, nseq, steps)
+            cls = live & (pos == 0)
+            wh = tl.zeros([BLOCK_R, W], dtype=tl.float32)  # W_h h_l on CLS rows
+            for i in tl.static_range(3):
+                hi = _round(tl.load(H + seg * 3 + i, mask=cls, other=0.0), DT)
+                wh += hi[:, None] * tl.load(WH + cols * 3 + i).to(tl.float32)[None, :]
+            x = tl.where(cls[:, None], _round(x + _round(wh, DT), DT), x)
+            tl.store(X + r64[:, None] * W + cols[None, :], x.to(DT), mask=live[:, None])
+            ln = _layer_norm(x, G1, B1, cols, W, eps).to(DT)
+            for c in tl.static_range(3):  # q, k, v: one [W, W] slice of the qkv weight each
+                out = _linear(ln, WQKV, BQKV, c * W + cols, cols, W, DT, PREC)
+                tl.store(QKV + r64[:, None] * (3 * W) + c * W + cols[None, :], out.to(DT), mask=live[:, None])
+
+    @triton.jit
+    def _out_ffn(O, X, CU, nseq, WP, BP, G2, B2, WF1, BF1, WF2, BF2, Z, eps,
+                 W: tl.constexpr, F: tl.constexpr, FCH: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
+        rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
+        if any_real:
+            DT = Z.dtype.element_ty
+            o = tl.load(O + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0)
+            proj = _linear(o, WP, BP, cols, cols, W, DT, PREC)
+            x = tl.load(X + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            x = _round(x + proj, DT)
+            ln = _layer_norm(x, G2, B2, cols, W, eps).to(DT)
+            acc = tl.zeros([BLOCK_R, W], dtype=tl.float32)
+            for f0 in tl.static_range(0, F, FCH):  # the hidden layer in chunks of FCH units
+                fs = f0 + tl.arange(0, FCH)
+                hid = _gelu(_linear(ln, WF1, BF1, fs, cols, W, DT, PREC)).to(DT)
+                w2 = tl.load(WF2 + cols[:, None] * F + fs[None, :])  # [W, FCH]
+                acc = tl.dot(hid, tl.trans(w2), acc, input_precision=PREC)
+            ffn = _round(acc + tl.load(BF2 + cols).to(tl.float32)[None, :], DT)
+            tl.store(Z + r64[:, None] * W + cols[None, :], (x + ffn).to(DT), mask=live[:, None])
+
+    @triton.jit
+    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
+                gate_macs, quad, lin, const,
+                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr):
+        DT = Z.dtype.element_ty
+        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        live = seqs < nseq
+        cols = tl.arange(0, W)
+        first = tl.load(CU + seqs, mask=live, other=0).to(tl.int64)  # the CLS row of each sequence
+        z = tl.load(Z + first[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        ln = _layer_norm(z, G, B, cols, W, eps).to(DT)
+        hs = tl.arange(0, BH)
+        hid = _gelu(_linear(ln, W1, B1, hs, cols, W, DT, PREC)).to(DT)
+        ms = tl.arange(0, MP)
+        exists = ms < num_budgets
+        w2 = tl.load(W2 + ms[:, None] * BH + hs[None, :], mask=exists[:, None], other=0.0)
+        logits = _round(tl.dot(hid, tl.trans(w2), input_precision=PREC)
+                        + tl.load(B2 + ms, mask=exists, other=0.0).to(tl.float32)[None, :], DT)
+        budgets = tl.load(BUDGETS + ms, mask=exists, other=0)
+        n_visual = tl.load(NVIS + seqs, mask=live, other=0)
+        feasible = exists[None, :] & (budgets[None, :] <= n_visual[:, None] - min_keep)
+        index = tl.argmax(tl.where(feasible, logits, float("-inf")), 1, tie_break_left=True)
+        gate = tl.load(GATE + seqs, mask=live, other=0) != 0
+        k = tl.where(gate, tl.load(BUDGETS + index, mask=live, other=0), 0)
+        tl.store(K + seqs, k, mask=live)
+        tl.store(FRAC + seqs, k.to(tl.float32) / n_visual.to(tl.float32), mask=live)
+        # the FLOPs (flops.actor_controller_macs, in float64: integer-valued and exact below 2**53)
+        n = n_visual.to(tl.float64) + 1.0
+        macs = n * (n * quad.to(tl.float64) + lin.to(tl.float64)) + const.to(tl.float64)
+        flops = 2.0 * gate_macs.to(tl.float64) + tl.where(gate, 2.0 * macs, 0.0)
+        tl.store(FLOPS + seqs, flops, mask=live)
+
+    @triton.jit
+    def _scores(Z, CU, nseq, steps, FRAC, WK, WS1, BS1, WS2, BS2, SC,
+                W: tl.constexpr, S: tl.constexpr, NP: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
+        rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
+        if any_real:
+            DT = Z.dtype.element_ty
+            seg, pos = _seg_pos(CU, rows, live, nseq, steps)
+            visual = live & (pos >= 1)
+            frac = _round(tl.load(FRAC + seg, mask=live, other=0.0), DT)  # k / N_l in the dtype
+            cond = _round(frac[:, None] * tl.load(WK + cols).to(tl.float32)[None, :], DT)  # W_k (k / N_l)
+            z = tl.load(Z + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            zc = (z + cond).to(DT)
+            ss = tl.arange(0, S)
+            hid = _linear(zc, WS1, BS1, ss, cols, W, DT, PREC)
+            hid = _silu(hid, DT)
+            s = tl.sum(hid * tl.load(WS2 + ss).to(tl.float32)[None, :], 1) + tl.load(BS2).to(tl.float32)
+            tl.store(SC + seg.to(tl.int64) * NP + (pos - 1), _round(s, DT), mask=visual)
+
+    @triton.jit
+    def _select(SC, CU, CU_OUT, K, REMOVE, num_prefix, NP: tl.constexpr, CH: tl.constexpr):
+        seq, chunk = tl.program_id(0), tl.program_id(1)
+        start = tl.load(CU + seq)
+        n = tl.load(CU + seq + 1) - start - 1  # visual tokens of this sequence
+        if chunk * CH < n:
+            k = tl.load(K + seq)
+            every = tl.arange(0, NP)
+            mine = chunk * CH + tl.arange(0, CH)
+            s_all = tl.load(SC + seq * NP + every, mask=every < n, other=float("-inf"))
+            s_mine = tl.load(SC + seq * NP + mine, mask=mine < n, other=float("-inf"))
+            # rank in a stable descending sort: higher scores, and equal scores at lower indices
+            ahead = (s_all[None, :] > s_mine[:, None]) | ((s_all[None, :] == s_mine[:, None]) & (every[None, :] < mine[:, None]))
+            ahead = ahead & (every[None, :] < n)
+            rank = tl.sum(ahead.to(tl.int32), 1)
+            out = tl.load(CU_OUT + seq).to(tl.int64) + num_prefix + mine
+            tl.store(REMOVE + out, rank < k, mask=mine < n)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torch.Tensor,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The deterministic gate of ``actor`` (``p^G >= 0.5``, i.e. logit ``>= 0``) where a budget is
+    feasible: ``[B]`` bool (into ``out`` when given).
+
+    ``cls_keys``: ``[B, d]`` or ``[B, H, hd]`` CLS keys in the actor's dtype (any image and head
+    strides, unit channel stride: e.g. ``k[:, :, 0]`` of a ``[B, H, S, hd]`` key tensor, no copy);
+    ``bias``: ``[B, 64]``, the first layer's context part plus its bias for this block
+    (:meth:`~timm_dora.actor.Actor.gate_bias`); ``n_visual``: ``[B]`` visual-token counts. Rounded
+    where the ``nn`` modules round (the same decisions up to near-ties of the logit at 0).
+    """
+    reason = fused_controller_reason(actor, cls_keys.dtype, gate_only=True)
+    if reason is not None:
+        raise ValueError(f"fused gate: {reason}")
+    b, d, g = cls_keys.shape[0], actor.embed_dim, actor.gate_hidden
+    if cls_keys.dim() == 2:
+        cls3 = cls_keys.view(b, 1, d) if cls_keys.stride(1) == 1 else None
+    else:
+        cls3 = cls_keys
+    if cls3 is None or cls3.shape[1] * cls3.shape[2] != d or cls3.stride(2) != 1:
+        raise ValueError(f"CLS keys must be [B, {d}] or [B, H, hd] with unit channel stride, got {tuple(cls_keys.shape)}"
+                         f" strides {cls_keys.stride()}")
+    if cls_keys.dtype != actor.w_in.weight.dtype or bias.dtype != cls_keys.dtype:
+        raise ValueError(f"CLS keys ({cls_keys.dtype}), gate bias ({bias.dtype}) and the actor "
+                         f"({actor.w_in.weight.dtype}) must have one dtype")
+    if bias.shape != (b, g) or not bias.is_contiguous():
+        raise ValueError(f"gate bias must be a contiguous [{b}, {g}], got {tuple(bias.shape)}")
+    first, second = actor.gate_mlp[0], actor.gate_mlp[2]
+    out = torch.empty(b, dtype=torch.bool, device=cls_keys.device) if out is None else out
+    hd = cls3.shape[2]
+    gl = GATE_LAUNCH
+    _gate[(_cdiv(b, gl["images"]),)](cls3, cls3.stride(0), cls3.stride(1), hd, bias, first.weight, first.weight.stride(0),
+                                     second.weight, second.bias, n_visual, out, b, actor.min_keep, actor.budget_step,
+                                     D=d, G=g, BLOCK_B=gl["images"], BLOCK_K=gl["k_block"] if d >= gl["k_block"] else (64 if d >= 64 else 32),
+                                     PREC="ieee" if cls_keys.dtype == torch.float32 else "tf32",
+                                     num_warps=gl["num_warps"], num_stages=gl["num_stages"])
+    return out
+
+
+def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, h: torch.Tensor,
+                     n_visual: torch.Tensor, gate: torch.Tensor, block: int, cu_out: torch.Tensor, num_prefix: int,
+                     total: int, tile: Union[Tuple[int, int], Dict[str, Tuple[int, int]], None] = None,
+                     out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The deterministic controller of ``actor`` on a packed controller layout (see the module).
+
+    ``keys``: ``[rows, d]`` in the actor's dtype, one sequence per image (its CLS key first, then
+    its visual keys; rows past the last sequence ignored), delimited by ``cu_seqlens`` (``[B+1]``
+    int32); ``max_len``: an upper bound of the lengths; ``h``: ``[B, 3]`` history; ``n_visual``:
+    ``[B]`` visual-token counts; ``gate``: ``[B]`` bool; ``block``: the block index. The removal
+    flags are written for the block's own layout: ``cu_out`` (``[B+1]``, its sequence starts),
+    ``num_prefix`` prefix rows per sequence, ``total`` rows. Returns ``(remove [total] bool,
+    k [B] int64, flops [B] float64)``: the flags, the budgets (0 where the gate is closed) and the
+    actor's FLOPs per image (:func:`timm_dora.flops.actor_gate_macs` at every image plus
+    :func:`~timm_dora.flops.actor_controller_macs` where the gate is open, doubled), into ``out``
+    when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
+    written). ``tile``: ``(rows per program, warps)`` for all three row-wise kernels instead of
+    :data:`TILE_ROWS`, or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
+    ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks.
+    """
+    reason = fused_controller_reason(actor, keys.dtype)
+    if reason is not None:
+        raise ValueError(f"fused controller: {reason}")
+    if keys.dim() != 2 or keys.shape[1] != actor.embed_dim or keys.stride(1) != 1:
+        raise ValueError(f"keys must be [rows, {actor.embed_dim}] with unit column stride, got {tuple(keys.shape)}")
+    if keys.dtype != actor.w_in.weight.dtype:
+        raise ValueError(f"keys are {keys.dtype}, the actor's weights {actor.w_in.weight.dtype}")
+    dev, dt, rows = keys.device, keys.dtype, keys.shape[0]
+    b, w, d = gate.shape[0], actor.width, actor.embed_dim
+    enc, bh, sel = actor.encoder, actor.budget_head, actor.selector
+    prec = "ieee" if dt == torch.float32 else "tf32"  # fp32 (the CPU tests) exact; half: irrelevant
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    h = h.float().contiguous()
+    if out is None:
+        out = (torch.empty(total, dtype=torch.bool, device=dev), torch.empty(b, dtype=torch.long, device=dev),
+               torch.empty(b, dtype=torch.float64, device=dev))
+    remove, k_out, flops = out
+    if remove.shape[0] < total or k_out.shape != (b,) or flops.shape != (b,) or remove.dtype != torch.bool \
+            or k_out.dtype != torch.long or flops.dtype != torch.float64 or not remove.is_contiguous():
+        raise ValueError(f"out must be (remove [>= {total}] bool, k [{b}] int64, flops [{b}] float64)")
+    steps = max(1, (b - 1).bit_length())  # halvings of the binary search for each row's sequence
+    if isinstance(tile, dict) and not set(tile) <= set(TILE_ROWS):
+        raise ValueError(f"tile: unknown kernels {sorted(set(tile) - set(TILE_ROWS))} (known: {list(TILE_ROWS)})")
+    tiles = {k: (tile.get(k, default) if isinstance(tile, dict) else tile or default)
+             for k, default in TILE_ROWS.items()}
+    rl = ROW_LAUNCH
+    x = torch.empty((rows, w), dtype=dt, device=dev)
+    qkv = torch.empty((rows, 3 * w), dtype=dt, device=dev)
+    # (its grid also covers the block layout's rows, whose removal flags it sets False)
+    block_r, warps = tiles["embed"]
+    _embed_qkv[(_cdiv(max(rows, total), block_r),)](
+        keys, keys.stride(0), h, cu, b, steps, actor.w_in.weight, actor.w_in.bias, actor.block_embed[block],
+        actor.w_h.weight, enc.norm1.weight, enc.norm1.bias, enc.qkv.weight, enc.qkv.bias, x, qkv, remove, total,
+        enc.norm1.eps, D=d, W=w, BLOCK_R=block_r, BLOCK_K=rl["k_block"] if d >= rl["k_block"] else 32,
+        PREC=prec, num_warps=warps, num_stages=rl["num_stages"])
+    heads = enc.num_heads
+    q, k, v = qkv.view(rows, 3, heads, w // heads).unbind(1)
+    o = varlen_attention_triton(q, k, v, cu, max_len, (w // heads) ** -0.5)
+    z = torch.empty_like(x)
+    block_r, warps = tiles["out_ffn"]
+    _out_ffn[(_cdiv(rows, block_r),)](
+        o, x, cu, b, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias, enc.fc1.weight, enc.fc1.bias,
+        enc.fc2.weight, enc.fc2.bias, z, enc.norm2.eps, W=w, F=actor.ffn_dim, FCH=min(actor.ffn_dim, rl["ffn_chunk"]),
+        BLOCK_R=block_r, PREC=prec, num_warps=warps, num_stages=rl["num_stages"])
+    m = actor.num_budgets
+    mp = max(16, triton.next_power_of_2(m))
+    frac = torch.empty(b, dtype=torch.float32, device=dev)
+    per_token, fixed, selector, _ = controller_macs_terms(actor)
+    _budget[(_cdiv(b, 16),)](z, cu, n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias,
+                             bh[3].weight, bh[3].bias, actor.budgets, k_out, frac, flops, b, m, actor.min_keep,
+                             bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector,
+                             W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec, num_warps=tiles["scores"][1])
+    np_ = max(16, triton.next_power_of_2(actor.num_patches))
+    scores = torch.empty((b, np_), dtype=torch.float32, device=dev)
+    block_r, warps = tiles["scores"]
+    _scores[(_cdiv(rows, block_r),)](
+        z, cu, b, steps, frac, actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight, sel[2].bias, scores,
+        W=w, S=actor.selector_hidden, NP=np_, BLOCK_R=block_r, PREC=prec, num_warps=warps)
+    ch = min(64, np_)
+    _select[(b, np_ // ch)](scores, cu, cu_out, k_out, remove, num_prefix, NP=np_, CH=ch, num_warps=tiles["scores"][1])
+    return remove[:total], k_out, flops

@@ -1,0 +1,94 @@
+"""Checkpoints of a training run (mixed into :class:`~timm_dora.train.loop.Trainer`): the dev
+evaluation of each checkpoint, the full training state for an exact ``--resume``, and the dev
+selection rule that writes ``OUT/selected`` (App. E.2)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Dict
+
+import torch
+
+from ..policy import Actor, ActorPolicy
+from .selection import CheckpointRecord, select_checkpoint
+
+__all__ = ["Checkpoints"]
+
+
+class Checkpoints:
+    """Saving, resuming and selecting (every attribute it reads is the trainer's)."""
+
+    def evaluate_dev(self) -> CheckpointRecord:
+        pred, gflops = self._predict(self.dev_x, ActorPolicy(self.actor))
+        top1 = 100.0 * float((pred == self.dev_y).float().mean())
+        return CheckpointRecord(f"u{self.u:05d}", top1, self.dev_native_top1, float(gflops.mean()))
+
+    def state_dict(self) -> Dict:
+        return {
+            "u": self.u,
+            "actor": self.actor.state_dict(),
+            "critic": self.critic.state_dict(),
+            "opts": {k: o.state_dict() for k, o in self.opts.items()},
+            "rms": self.rms.state_dict(),
+            "feedback": self.feedback.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "gen": self.gen.get_state(),
+            "cpu_gen": self.cpu_gen.get_state(),
+            "checkpoints": self.checkpoints,
+            "config": dataclasses.asdict(self.cfg),
+            "cpu_threads": torch.get_num_threads(),
+        }
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.stop_prefetch()  # its batches follow the sampler state being replaced
+        self.u = int(state["u"])
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        for k, o in self.opts.items():
+            o.load_state_dict(state["opts"][k])
+        self.rms.load_state_dict(state["rms"])
+        self.feedback.load_state_dict(state["feedback"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.gen.set_state(state["gen"])
+        self.cpu_gen.set_state(state["cpu_gen"])
+        self.checkpoints = list(state["checkpoints"])
+        threads = state.get("cpu_threads")
+        if self.dev.type == "cpu" and threads and threads != torch.get_num_threads():
+            # CPU float reductions split their work by thread count: the same count continues exactly
+            print(f"--resume: using {threads} CPU threads, as the saved run did (this process had "
+                  f"{torch.get_num_threads()})", file=sys.stderr)
+            torch.set_num_threads(threads)
+
+    def save_checkpoint(self) -> CheckpointRecord:
+        """Evaluate on dev and save actor + training state (first process only; shared record)."""
+        rec = None
+        if self.comm.main:
+            rec = self.evaluate_dev()
+            folder = self.out / "checkpoints" / rec.name
+            self.actor.save_pretrained(folder, backbone=self.model, extra=self._training_facts(rec))
+        rec = self.comm.broadcast_object(rec)
+        self.checkpoints.append(dataclasses.asdict(rec))
+        if self.comm.main:
+            torch.save(self.state_dict(), self.out / "state.pt")
+        self.comm.barrier()
+        return rec
+
+    def _training_facts(self, rec: CheckpointRecord) -> Dict:
+        return {
+            "updates": self.u, "target_drop": self.cfg.target_drop, "a_u": self.feedback.coefficient,
+            "dev_top1": rec.top1, "dev_native_top1": rec.native_top1, "dev_gflops": rec.gflops,
+            "model": self.cfg.model, "data": self.cfg.data,
+        }
+
+    def select(self) -> Dict:
+        """Apply the dev selection rule and write the chosen actor to ``OUT/selected``."""
+        recs = [CheckpointRecord(**r) for r in self.checkpoints]
+        choice = select_checkpoint(recs, target_pp=100.0 * self.cfg.target_drop)
+        actor = Actor.from_pretrained(self.out / "checkpoints" / choice.record.name)
+        summary = {"selected": dataclasses.asdict(choice.record), "violates": choice.violates,
+                   "target_pp": 100.0 * self.cfg.target_drop, "checkpoints": self.checkpoints}
+        actor.save_pretrained(self.out / "selected", backbone=self.model,
+                              extra={**actor.pretrained_config.get("training", {}), "selection": summary})
+        (self.out / "selection.json").write_text(json.dumps(summary, indent=1))
+        return summary

@@ -1,0 +1,108 @@
+"""A training run's configuration (:class:`TrainConfig`: every setting named once, the paper's
+defaults or marked ours) and the ``timm-dora-train`` flags made from it (one flag per field)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .pool import AUGMENT_LEVELS
+from .ppo import PPOConfig
+
+__all__ = ["TrainConfig", "build_parser", "config_from_args"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; defaults are the paper's (``ppo``) or marked ours."""
+
+    model: str
+    data: str  # labels CSV (with a split column) or an ImageFolder root for the rollout split
+    out: str
+    weights: Optional[str] = None  # local weights file (timm pretrained_cfg_overlay)
+    pretrained: bool = False  # let timm fetch the pretrained weights instead
+    img_size: Optional[int] = None  # override the model's input size (small tests)
+    num_classes: Optional[int] = None
+    rollout_split: str = "rollout"
+    qc_split: str = "qc"
+    dev_split: str = "dev"
+    qc_data: Optional[str] = None  # separate ImageFolder roots (default: --data with the split)
+    dev_data: Optional[str] = None
+    augment: str = "none"  # ours, for small pools: "none" | "light" | "strong" (pool.train_transform; True = "light")
+    cutmix_prob: float = 0.5  # ours: with --augment strong, the share of rollout images given a patch CutMix from another pool image
+    budget_step: int = 2  # the budget grid {s, 2s, ..., N0 - 4} of actor and critic (paper: 2)
+    init_actor: Optional[str] = None  # warm start from a saved actor (folder or Hub id); critic, optimizers, feedback fresh
+    readout: str = "model"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    target_drop: float = 0.01
+    a_init: float = 30.0
+    fixed_coefficient: bool = False  # ablation
+    terminal_only: bool = False  # ablation
+    feedback_cadence: int = 8
+    qc_shards: int = 8
+    tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
+    checkpoint_every: int = 50
+    max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit
+    data_workers: Optional[int] = None  # ours: processes augmenting rollout batches ahead of the update (None: min(4, cores - 1); 0: none)
+    shadow_chunk: int = 2048  # shadow rows per packed forward (memory only: each row is computed alone)
+    eval_batch: int = 256
+    tensorboard: bool = False
+    progress: bool = True
+    cuda_graphs: bool = True  # ours: replay the PPO minibatch steps from CUDA graphs (CUDA, one process)
+    compile: Optional[bool] = None  # ours: torch.compile (Inductor) the critic's token branch; None: on CUDA only
+    critic_bf16: Optional[bool] = None  # ours: the critic's token branch under bf16 autocast (fp32 weights, Adam, heads, losses); None: on CUDA only
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+
+    @property
+    def total_updates(self) -> int:
+        return self.ppo.updates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="timm-dora-train",
+        description="Train a DORA actor for a timm ViT with the paper's PPO recipe.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model", required=True, help="timm model name, e.g. vit_tiny_patch16_224.augreg_in21k_ft_in1k")
+    ap.add_argument("--data", required=True, help="labels CSV (path,label,...,split) or ImageFolder root")
+    ap.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, selected/)")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/state.pt exactly")
+    ap.add_argument("--augment", nargs="?", const="light", default="none", choices=AUGMENT_LEVELS,
+                    help="rollout augmentation for small pools (ours): light = crop (0.5-1) + flip; strong = crop "
+                         "(0.25-1) + flip + RandAugment + label-free patch CutMix (--cutmix-prob); bare --augment = light")
+    skip = {"model", "data", "out", "ppo", "augment"}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        _add(ap, f.name, f.type, f.default)
+    for f in dataclasses.fields(PPOConfig):
+        if f.name != "total_images":  # = rollout_images * updates
+            _add(ap, f.name, f.type, f.default, prefix="ppo")
+    return ap
+
+
+def _add(ap, name, typ, default, prefix=None):
+    flag = "--" + name.replace("_", "-")
+    dest = f"{prefix}__{name}" if prefix else name
+    typ = str(typ)
+    if "bool" in typ:
+        ap.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default)
+    elif "int" in typ and "Optional" not in typ:
+        ap.add_argument(flag, dest=dest, type=int, default=default)
+    elif "float" in typ:
+        ap.add_argument(flag, dest=dest, type=float, default=default)
+    elif "Optional[int]" in typ:
+        ap.add_argument(flag, dest=dest, type=int, default=default)
+    else:
+        ap.add_argument(flag, dest=dest, type=str, default=default)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    ppo_kw = {k.split("__", 1)[1]: v for k, v in vars(args).items() if k.startswith("ppo__")}
+    top = {k: v for k, v in vars(args).items() if not k.startswith("ppo__") and k != "resume"}
+    ppo_kw["total_images"] = ppo_kw["rollout_images"] * ppo_kw["updates"]
+    return TrainConfig(ppo=PPOConfig(**ppo_kw), **top)

@@ -1,0 +1,565 @@
+"""Training DORA actors with the paper's PPO recipe (Sec. 3.3-3.5, App. B-E), and the CLI.
+
+    timm-dora-train --model vit_tiny_patch16_224.augreg_in21k_ft_in1k --weights W.safetensors \\
+        --data ../shared/data/imagenet-mini/labels.csv --out runs/vit_tiny
+
+One update ``u`` (App. C/D):
+
+1. draw ``rollout_images`` images from the rollout pool; the fidelity coefficient ``a_u`` is fixed
+   for this rollout and its update;
+2. Native logits, a sampled rollout on the frozen bf16 backbone (hard deletion through the
+   inference code, :func:`timm_dora.rollout.collect`) and the complete-prefix shadows
+   (:func:`timm_dora.rollout.shadow_divergences`), all under ``no_grad``;
+3. every ``feedback_cadence`` updates, after the rollout and before the update: the deterministic
+   actor on the next QC shard, paired Top-1 drop ``d_u``, ``a_{u+1}`` by the clipped rule;
+4. rewards ``r_l = 25 dC_l - a_u (D_l - D_{l-1})``; old critic values; GAE with the shared
+   lambda-return; advantages standardised per decision type over eligible transitions;
+5. ``actor_epochs`` of clipped PPO: gate (minibatch 512), budget + selector (minibatch 64, symmetric
+   PCGrad on the shared controller, clipped to 0.5); ``critic_epochs`` of clipped Huber value
+   regression on normalised returns (minibatch 128); separate Adam optimisers.
+
+Checkpoints are saved every ``checkpoint_every`` updates (the actor with ``save_pretrained`` and the
+full training state for exact resume); each is evaluated on the dev split, and at the end the
+selection rule (lowest dev GFLOPs with a Native-relative drop <= the target, else the final one,
+flagged) picks the actor written to ``OUT/selected``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import data as D
+from ..backbone import create_backbone
+from ..engine import Packed, run, wrap
+from ..policy import Actor, ActorPolicy, NoPrune, RolloutNoise
+from . import pool as P
+from .checkpoints import Checkpoints
+from .config import TrainConfig
+from .critic import Critic, native_features, trajectory_scalar_states
+from .feedback import FeedbackController, paired_drop
+from .graph_step import CapturedStep, StaticBatch
+from .ppo import (
+    RunningMeanStd, actor_parameter_groups, apply_pcgrad, clipped_surrogate, clipped_value_loss, gae_shared_return,
+    standardize,
+)
+from .rewards import step_rewards, token_layer_compression
+from .rollout import Trajectory, collect, evaluate_controller, evaluate_gate, shadow_divergences
+from .runtime import Comm, PhaseClock
+
+__all__ = ["Trainer"]
+
+
+@dataclass
+class _Minibatch:
+    """Global transition ids of one PPO minibatch (identical on every process) and this process's
+    share of them as local ids: on the host (``local``) and on the device (``idx``)."""
+
+    ids: List[int]
+    local: List[int]
+    idx: Optional[torch.Tensor] = None
+
+
+class Trainer(Checkpoints):
+    """Holds the frozen wrapped backbone, the actor, the critic, optimisers and all training state."""
+
+    def __init__(self, cfg: TrainConfig, sync_phases: bool = False):
+        self.cfg = cfg
+        self.comm = Comm()
+        self.dev = torch.device(cfg.device)
+        self.clock = PhaseClock(self.dev, sync=sync_phases)  # per-phase times of each update
+        if cfg.ppo.rollout_images % self.comm.world:
+            raise ValueError(f"--rollout-images {cfg.ppo.rollout_images} must be divisible by the number of processes {self.comm.world}")
+        self.local_batch = cfg.ppo.rollout_images // self.comm.world
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.ppo.seed)
+        kw = {}
+        if cfg.img_size:
+            kw["img_size"] = cfg.img_size
+        if cfg.num_classes:
+            kw["num_classes"] = cfg.num_classes
+        model = create_backbone(cfg.model, cfg.weights, pretrained=cfg.pretrained, **kw)
+        self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
+        self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout)
+        self.num_patches = model.patch_embed.num_patches
+        self.depth = len(model.blocks)
+
+        # data: the backbone's own preprocessing (App. E.1); splits must be disjoint
+        ev = D.eval_transform(model)
+        cfg.augment = P.augment_level(cfg.augment)
+        if not 0.0 <= cfg.cutmix_prob <= 1.0:
+            raise ValueError(f"--cutmix-prob must be in [0, 1], got {cfg.cutmix_prob}")
+        self.patch = model.patch_embed.patch_size[0]
+        tr = P.train_transform(model, cfg.augment)
+        self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
+        qc_set = D.open_split(cfg.qc_data or cfg.data, cfg.qc_split, ev)
+        dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
+        D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})
+        self.rollout_pool = None if cfg.augment != "none" else D.preload(self.rollout_set, self.dev)
+        self.augmented, self.prefetch = None, None
+        if cfg.augment != "none":
+            self.rollout_set.keep_decoded()  # decode each file once; the random crop/flip still run per update
+            self.augmented = P.AugmentedPool(self.rollout_set, cfg.ppo.seed, cfg.augment == "strong", cfg.cutmix_prob, self.patch)
+        if cfg.data_workers is not None and cfg.data_workers < 0:
+            raise ValueError(f"--data-workers must be 0 or more, got {cfg.data_workers}")
+        self.workers = cfg.data_workers if cfg.data_workers is not None else min(4, (os.cpu_count() or 1) - 1)
+        self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
+        self.dev_x, self.dev_y = D.preload(dev_set, self.dev)
+        self.qc_shard_idx = D.fixed_shards(len(qc_set), cfg.qc_shards)
+
+        # learners
+        self.actor = Actor.for_model(model, budget_step=cfg.budget_step)
+        if cfg.init_actor:
+            self.actor.load_state_dict(_warm_start(cfg.init_actor, self.actor, self.model, cfg.readout))
+        self.actor = self.actor.to(self.dev)
+        self.critic = Critic.for_model(model, budget_step=cfg.budget_step, backend="padded").to(self.dev)
+        self.graphs = cfg.cuda_graphs and self.dev.type == "cuda" and self.comm.world == 1
+        p = cfg.ppo
+        g = actor_parameter_groups(self.actor)
+        self.groups = g
+        # capturable: the minibatch steps are replayed from CUDA graphs (one process on CUDA)
+        adam = functools.partial(torch.optim.Adam, capturable=self.graphs)
+        self.opts = {
+            "gate": adam(g["gate"], lr=p.lr_gate),
+            "shared": adam(g["shared"], lr=p.lr_shared),
+            "budget": adam(g["budget"], lr=p.lr_budget),
+            "selector": adam(g["selector"], lr=p.lr_selector),
+            "critic": adam(self.critic.parameters(), lr=p.lr_critic),
+        }
+        self.gate_batch = StaticBatch(p.gate_minibatch, self.dev)
+        self.ctrl_batch = StaticBatch(p.controller_minibatch, self.dev)
+        self.critic_batch = StaticBatch(p.critic_minibatch, self.dev)
+        self.captured: Dict[object, CapturedStep] = {}  # minibatch steps by kind, captured on first use
+        # the critic's fixed-shape token branch, compiled by Inductor (--compile; on CUDA by default):
+        # H100, ViT-Ti, same run: critic update 0.39 -> 0.27 s, about 40 s of compiling in the first
+        # update. The controller's forward gained nothing (its fp32 attention backward dominates).
+        compiled = cfg.compile if cfg.compile is not None else self.dev.type == "cuda"
+        self.critic_tokens = torch.compile(self.critic.encode_padded, dynamic=False) if compiled else self.critic.encode_padded
+        self.rms = RunningMeanStd()
+        self.feedback = FeedbackController(
+            a_init=cfg.a_init, target=cfg.target_drop, cadence=cfg.feedback_cadence,
+            num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient,
+        )
+        self.sampler = P.RolloutSampler(len(self.rollout_set), p.rollout_images, torch.Generator().manual_seed(p.seed))
+        self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # rollout noise, same on every process
+        self.cpu_gen = torch.Generator().manual_seed(p.seed + 1)  # minibatch order
+        self.u = 0
+        self.checkpoints: List[Dict] = []
+        # Native references on QC and dev (fixed backbone)
+        self.qc_native = self._predict(self.qc_x, NoPrune())[0] == self.qc_y
+        dev_native, _ = self._predict(self.dev_x, NoPrune())
+        self.dev_native_top1 = 100.0 * float((dev_native == self.dev_y).float().mean())
+        self._tb = None
+
+    # ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _predict(self, x: torch.Tensor, policy) -> tuple:
+        preds, gflops = [], []
+        for s in range(0, x.shape[0], self.cfg.eval_batch):
+            logits, stats = run(self.model, x[s : s + self.cfg.eval_batch].to(self.dtype), policy)
+            preds.append(logits.argmax(1))
+            gflops.append(stats.gflops)
+        return torch.cat(preds), torch.cat(gflops)
+
+    def _rollout_images(self, idx: torch.Tensor) -> torch.Tensor:
+        """The rollout inputs of pool images ``idx`` at this update, made in this process
+        (:class:`~timm_dora.data.AugmentedPool`: every draw seeded per (seed, update, image))."""
+        if self.rollout_pool is not None:
+            return self.rollout_pool[0][idx.to(self.dev)].to(self.dtype)
+        return torch.stack([self.augmented[(self.u, i)][1] for i in idx.tolist()]).to(self.dev, self.dtype)
+
+    def _next_images(self, idx: List[int], mine: torch.Tensor) -> torch.Tensor:
+        """This process's rollout inputs of the global batch ``idx``: from the workers that made
+        them ahead (``data_workers``), else made here. The prefetched keys must be this update's."""
+        if self.prefetch is None:
+            return self._rollout_images(torch.tensor(idx)[mine])
+        keys, x = next(self.prefetch)
+        expect = [(self.u, idx[m]) for m in mine.tolist()]
+        if keys != expect:
+            raise RuntimeError(f"prefetched rollout batch {keys[:2]}... is not update {self.u}'s {expect[:2]}...")
+        return x.to(self.dev, self.dtype)
+
+    # ---------------------------------------------------------------------------------------
+    def step(self) -> Dict[str, float]:
+        """One PPO update (rollout, shadows, feedback, update); returns its metrics (global over
+        all processes)."""
+        cfg, p, comm = self.cfg, self.cfg.ppo, self.comm
+        self.u += 1
+        u = self.u
+        clock = self.clock
+        t0 = time.perf_counter()
+        clock.start()
+        batch = p.rollout_images
+        mine = torch.arange(comm.rank * self.local_batch, (comm.rank + 1) * self.local_batch)
+        if self.prefetch is None and self.augmented is not None and self.workers > 0:
+            # batches from this update on, made ahead from a copy of the sampler as it stands now
+            self.prefetch = P.RolloutPrefetch(self.augmented, self.sampler, u - 1, mine.tolist(), self.workers, self.dtype)
+        idx = next(self.sampler)  # the global batch, identical on every process
+        noise = RolloutNoise.draw(self.depth, batch, self.actor.num_budgets, self.num_patches, self.gen, self.dev)
+        x = self._next_images(idx, mine)
+        clock.mark("data")
+        a_u = self.feedback.coefficient
+        self.actor.eval()
+        with torch.no_grad():
+            z_native = run(self.model, x, NoPrune())[0].float()
+            clock.mark("native")
+            traj = collect(self.model, self.actor, x, z_native=z_native, noise=noise.rows(mine.to(self.dev)))
+            clock.mark("rollout")
+            d = shadow_divergences(self.model, x, traj, p.kd_temperature, cfg.shadow_chunk)
+            clock.mark("shadows")
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        t_rollout = time.perf_counter() - t0
+        m: Dict[str, float] = {"update": u, "a_u": a_u}
+        if self.feedback.due(u):  # once, on the first process, then shared
+            shard = self.feedback.next_shard()
+            drop = None
+            if comm.main:
+                sel = torch.tensor(self.qc_shard_idx[shard], device=self.dev)
+                pred, _ = self._predict(self.qc_x[sel], ActorPolicy(self.actor))
+                drop = paired_drop(self.qc_native[sel], pred == self.qc_y[sel])
+            drop = comm.broadcast_object(drop)
+            self.feedback.update(u, drop, shard)
+            m.update(d_u=drop, qc_shard=shard, a_next=self.feedback.coefficient)
+            clock.mark("feedback")
+        rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
+        m.update(self._ppo_update(traj, d, rewards, a_u))
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        t_all = time.perf_counter() - t0
+        comp = token_layer_compression(traj.k, self.num_patches)
+        sums = comm.sum_(torch.stack([
+            rewards.sum(1).sum(), comp.sum(), traj.gflops.sum(), d[:, -1].sum(),
+            traj.gate.float().sum() / self.depth, (traj.k > 0).sum().float(),
+        ]).double().cpu())
+        keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions")
+        m.update({k: float(v) / batch for k, v in zip(keys, sums)})
+        clock.mark("metrics")
+        m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read())
+        return m
+
+    def _critic_precision(self):
+        """bf16 autocast for the critic's token branch (``critic_bf16``; by default on CUDA only);
+        weights, Adam, the value heads and the losses stay fp32. No autocast cache: the steps are
+        captured as CUDA graphs."""
+        on = self.cfg.critic_bf16 if self.cfg.critic_bf16 is not None else self.dev.type == "cuda"
+        if on:
+            return torch.autocast(self.dev.type, dtype=torch.bfloat16, cache_enabled=False)
+        return contextlib.nullcontext()
+
+    def _values(self, cb: "StaticBatch", idx: torch.Tensor) -> torch.Tensor:
+        """``u_l`` (fp32) of the transitions ``idx`` of the critic's buffers ``cb``."""
+        with self._critic_precision():
+            u = self.critic_tokens(cb.tokens[idx], cb.lengths[idx], cb.block[idx], cb.q[idx], cb.zn[idx],
+                                          self.model.num_prefix_tokens)
+        return u.float()
+
+    def _step(self, key, fn, params: List[torch.Tensor], opts: List[str]) -> torch.Tensor:
+        """One PPO minibatch step ``fn`` (reading only static buffers): eager, or (one process on
+        CUDA) replayed from the CUDA graph captured for ``key`` on its first call."""
+        if not self.graphs:
+            return fn()
+        step = self.captured.get(key)
+        if step is None:
+            step = self.captured[key] = CapturedStep(fn, params, [self.opts[o] for o in opts])
+        return step()
+
+    def _gate_minibatch(self) -> torch.Tensor:
+        """Clipped PPO on the gate decisions of the minibatch in ``self.gate_batch`` (App. D.2-D.3)
+        and the gate's gradient step; returns ``[loss, entropy]`` (detached). The sums count the
+        real rows (``w``), divided by the minibatch's global size."""
+        gb, p = self.gate_batch, self.cfg.ppo
+        i = gb.idx
+        lp, ent = evaluate_gate(self.actor, gb.cls_key[i], gb.h[i], gb.block[i], gb.gate[i])
+        surr = clipped_surrogate(lp, gb.logp_old[i], gb.adv[i], p.clip_eps)
+        loss = torch.where(gb.w, surr - p.entropy_gate * ent, 0.0).sum() / gb.n
+        params = self.groups["gate"]
+        self.opts["gate"].zero_grad(set_to_none=True)
+        loss.backward()
+        self.comm.sum_grads(params)
+        torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
+        self.opts["gate"].step()
+        return torch.stack([loss, torch.where(gb.w, ent, 0.0).sum() / gb.n]).detach()
+
+    def _controller_minibatch(self) -> torch.Tensor:
+        """Clipped PPO on the budget and selector decisions of the minibatch in ``self.ctrl_batch``
+        (App. D.2-D.4): symmetric PCGrad of the two losses' gradients on the shared encoder, each
+        head its own gradient, then the three gradient steps; returns ``[loss_B, loss_S, H_B, H_S]``
+        (detached). Each loss reaches the shared encoder and its own head only, so one backward
+        pass per loss gives every gradient."""
+        cb, p, comm = self.ctrl_batch, self.cfg.ppo, self.comm
+        i = cb.idx
+        lb, hb, ls, hs = evaluate_controller(self.actor, cb.keys[i], cb.lengths[i], cb.h[i], cb.block[i],
+                                             cb.budget_index[i], cb.order[i], cb.valid[i])
+
+        def mean(x: torch.Tensor) -> torch.Tensor:  # over the real rows, by the global minibatch size
+            return torch.where(cb.w, x, 0.0).sum() / cb.n
+
+        hb, hs = mean(hb), mean(hs)
+        loss_b = mean(clipped_surrogate(lb, cb.budget_logp_old[i], cb.adv_b[i], p.clip_eps)) - p.entropy_budget * hb
+        loss_s = mean(clipped_surrogate(ls, cb.selector_logp_old[i], cb.adv_s[i], p.clip_eps)) - p.entropy_selector * hs
+        shared, budget, selector = self.groups["shared"], self.groups["budget"], self.groups["selector"]
+        g_b = torch.autograd.grad(loss_b, shared + budget, retain_graph=True, allow_unused=True)
+        g_s = torch.autograd.grad(loss_s, shared + selector, allow_unused=True)
+        for name in ("shared", "budget", "selector"):
+            self.opts[name].zero_grad(set_to_none=True)
+        n = len(shared)
+        for q, g in zip(budget + selector, g_b[n:] + g_s[n:]):
+            q.grad = g
+        comm.sum_grads(budget + selector)
+        apply_pcgrad(shared, comm.sum_list(g_b[:n], shared), comm.sum_list(g_s[:n], shared), p.max_grad_norm, p.pcgrad_eps)
+        torch.nn.utils.clip_grad_norm_(budget, p.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(selector, p.max_grad_norm)
+        for name in ("shared", "budget", "selector"):
+            self.opts[name].step()
+        return torch.stack([loss_b, loss_s, hb, hs]).detach()
+
+    def _critic_minibatch(self, gate_on: bool) -> torch.Tensor:
+        """Clipped value regression of every value head (App. D.2) on the minibatch in
+        ``self.critic_batch``, then the gradient step; returns the (detached) loss. The heads run on
+        every row; the losses count the real rows (``w``), the budget and selector ones only the
+        gate-on transitions, each divided by its global count. ``gate_on=False`` (no gate-on
+        transition in the minibatch) leaves those heads out, so their parameters get no gradient
+        and Adam skips them."""
+        cb, p = self.critic_batch, self.cfg.ppo
+        critic, idx = self.critic, cb.idx
+        u = self._values(cb, idx)
+        lg = clipped_value_loss(critic.gate_value(u), cb.vg[idx], cb.target[idx], p.value_clip, p.huber_delta)
+        loss = torch.where(cb.w, lg, 0.0).sum() / cb.n
+        if gate_on:
+            c = cb.ctrl_of[idx]
+            on, cm = (c >= 0) & cb.w, c.clamp_min(0)
+            lb = clipped_value_loss(critic.budget_value(u), cb.vb[idx], cb.target[idx], p.value_clip, p.huber_delta)
+            vsn = critic.selector_value(u, cb.budget_index[cm], cb.frac[cm])
+            ls = clipped_value_loss(vsn, cb.vs[cm], cb.target[idx], p.value_clip, p.huber_delta)
+            loss = loss + torch.where(on, lb, 0.0).sum() / cb.n_on
+            loss = loss + torch.where(on, ls, 0.0).sum() / cb.n_on
+        params = list(critic.parameters())
+        self.opts["critic"].zero_grad(set_to_none=True)
+        loss.backward()
+        self.comm.sum_grads(params)
+        torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
+        self.opts["critic"].step()
+        return loss.detach()
+
+    def _standardize(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Advantage standardisation over the eligible transitions of *all* processes."""
+        if self.comm.world == 1:
+            return standardize(adv, mask, self.cfg.ppo.adv_eps)
+        sel = adv[mask].double()
+        n, s1, s2 = self.comm.sum_(torch.stack([sel.new_tensor(float(sel.numel())), sel.sum(), (sel * sel).sum()]).cpu())
+        if n == 0:
+            return torch.zeros_like(adv)
+        mean = s1 / n
+        std = (s2 / n - mean * mean).clamp_min(0).sqrt() if n > 1 else torch.zeros_like(mean)
+        return torch.where(mask, (adv - float(mean)) / (float(std) + self.cfg.ppo.adv_eps), torch.zeros_like(adv))
+
+    def _local(self, t_global: List[int]) -> List[int]:
+        """This process's transitions among global transition ids ``l * B + g``, as local ids."""
+        batch, bl, rank = self.cfg.ppo.rollout_images, self.local_batch, self.comm.rank
+        return [(t // batch) * bl + (t % batch) % bl for t in t_global if (t % batch) // bl == rank]
+
+    def _epoch(self, pool: List[int], size: int) -> List[_Minibatch]:
+        """Minibatches of one epoch over the global transitions ``pool``, shuffled on the host."""
+        ids = [pool[i] for i in torch.randperm(len(pool), generator=self.cpu_gen).tolist()]
+        return [_Minibatch(ids[s : s + size], self._local(ids[s : s + size])) for s in range(0, len(ids), size)]
+
+    def _ppo_update(self, traj: Trajectory, d: torch.Tensor, rewards: torch.Tensor, a_u: float) -> Dict[str, float]:
+        """One PPO update. Minibatches are drawn over the global batch (identically on every
+        process); each process evaluates the transitions it holds, losses are sums divided by the
+        global minibatch counts, and gradients are summed across processes before PCGrad,
+        clipping and the optimiser steps, so the maths equals the single-process update.
+
+        Every minibatch step reads fixed-shape static buffers (:class:`~timm_dora.train.graph_step.StaticBatch`: the update's
+        tensors, padded token sequences, the minibatch's rows and weights), so the step is the
+        same on every call: one process on CUDA replays it from a CUDA graph. The integers the
+        minibatches depend on come to the host in one transfer and all minibatch indices go to the
+        device in one; a process holding none of a minibatch runs it with no real row (zero
+        gradients, the same collectives)."""
+        p, dev, comm = self.cfg.ppo, self.dev, self.comm
+        b, depth = traj.k.shape
+        batch = p.rollout_images
+        n_t, n_c = b * depth, traj.ctrl_t.numel()
+        # host copies: global feasible and gate-on flags in t order, then this process's layout
+        flags = torch.stack([traj.feasible, traj.ctrl_of >= 0]).long().view(2, depth, b).permute(2, 1, 0)
+        flags = comm.gather(flags.contiguous()).permute(2, 1, 0).reshape(-1)  # [2, L, B] flattened
+        host = torch.cat([flags, traj.token_lengths, traj.ctrl_of, traj.ctrl_lengths])
+        sizes = [batch * depth] * 2 + [n_t] * 2 + [n_c]
+        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_len_h = (t.tolist() for t in host.cpu().split(sizes))
+        # minibatches, drawn in the order the loops use them; their local ids go to the device at once
+        feas_g = [t for t, f in enumerate(feas_h) if f]
+        on_g = [t for t, o in enumerate(on_h) if o]
+        actor_epochs = [(self._epoch(feas_g, p.gate_minibatch), self._epoch(on_g, p.controller_minibatch))
+                        for _ in range(p.actor_epochs)]
+        for _, ctrl_mbs in actor_epochs:
+            for mb in ctrl_mbs:
+                mb.local = [ctrl_of_h[t] for t in mb.local]  # rows of the controller's buffers
+        critic_mbs = [mb for _ in range(p.critic_epochs) for mb in self._epoch(list(range(batch * depth)), p.critic_minibatch)]
+        mbs = [mb for gate_mbs, ctrl_mbs in actor_epochs for mb in gate_mbs + ctrl_mbs] + critic_mbs
+        flat = torch.tensor([t for mb in mbs for t in mb.local], dtype=torch.long).to(dev)
+        for mb, idx in zip(mbs, flat.split([len(mb.local) for mb in mbs])):
+            mb.idx = idx
+
+        phi = native_features(traj.z_native, self.cfg.tau_b)
+        q = trajectory_scalar_states(traj.k, d, phi, a_u, self.num_patches).transpose(0, 1).reshape(n_t, -1)
+        ci = traj.ctrl_t
+        n_ctrl = traj.ctrl_lengths - 1
+        frac = self.actor.budgets[traj.budget_index].float() / n_ctrl.clamp_min(1).float()  # k_l / N_l
+        # the critic's inputs, padded: H_l of each transition in P + N0 rows (one scatter per update)
+        tokens = Packed(traj.tokens, traj.token_lengths, tok_len_h, traj.num_prefix).padded(traj.num_prefix + self.num_patches)
+        cb = self.critic_batch
+        fresh = cb.load(n_t, tokens=tokens, lengths=traj.token_lengths, block=traj.block, q=q,
+                        zn=traj.z_native.repeat(depth, 1), ctrl_of=traj.ctrl_of, budget_index=traj.budget_index, frac=frac)
+
+        # old values (normalised units) and the shared lambda-return
+        self.critic.eval()
+        chunk = 1024
+        with torch.no_grad():
+            t_loc = torch.arange(n_t, device=dev)
+            u = torch.cat([self._values(cb, t_loc[s : s + chunk]) for s in range(0, n_t, chunk)])
+            vg, vb = self.critic.gate_value(u), self.critic.budget_value(u)
+            vs = self.critic.selector_value(u[ci], traj.budget_index, frac)
+        self.clock.mark("old_values")
+        vg_ret = self.rms.denormalize(vg)
+        _, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
+        ret_t = ret.T.reshape(-1)
+        adv_g = self._standardize(ret_t - vg_ret, traj.feasible)
+        ones = torch.ones(n_c, dtype=torch.bool, device=dev)
+        adv_b = self._standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones)
+        adv_s = self._standardize(ret_t[ci] - self.rms.denormalize(vs), ones)
+        self.rms.update(comm.gather(ret_t.view(depth, b).T.contiguous()).T.reshape(-1))  # global, t order
+        fresh |= cb.load(n_t, vg=vg, vb=vb, vs=vs, target=self.rms.normalize(ret_t))
+
+        # the actor's inputs: the gate's per transition, the controller's per gate-on transition
+        # (keys padded to 1 + N0 rows, the recorded order to the largest budget's columns)
+        fresh |= self.gate_batch.load(n_t, cls_key=traj.cls_key, h=traj.h, block=traj.block, gate=traj.gate,
+                                      logp_old=traj.gate_logp_old, adv=adv_g)
+        pad = (0, int(self.actor.budgets[-1]) - traj.order.shape[1])
+        kb = self.ctrl_batch
+        fresh |= kb.load(n_t, keys=Packed(traj.ctrl_keys, traj.ctrl_lengths, ctrl_len_h, 1).padded(1 + self.num_patches),
+                         lengths=traj.ctrl_lengths, h=traj.h[ci], block=traj.block[ci], budget_index=traj.budget_index,
+                         budget_logp_old=traj.budget_logp_old, selector_logp_old=traj.selector_logp_old,
+                         order=F.pad(traj.order, pad), valid=F.pad(traj.valid, pad), adv_b=adv_b, adv_s=adv_s)
+        kb.lengths[n_c:].fill_(1 + self.num_patches)  # rows no transition fills: a harmless full sequence
+        if fresh:
+            self.captured.clear()  # new buffers: capture again
+
+        logs: Dict[str, List[torch.Tensor]] = {"gate": [], "controller": [], "critic": []}
+        gate_params = self.groups["gate"]
+        ctrl_params = self.groups["shared"] + self.groups["budget"] + self.groups["selector"]
+        self.actor.train()
+        for gate_mbs, ctrl_mbs in actor_epochs:
+            for mb in gate_mbs:
+                self.gate_batch.select(mb.idx, len(mb.ids))
+                logs["gate"].append(self._step("gate", self._gate_minibatch, gate_params, ["gate"]).double())
+            for mb in ctrl_mbs:
+                kb.select(mb.idx, len(mb.ids))
+                out = self._step("controller", self._controller_minibatch, ctrl_params, ["shared", "budget", "selector"])
+                logs["controller"].append(out.double())
+        self.actor.eval()
+        self.clock.mark("actor_update")
+
+        self.critic.train()
+        cparams = list(self.critic.parameters())
+        for mb in critic_mbs:
+            n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
+            cb.select(mb.idx, len(mb.ids), n_on_g)
+            gate_on = n_on_g > 0 and n_c > 0  # (n_c: this process holds gate-on transitions)
+            out = self._step(("critic", gate_on), functools.partial(self._critic_minibatch, gate_on), cparams, ["critic"])
+            logs["critic"].append(out.double().reshape(1))
+        self.critic.eval()
+        self.clock.mark("critic_update")
+        # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
+        names = {"gate": ("loss_gate", "entropy_gate"), "critic": ("loss_value",),
+                 "controller": ("loss_budget", "loss_selector", "entropy_budget", "entropy_selector")}
+        out = {k: float("nan") for ks in names.values() for k in ks}
+        kinds = [k for k in names if logs[k]]
+        if kinds:
+            means = comm.sum_(torch.cat([torch.stack(logs[k]).mean(0) for k in kinds]).cpu())
+            keys = [name for k in kinds for name in names[k]]
+            out.update({k: float(v) for k, v in zip(keys, means)})
+        return out
+
+    # ---------------------------------------------------------------------------------------
+
+    def stop_prefetch(self) -> None:
+        """Stop the processes making rollout batches ahead (the next update starts them again)."""
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.prefetch = None
+
+    def fit(self) -> Dict:
+        """Run (or resume) to ``total_updates``; checkpoint, log, select."""
+        cfg, main = self.cfg, self.comm.main
+        log = open(self.out / "metrics.jsonl", "a") if main else None
+        bar = None
+        if cfg.progress and main:
+            from tqdm.auto import tqdm
+
+            # tqdm shows s/update (or updates/s) and the remaining time
+            bar = tqdm(total=cfg.total_updates, initial=self.u, desc="DORA PPO", unit="update", dynamic_ncols=True)
+        start = time.perf_counter()
+        try:
+            while self.u < cfg.total_updates:
+                m = self.step()
+                out_of_time = self.comm.broadcast_object(cfg.max_minutes > 0 and time.perf_counter() - start > 60 * cfg.max_minutes)
+                if self.u % cfg.checkpoint_every == 0 or self.u == cfg.total_updates or out_of_time:
+                    t = time.perf_counter()
+                    rec = self.save_checkpoint()
+                    m.update(dev_top1=rec.top1, dev_gflops=rec.gflops, dev_native_top1=rec.native_top1)
+                    m["phases"]["checkpoint"] = time.perf_counter() - t  # dev evaluation and saving
+                if main:
+                    log.write(json.dumps(m) + "\n")
+                    log.flush()
+                    self._tensorboard(m)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(a=f"{m['a_u']:.1f}", C=f"{m['compression']:.3f}", G=f"{m['gflops']:.2f}")
+                if out_of_time:
+                    print(f"--max-minutes reached after update {self.u}: stopping (resume with --resume)", file=sys.stderr)
+                    break
+        finally:
+            self.stop_prefetch()
+            if log is not None:
+                log.close()
+            if bar is not None:
+                bar.close()
+        summary = self.select() if main else None
+        return self.comm.broadcast_object(summary)
+
+    def _tensorboard(self, m: Dict) -> None:
+        if not self.cfg.tensorboard:
+            return
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out / "tb"))
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and k != "update" and math.isfinite(v):
+                self._tb.add_scalar(k, v, self.u)
+
+
+def _warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dict[str, torch.Tensor]:
+    """The weights of the saved actor at ``source`` (``--init-actor``), checked against the
+    backbone and against the actor this run would make (same sizes), or a ``ValueError``."""
+    from ..hub import check_backbone, load_pretrained
+
+    loaded, config = load_pretrained(source)
+    check_backbone(config, model, readout)
+    if loaded.config() != actor.config():
+        here = actor.config()
+        diff = {k: (v, here.get(k)) for k, v in loaded.config().items() if here.get(k) != v}
+        raise ValueError(f"--init-actor {source}: its sizes differ from this run's actor (saved, here): {diff}")
+    return loaded.state_dict()

@@ -1,0 +1,255 @@
+"""The rollout pool of a training run: batches drawn from it, and the augmentation of small pools.
+
+- :class:`RolloutSampler` draws rollout batches from successive random permutations, with a
+  resumable state.
+- :func:`train_transform` optionally augments the rollout images of small pools (``light``:
+  random-resized crop with scale (0.5, 1) and horizontal flip; ``strong``: scale (0.25, 1), flip
+  and RandAugment, plus label-free patch CutMix, :func:`cutmix_patches`); the paper trains without
+  stochastic augmentation, so it is off by default.
+- :class:`AugmentedPool` is pool image ``i`` as augmented for update ``u``, seeded per
+  ``(seed, u, i)``; :class:`RolloutPrefetch` makes the next updates' batches in worker processes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from timm.data import create_transform
+
+from ..data import data_config
+
+__all__ = ["AUGMENT_LEVELS", "AugmentedPool", "RolloutPrefetch", "RolloutSampler", "augment_level", "cutmix_patches",
+           "seed_all", "train_transform"]
+
+
+AUGMENT_LEVELS = ("none", "light", "strong")
+
+
+def augment_level(augment: Union[bool, str, None]) -> str:
+    """The augmentation level named by ``augment``: ``False``/``None`` -> ``"none"``, ``True`` ->
+    ``"light"`` (the meaning of the earlier boolean flag), or one of :data:`AUGMENT_LEVELS`."""
+    if augment is None or augment is False:
+        return "none"
+    if augment is True:
+        return "light"
+    if isinstance(augment, str) and augment.lower() in AUGMENT_LEVELS:
+        return augment.lower()
+    raise ValueError(f"augment must be one of {AUGMENT_LEVELS} (or a bool), got {augment!r}")
+
+
+def train_transform(model: torch.nn.Module, augment: Union[bool, str] = False, **overrides: Any) -> Callable:
+    """Rollout preprocessing at the model's input size, mean/std and interpolation.
+
+    - ``"none"`` (or ``False``): identical to :func:`eval_transform`.
+    - ``"light"`` (or ``True``): timm's training transform kept light for small rollout pools:
+      ``RandomResizedCrop(scale=(0.5, 1.0))`` with timm's default aspect ratios, horizontal flip
+      with p = 0.5, no colour jitter, no auto-augment, no random erasing.
+    - ``"strong"``: ``RandomResizedCrop(scale=(0.25, 1.0))``, flip, and timm's RandAugment
+      ``rand-m9-mstd0.5-inc1`` (the DeiT recipe's policy, no random erasing). The trainer adds
+      label-free patch CutMix between pool images on top (:func:`cutmix_patches`).
+
+    Randomness comes from the global ``random`` (timm's crop and RandAugment), ``numpy`` and
+    ``torch`` (the flip) RNGs: seed all three, or the DataLoader workers, for reproducible
+    augmentation. Not in the paper (it trains on 300k images without
+    stochastic augmentation): for the 700-image pools here.
+    """
+    level = augment_level(augment)
+    cfg = data_config(model, **overrides)
+    if level == "none":
+        return create_transform(**cfg, is_training=False)
+    strong = level == "strong"
+    return create_transform(
+        input_size=cfg["input_size"],
+        is_training=True,
+        scale=(0.25, 1.0) if strong else (0.5, 1.0),
+        hflip=0.5,
+        color_jitter=None,
+        auto_augment="rand-m9-mstd0.5-inc1" if strong else None,
+        re_prob=0.0,
+        interpolation=cfg["interpolation"],
+        mean=cfg["mean"],
+        std=cfg["std"],
+    )
+
+
+def cutmix_patches(
+    a: torch.Tensor, b: torch.Tensor, patch: int, generator: Optional[torch.Generator] = None
+) -> Tuple[torch.Tensor, Tuple[int, int, int, int]]:
+    """Label-free CutMix on the patch grid: a copy of image ``a`` ``[C, H, W]`` with a rectangle
+    of whole ``patch`` x ``patch`` tiles taken from ``b`` (same shape), and the rectangle
+    ``(top, left, rows, cols)`` in tiles.
+
+    As in CutMix, ``lam ~ U(0, 1)`` and the rectangle covers ``1 - lam`` of the grid
+    (``rows = round(gh * sqrt(1 - lam))``, ``cols`` likewise) at a uniform position inside it;
+    aligned to the patch grid, so every token of the result is a token of ``a`` or of ``b``. No
+    label is mixed: DORA's rollout reward compares the pruned forward with the native forward of
+    the same (mixed) input, so any image is a valid rollout input. Draws 3 numbers from
+    ``generator`` (the global RNG when ``None``).
+    """
+    if a.shape != b.shape or a.dim() != 3:
+        raise ValueError(f"cutmix_patches needs two [C, H, W] images of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    gh, gw = a.shape[1] // patch, a.shape[2] // patch
+    if gh * patch != a.shape[1] or gw * patch != a.shape[2]:
+        raise ValueError(f"image size {tuple(a.shape[1:])} is not a multiple of the patch size {patch}")
+    lam = float(torch.rand((), generator=generator))
+    cut = (1.0 - lam) ** 0.5
+    rows, cols = int(round(gh * cut)), int(round(gw * cut))
+    top = int(torch.randint(gh - rows + 1, (), generator=generator))
+    left = int(torch.randint(gw - cols + 1, (), generator=generator))
+    out = a.clone()
+    ys, xs = slice(top * patch, (top + rows) * patch), slice(left * patch, (left + cols) * patch)
+    out[:, ys, xs] = b[:, ys, xs]
+    return out, (top, left, rows, cols)
+
+
+class RolloutSampler:
+    """Endless stream of index batches over ``range(n)`` from successive random permutations.
+
+    Each permutation is ``torch.randperm(n, generator=generator)``; a batch that reaches the end
+    of one permutation continues into the next, so every batch has exactly ``batch`` indices
+    (an index can repeat within a batch only across such a boundary, or when ``batch > n``).
+    ``generator`` is a ``torch.Generator`` or an int seed. :meth:`state_dict` /
+    :meth:`load_state_dict` save and restore the current permutation, the position in it, the
+    epoch count and the generator state, so a resumed run yields exactly the batches the
+    uninterrupted one would have.
+
+        sampler = RolloutSampler(len(pool), 64, seed)
+        idx = next(sampler)              # list of 64 ints
+    """
+
+    def __init__(self, n: int, batch: int, generator: Union[torch.Generator, int, None] = None):
+        if n < 1 or batch < 1:
+            raise ValueError(f"need n >= 1 and batch >= 1, got n={n}, batch={batch}")
+        if generator is None or isinstance(generator, int):
+            seed = 0 if generator is None else generator
+            generator = torch.Generator().manual_seed(seed)
+        self.n, self.batch, self.generator = int(n), int(batch), generator
+        self.permutation: Optional[torch.Tensor] = None
+        self.position = 0  # next index into ``permutation``
+        self.epoch = 0  # permutations drawn so far
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return self
+
+    def __next__(self) -> List[int]:
+        out: List[int] = []
+        while len(out) < self.batch:
+            if self.permutation is None or self.position >= self.n:
+                self.permutation = torch.randperm(self.n, generator=self.generator)
+                self.position = 0
+                self.epoch += 1
+            take = min(self.batch - len(out), self.n - self.position)
+            out.extend(self.permutation[self.position:self.position + take].tolist())
+            self.position += take
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "n": self.n,
+            "batch": self.batch,
+            "permutation": None if self.permutation is None else self.permutation.clone(),
+            "position": self.position,
+            "epoch": self.epoch,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state["n"]) != self.n or int(state["batch"]) != self.batch:
+            raise ValueError(
+                f"sampler state is for n={state['n']}, batch={state['batch']}; this sampler has n={self.n}, batch={self.batch}"
+            )
+        perm = state["permutation"]
+        self.permutation = None if perm is None else torch.as_tensor(perm, dtype=torch.long).clone()
+        self.position = int(state["position"])
+        self.epoch = int(state["epoch"])
+        self.generator.set_state(state["generator"])
+
+
+def seed_all(value: int) -> None:
+    """Seed ``random``, ``numpy`` and ``torch``'s global RNGs (the ones timm's and torchvision's
+    transforms draw from) from one integer."""
+    import random
+
+    import numpy as np
+
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+
+
+class AugmentedPool(torch.utils.data.Dataset):
+    """The rollout pool as the training run sees it: item ``(u, i)`` is pool image ``i`` as augmented
+    for update ``u`` (``(key, image)`` is returned). Every draw is seeded by ``(seed, u, i)`` in each
+    RNG the transforms use (``random`` for timm's crop and RandAugment, ``numpy``, ``torch`` for the
+    flip and the CutMix), so an item is the same in any process, worker or order: resumable, and
+    equal for any world size. ``strong``: with probability ``cutmix_prob`` a patch-aligned rectangle
+    of another pool image (itself augmented) is pasted in, label-free (:func:`cutmix_patches`)."""
+
+    def __init__(self, images: torch.utils.data.Dataset, seed: int, strong: bool, cutmix_prob: float, patch: int):
+        self.images, self.seed, self.strong, self.cutmix_prob, self.patch = images, seed, strong, cutmix_prob, patch
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: Tuple[int, int]) -> Tuple[Tuple[int, int], torch.Tensor]:
+        u, i = key
+        n = len(self.images)
+        seed_all((self.seed * 1_000_003 + u) * 1_000_003 + i)
+        img = self.images[i][0]
+        if self.strong and n > 1 and float(torch.rand(())) < self.cutmix_prob:
+            j = int(torch.randint(n - 1, ()))
+            img, _ = cutmix_patches(img, self.images[j + (j >= i)][0], self.patch)
+        return key, img
+
+
+class _StackKeyed:
+    """Collate ``(key, image)`` items into ``(keys, images)``, the images in ``dtype`` (the
+    training process's input dtype: converting here halves a bf16 run's transfer, same values)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, items: List[Tuple[Tuple[int, int], torch.Tensor]]) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
+        return [k for k, _ in items], torch.stack([x for _, x in items]).to(self.dtype)
+
+
+def _background_worker(_: int) -> None:
+    """DataLoader worker start: a lower CPU priority than the training process, whose host work
+    (launching the GPU's kernels) is on the update's critical path."""
+    os.nice(10)
+
+
+class RolloutPrefetch:
+    """Augmented rollout batches made ahead, in ``workers`` processes, while the training process
+    runs the current update: ``next(prefetch)`` gives ``(keys, images)`` of the next update.
+
+    The batches follow a copy of the run's :class:`RolloutSampler` from update ``u0 + 1`` on, each
+    sliced to this process's share (``local``, positions in the global batch); the caller checks
+    the keys against the batch it draws itself. Each worker makes whole batches (``workers`` of them
+    in flight), so a batch's latency is one worker's, hidden while fewer than ``workers`` updates
+    run in the time one worker makes a batch. :meth:`close` stops the workers."""
+
+    def __init__(self, pool: AugmentedPool, sampler: RolloutSampler, u0: int, local: Sequence[int], workers: int,
+                 dtype: torch.dtype = torch.float32):
+        import copy
+
+        ahead = copy.deepcopy(sampler)
+
+        def batches() -> Iterator[List[Tuple[int, int]]]:
+            u = u0
+            while True:
+                u += 1
+                idx = next(ahead)
+                yield [(u, idx[m]) for m in local]
+
+        self.loader = torch.utils.data.DataLoader(
+            pool, batch_sampler=batches(), num_workers=workers, collate_fn=_StackKeyed(dtype), prefetch_factor=1,
+            worker_init_fn=_background_worker)  # no pinning thread: it would touch CUDA while a step is captured
+        self.it = iter(self.loader)
+
+    def __next__(self) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
+        return next(self.it)
+
+    def close(self) -> None:
+        self.it = None  # the DataLoader's iterator stops its workers when it is released

@@ -1,0 +1,156 @@
+"""Where a training run executes: the data-parallel collectives (:class:`Comm`, no-ops in one
+process), joining ``torchrun``'s process group (:func:`init_distributed`), bitwise reproducible CPU
+runs (:func:`deterministic_on_cpu`) and the per-phase clock of each update (:class:`PhaseClock`)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Dict, List
+
+import torch
+
+__all__ = ["Comm", "PhaseClock", "deterministic_on_cpu", "init_distributed"]
+
+
+class Comm:
+    """Data-parallel collectives through ``torch.distributed``; no-ops in a single process."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.on = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.on else 0
+        self.world = dist.get_world_size() if self.on else 1
+        # NCCL reduces device tensors only; gloo takes CPU tensors
+        nccl = self.on and dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) in place; returns ``t``."""
+        if self.on:
+            x = t.to(self.device)
+            self.dist.all_reduce(x)
+            if x is not t:
+                t.copy_(x)
+        return t
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Equal-shaped tensors of all processes concatenated along dim 0 in rank order."""
+        if not self.on:
+            return t
+        x = t.contiguous().to(self.device)
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self.dist.all_gather(parts, x)
+        return torch.cat(parts).to(t.device)
+
+    def broadcast_object(self, obj):
+        if not self.on:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.on:
+            self.dist.barrier()
+
+    def sum_list(self, grads, params) -> List[torch.Tensor]:
+        """Sum a list of per-parameter gradients (``None`` = zero) across processes (in one
+        process: the list as given)."""
+        if not self.on:
+            return list(grads)
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+        self.sum_(flat)
+        out, offset = [], 0
+        for p in params:
+            out.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
+    def sum_grads(self, params) -> None:
+        """Replace each ``p.grad`` by its sum across processes. A parameter no process used keeps
+        ``grad = None`` (as in a single process, where Adam then skips it)."""
+        if not self.on:
+            return
+        used = self.sum_(torch.tensor([float(p.grad is not None) for p in params]))
+        for p, g, u in zip(params, self.sum_list([p.grad for p in params], params), used.tolist()):
+            p.grad = g.clone() if u > 0 else None
+
+
+class PhaseClock:
+    """Seconds per phase of one update, for ``metrics.jsonl`` and the speed benchmark.
+
+    On CUDA, events on the current stream: nothing waits for the device until :meth:`read`, which
+    the update calls after its metrics have come back to the host anyway. ``sync=True`` (the speed
+    benchmark, ``benchmarks/train_speed.py``) synchronizes at every boundary as well, so a phase
+    that only keeps the host busy is charged to itself, not to the next one. On the CPU,
+    ``time.perf_counter``. A phase marked several times in one update adds up."""
+
+    def __init__(self, device: torch.device, sync: bool = False):
+        self.cuda, self.sync = device.type == "cuda", sync
+        self.marks: List[tuple] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        if self.sync:
+            torch.cuda.synchronize()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.marks = [("", self._now())]
+
+    def mark(self, phase: str) -> None:
+        """End the running phase, naming it ``phase``."""
+        self.marks.append((phase, self._now()))
+
+    def read(self) -> Dict[str, float]:
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out: Dict[str, float] = {}
+        for (_, a), (phase, b) in zip(self.marks, self.marks[1:]):
+            out[phase] = out.get(phase, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out
+
+
+def init_distributed(cfg) -> bool:
+    """Join the process group when launched by ``torchrun`` (WORLD_SIZE > 1): NCCL on CUDA (one
+    GPU per process, ``LOCAL_RANK``), gloo on CPU. Returns whether this call created the group."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    if cfg.device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        cfg.device = f"cuda:{local}"
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
+@contextlib.contextmanager
+def deterministic_on_cpu(device: str):
+    """On the CPU, make a fixed-seed run bitwise reproducible across processes (for one thread
+    count, ``torch.get_num_threads()``). torch's CPU ``index_put_(accumulate=True)``, the backward
+    of advanced indexing, adds from several threads with atomics, in an order that changes from
+    run to run (fresh processes differed by up to 6e-5 after 4 updates of the test run);
+    ``torch.use_deterministic_algorithms`` selects its sorted kernel. CUDA runs keep torch's
+    default kernels (atomics in backward passes): they are reproducible to float rounding, not
+    bit for bit. The previous setting is restored on exit."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if torch.device(device).type == "cpu":
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
