@@ -125,7 +125,7 @@ _CONTROLLER_TERMS: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, int, int, in
 def controller_macs_terms(actor) -> Tuple[int, int, int, int]:
     """``(per_token, fixed, selector, width)`` MACs of an actor's controller, read off its modules
     once: the terms of :func:`actor_controller_macs` (which the fused controller's budget kernel
-    evaluates on the GPU, :mod:`timm_dora.actor_kernels`)."""
+    evaluates on the GPU, :mod:`timm_dora.policy.actor_kernels`)."""
     terms = _CONTROLLER_TERMS.get(actor)
     if terms is None:
         w = actor.width

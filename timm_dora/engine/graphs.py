@@ -14,7 +14,7 @@ each) and only the decisions and the deletion run eagerly, between replays:
   decision) and, right after ``qkv``, the gate from the CLS keys (the full keys are never
   materialised), which copies the gate vector into pinned host memory and records an event
   there. The host waits for that event only, so it decides while the same graph's attention and
-  MLP still run. With the actor's Triton gate (:mod:`timm_dora.actor_kernels`, the default on the
+  MLP still run. With the actor's Triton gate (:mod:`timm_dora.policy.actor_kernels`, the default on the
   ``triton`` backend) the gate is one kernel in line, before the attention kernel; otherwise the
   ``nn`` modules' gate (about ten small kernels) runs in line there. **Run ahead**
   (:data:`RUN_AHEAD`): the blocks from block 0 up to the first whose gate opened in the last
@@ -44,7 +44,7 @@ each) and only the decisions and the deletion run eagerly, between replays:
 - **the actor's controller**, where a gate opened (either phase): captured per (block, rows) as
   :meth:`~timm_dora.policy.ActorPolicy.controller_fixed`, the same computation on every image of
   the layout, masked by the gate (no shape depends on which images opened), followed in the same
-  graph by the deletion (:func:`~timm_dora.packing.gather_survivors` into the fixed buffer, the
+  graph by the deletion (:func:`~timm_dora.engine.packing.gather_survivors` into the fixed buffer, the
   survivors' ids, lengths and ``cu_seqlens``) and a copy of the new lengths to pinned memory with
   an event: the host waits for that event only, then replays the survivors' MLP (with the Triton
   gate also the next block's attention graph right behind it, its history copied in before the
@@ -63,7 +63,7 @@ Graphs share one memory pool, so their number costs little memory. Before the fi
 segment of that pool is reserved for the largest expected scratch (:data:`~timm_dora.engine.segments.RESERVE_POOL`), and the
 captures carve their intermediates out of it (H100, batch 320: the pool 9.0 ``[B*S, d]`` tensors
 instead of 14.1-14.4, and the steady reserved memory of every graph row below native timm's;
-NOTES change 39). :data:`~timm_dora.engine.segments.MLP_CHUNKS` runs each graph's MLP in row chunks: a smaller pool, for
+speed notes, change 39). :data:`~timm_dora.engine.segments.MLP_CHUNKS` runs each graph's MLP in row chunks: a smaller pool, for
 0.6-2 % of throughput.
 
 Fixed buffers (per batch shape): two block inputs ``x[0]``/``x[1]`` (block ``l``
@@ -87,7 +87,7 @@ recomputed from the block input with the same operations (``norm1``, ``qkv``, ``
 same values. In the packed phase they are copied into ``k`` unless the policy says
 ``reads_keys = False`` (replay plans, :class:`~timm_dora.policy.NoPrune`). With the actor's Triton
 gate, both phases copy only the rows of the images whose gate just opened
-(:func:`~timm_dora.actor_kernels.copy_open_keys`, after the gate in the same graph; the gate reads
+(:func:`~timm_dora.policy.actor_kernels.copy_open_keys`, after the gate in the same graph; the gate reads
 the CLS keys in place): the controller reads no other rows' keys. With
 :data:`FUSED_INTERVENTIONS` as well (the default) nothing is copied and there is no ``k``: the
 fused controller reads the keys in place, and a controller where the gate opened unexpectedly
@@ -106,10 +106,10 @@ import torch.nn as nn
 
 from .blocks import attention_keys, embed
 from .packing import Packed, delete_rows
-from .protocol import BlockContext, Decision, ForwardConstants
+from .protocol import BlockContext, Decision, ForwardConstants, LazyKeysContext
 from .segments import Segments
 
-__all__ = ["GraphRunner", "LazyKeysContext", "RunAheadMissed", "graph_runner", "release_all", "graph_mode_reason",
+__all__ = ["GraphRunner", "RunAheadMissed", "graph_runner", "release_all", "graph_mode_reason",
            "rows_bucket", "ROWS_BUCKET", "MAX_CACHED", "FUSED_INTERVENTIONS", "RUN_AHEAD"]
 
 MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
@@ -117,7 +117,7 @@ ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucke
 # With the actor's Triton kernels, at a block whose gate opened in the last forward, run the
 # controller (and the deletion) in the same graph as the attention, reading the keys in place from
 # the attention's qkv output: no copy of the open images' keys, one graph instead of two, no gate
-# read between them. On by default since its A/B on an H100 (NOTES change 32: DeiT-B's actor share
+# read between them. On by default since its A/B on an H100 (speed notes, change 32: DeiT-B's actor share
 # 4.3 -> 4.0 %, ViT-Ti's 18.2 -> 17.2 %, medians of four alternating pairs); False restores the
 # two graphs per intervention
 FUSED_INTERVENTIONS = True
@@ -126,7 +126,7 @@ FUSED_INTERVENTIONS = True
 # gates as closed and goes on at once; it reads all their gate vectors in one go only where it must
 # know (after the next block's graph is enqueued, or before returning the logits). Where a gate
 # opened inside the run after all, the forward raises RunAheadMissed and patch.run runs it again
-# without running ahead (the next forward's run ahead then ends before that block; NOTES change
+# without running ahead (the next forward's run ahead then ends before that block; speed notes, change
 # 37). False: one graph per block, each gate read after its block
 RUN_AHEAD = True
 
@@ -145,30 +145,6 @@ def rows_bucket(total_rows: int) -> int:
     if ROWS_BUCKET is not None:
         return ROWS_BUCKET
     return min(256, max(16, -(-total_rows // 256)))
-
-
-class LazyKeysContext(BlockContext):
-    """A :class:`BlockContext` whose ``keys`` are computed on first read (by ``keys_fn``)."""
-
-    def __init__(self, keys_fn: Callable[[], torch.Tensor], **kwargs):
-        self._keys_fn = keys_fn
-        self._keys = None
-        super().__init__(keys=None, **kwargs)
-
-    @property
-    def keys(self) -> Optional[torch.Tensor]:
-        if self._keys is None and self._keys_fn is not None:
-            self._keys = self._keys_fn()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value: Optional[torch.Tensor]) -> None:
-        self._keys = value
-
-    def release_keys(self) -> None:
-        """As :meth:`BlockContext.release_keys`; the keys are not computed again either."""
-        if self.releasable:
-            self._keys, self._keys_fn = None, None
 
 
 def graph_mode_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Optional[str]:
@@ -211,14 +187,14 @@ class GraphRunner(Segments):
         # The modules' gate once ran as a branch forked onto a second stream: each of its kernels
         # waited for a whole backbone kernel (persistent GEMMs hold every SM), the gate vector
         # reached the host only at the end of the graph, and captures of that branch failed on the
-        # H100 after other runners had captured in the same process (NOTES, changes 27, 29, 30)
+        # H100 after other runners had captured in the same process (speed notes, changes 27, 29, 30)
         self.triton_gate = self.probing and policy._use_fused(backend, self.x[0].dtype)
         # the keys of packed blocks, kept for a policy that reads them and for the modules' gate
         # (zeros: with the actor only the open images' rows are copied in; the others keep finite
         # values). Not with the Triton gate and FUSED_INTERVENTIONS: the gate reads the CLS keys in
         # place, a controller where the gate opened in the last forward reads the keys in place
         # too, and one where it opened unexpectedly recomputes them from the block input (norm1
-        # and qkv again, only then): one [B*S, d] buffer less (NOTES change 39)
+        # and qkv again, only then): one [B*S, d] buffer less (speed notes, change 39)
         if self.copy_keys and not (self.triton_gate and FUSED_INTERVENTIONS):
             with torch.inference_mode(False):
                 self.k = torch.zeros_like(self.x[0])
@@ -310,7 +286,7 @@ class GraphRunner(Segments):
 
         def keep(h: torch.Tensor, context: torch.Tensor):
             if self.context_out is None or self.context_out.shape != context.shape:
-                raise RuntimeError("timm_dora.graphs: gate context buffer missing (made before the capture)")
+                raise RuntimeError("timm_dora.engine.graphs: gate context buffer missing (made before the capture)")
             return self.h_out.copy_(h), self.context_out.copy_(context)
 
         self.consts.keep = keep
@@ -322,7 +298,7 @@ class GraphRunner(Segments):
 
         def keep_packed(h: torch.Tensor, context: torch.Tensor):
             if self.context_packed is None or self.context_packed.shape != context.shape:
-                raise RuntimeError("timm_dora.graphs: packed gate context buffer missing (made before the capture)")
+                raise RuntimeError("timm_dora.engine.graphs: packed gate context buffer missing (made before the capture)")
             return self.h_packed.copy_(h), self.context_packed.copy_(context)
 
         self.packed_consts.keep = keep_packed

@@ -13,7 +13,7 @@ cost.
 Attention backends, chosen once per (device type, dtype) by :func:`select_backend`:
 
 ``triton``
-    this package's Triton kernel (:mod:`timm_dora.varlen_kernel`; CUDA, fp16/bf16, head dims 32,
+    this package's Triton kernel (:mod:`timm_dora.engine.varlen_kernel`; CUDA, fp16/bf16, head dims 32,
     64, 128, forward only: other head dims, and inputs that need a gradient, fall back to
     ``torch_varlen``'s kernel). ``"auto"`` picks it on GPUs
     of compute capability 9 or higher (Hopper), where it was measured: on an H100 it takes 0.5-0.8x
@@ -213,7 +213,7 @@ def gather_survivors(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor,
     row 0), so nothing here waits for the survivor count (a CUDA graph can hold it). ``ids``:
     ``[T]`` per-row ids gathered the same way (returned, ``[T]``; ``None`` without ids). The
     deletion step of :func:`delete_rows` and of the graph-replayed controller
-    (:mod:`timm_dora.graphs`)."""
+    (:mod:`timm_dora.engine.graphs`)."""
     index = torch.nonzero_static(~remove, size=x.shape[0], fill_value=0).squeeze(1)
     torch.index_select(x, 0, index, out=out[: x.shape[0]])
     return None if ids is None else ids.index_select(0, index)

@@ -28,7 +28,7 @@ import torch
 
 from .packing import Packed
 
-__all__ = ["BlockContext", "Decision", "ForwardConstants", "Policy"]
+__all__ = ["BlockContext", "Decision", "ForwardConstants", "LazyKeysContext", "Policy"]
 
 Policy = Callable[["BlockContext"], "Decision"]
 
@@ -44,7 +44,7 @@ class ForwardConstants:
         self.batch_size, self.device = batch_size, device
         self.memo: Dict[object, object] = {}  # per-forward values a policy computes once (see ActorPolicy)
         # where memoised tensors must live: ``keep(*tensors) -> tensors`` (a CUDA graph runner
-        # copies them into buffers outside its graphs' memory pool; see timm_dora.graphs)
+        # copies them into buffers outside its graphs' memory pool; see timm_dora.engine.graphs)
         self.keep: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
 
     def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
@@ -136,3 +136,27 @@ class Decision:
     remove: Optional[torch.Tensor] = None
     flops: Union[None, float, torch.Tensor] = None
     removed_host: Optional[List[int]] = None  # ``removed`` as a list, when the policy knows it without a sync
+
+
+class LazyKeysContext(BlockContext):
+    """A :class:`BlockContext` whose ``keys`` are computed on first read (by ``keys_fn``)."""
+
+    def __init__(self, keys_fn: Callable[[], torch.Tensor], **kwargs):
+        self._keys_fn = keys_fn
+        self._keys = None
+        super().__init__(keys=None, **kwargs)
+
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        if self._keys is None and self._keys_fn is not None:
+            self._keys = self._keys_fn()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: Optional[torch.Tensor]) -> None:
+        self._keys = value
+
+    def release_keys(self) -> None:
+        """As :meth:`BlockContext.release_keys`; the keys are not computed again either."""
+        if self.releasable:
+            self._keys, self._keys_fn = None, None

@@ -32,7 +32,7 @@ __all__ = ["Segments", "MLP_CHUNKS", "RESERVE_POOL"]
 # capture carves its intermediates out of it. Without it the pool grew one allocator segment per
 # intermediate size (qkv, the MLP's hidden activations, ...), and a segment's memory could not
 # serve a larger intermediate of a later capture: about 14 [B*S, d] tensors reserved where 9 are
-# live at once (NOTES change 39)
+# live at once (speed notes, change 39)
 RESERVE_POOL = True
 # The MLP of a graph segment in this many row chunks (1: all rows at once). Its hidden activations
 # (4d per row, twice while GELU runs) are the largest scratch of any segment, so they set the
@@ -424,7 +424,7 @@ class Segments:
         g = torch.cuda.CUDAGraph()
         # captured on the warm-up's stream, not torch's own capture stream: cuBLAS allocates a
         # workspace (33 MiB on the H100, never returned) for every stream it runs on, and the
-        # capture stream would be a second one (NOTES change 36)
+        # capture stream would be a second one (speed notes, change 36)
         with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
             fn()
         self.graphs[key] = g

@@ -14,7 +14,7 @@ Where the paper is silent we chose:
   GFLOPs, then higher throughput, then the earlier point: the tie favours the baseline;
 - accuracies are compared as given (full precision), not after rounding to one decimal.
 
-    from timm_dora.matching import Point, compare, format_table
+    from timm_dora.evaluate.matching import Point, compare, format_table
     rows = compare(Point("DORA", 80.8, 21.7, 3944), {"ToMe": [Point("ToMe", 80.9, 24.1, 3163), ...]},
                    native=Point("Native", 81.8, 35.2, 3230))
     print(format_table(rows, backbone="DeiT-B"))

@@ -60,7 +60,7 @@ class Method:
         raise NotImplementedError
 
     def timing_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The callable timed by :mod:`timm_dora.bench` (logits only)."""
+        """The callable timed by :mod:`timm_dora.evaluate.bench` (logits only)."""
         raise NotImplementedError
 
     def close(self) -> None:

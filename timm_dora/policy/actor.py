@@ -13,7 +13,7 @@ of CLS and the surviving visual tokens, and the history ``h_l = [N_l/N0, rho_l, 
 
 This module holds the networks and the distributions over their outputs (Bernoulli gate, masked
 categorical budget, Plackett-Luce ordered selection). Turning them into per-block decisions on a
-packed batch is :mod:`timm_dora.policy`; counting their FLOPs is :mod:`timm_dora.flops`.
+packed batch is :mod:`timm_dora.policy`; counting their FLOPs is :mod:`timm_dora.engine.flops`.
 """
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 **Gate** (:func:`fused_gate`): ``W2 SiLU(W1_K K_CLS + c_l) + b2 >= 0`` and the feasibility rule, one
 kernel per block instead of about ten (``c_l``: the first layer's context part,
-:meth:`timm_dora.actor.Actor.gate_bias`, computed once per history). Inside a CUDA graph the
+:meth:`timm_dora.policy.actor.Actor.gate_bias`, computed once per history). Inside a CUDA graph the
 small kernels of the module path each waited for a whole backbone kernel on the other stream (the
 persistent GEMMs hold every SM), so the gate vector reached the host only at the end of the
-block's graph, and the GPU idled while the host decided (``benchmarks/NOTES.md``, change 26).
+block's graph, and the GPU idled while the host decided (``docs/speed_notes.md``, change 26).
 
 **Controller** (:func:`fused_controller`): where a gate opens, the controller (``W_in`` and the
 shared encoder block, the budget head, the selector, the ``k`` highest scores) runs over every
@@ -16,7 +16,7 @@ everything between two matrix products in registers:
 
 1. ``_embed_qkv``: ``X = W_in K + b_in + e^C_l (+ W_h h_l on CLS rows)``, ``LayerNorm``, ``qkv``
    (it also clears the removal flags);
-2. the encoder's attention: :func:`timm_dora.varlen_kernel.varlen_attention_triton`;
+2. the encoder's attention: :func:`timm_dora.engine.varlen_kernel.varlen_attention_triton`;
 3. ``_out_ffn``: output projection and residual, ``LayerNorm``, the GELU FFN and its residual
    (``Z_l``);
 4. ``_budget``: the budget head on ``Z_CLS`` (``LayerNorm``, ``128 -> 128 -> M``), the infeasible
@@ -25,7 +25,7 @@ everything between two matrix products in registers:
 5. ``_scores``: the selector ``MLP_S(Z_j + W_k k/N_l)`` on every visual row, into a padded
    ``[B, NP]`` score matrix;
 6. ``_select``: each visual token's rank in its image (higher score first, ties to the lower
-   index: the order of a stable descending sort, as :func:`timm_dora.actor.ordered_topk`),
+   index: the order of a stable descending sort, as :func:`timm_dora.policy.actor.ordered_topk`),
    and the removal flag ``rank < k`` at the token's row of the block's layout.
 
 Each module's output is rounded to the activations' dtype where the ``nn`` modules round it (the
@@ -34,7 +34,7 @@ path's up to the order of the fp32 sums (near-ties may go the other way, as betw
 kernels).
 
 No shape depends on the sequence lengths and no value is read on the host: the call is captured
-in the controller's CUDA graph (:mod:`timm_dora.graphs`) and replayed with new lengths. Rows past
+in the controller's CUDA graph (:mod:`timm_dora.engine.graphs`) and replayed with new lengths. Rows past
 ``cu_seqlens[-1]`` are neither read nor written (except the removal mask's, which stay
 ``False``). Off CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), which is
 how the CPU tests compare them with the module path.
@@ -55,16 +55,16 @@ if triton is not None:
 
 # rows per program of each row-wise kernel and its warps, fixed (no autotuning inside a capture):
 # 128 rows, 8 warps the fastest of five tiles for all three together on an H100 at every shape of
-# benchmarks/controller_kernels.py (results/controller_kernels_h100.json: 10-14 % faster than 64
-# rows, 4 warps); then, per kernel (NOTES change 31), _embed_qkv at 64 rows, where it spills no
-# registers (benchmarks/kernel_regs.py), 4-15 us faster at every shape
-# (results/controller_kernels_h100_tiles_fch*.json), while _out_ffn at 64 rows was 25-45 us slower
+# a sweep (10-14 % faster than 64 rows, 4 warps); then, per kernel (docs/speed_notes.md, change
+# 31), _embed_qkv at 64 rows, where it spills no registers, 4-15 us faster at every shape, while
+# _out_ffn at 64 rows was 25-45 us slower. (The sweep and register-count scripts and their results
+# left the tree with issue #31; git history keeps them.)
 TILE_ROWS = {"embed": (64, 8), "out_ffn": (128, 8), "scores": (128, 8)}
 # the other launch parameters (Triton's num_stages; the K loop's block over the key width; the FFN's
 # hidden units per step): module constants so that benchmarks can sweep them
 # gate: 16 images per program, the key width in blocks of 256 (64 below that width), no software
 # pipelining: DeiT-B's d=768 17.5 -> 6.0 us, ViT-Ti's 192 3.6 -> 3.2 us at batch 320 (H100; the
-# fastest of 72 configurations, .scratch sweep in benchmarks/NOTES.md, change 29)
+# fastest of 72 configurations, .scratch sweep in docs/speed_notes.md, change 29)
 GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
 ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
 
@@ -309,7 +309,7 @@ def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torc
     ``cls_keys``: ``[B, d]`` or ``[B, H, hd]`` CLS keys in the actor's dtype (any image and head
     strides, unit channel stride: e.g. ``k[:, :, 0]`` of a ``[B, H, S, hd]`` key tensor, no copy);
     ``bias``: ``[B, 64]``, the first layer's context part plus its bias for this block
-    (:meth:`~timm_dora.actor.Actor.gate_bias`); ``n_visual``: ``[B]`` visual-token counts. Rounded
+    (:meth:`~timm_dora.policy.actor.Actor.gate_bias`); ``n_visual``: ``[B]`` visual-token counts. Rounded
     where the ``nn`` modules round (the same decisions up to near-ties of the logit at 0).
     """
     reason = fused_controller_reason(actor, cls_keys.dtype, gate_only=True)
@@ -354,8 +354,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     flags are written for the block's own layout: ``cu_out`` (``[B+1]``, its sequence starts),
     ``num_prefix`` prefix rows per sequence, ``total`` rows. Returns ``(remove [total] bool,
     k [B] int64, flops [B] float64)``: the flags, the budgets (0 where the gate is closed) and the
-    actor's FLOPs per image (:func:`timm_dora.flops.actor_gate_macs` at every image plus
-    :func:`~timm_dora.flops.actor_controller_macs` where the gate is open, doubled), into ``out``
+    actor's FLOPs per image (:func:`timm_dora.engine.flops.actor_gate_macs` at every image plus
+    :func:`~timm_dora.engine.flops.actor_controller_macs` where the gate is open, doubled), into ``out``
     when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
     written). ``tile``: ``(rows per program, warps)`` for all three row-wise kernels instead of
     :data:`TILE_ROWS`, or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,

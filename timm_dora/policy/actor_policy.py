@@ -133,7 +133,7 @@ class ActorPolicy:
     """DORA's actor as a policy.
 
     Args:
-        actor: the :class:`~timm_dora.actor.Actor`.
+        actor: the :class:`~timm_dora.policy.actor.Actor`.
         sample: ``False`` (default) for the deterministic deployment rule; ``True`` to sample
             gate, budget and Plackett-Luce order as in training.
         generator: random generator used when sampling.
@@ -145,7 +145,7 @@ class ActorPolicy:
             only; pays when gates rarely open).
         fused_controller: how the deterministic rule runs the gate (every path) and the
             controller (the CUDA-graph path, :meth:`controller_fixed`): ``None`` (default) the
-            Triton kernels of :mod:`timm_dora.actor_kernels` where the ``triton`` attention
+            Triton kernels of :mod:`timm_dora.policy.actor_kernels` where the ``triton`` attention
             backend runs, else the ``nn`` modules; ``True`` always the kernels (on CPU only in
             Triton's interpreter), ``False`` never. Sampling and recording use the modules.
     """
@@ -199,7 +199,7 @@ class ActorPolicy:
 
     @property
     def graph_probe(self) -> bool:
-        """The gate and controller may run inside CUDA graphs (:mod:`timm_dora.graphs`): the
+        """The gate and controller may run inside CUDA graphs (:mod:`timm_dora.engine.graphs`): the
         deterministic rule, nothing recorded, and none of the decision methods overridden (a
         subclass that changes them is called as an ordinary policy). Read once, when a wrapped
         model's graphs for a batch shape are made: changing ``sample``/``record`` later is not
@@ -212,7 +212,7 @@ class ActorPolicy:
     def prepare(self, ctx: BlockContext) -> None:
         """The gate's history part (``h_l`` and its share of the first layer), memoised in
         ``ctx.constants`` for the :meth:`probe` of the same history: what a CUDA graph can compute
-        before the block's keys exist (:mod:`timm_dora.graphs`)."""
+        before the block's keys exist (:mod:`timm_dora.engine.graphs`)."""
         self._gate_context(ctx, self.actor.w_in.weight.dtype)
 
     def probe(self, ctx: BlockContext, cls_key: Optional[torch.Tensor] = None) -> _GateStep:
@@ -234,7 +234,7 @@ class ActorPolicy:
                          backend: str, lengths_host: Optional[List[int]] = None,
                          out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The deterministic controller in fixed shapes, for a CUDA graph (:mod:`timm_dora.graphs`).
+        """The deterministic controller in fixed shapes, for a CUDA graph (:mod:`timm_dora.engine.graphs`).
 
         The same computation as the controller of :meth:`__call__` (encoder, budget head, selector,
         the ``k`` highest scores), run on *every* image of a packed layout whose rows may be padded
@@ -294,8 +294,8 @@ class ActorPolicy:
 
     def _use_fused(self, backend: str, dtype: torch.dtype) -> bool:
         """Whether the deterministic gate and :meth:`controller_fixed` run the Triton kernels of
-        :mod:`timm_dora.actor_kernels` (:func:`~timm_dora.actor_kernels.fused_gate`,
-        :func:`~timm_dora.actor_kernels.fused_controller`):
+        :mod:`timm_dora.policy.actor_kernels` (:func:`~timm_dora.policy.actor_kernels.fused_gate`,
+        :func:`~timm_dora.policy.actor_kernels.fused_controller`):
         ``fused_controller=None`` (default) where the ``triton`` attention backend runs (a Hopper
         GPU, half precision) and the actor's sizes suit the kernels; ``True`` forces it (an error
         says why it cannot run), ``False`` keeps the module path."""
@@ -329,7 +329,7 @@ class ActorPolicy:
         else:
             cls_key = keys[packed.starts]
         if not (self.sample or self.record) and self._use_fused(backend, dtype):
-            # one Triton kernel (timm_dora.actor_kernels): logit >= 0 and the feasibility rule
+            # one Triton kernel (timm_dora.policy.actor_kernels): logit >= 0 and the feasibility rule
             gate = fused_gate(actor, cls_key, context[ctx.block], ctx.n_visual)
             return _GateStep(ctx, keys, backend, h, gate, 2.0 * actor_gate_macs(actor), None)
         if cls_key.dim() == 3:  # [B, H, hd] (a view of the keys)
@@ -380,7 +380,7 @@ class ActorPolicy:
         ctrl = Packed(keys[rows], n_act + 1, [n + 1 for n in n_act_host], num_prefix=1)
         # the keys are not read again: on the eager path they are a view of the block's whole qkv
         # output, which would otherwise stay alive through the actor's encoder (a memory peak above
-        # native's; benchmarks/NOTES.md change 35). Drop every reference: this frame's, the step's
+        # native's; docs/speed_notes.md change 35). Drop every reference: this frame's, the step's
         # and the context's (the caller's frames hold only those two objects).
         del keys
         step.keys = None

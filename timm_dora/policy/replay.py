@@ -16,13 +16,13 @@ __all__ = ["NoPrune", "ReplayPolicy"]
 class NoPrune:
     """A policy that never removes a token (the wrapped model then equals the native one)."""
 
-    reads_keys = False  # (see timm_dora.graphs: keys are then never materialised for it)
+    reads_keys = False  # (see timm_dora.engine.graphs: keys are then never materialised for it)
 
     def __call__(self, ctx: BlockContext) -> Decision:
         return ctx.nothing()
 
     def prunes_nothing_at(self, block: int) -> bool:
-        """Known before block ``block`` runs: this policy removes nothing there (see :mod:`timm_dora.graphs`)."""
+        """Known before block ``block`` runs: this policy removes nothing there (see :mod:`timm_dora.engine.graphs`)."""
         return True
 
 class ReplayPolicy:
@@ -39,7 +39,7 @@ class ReplayPolicy:
     lengths are known on the host). Do not modify the plan's tensors afterwards.
     """
 
-    reads_keys = False  # decisions come from the plan (see timm_dora.graphs)
+    reads_keys = False  # decisions come from the plan (see timm_dora.engine.graphs)
 
     def __init__(self, plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]], stop_after: Optional[int] = None, check: bool = True):
         self.plan = plan
@@ -70,7 +70,7 @@ class ReplayPolicy:
     def prunes_nothing_at(self, block: int) -> bool:
         """True where the plan removes nothing (or ``stop_after`` cuts it off): the call would
         return ``ctx.nothing()``, so the CUDA-graph path runs such blocks without calling it
-        (:mod:`timm_dora.graphs`, chains of whole blocks)."""
+        (:mod:`timm_dora.engine.graphs`, chains of whole blocks)."""
         return block not in self._host or (self.stop_after is not None and block > self.stop_after)
 
     def _device_step(self, block: int, b: int, dev: torch.device):

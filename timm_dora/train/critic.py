@@ -20,8 +20,8 @@ states or labels.
 Choices where the paper is silent (ours):
 
 - Variable-length sequences are attended **without padding**: the value token is inserted at the
-  start of each sequence of a :class:`~timm_dora.packing.Packed` batch and attention runs through
-  :func:`~timm_dora.packing.varlen_attention` (the ``sdpa_loop`` reference path on CPU/fp32;
+  start of each sequence of a :class:`~timm_dora.engine.packing.Packed` batch and attention runs through
+  :func:`~timm_dora.engine.packing.varlen_attention` (the ``sdpa_loop`` reference path on CPU/fp32;
   flash/varlen kernels on CUDA half precision). No mask, so padding can never leak.
 - Prefix tokens other than CLS (registers, distillation token; absent from the paper's
   backbones) get the CLS-type embedding; patch tokens get the visual-type embedding.
@@ -122,7 +122,7 @@ def trajectory_scalar_states(
     """``q_l`` for every block of whole rollouts: ``[B, L, 10]``.
 
     ``k``: ``[B, L]`` removal counts (0 at gate-off steps); ``d``: ``[B, L]`` fidelity costs with
-    gate-off steps carried forward (:func:`timm_dora.rewards.fill_gate_off`); ``phi_native``:
+    gate-off steps carried forward (:func:`timm_dora.train.rewards.fill_gate_off`); ``phi_native``:
     ``[B, 4]``. Derives ``N_l = N0 - sum_{j<l} k_j`` (Eq. app-reward-counts), ``C_<l``,
     ``E_<l = #{j < l : k_j > 0}`` and ``D_{l-1}`` (``D_{-1} = 0``).
     """
@@ -174,8 +174,8 @@ class Critic(nn.Module):
         head_hidden: hidden width of the value MLPs (128).
         budget_embed_dim: ``e(k)`` width (32).
         final_norm: LayerNorm on the value-token output (our choice, see module docstring).
-        backend: attention backend for :func:`~timm_dora.packing.varlen_attention` (``"auto"``:
-            :func:`~timm_dora.packing.select_backend` for the input's device and dtype).
+        backend: attention backend for :func:`~timm_dora.engine.packing.varlen_attention` (``"auto"``:
+            :func:`~timm_dora.engine.packing.select_backend` for the input's device and dtype).
     """
 
     def __init__(
@@ -292,7 +292,7 @@ class Critic(nn.Module):
         ``[S]`` on the tokens' device. The same ``u_l`` up to float rounding (padded keys are
         masked out of attention); every shape is fixed by ``S`` and ``N``, so PPO minibatches need
         no host reads. The last block computes only the value token's row, the one row read
-        (:meth:`~timm_dora.packing.PackedTransformerBlock.forward_padded_first`). Returns ``[S, 384]``."""
+        (:meth:`~timm_dora.engine.packing.PackedTransformerBlock.forward_padded_first`). Returns ``[S, 384]``."""
         s, n, _ = tokens.shape
         self._check_per_sequence(s, q, z_native)
         torch._assert_async(((block >= 0) & (block < self.depth)).all(), f"block index out of range [0, {self.depth})")

@@ -8,8 +8,8 @@ One update ``u`` (App. C/D):
 1. draw ``rollout_images`` images from the rollout pool; the fidelity coefficient ``a_u`` is fixed
    for this rollout and its update;
 2. Native logits, a sampled rollout on the frozen bf16 backbone (hard deletion through the
-   inference code, :func:`timm_dora.rollout.collect`) and the complete-prefix shadows
-   (:func:`timm_dora.rollout.shadow_divergences`), all under ``no_grad``;
+   inference code, :func:`timm_dora.train.rollout.collect`) and the complete-prefix shadows
+   (:func:`timm_dora.train.rollout.shadow_divergences`), all under ``no_grad``;
 3. every ``feedback_cadence`` updates, after the rollout and before the update: the deterministic
    actor on the next QC shard, paired Top-1 drop ``d_u``, ``a_{u+1}`` by the clipped rule;
 4. rewards ``r_l = 25 dC_l - a_u (D_l - D_{l-1})``; old critic values; GAE with the shared
@@ -175,7 +175,7 @@ class Trainer(Checkpoints):
 
     def _rollout_images(self, idx: torch.Tensor) -> torch.Tensor:
         """The rollout inputs of pool images ``idx`` at this update, made in this process
-        (:class:`~timm_dora.data.AugmentedPool`: every draw seeded per (seed, update, image))."""
+        (:class:`~timm_dora.train.pool.AugmentedPool`: every draw seeded per (seed, update, image))."""
         if self.rollout_pool is not None:
             return self.rollout_pool[0][idx.to(self.dev)].to(self.dtype)
         return torch.stack([self.augmented[(self.u, i)][1] for i in idx.tolist()]).to(self.dev, self.dtype)

@@ -239,7 +239,7 @@ def apply_pcgrad(
 
 
 def actor_parameter_groups(actor: nn.Module) -> Dict[str, List[nn.Parameter]]:
-    """Partition a :class:`~timm_dora.actor.Actor`'s parameters by optimizer (App. D.3-D.4).
+    """Partition a :class:`~timm_dora.policy.actor.Actor`'s parameters by optimizer (App. D.3-D.4).
 
     ``gate``: gate block embedding and gate MLP. ``shared``: the controller encoder shared by
     budget and selector (``W_in``, controller block embedding, ``W_h``, Transformer block) -- the

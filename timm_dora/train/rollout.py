@@ -1,7 +1,7 @@
 """Rollouts with complete-prefix shadow evaluations (paper Sec. 3.3-3.4, App. A.3, B).
 
 A rollout runs the frozen backbone on a batch of images with the *sampled* actor through the same
-packed forward as inference (:func:`timm_dora.patch.run`, hard deletion), and records what PPO
+packed forward as inference (:func:`timm_dora.engine.patch.run`, hard deletion), and records what PPO
 needs: observations (CLS keys, history, controller keys, the residual tokens ``H_l`` the critic
 reads), actions (gate, budget index, Plackett-Luce order), old log-probabilities and token counts.
 
@@ -224,7 +224,7 @@ def evaluate_controller(actor: Actor, keys: torch.Tensor, lengths: torch.Tensor,
     current actor, on a padded batch of fixed shapes (no host reads).
 
     ``keys`` ``[A, N, d]``: each sequence's CLS key then its visual keys, zero-padded after
-    ``lengths[a]`` rows (:meth:`~timm_dora.packing.Packed.padded` of ``Trajectory.ctrl_keys``);
+    ``lengths[a]`` rows (:meth:`~timm_dora.engine.packing.Packed.padded` of ``Trajectory.ctrl_keys``);
     ``h`` ``[A, 3]``, ``block`` and ``budget_index`` ``[A]``; ``order``/``valid`` ``[A, K]`` the
     recorded Plackett-Luce order (any ``K`` at least the largest budget, ``valid`` False beyond
     each row's budget). Padded visual columns score ``-inf``, so they take no probability.

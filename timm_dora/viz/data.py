@@ -106,7 +106,7 @@ def trajectory_data(
     mean: Optional[Sequence[float]] = None,
     std: Optional[Sequence[float]] = None,
 ) -> Dict[str, Any]:
-    """The trajectory of image ``index`` of a forward's :class:`~timm_dora.patch.DoraStats`.
+    """The trajectory of image ``index`` of a forward's :class:`~timm_dora.engine.patch.DoraStats`.
 
     Geometry comes from ``model`` (or ``patch_size``/``grid_size``); ``native_gflops`` defaults to
     :func:`timm_dora.native_gflops` of ``model``. Returns::
@@ -188,7 +188,7 @@ def trajectory_data(
 def concat_stats(stats: Any) -> Dict[str, torch.Tensor]:
     """``gate`` [N, L], ``removed`` [N, L], ``tokens`` [N, L], ``gflops`` [N] on the CPU.
 
-    ``stats``: one :class:`~timm_dora.patch.DoraStats`, a list of them (e.g. one per batch of a
+    ``stats``: one :class:`~timm_dora.engine.patch.DoraStats`, a list of them (e.g. one per batch of a
     dataset), or a mapping with those (already concatenated) tensors.
     """
     if isinstance(stats, Mapping):

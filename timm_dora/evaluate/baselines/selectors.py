@@ -25,7 +25,7 @@ substitutions, not the complete baseline methods.
   take part in the graph but are never removed. Zero-TPrune's head filter and region emphasis
   are not used (the paper's substitution names only the attention-graph importance rule).
 
-Recorded runs come from :class:`~timm_dora.patch.DoraStats` (``.removed`` and ``.gate``, e.g.
+Recorded runs come from :class:`~timm_dora.engine.patch.DoraStats` (``.removed`` and ``.gate``, e.g.
 ``model.dora_stats`` after a deterministic DORA forward) or from the :class:`~timm_dora.policy.StepRecord`
 list of an ``ActorPolicy(record=True)``. The batch must hold the same images in the same order.
 
@@ -74,7 +74,7 @@ class RecordedSelector:
     # ---------------------------------------------------------------- construction from a run
     @classmethod
     def from_stats(cls, stats, **kwargs) -> "RecordedSelector":
-        """From a :class:`~timm_dora.patch.DoraStats` (``removed`` and ``gate``)."""
+        """From a :class:`~timm_dora.engine.patch.DoraStats` (``removed`` and ``gate``)."""
         return cls(stats.removed, stats.gate, **kwargs)
 
     @classmethod

@@ -2,7 +2,7 @@
 
 Implemented from the paper's description (no code copied), composing each block's own timm
 submodules (``norm1``, ``attn.qkv``, ``attn.q_norm``/``k_norm``, ``attn.norm``, ``attn.proj``,
-``ls1``, ``drop_path1``, ``norm2``, ``mlp``, ``ls2``, ``drop_path2``) as :mod:`timm_dora.patch`
+``ls1``, ``drop_path1``, ``norm2``, ``mlp``, ``ls2``, ``drop_path2``) as :mod:`timm_dora.engine.patch`
 does. Per block ``l``:
 
 1. attention on the tokens entering the block, with *proportional attention*: ``log s_j`` (the

@@ -1,0 +1,138 @@
+"""The package's architecture as a property of its import statements: no import circles, layers that
+import only downwards (the engine knows nothing of policies' files, training, evaluation or
+pictures), and modules a reader can hold in mind (at most 600 lines)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "timm_dora"
+MAX_LINES = 600
+
+# bottom up: a module may import from its own layer and the layers below it, never above
+LAYERS = [
+    {"timm_dora.version", "timm_dora.data", "timm_dora.backbone"},
+    {"timm_dora.engine"},
+    {"timm_dora.policy"},
+    {"timm_dora.hub"},
+    {"timm_dora.api", "timm_dora"},
+    {"timm_dora.train", "timm_dora.evaluate", "timm_dora.viz"},
+    {"timm_dora.cli"},
+]
+APPLICATIONS = ("timm_dora.train", "timm_dora.evaluate", "timm_dora.viz")  # independent of each other
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(name: str) -> Set[str]:
+    """Every timm_dora module that ``name`` imports, at module level or inside functions
+    (``from pkg import sub`` counts as importing ``pkg.sub`` where that is a module)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: Set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("timm_dora"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("timm_dora"):
+                continue
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+            out.update(subs)
+            if len(subs) < len(node.names):
+                out.add(target)
+    return {m for m in out if m in MODULES and m != name}
+
+
+GRAPH: Dict[str, Set[str]] = {m: imports(m) for m in MODULES}
+
+
+def layer(module: str) -> int:
+    best = None
+    for i, members in enumerate(LAYERS):
+        for prefix in members:
+            if module == prefix or (prefix != "timm_dora" and module.startswith(prefix + ".")):
+                best = i
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+def test_the_walk_sees_the_package():
+    assert {"timm_dora", "timm_dora.api", "timm_dora.engine.patch", "timm_dora.train.loop"} <= set(MODULES)
+    assert "timm_dora.engine.blocks" in GRAPH["timm_dora.engine.patch"]
+    assert "timm_dora.engine.graphs" in GRAPH["timm_dora.engine.patch"]  # a module-level import
+    assert "timm_dora.train.pool" in GRAPH["timm_dora.train.loop"]  # `from . import pool as P`
+
+
+def test_no_import_circles():
+    """Tarjan's strongly connected components of the import graph: each must be one module."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    circles: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_layers_import_only_downwards():
+    upward = sorted((m, t) for m, ts in GRAPH.items() for t in ts if layer(t) > layer(m))
+    assert upward == []
+
+
+def test_the_engine_knows_nothing_above_it():
+    engine = [m for m in GRAPH if m.startswith("timm_dora.engine")]
+    assert len(engine) >= 8
+    outside = sorted((m, t) for m in engine for t in GRAPH[m] if not t.startswith("timm_dora.engine"))
+    assert outside == []
+
+
+def test_applications_do_not_import_each_other():
+    crossing = sorted((m, t) for m, ts in GRAPH.items() for t in ts
+                      for a in APPLICATIONS for b in APPLICATIONS
+                      if a != b and m.startswith(a) and t.startswith(b))
+    assert crossing == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_size(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name}: {lines} lines"
