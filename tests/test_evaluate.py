@@ -230,3 +230,63 @@ def test_rows_without_native_have_no_agreement_or_paired_drop(setup_files):
     assert tome["agreement"] == pytest.approx(100.0 * float((pred == ref).float().mean()))
     assert tome["degraded"] == int(((ref == y) & (pred != y)).sum()) and tome["improved"] == int(((pred == y) & (ref != y)).sum())
     assert tome["paired_drop"] == pytest.approx(native["top1"] - tome["top1"])
+
+
+# --------------------------------------------------------------------------------------------
+# everyday use: errors, progress, workers
+
+
+def test_cli_errors_are_one_line(setup_files, capsys):
+    root, csv_path, weights, _ = setup_files
+    common = ["--model", MODEL, "--weights", str(weights), "--img-size", str(IMG), "--num-classes", str(CLASSES),
+              "--device", "cpu", "--workers", "0"]
+    rc = main(["eval", *common, "--data", str(root / "missing.csv"), "--method", "native", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("timm-dora eval: error: ") and "missing.csv" in err
+    rc = main(["eval", *common, "--data", str(csv_path), "--quiet"])  # the registered actor is for 224 px
+    assert rc == 1 and capsys.readouterr().err == ("timm-dora eval: error: actor does not fit this model: config "
+                                                   "backbone.num_patches=196 but the model has num_patches=16\n")
+    rc = main(["eval", *common, "--data", str(csv_path), "--actor", str(root / "no-actor"), "--quiet"])
+    assert rc == 1 and capsys.readouterr().err == f"timm-dora eval: error: no actor folder at {root / 'no-actor'}\n"
+    rc = main(["bench", *common, "--method", "tome", "--batch", "4", "--warmup", "0", "--iters", "1", "--repeats", "1"])
+    assert rc == 1 and capsys.readouterr().err.endswith("timm-dora bench: error: --method tome needs --r (one value, or one per block)\n")
+
+
+def test_cli_refuses_empty_batches(setup_files, capsys):
+    root, csv_path, weights, _ = setup_files
+    for command in (["eval", "--data", str(csv_path)], ["bench"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, "--model", MODEL, "--weights", str(weights), "--batch", "0"])
+        assert exit_.value.code == 2 and "argument --batch: must be 1 or more, got 0" in capsys.readouterr().err
+
+
+def test_eval_progress_bar(setup_files, capsys):
+    root, csv_path, weights, _ = setup_files
+    rc = main(["eval", "--model", MODEL, "--weights", str(weights), "--img-size", str(IMG), "--num-classes", str(CLASSES),
+               "--data", str(csv_path), "--device", "cpu", "--batch", "4", "--workers", "0", "--method", "native"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "eval native" in err and "10/10" in err and "images10" not in err
+
+
+def test_time_forward_reports_progress_after_each_repeat():
+    from timm_dora.evaluate.bench import time_forward
+
+    events = []
+    time_forward(lambda x: events.append("forward"), [torch.zeros(2, 1)], warmup=1, iters=2, repeats=3,
+                 progress=lambda: events.append("repeat"))
+    assert events == ["forward"] * 3 + ["repeat"] + (["forward"] * 3 + ["repeat"]) * 2
+
+
+def test_data_workers_are_capped_at_the_cpus(setup_files, monkeypatch):
+    import os
+
+    from timm_dora.data import worker_count
+    from timm_dora.evaluate import loader_for
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert (worker_count(0), worker_count(1), worker_count(4)) == (0, 1, 2)
+    with pytest.raises(ValueError, match="0 or more, got -1"):
+        worker_count(-1)
+    _, csv_path, _, _ = setup_files
+    model = make_model(MODEL, img_size=IMG, num_classes=CLASSES)
+    assert loader_for(model, str(csv_path), "test", workers=4).num_workers == 2

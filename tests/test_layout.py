@@ -14,7 +14,7 @@ MAX_LINES = 600
 
 # bottom up: a module may import from its own layer and the layers below it, never above
 LAYERS = [
-    {"timm_dora.version", "timm_dora.data", "timm_dora.backbone"},
+    {"timm_dora.version", "timm_dora.data", "timm_dora.backbone", "timm_dora.command"},
     {"timm_dora.engine"},
     {"timm_dora.policy"},
     {"timm_dora.hub"},

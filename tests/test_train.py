@@ -349,3 +349,11 @@ def test_minibatch_buffers_are_allocated_once(data, tmp_path):
     assert {k for _, k in first} >= {"tokens", "vg", "target", "keys", "order", "cls_key", "adv"}
     tr.step()
     assert storage() == first
+
+
+def test_cli_errors_are_one_line(data, tmp_path, capsys):
+    rc = main(ARGS + ["--data", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("timm-dora-train: error: ") and "missing.csv" in err
+    rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "run2"), "--cutmix-prob", "2"])
+    assert rc == 1 and capsys.readouterr().err == "timm-dora-train: error: --cutmix-prob must be in [0, 1], got 2.0\n"

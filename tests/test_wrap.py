@@ -370,3 +370,24 @@ def test_actor_encoder_runs_with_the_blocks_qkv_output_freed():
         model(x)
     assert (model.dora_stats.removed[:, [1, 3]].sum(0) > 0).all()
     assert alive_at_encode == [False, False]  # the encoder ran at blocks 1 and 3, qkv output freed
+
+
+@pytest.mark.parametrize("pool,readout", [("token", "model"), ("avg", "model"), ("token", "lc1")])
+def test_empty_batch_as_timm_takes_it(pool, readout):
+    """A batch of 0 images: timm returns [0, classes] logits; the wrapped model the same, and
+    statistics of zero images."""
+    kw = dict(global_pool=pool)
+    if readout == "lc1":
+        kw["num_classes"] = 7
+    model = make_model("vit_tiny_patch16_224", img_size=64, **kw)
+    if readout == "lc1":
+        model.head = torch.nn.Linear(2 * model.embed_dim, 7)
+    x = torch.zeros(0, 3, 64, 64)
+    native = model(x) if readout == "model" else model.head(torch.zeros(0, 2 * model.embed_dim))
+    timm_dora.wrap(model, Actor.for_model(model), readout=readout)
+    with torch.no_grad():
+        logits = model(x)
+    s = model.dora_stats
+    assert logits.shape == native.shape == (0, model.head.out_features) and logits.dtype == native.dtype
+    assert s.tokens.shape == s.gate.shape == s.removed.shape == (0, 12) and s.gate.dtype == torch.bool
+    assert s.gflops.shape == s.policy_gflops.shape == (0,) and s.removed_patches == [None] * 12

@@ -4,6 +4,7 @@ Each subcommand lives in its own module, which provides ``add_parser(subparsers)
 arguments and setting ``func`` (called with the parsed arguments, returning an exit code). Modules
 are imported lazily so that optional dependencies (matplotlib for ``viz``) are only needed by the
 command that uses them. Training has its own command, ``timm-dora-train`` (:mod:`timm_dora.train`).
+An error is printed as one line (:mod:`timm_dora.command`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import argparse
 import importlib
 import sys
 from typing import List, Optional
+
+from .command import one_line_errors
 
 COMMANDS = {
     "eval": ("timm_dora.evaluate.cli", "top-1, GFLOPs and policy statistics of native and wrapped models"),
@@ -32,7 +35,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command is None:
         ap.print_help()
         return 2
-    return int(args.func(args) or 0)
+    return one_line_errors(f"timm-dora {args.command}", lambda: int(args.func(args) or 0))
 
 
 if __name__ == "__main__":

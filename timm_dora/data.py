@@ -32,7 +32,7 @@ from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
 __all__ = ["ImageFolderDataset", "LabelsCSVDataset", "check_disjoint", "data_config", "eval_transform", "fixed_shards",
-           "open_split", "preload"]
+           "open_split", "preload", "worker_count"]
 
 PathLike = Union[str, os.PathLike]
 CSV_REQUIRED_COLUMNS = ("path", "label", "split")  # ``synset`` and ``set`` are optional
@@ -359,6 +359,18 @@ def fixed_shards(n: int, num_shards: int) -> List[List[int]]:
 
 
 @torch.no_grad()
+def worker_count(requested: int) -> int:
+    """``requested`` DataLoader worker processes, at most one per CPU this process may run on (more
+    only compete for the same cores, and the DataLoader warns about them)."""
+    if requested < 0:
+        raise ValueError(f"the number of data workers must be 0 or more, got {requested}")
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        cpus = os.cpu_count() or 1
+    return min(requested, cpus)
+
+
 def preload(
     dataset: torch.utils.data.Dataset,
     device: Optional[Union[str, torch.device]] = None,
@@ -371,12 +383,14 @@ def preload(
     Row ``i`` is ``dataset[i]``. ``dtype`` applies to the images only; each batch is converted and
     copied into a preallocated tensor on ``device``, so peak memory is one copy of the pool (1,300
     images at 224 px in float32 are ~0.8 GB). Meant for the small pools here; with an augmenting
-    transform it freezes one draw of the augmentation.
+    transform it freezes one draw of the augmentation. ``num_workers`` is capped by
+    :func:`worker_count`.
     """
     n = len(dataset)
     if n == 0:
         raise ValueError("cannot preload an empty dataset")
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False,
+                                         num_workers=worker_count(num_workers))
     images: Optional[torch.Tensor] = None
     labels = torch.empty(n, dtype=torch.long)
     pos = 0

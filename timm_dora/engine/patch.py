@@ -265,11 +265,30 @@ def _no_scope(name: str) -> contextlib.nullcontext:
 
 def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor, DoraStats]:
     """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and stats."""
+    if x.shape[0] == 0:
+        return _empty_batch(model, x)
     try:
         return _run(model, x, policy, run_ahead=True)
     except RunAheadMissed:  # (CUDA graphs: a gate opened inside the dense blocks run ahead) once more,
         # block by block
         return _run(model, x, policy, run_ahead=False)
+
+
+def _empty_batch(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, DoraStats]:
+    """An empty batch, taken as timm takes it: ``[0, classes]`` logits (timm's own forward: there is
+    nothing to prune) and statistics of zero images."""
+    state: _DoraState = model._dora
+    if state.readout == "lc1":
+        p = next(model.parameters())
+        logits = model.head(model.head_drop(torch.zeros(0, 2 * model.embed_dim, dtype=p.dtype, device=p.device)))
+    else:
+        logits = model.forward_head(model.forward_features(x))
+    depth, dev = len(model.blocks), x.device
+    counts = torch.zeros(0, depth, dtype=torch.long, device=dev)
+    flops = torch.zeros(0, dtype=torch.float64, device=dev)
+    backend = select_backend(dev.type, x.dtype, state.attn_backend)
+    return logits, DoraStats(tokens=counts, gate=counts.bool(), removed=counts.clone(), gflops=flops,
+                             policy_gflops=flops.clone(), backend=backend, removed_patches=[None] * depth)
 
 
 def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> Tuple[torch.Tensor, DoraStats]:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
-from ..data import eval_transform, open_split
+from ..data import eval_transform, open_split, worker_count
 from .methods import Method, NativeMethod, Output
 
 __all__ = ["Tally", "evaluate", "format_rows", "loader_for", "tensor_batches"]
@@ -113,11 +113,13 @@ class Tally:
 
 def loader_for(model: nn.Module, data: str, split: str = "test", *, batch: int = 64, workers: int = 4,
                limit: Optional[int] = None, class_map=None, pin_memory: bool = False):
-    """A DataLoader over ``split`` of ``data`` (labels CSV or image folder) with the model's eval preprocessing."""
+    """A DataLoader over ``split`` of ``data`` (labels CSV or image folder) with the model's eval
+    preprocessing; ``workers`` capped at the CPUs this process may use (:func:`~timm_dora.data.worker_count`)."""
     ds = open_split(data, split, eval_transform(model), class_map=class_map)
     if limit is not None and limit < len(ds):
         ds = torch.utils.data.Subset(ds, range(limit))
-    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False, num_workers=workers, pin_memory=pin_memory)
+    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False, num_workers=worker_count(workers),
+                                       pin_memory=pin_memory)
 
 
 def tensor_batches(images: torch.Tensor, labels: torch.Tensor, batch: int) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:

@@ -31,9 +31,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from ..data import eval_transform, open_split, preload
-from .cli import add_method_args, add_model_args, method_from_args, run_header, setup
+from .cli import add_method_args, add_model_args, count, method_from_args, positive_int, run_header, setup
 from .methods import NativeMethod
 from .setup import write_json
 
@@ -55,6 +56,7 @@ def time_forward(
     warmup: int = 200,
     iters: int = 200,
     repeats: int = 5,
+    progress: Optional[Callable[[], None]] = None,
 ) -> Dict[str, Any]:
     """Time ``fn`` on GPU-resident ``inputs`` (a list of batches, or one batch) by the App. E.5 protocol.
 
@@ -65,6 +67,7 @@ def time_forward(
     calls capture CUDA graphs and compile kernels, and ``steady_peak_memory_mib``, over everything
     after it (with enough warm-up to see every batch, no first-time work is left there). To
     separate the two it resets the device's peak memory statistics after the first warm-up.
+    ``progress``: called after each repeat, outside the timed region.
     """
     if isinstance(inputs, torch.Tensor):
         inputs = [inputs]
@@ -92,6 +95,8 @@ def time_forward(
             t = time.perf_counter() - t0
             ms.append(1000.0 * t / iters)
             ips.append(batch * iters / t)
+            if progress is not None:  # (outside the timed loop)
+                progress()
     if device.type == "cuda":
         memory["steady_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return {
@@ -174,6 +179,7 @@ def bench(
     repeats: int = 5,
     autocast: bool = False,
     record_ops: bool = True,
+    progress: Optional[Callable[[], None]] = None,
 ) -> Dict[str, Any]:
     """:func:`time_forward` plus the attention operators ``fn`` dispatches (``attention_ops``)."""
     if autocast:
@@ -184,7 +190,7 @@ def bench(
                 return inner(x)
 
     ops = attention_ops(fn, inputs[0]) if record_ops else None
-    res = time_forward(fn, inputs, warmup=warmup, iters=iters, repeats=repeats)
+    res = time_forward(fn, inputs, warmup=warmup, iters=iters, repeats=repeats, progress=progress)
     if ops is not None:
         res["attention_ops"] = ops
     return res
@@ -206,6 +212,7 @@ def _run(args) -> int:
         methods.append(method_from_args(model, args))
     rows = []
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else None
+    bar = tqdm(total=len(methods) * args.repeats, desc="bench", unit="repeat", file=sys.stderr, dynamic_ncols=True)
     try:
         for m in methods:
             with torch.inference_mode():
@@ -215,15 +222,18 @@ def _run(args) -> int:
                 else:
                     outs = m.outputs(inputs[0])
             out = outs[m.name]
-            res = bench(m.timing_fn(), inputs, warmup=args.warmup, iters=args.iters, repeats=args.repeats, autocast=autocast)
+            bar.set_description(f"bench {m.name}")
+            res = bench(m.timing_fn(), inputs, warmup=args.warmup, iters=args.iters, repeats=args.repeats, autocast=autocast,
+                        progress=lambda: bar.update(1))
             row = {"method": m.name, "config": m.config, "gflops": float(out.gflops.mean()),
                    "gflops_min": float(out.gflops.min()), "gflops_max": float(out.gflops.max()), **res}
             if out.backend is not None:
                 row["attn_backend"] = out.backend
             rows.append(row)
-            print(f"{m.name:34s} {row['gflops']:8.3f} GFLOPs {row['images_per_s']:10.1f} img/s "
-                  f"{row['ms_per_batch']:8.3f} ms/batch  {', '.join(res.get('attention_ops') or [])}", flush=True)
+            bar.write(f"{m.name:34s} {row['gflops']:8.3f} GFLOPs {row['images_per_s']:10.1f} img/s "
+                      f"{row['ms_per_batch']:8.3f} ms/batch  {', '.join(res.get('attention_ops') or [])}", file=sys.stdout)
     finally:
+        bar.close()
         for m in methods:
             m.close()
     payload = {
@@ -244,9 +254,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_method_args(ap, default="native")
     ap.add_argument("--data", default=None, help="labels CSV or image folder: time on real images of --split (default: random)")
     ap.add_argument("--split", default="test")
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--workers", type=count, default=4, help="data loading processes (at most one per CPU)")
     for k, v in PROTOCOL.items():
-        ap.add_argument(f"--{k}", type=int, default=v)
+        ap.add_argument(f"--{k}", type=count if k == "warmup" else positive_int, default=v)
     ap.add_argument("--out", default=None, help="results JSON")
     ap.set_defaults(func=_run, _parser=ap)
     return ap

@@ -39,6 +39,8 @@ import shlex
 import sys
 from typing import Any, Dict, Tuple
 
+from tqdm.auto import tqdm
+
 import torch
 import torch.nn as nn
 
@@ -47,7 +49,24 @@ from .accuracy import evaluate, format_rows, loader_for
 from .methods import METHODS, Method, build_method
 from .setup import PRECISIONS, environment, load_model, precision_for, write_json
 
-__all__ = ["add_parser", "add_model_args", "add_method_args", "command_line", "method_from_args", "run_header", "setup"]
+__all__ = ["add_parser", "add_model_args", "add_method_args", "command_line", "count", "method_from_args",
+           "positive_int", "run_header", "setup"]
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a batch of 0 images measures nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -129,18 +148,13 @@ def _run(args) -> int:
     loader = loader_for(model, args.data, args.split, batch=args.batch, workers=args.workers, limit=args.limit,
                         class_map=args.class_map, pin_memory=device.type == "cuda")
     n = len(loader.dataset)
-
-    def progress(seen):
-        if not args.quiet:
-            print(f"\r{seen}/{n} images", end="", file=sys.stderr, flush=True)
-
+    bar = tqdm(total=n, desc=f"eval {args.method}", unit="img", disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
     try:
         rows = evaluate(model, [] if args.method == "native" else [method], loader, device=device, autocast=autocast,
-                        progress=progress)
+                        progress=lambda seen: bar.update(seen - bar.n))
     finally:
+        bar.close()
         method.close()
-    if not args.quiet:
-        print(file=sys.stderr)
     cfg = data_config(model)
     payload = {
         **run_header(args, device, dtype, autocast),
@@ -161,9 +175,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ap.add_argument("--data", required=True, help="labels CSV (or a folder holding labels.csv), or an image folder")
     ap.add_argument("--split", default="test")
     ap.add_argument("--class-map", default=None, help="folder name -> label map for image folders")
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--limit", type=int, default=None, help="first N images only")
+    ap.add_argument("--batch", type=positive_int, default=128)
+    ap.add_argument("--workers", type=count, default=4, help="data loading processes (at most one per CPU)")
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N images only")
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--quiet", action="store_true")
     ap.set_defaults(func=_run, _parser=ap)

@@ -17,6 +17,7 @@ from typing import List, Optional
 
 import torch
 
+from ..command import one_line_errors
 from .config import TrainConfig, build_parser, config_from_args
 from .loop import Trainer
 from .runtime import deterministic_on_cpu, init_distributed
@@ -30,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = config_from_args(args)
     created = init_distributed(cfg)
     try:
-        return _main(args, cfg)
+        return one_line_errors("timm-dora-train", lambda: _main(args, cfg))
     finally:
         if created:
             import torch.distributed as dist
