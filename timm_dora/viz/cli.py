@@ -14,6 +14,7 @@ from ..api import wrap
 from ..backbone import create_backbone
 from ..data import eval_transform, open_split
 from ..engine import native_gflops
+from ..hub import resolve_actor
 from ..policy import Actor
 from .data import policy_data, read_metrics, read_results, tradeoff_data, training_data
 from .plots import FORMATS, collect_stats, plot_policy, plot_tradeoff, plot_training, save, trajectory_grid
@@ -48,30 +49,29 @@ def _write(fig, out: Path, name: str, numbers: Any, args) -> None:
 
 
 def _model_and_actor(args):
-
     kw = {}
     if args.img_size:
         kw["img_size"] = args.img_size
     if args.num_classes:
         kw["num_classes"] = args.num_classes
     model = create_backbone(args.model, args.weights, **kw).to(args.device)
-    if args.actor:
-        actor = Actor.from_pretrained(args.actor)
-        label = f"trained actor {Path(str(args.actor).rstrip('/')).name or args.actor}"
-        updates = ((getattr(actor, "pretrained_config", None) or {}).get("training") or {}).get("updates")
-        if updates:
-            label += f" ({updates} PPO updates)"
-    else:
+    if args.actor == "random":
         torch.manual_seed(args.seed)
         actor = Actor.for_model(model)
         label = f"untrained actor (fresh initialisation, seed {args.seed})"
+    else:
+        actor = resolve_actor(model, args.actor)  # None: the actor published for the model
+        name = Path(str(args.actor).rstrip("/")).name or args.actor if args.actor else "published"
+        label = f"trained actor {name}"
+        updates = ((getattr(actor, "pretrained_config", None) or {}).get("training") or {}).get("updates")
+        if updates:
+            label += f" ({updates} PPO updates)"
     wrap(model, actor.eval())
     return model, f"{args.model}, {label}"
 
 
 def _cmd_trajectory(args) -> int:
     from PIL import Image
-
 
     model, label = _model_and_actor(args)
     tf = eval_transform(model)
@@ -88,7 +88,6 @@ def _cmd_trajectory(args) -> int:
 
 
 def _cmd_policy(args) -> int:
-
     model, label = _model_and_actor(args)
     ds = open_split(args.data, args.split, eval_transform(model))
     stats = collect_stats(model, ds, args.batch_size, args.limit)
@@ -122,21 +121,6 @@ def _cmd_tradeoff(args) -> int:
     return 0
 
 
-def _guard(cmd):
-    """Report missing files and invalid inputs as one line and exit code 2, not a traceback."""
-
-    def run(args) -> int:
-        import sys
-
-        try:
-            return cmd(args)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"timm-dora viz {args.picture}: error: {e}", file=sys.stderr)
-            return 2
-
-    return run
-
-
 def _common(p) -> None:
     p.add_argument("--out", required=True, help="output folder (pictures and their numbers as JSON)")
     p.add_argument("--name", default=None, help="file name stem (default: the picture's name)")
@@ -147,8 +131,9 @@ def _common(p) -> None:
 def _model_args(p) -> None:
     p.add_argument("--model", required=True, help="timm model name, e.g. vit_tiny_patch16_224.augreg_in21k_ft_in1k")
     p.add_argument("--weights", default=None, help="local .safetensors state dict of the backbone")
-    p.add_argument("--actor", default=None, help="trained actor (folder or hf-hub:org/name); default: a freshly initialised one")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained actor (without --actor)")
+    p.add_argument("--actor", default=None, help="trained actor (folder or hf-hub:org/name), or 'random' for a freshly "
+                                                 "initialised one; default: the actor published for --model")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed of --actor random")
     p.add_argument("--img-size", type=int, default=None, help="override the model's input size")
     p.add_argument("--num-classes", type=int, default=None, help="override the classifier size")
     p.add_argument("--device", default="cpu", help="torch device")
@@ -164,7 +149,7 @@ def add_parser(subparsers) -> None:
     _model_args(t)
     t.add_argument("--images", nargs="+", required=True, help="image files (preprocessed as the model's eval transform)")
     _common(t)
-    t.set_defaults(func=_guard(_cmd_trajectory))
+    t.set_defaults(func=_cmd_trajectory)
 
     q = sub.add_parser("policy", help="intervention rate, budgets and GFLOPs reduction over a dataset split")
     _model_args(q)
@@ -173,7 +158,7 @@ def add_parser(subparsers) -> None:
     q.add_argument("--batch-size", type=int, default=64)
     q.add_argument("--limit", type=int, default=None, help="use only the first N images of the split")
     _common(q)
-    q.set_defaults(func=_guard(_cmd_policy))
+    q.set_defaults(func=_cmd_policy)
 
     r = sub.add_parser("training", help="a_u, feedback drops, compression and return from metrics.jsonl")
     r.add_argument("--metrics", required=True, help="metrics.jsonl written by timm-dora-train")
@@ -182,10 +167,10 @@ def add_parser(subparsers) -> None:
     r.add_argument("--window", type=int, default=8, help="feedback checks in the running mean")
     r.add_argument("--title", default=None)
     _common(r)
-    r.set_defaults(func=_guard(_cmd_training))
+    r.set_defaults(func=_cmd_training)
 
     s = sub.add_parser("tradeoff", help="top-1 vs GFLOPs and vs throughput from eval/bench JSON")
     s.add_argument("--results", nargs="+", required=True, help="eval or bench JSON files")
     s.add_argument("--title", default=None)
     _common(s)
-    s.set_defaults(func=_guard(_cmd_tradeoff))
+    s.set_defaults(func=_cmd_tradeoff)
