@@ -22,7 +22,7 @@
 # (tried: the second call found neither RUNS nor CARRY), so every call carries what it resumes.
 #
 # AUGMENT=light|strong|none picks --augment (default light; strong adds RandAugment, a wider crop and
-# label-free patch CutMix, see timm_dora/data.py).
+# label-free patch CutMix, see timm_dora/train/pool.py).
 #
 # Choices beyond the paper's recipe (said in the model cards): --augment (700-image pool), one QC
 # shard of all 150 QC images (--qc-shards 1: 8 shards of 19 images would move d_u in 5.3 pp steps,

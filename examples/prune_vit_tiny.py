@@ -2,11 +2,11 @@
 
     python examples/prune_vit_tiny.py            # uses ../shared weights and images when present
 
-The actor is the one published for this backbone in the repository's ``hub/`` folder (the same
-files as the Hub repo ``timm-dora/vit_tiny_patch16_224.augreg_in21k_ft_in1k``; a short training run
-that prunes little, see its model card). Any actor loads the same way:
-``timm_dora.wrap(model, "path/or/hf-hub:org/name")``; ``timm_dora.wrap(model)`` with no actor
-downloads the registered one.
+``timm_dora.wrap(model)`` with no actor takes the actor published for this backbone, shipped
+inside the package (no network; the same files as the Hub repo
+``timm-dora/vit_tiny_patch16_224.augreg_in21k_ft_in1k``; a short training run that prunes little,
+see its model card). Any other actor loads the same way: ``timm_dora.wrap(model,
+"path/or/hf-hub:org/name")``.
 """
 import csv
 import sys
@@ -19,7 +19,6 @@ import timm_dora
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-ACTOR = REPO / "timm_dora" / "hub" / "actors" / "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 WEIGHTS = SHARED / "weights" / "vit_tiny_patch16_224.augreg_in21k_ft_in1k.safetensors"
 DATA = SHARED / "data" / "imagenet-mini"
 
@@ -44,11 +43,7 @@ def main(n_images: int = 16) -> None:
 
     with torch.no_grad():
         native = model(x)
-        if (ACTOR / "model.safetensors").exists():
-            timm_dora.wrap(model, str(ACTOR))  # the published actor
-        else:
-            torch.manual_seed(0)
-            timm_dora.wrap(model, timm_dora.Actor.for_model(model))  # untrained (random decisions)
+        timm_dora.wrap(model)  # the actor published for this backbone
         pruned = model(x)
     s = model.dora_stats
     print(f"attention backend: {s.backend}")

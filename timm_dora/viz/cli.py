@@ -61,8 +61,7 @@ def _model_and_actor(args):
         label = f"untrained actor (fresh initialisation, seed {args.seed})"
     else:
         actor = resolve_actor(model, args.actor)  # None: the actor published for the model
-        name = Path(str(args.actor).rstrip("/")).name or args.actor if args.actor else "published"
-        label = f"trained actor {name}"
+        label = f"trained actor {Path(str(args.actor).rstrip('/')).name or args.actor}" if args.actor else "published actor"
         updates = ((getattr(actor, "pretrained_config", None) or {}).get("training") or {}).get("updates")
         if updates:
             label += f" ({updates} PPO updates)"
