@@ -95,12 +95,13 @@ def _without_timings(rows):
     return [{k: v for k, v in r.items() if k not in ("rollout_images_per_s", "update_s", "phases")} for r in rows]
 
 
-def test_cli_refuses_overlapping_splits_and_existing_runs(data, tmp_path):
+def test_cli_refuses_overlapping_splits_and_existing_runs(data, tmp_path, capsys):
     bad = data.parent / "overlap.csv"
     lines = data.read_text().splitlines()
     bad.write_text("\n".join(lines + [lines[1].replace(",rollout", ",dev")]) + "\n")
-    with pytest.raises(ValueError, match="overlap"):
-        main(ARGS + ["--data", str(bad), "--out", str(tmp_path / "o")])
+    assert main(ARGS + ["--data", str(bad), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("timm-dora-train: error: ") and "overlap" in err and err.count("\n") == 1
     out = tmp_path / "run"
     assert main(ARGS + ["--data", str(data), "--out", str(out), "--updates", "2"]) == 0
     assert main(ARGS + ["--data", str(data), "--out", str(out)]) == 2
