@@ -55,14 +55,23 @@ def same_weights(a, b):
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+class Calls(list):
+    """``(repo_id, filename, revision)`` of each call; ``cached_only``: whether each asked for
+    cached files only (``local_files_only``: no request)."""
+
+    cached_only: list
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """Record every huggingface_hub.hf_hub_download call (and still run the real one)."""
-    calls = []
+    calls = Calls()
+    calls.cached_only = []
     real = huggingface_hub.hf_hub_download
 
     def recording(repo_id, filename, **kw):
         calls.append((repo_id, filename, kw.get("revision")))
+        calls.cached_only.append(bool(kw.get("local_files_only")))
         return real(repo_id, filename, **kw)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", recording)
@@ -227,21 +236,13 @@ def no_connection(*args, **kwargs):
     raise OSError("[Errno -2] Name or service not known")
 
 
-def test_unreachable_hub_fails_at_once_or_reads_the_cache(saved, tmp_path, monkeypatch):
+def test_unreachable_hub_fails_at_once_or_reads_the_cache(saved, tmp_path, monkeypatch, spy):
     """No connection and HF_HUB_OFFLINE unset: a Hub actor comes from the cache, and one that is not
     cached fails at once, saying what to pass: huggingface_hub is asked for cached files only, so
     it makes no request (alone it retries a failing one for about 25 s)."""
     model, actor, folder = saved
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(socket, "create_connection", no_connection)
-    calls = []
-    real = huggingface_hub.hf_hub_download
-
-    def recording(repo_id, filename, **kw):
-        calls.append((repo_id, filename, kw.get("local_files_only")))
-        return real(repo_id, filename, **kw)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", recording)
     assert hub.hub_reachable() == (False, "huggingface.co is unreachable ([Errno -2] Name or service not known)")
     cache = tmp_path / "cache"
     hub_cache(cache, "org/actor", {COMMIT_A: folder}, {"main": COMMIT_A})
@@ -250,8 +251,9 @@ def test_unreachable_hub_fails_at_once_or_reads_the_cache(saved, tmp_path, monke
                        r"reached \(huggingface.co is unreachable .*\), and it is not in the local cache: pass a local "
                        r"actor folder"):
         hub.resolve_actor(model, "org/absent", cache_dir=cache)
-    assert calls == [("org/actor", "config.json", True), ("org/actor", "model.safetensors", True),
-                     ("org/absent", "config.json", True)]
+    assert spy == [("org/actor", "config.json", None), ("org/actor", "model.safetensors", None),
+                   ("org/absent", "config.json", None)]
+    assert spy.cached_only == [True, True, True]
 
 
 def test_resolve_errors(saved, tmp_path, offline, monkeypatch):
