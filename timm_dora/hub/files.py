@@ -393,7 +393,7 @@ def push_to_hub(
 ):
     """Create ``repo_id`` if needed and upload ``config.json`` + ``model.safetensors`` in one commit.
 
-    Returns huggingface_hub's ``CommitInfo``. Add a model card separately (see ``hub/``).
+    Returns huggingface_hub's ``CommitInfo``. Add a model card separately (see the repository's ``hub/README.md``).
     """
     from huggingface_hub import HfApi
 
