@@ -243,9 +243,10 @@ def test_cli_errors_are_one_line(setup_files, capsys):
     rc = main(["eval", *common, "--data", str(root / "missing.csv"), "--method", "native", "--quiet"])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and err.startswith("timm-dora eval: error: ") and "missing.csv" in err
-    rc = main(["eval", *common, "--data", str(csv_path), "--quiet"])  # the registered actor is for 224 px
-    assert rc == 1 and capsys.readouterr().err == ("timm-dora eval: error: actor does not fit this model: config "
-                                                   "backbone.num_patches=196 but the model has num_patches=16\n")
+    rc = main(["eval", "--model", "deit_small_patch16_224", "--random-weights", "--img-size", str(IMG), "--device", "cpu",
+               "--data", str(csv_path), "--quiet"])  # no actor is registered for it
+    assert rc == 1 and capsys.readouterr().err.startswith(
+        "timm-dora eval: error: no pretrained DORA actor is registered for 'deit_small_patch16_224.fb_in1k'; available: ")
     rc = main(["eval", *common, "--data", str(csv_path), "--actor", str(root / "no-actor"), "--quiet"])
     assert rc == 1 and capsys.readouterr().err == f"timm-dora eval: error: no actor folder at {root / 'no-actor'}\n"
     rc = main(["bench", *common, "--method", "tome", "--batch", "4", "--warmup", "0", "--iters", "1", "--repeats", "1"])

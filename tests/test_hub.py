@@ -268,8 +268,8 @@ def test_resolve_errors(saved, tmp_path, offline, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no actor folder"):
         hub.resolve_actor(model, str(tmp_path / "missing" / "actor"))
     # the shipped actor is checked against the model like any other
-    with pytest.raises(ValueError, match="config backbone.num_patches=196 but the model has num_patches=16"):
-        hub.resolve_actor(model)
+    with pytest.raises(ValueError, match="config backbone.depth=12 but the model has depth=6"):
+        hub.resolve_actor(make_model(ARCH, img_size=64, depth=6))
     # registered, not shipped, not cached, HF_HUB_OFFLINE=1: at once, saying what to pass
     monkeypatch.setattr(hub_published, "ACTORS_DIR", tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match=r"actor 'timm-dora/deit_tiny_patch16_224.fb_in1k' is on the Hugging "
@@ -392,8 +392,10 @@ def test_backbone_mismatch(saved):
         hub.check_backbone(config, make_model("vit_tiny_patch16_224", img_size=64))
     with pytest.raises(ValueError, match="backbone.depth=12 but the model has depth=6"):
         hub.check_backbone(config, small_model(depth=6))
-    with pytest.raises(ValueError, match="backbone.num_patches=16 but the model has num_patches=9"):
-        hub.check_backbone(config, make_model(ARCH, img_size=48))
+    hub.check_backbone(config, make_model(ARCH, img_size=48))  # another input size: the grid is read as fractions
+    no_cls = make_model(ARCH, img_size=64, class_token=False, global_pool="avg")
+    with pytest.raises(ValueError, match="reads the CLS key .* the model has no class token"):
+        hub.check_backbone(config, no_cls)
     with pytest.raises(ValueError, match="backbone.num_prefix_tokens=1 but the model has num_prefix_tokens=2"):
         hub.check_backbone(config, make_model(ARCH, img_size=64, reg_tokens=1))
     with pytest.raises(ValueError, match="backbone.readout"):

@@ -97,12 +97,16 @@ def wrap(
 
 
 def _check_actor(model: nn.Module, actor: Actor) -> None:
+    """The actor's sizes against the backbone's (the patch count may differ: the budget grid is read
+    as fractions of it, :meth:`~timm_dora.policy.Actor.grid`)."""
     want = {
         "embed_dim": model.blocks[0].attn.qkv.out_features // 3,
         "depth": len(model.blocks),
-        "num_patches": model.patch_embed.num_patches,
     }
     for name, value in want.items():
         got = getattr(actor, name)
         if got != value:
             raise ValueError(f"actor does not fit this backbone: actor.{name}={got} but the model has {name}={value}")
+    if actor.summary == "cls" and getattr(model, "cls_token", None) is None:
+        raise ValueError("actor does not fit this backbone: it reads the CLS key (summary='cls') and the model has "
+                         "no class token; Actor.for_model(model) makes one that reads the summary key")

@@ -106,8 +106,38 @@ def _segment_pool(packed: Packed, pool: str, include_prefix: bool) -> torch.Tens
     return out[pool]
 
 
+def _attention_pool(model: nn.Module, packed: Packed) -> torch.Tensor:
+    """timm's attention-pool (MAP) head, ``AttentionPoolLatent``, on each image's surviving tokens:
+    its latent queries attend to their own image's tokens only (the others masked out of a padded
+    batch); composed from the pool's own submodules (``latent``, ``q``, ``kv``, ``q_norm``,
+    ``k_norm``, ``proj``, ``norm``, ``mlp``)."""
+    pool = model.attn_pool
+    p, b = packed.num_prefix, packed.batch_size
+    if p and not getattr(model, "pool_include_prefix", False):  # (timm's pool drops the prefix tokens)
+        rows = rows_where(packed.pos >= p, packed.total - b * p)
+        packed = Packed(packed.x[rows], packed.lengths - p, [n - p for n in packed.lengths_host], 0)
+    n = packed.max_len
+    x = packed.padded(n)
+    heads, embed = pool.num_heads, pool.kv.out_features // 2
+    latent = pool.latent.shape[1]
+    q = pool.q(pool.latent.expand(b, -1, -1)).reshape(b, latent, heads, embed // heads).transpose(1, 2)
+    k, v = pool.kv(x).reshape(b, n, 2, heads, embed // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k = pool.q_norm(q), pool.k_norm(k)
+    padding = torch.arange(n, device=x.device)[None, :] >= packed.lengths[:, None]
+    mask = torch.zeros(b, 1, 1, n, dtype=q.dtype, device=x.device).masked_fill(padding[:, None, None], float("-inf"))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=pool.scale)
+    o = pool.proj_drop(pool.proj(o.transpose(1, 2).reshape(b, latent, embed)))
+    if getattr(pool, "mlp", None) is not None:
+        o = o + pool.mlp(pool.norm(o))
+    if pool.pool == "token":
+        return o[:, 0]
+    return o.mean(1) if pool.pool == "avg" else o
+
+
 def readout(model: nn.Module, packed: Packed, mode: str) -> torch.Tensor:
     """Logits from the final-normed packed tokens, as the model's own head would compute them."""
+    if getattr(model, "attn_pool", None) is not None:
+        return model.head(model.head_drop(model.fc_norm(_attention_pool(model, packed))))
     if mode == "lc1":
         cls = packed.x[packed.starts]
         feats = torch.cat([cls, _segment_pool(packed, "avg", include_prefix=False)], dim=-1)

@@ -5,6 +5,9 @@ trajectory: patch embedding, every block (attention projections and the two atte
 the ``P + N_l`` tokens entering the block, the MLP on the ``P + N_l - k_l`` tokens surviving it,
 ``P`` being the prefix tokens: CLS, registers, distillation token), the classifier, and the
 actor's own computation (the gate at every block, the controller only where the gate opened).
+An attention-pool (MAP) head counts its query, key/value projections over the tokens reaching it,
+its attention matmuls, output projection and MLP. Costs follow the input: a model taking another
+input size (``dynamic_img_size``) is counted at the patch count of each forward.
 
 Only matrix products are counted (linear layers, convolutions, attention matmuls), exactly what
 ``torch.utils.flop_counter`` counts for these ops; LayerNorm, softmax, activations, residual adds,
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import weakref
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,9 +41,12 @@ class BackboneCost:
     proj_macs: List[int]  # per token, per block
     attn_dim: List[int]  # per block: width of q/k/v (heads * head_dim)
     mlp_macs: List[int]  # per token, per block
-    head_macs: int  # per image (classifier, incl. a distillation head)
+    head_macs: int  # per image (classifier, incl. a distillation head; a MAP pool's fixed part)
     num_prefix: int
     num_patches: int
+    pool_kv_macs: int = 0  # MAP head: key/value projections per token reaching the pool
+    pool_attn: int = 0  # MAP head: latent queries x their width (attention matmuls per pooled token)
+    pool_include_prefix: bool = False  # MAP head: the prefix tokens reach the pool too
     _per_device: Dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def block_macs(self, block: int, n_attn: torch.Tensor, n_mlp: torch.Tensor) -> torch.Tensor:
@@ -65,23 +71,43 @@ class BackboneCost:
         n_attn = n_attn.double()
         return n_attn * linear + 2 * n_attn * n_attn * attn_dim + n_mlp.double() * mlp
 
+    def pool_macs(self, n_final: torch.Tensor) -> torch.Tensor:
+        """MACs of a MAP head's per-token part for ``n_final`` tokens leaving the last block
+        (prefix included; its own prefix rule applied here): key/value projections and the
+        attention matmuls. Zero without a MAP head."""
+        n = n_final.double() - (0 if self.pool_include_prefix else self.num_prefix)
+        return n * (self.pool_kv_macs + 2 * self.pool_attn)
+
     def native_macs(self) -> float:
         n = torch.tensor([self.num_prefix + self.num_patches])
         blocks = sum(float(self.block_macs(i, n, n)) for i in range(len(self.qkv_macs)))
-        return self.patch_macs + blocks + self.head_macs
+        return self.patch_macs + blocks + self.head_macs + float(self.pool_macs(n))
 
 
-def backbone_cost(model: nn.Module) -> BackboneCost:
-    """Read the MAC counts of a timm ``VisionTransformer`` from its submodules."""
+def backbone_cost(model: nn.Module, num_patches: Optional[int] = None) -> BackboneCost:
+    """Read the MAC counts of a timm ``VisionTransformer`` from its submodules; ``num_patches``:
+    the patch count of the input (default: the size the model was created for)."""
     pe = model.patch_embed
     conv = pe.proj
-    n0 = pe.num_patches
+    n0 = pe.num_patches if num_patches is None else int(num_patches)
     patch_macs = n0 * conv.out_channels * (conv.in_channels // conv.groups) * conv.kernel_size[0] * conv.kernel_size[1]
     head_macs = 0
     for name in ("head", "head_dist"):
         head = getattr(model, name, None)
         if isinstance(head, nn.Linear):
             head_macs += head.in_features * head.out_features
+    pool = getattr(model, "attn_pool", None)
+    pool_terms = {}
+    if pool is not None:  # the latent queries' projection, output projection and MLP: per latent row
+        q = getattr(pool, "q", None)
+        per_latent = (_linear_macs_per_row(q) if isinstance(q, nn.Module) else 0) + _linear_macs_per_row(pool.proj)
+        mlp = getattr(pool, "mlp", None)
+        if mlp is not None:
+            per_latent += _linear_macs_per_row(mlp)
+        latent = pool.latent.shape[1]
+        head_macs += latent * per_latent
+        pool_terms = dict(pool_kv_macs=_linear_macs_per_row(pool.kv), pool_attn=latent * pool.kv.out_features // 2,
+                          pool_include_prefix=bool(getattr(model, "pool_include_prefix", False)))
     blocks = list(model.blocks)
     return BackboneCost(
         patch_macs=patch_macs,
@@ -92,12 +118,14 @@ def backbone_cost(model: nn.Module) -> BackboneCost:
         head_macs=head_macs,
         num_prefix=model.num_prefix_tokens,
         num_patches=n0,
+        **pool_terms,
     )
 
 
-def native_gflops(model: nn.Module) -> float:
-    """GFLOPs per image of the unpruned model under this accounting."""
-    return 2 * backbone_cost(model).native_macs() / 1e9
+def native_gflops(model: nn.Module, num_patches: Optional[int] = None) -> float:
+    """GFLOPs per image of the unpruned model under this accounting (at ``num_patches`` patches:
+    another input size of a ``dynamic_img_size`` model)."""
+    return 2 * backbone_cost(model, num_patches).native_macs() / 1e9
 
 
 def actor_gate_macs(actor) -> int:

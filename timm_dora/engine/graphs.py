@@ -177,10 +177,11 @@ class GraphRunner(Segments):
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: usable under no_grad too
             self._make_buffers(model, images)
         # the gate and controller run inside the graphs only for a plain deterministic ActorPolicy
-        # (a subclass may decide differently: it is called as a policy) in the activations' dtype,
-        # whose keys are kept (the packed gate reads them)
+        # (a subclass may decide differently: it is called as a policy) of the CLS form at its own
+        # input size, in the activations' dtype, whose keys are kept (the packed gate reads them)
         actor = getattr(policy, "actor", None)
-        self.probing = (bool(getattr(policy, "graph_probe", False)) and actor is not None
+        probes = getattr(policy, "probes_in_graphs", None)
+        self.probing = (probes is not None and probes(self.num_patches) and actor is not None
                         and actor.w_in.weight.dtype == self.x[0].dtype and self.copy_keys)
         # the actor's gate runs in line on the graph's stream, right after qkv: the Triton gate
         # (one kernel) where the fused kernels run, else the modules' (about ten small kernels).

@@ -46,7 +46,7 @@ __all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check
            "READOUTS", "SUPPORTED_POOLS"]
 
 READOUTS = ("model", "lc1")
-SUPPORTED_POOLS = ("token", "avg", "max", "avgmax")
+SUPPORTED_POOLS = ("token", "avg", "max", "avgmax", "map")
 
 
 @dataclass
@@ -105,11 +105,12 @@ class _DoraState:
     policy: Policy
     readout: str
     attn_backend: str
-    cost: BackboneCost
+    cost: BackboneCost  # at the input size the model was created for
     original_class: type
     cuda_graphs: bool = False
     graphs: "OrderedDict" = field(default_factory=OrderedDict)  # graphs.GraphRunner per batch shape
     warned: bool = False  # the one warning that cuda_graphs could not be used
+    costs: Dict[int, BackboneCost] = field(default_factory=dict)  # at other input sizes, by patch count
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,12 +138,14 @@ def check_supported(model: nn.Module, readout: str = "model", attn_backend: str 
         raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
     if attn_backend != "auto" and attn_backend not in BACKENDS:
         raise ValueError(f"attn_backend must be 'auto' or one of {BACKENDS}, got {attn_backend!r}")
-    if model.cls_token is None:
-        raise ValueError("DORA's gate reads the CLS key: models without a class token are not supported")
-    if getattr(model, "attn_pool", None) is not None:
-        raise ValueError("attention-pool (MAP) heads are not supported: global_pool must be one of " f"{SUPPORTED_POOLS}")
     if readout == "model" and model.global_pool not in SUPPORTED_POOLS:
         raise ValueError(f"global_pool={model.global_pool!r} is not supported; use one of {SUPPORTED_POOLS}")
+    pool = getattr(model, "attn_pool", None)
+    if pool is not None and getattr(pool, "pos_embed", None) is not None:
+        raise ValueError("attention-pool (MAP) heads with a position embedding of their own are not supported")
+    if model.cls_token is None and (readout == "lc1" or model.global_pool == "token"):
+        raise ValueError(f"readout={readout!r} with global_pool={model.global_pool!r} reads the class token, "
+                         "and this model has none")
     if readout == "lc1":
         head = model.head
         if not isinstance(head, nn.Linear) or head.in_features != 2 * model.embed_dim:
@@ -274,6 +277,14 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         return _run(model, x, policy, run_ahead=False)
 
 
+def _cost_at(state: "_DoraState", model: nn.Module, num_patches: int) -> BackboneCost:
+    """The model's costs at an input of ``num_patches`` patches (made once per size)."""
+    cost = state.costs.get(num_patches)
+    if cost is None:
+        cost = state.costs[num_patches] = backbone_cost(model, num_patches)
+    return cost
+
+
 def _empty_batch(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, DoraStats]:
     """An empty batch, taken as timm takes it: ``[0, classes]`` logits (timm's own forward: there is
     nothing to prune) and statistics of zero images."""
@@ -302,7 +313,8 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
         if model.training:
             raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
     runner = None  # the forward replayed from CUDA graphs (graphs.GraphRunner), when enabled
-    if state.cuda_graphs and tuple(x.shape[-2:]) == tuple(model.patch_embed.img_size):
+    if state.cuda_graphs and (getattr(model.patch_embed, "dynamic_img_size", False)
+                              or tuple(x.shape[-2:]) == tuple(model.patch_embed.img_size)):
         backend = select_backend(x.device.type, x.dtype, state.attn_backend)
         why = graph_mode_reason(model, x, backend)
         if why is None:
@@ -321,11 +333,6 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
         x = embed(model, x)
         b, s, _ = x.shape
         n0 = s - p
-        if n0 != cost.num_patches:
-            raise ValueError(
-                f"input gives {n0} patch tokens but the model (and its actor) were built for {cost.num_patches}; "
-                "DORA needs the input size the model was created with"
-            )
         dtype = x.dtype
         if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")  # attention inputs come out of autocast linears
@@ -333,6 +340,8 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
         packed = Packed.from_dense(x, p, track_ids=True)
         dev = x.device
         del x  # the packed view is the only reference: freed once block 0 replaces it (as native does)
+    if n0 != cost.num_patches:  # another input size (a dynamic_img_size model): its own costs
+        cost = _cost_at(state, model, n0)
     depth = len(model.blocks)
     # profiler scopes only while a profiler runs (each costs two dispatcher calls otherwise)
     scope = record_function if torch.autograd._profiler_enabled() else _no_scope
@@ -426,7 +435,9 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
         own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
         if scalar_flops:
             own = own + scalar_flops  # integer-valued float64 sums: exact in any order
-        flops = 2.0 * (cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_attn - removed).sum(1)) + own
+        n_mlp = n_attn - removed
+        macs = cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_mlp).sum(1) + cost.pool_macs(n_mlp[:, -1])
+        flops = 2.0 * macs + own
         patches = []
         for entry in removed_patches:
             if entry is None:

@@ -83,7 +83,7 @@ def _optional_str(field: str, value: Any) -> None:
         raise _fail(field, f"must be a non-empty string or null, got {value!r}")
 
 
-def validate_config(config: Any) -> Dict[str, int]:
+def validate_config(config: Any) -> Dict[str, Any]:
     """Check every field of a parsed ``config.json``; return the actor's constructor kwargs.
 
     Raises ``ValueError`` naming the offending field. Reads no tensors and allocates nothing
@@ -110,6 +110,10 @@ def validate_config(config: Any) -> Dict[str, int]:
             raise _fail(f"actor.{name}", "is missing")
     kwargs = {**_ACTOR_DEFAULTS, **actor}
     for name, value in kwargs.items():
+        if name == "summary":
+            if value not in Actor.SUMMARIES:
+                raise _fail("actor.summary", f"must be one of {Actor.SUMMARIES}, got {value!r}")
+            continue
         _positive_int(f"actor.{name}", value)
     if kwargs["width"] % kwargs["num_heads"]:
         raise _fail("actor.num_heads", f"{kwargs['num_heads']} does not divide actor.width={kwargs['width']}")
@@ -178,6 +182,8 @@ def _shape_fields() -> Dict[str, Tuple[str, ...]]:
     ref = _meta_shapes(base)
     deps: Dict[str, List[str]] = {k: [] for k in ref}
     for field in base:
+        if not isinstance(base[field], int):  # (summary: a choice, no shape depends on it)
+            continue
         changed = _meta_shapes({**base, field: 2 * base[field]})
         for k in ref:
             if changed[k] != ref[k]:
@@ -354,16 +360,21 @@ def _hub_files(repo_id, revision, cache_dir, local_files_only, token, force_down
 def check_backbone(config: Dict[str, Any], model: nn.Module, readout: Optional[str] = None) -> None:
     """Raise ``ValueError`` naming the field where ``config['backbone']`` does not describe ``model``.
 
-    Sizes (``embed_dim``, ``depth``, ``num_patches``, ``num_prefix_tokens``), ``architecture`` (when
-    both sides know it) and ``readout`` (when given) must match; a different ``pretrained_tag``
-    only warns (e.g. another fine-tune of the same architecture). A ``null`` backbone is checked
-    through the actor's sizes only.
+    Sizes (``embed_dim``, ``depth``, ``num_prefix_tokens``), ``architecture`` (when both sides know
+    it) and ``readout`` (when given) must match, and an actor that reads the CLS key needs a model
+    with a class token; a different ``pretrained_tag`` only warns (e.g. another fine-tune of the same
+    architecture). The patch count may differ: an actor runs at any input size (its budget grid is
+    read as fractions of the patches it was trained with, :meth:`~timm_dora.policy.Actor.grid`). A
+    ``null`` backbone is checked through the actor's sizes only.
     """
     have = backbone_info(model, readout or "model")
     kwargs = validate_config(config)
-    want = config.get("backbone") or {k: kwargs[k] for k in ("embed_dim", "depth", "num_patches")}
+    want = config.get("backbone") or {k: kwargs[k] for k in ("embed_dim", "depth")}
     prefix = "backbone" if config.get("backbone") else "actor"
-    for name in ("embed_dim", "depth", "num_patches", "num_prefix_tokens"):
+    if kwargs.get("summary", "cls") == "cls" and getattr(model, "cls_token", None) is None:
+        raise ValueError("actor does not fit this model: it reads the CLS key (config actor.summary='cls') and the "
+                         "model has no class token")
+    for name in ("embed_dim", "depth", "num_prefix_tokens"):
         if name in want and want[name] != have[name]:
             raise ValueError(f"actor does not fit this model: config {prefix}.{name}={want[name]} but the model has {name}={have[name]}")
     if want.get("architecture") and have["architecture"] and want["architecture"] != have["architecture"]:

@@ -11,6 +11,19 @@ of CLS and the surviving visual tokens, and the history ``h_l = [N_l/N0, rho_l, 
   ``{2, 4, ..., N0-4}``; budgets leaving fewer than 4 visual tokens are masked before the softmax.
 - Selector: ``128 -> 64 -> 1`` SiLU MLP on ``Z_j + W_k (k/N_l)``; higher score = remove first.
 
+Beyond the paper (ours), for the backbones timm users pick today:
+
+- **Models without a class token** (global average pooling, registers, MAP heads): the actor reads
+  the *summary key*, the mean of the keys of all tokens entering the block, where the paper reads
+  the CLS key (``summary="mean"``, chosen by :meth:`Actor.for_model` for such a model): the gate
+  takes it in place of ``K_CLS``, and it leads each controller sequence in place of the CLS key
+  (its encoder output feeds the budget head). Nothing else changes, and the paper's CLS form
+  (``summary="cls"``) is untouched for models that have one.
+- **Any input size**: the budget grid is kept as removal counts for the ``N0`` the actor was built
+  for and read as fractions of it: at an input of ``N0'`` patches budget ``k`` removes
+  ``round(k N0' / N0)`` tokens (:meth:`Actor.grid`, the same grid at ``N0' = N0``), and the history
+  divides ``N_l`` by ``N0'``. So an actor trained at one resolution runs at another.
+
 This module holds the networks and the distributions over their outputs (Bernoulli gate, masked
 categorical budget, Plackett-Luce ordered selection). Turning them into per-block decisions on a
 packed batch is :mod:`timm_dora.policy`; counting their FLOPs is :mod:`timm_dora.engine.flops`.
@@ -65,7 +78,11 @@ class Actor(nn.Module):
         budget_hidden, selector_hidden: budget-head (128) and selector (64) hidden widths.
         budget_step, min_keep: budget grid ``{step, ..., N0 - min_keep}`` and the feasibility
             rule ``k <= N_l - min_keep`` (2 and 4 in the paper).
+        summary: what stands for the CLS token: ``"cls"`` (the paper: its key) or ``"mean"`` (ours,
+            for models without a class token: the mean key of the block's tokens).
     """
+
+    SUMMARIES = ("cls", "mean")
 
     def __init__(
         self,
@@ -82,11 +99,15 @@ class Actor(nn.Module):
         selector_hidden: int = 64,
         budget_step: int = 2,
         min_keep: int = 4,
+        summary: str = "cls",
     ) -> None:
         super().__init__()
         for name, value in (("embed_dim", embed_dim), ("depth", depth), ("num_patches", num_patches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if summary not in self.SUMMARIES:
+            raise ValueError(f"summary must be one of {self.SUMMARIES}, got {summary!r}")
+        self.summary = summary
         self.embed_dim, self.depth, self.num_patches = embed_dim, depth, num_patches
         self.width, self.num_heads, self.ffn_dim = width, num_heads, ffn_dim
         self.gate_hidden, self.gate_embed_dim = gate_hidden, gate_embed_dim
@@ -117,7 +138,9 @@ class Actor(nn.Module):
     # ---------------------------------------------------------------------------------------
     @classmethod
     def for_model(cls, model: nn.Module, **kwargs) -> "Actor":
-        """A freshly initialised actor sized for a timm ViT (``d`` = key width, ``L``, ``N0``)."""
+        """A freshly initialised actor sized for a timm ViT (``d`` = key width, ``L``, ``N0``); it reads
+        the CLS key, or the summary key where the model has no class token."""
+        kwargs.setdefault("summary", "cls" if getattr(model, "cls_token", None) is not None else "mean")
         return cls(
             model.blocks[0].attn.qkv.out_features // 3,
             len(model.blocks),
@@ -130,33 +153,55 @@ class Actor(nn.Module):
         """``M``, the budget head's output size."""
         return int(self.budgets.numel())
 
-    def config(self) -> Dict[str, int]:
-        """Constructor arguments: everything needed to rebuild this actor."""
+    def config(self) -> Dict[str, Union[int, str]]:
+        """Constructor arguments: everything needed to rebuild this actor (``summary`` only where it
+        is not the paper's CLS key, so a paper actor's config is the same as before it existed)."""
         keys = (
             "embed_dim", "depth", "num_patches", "width", "num_heads", "ffn_dim", "gate_hidden",
             "gate_embed_dim", "budget_hidden", "selector_hidden", "budget_step", "min_keep",
         )
-        return {k: getattr(self, k) for k in keys}
+        out: Dict[str, Union[int, str]] = {k: getattr(self, k) for k in keys}
+        if self.summary != "cls":
+            out["summary"] = self.summary
+        return out
 
     def extra_repr(self) -> str:
-        return f"d={self.embed_dim}, L={self.depth}, N0={self.num_patches}, M={self.num_budgets}"
+        return f"d={self.embed_dim}, L={self.depth}, N0={self.num_patches}, M={self.num_budgets}, summary={self.summary}"
 
     # ---------------------------------------------------------------------------------------
     # observations
-    def history(self, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor) -> torch.Tensor:
-        """``h_l = [N_l / N0, rho_l, E_<l / (L-1)]`` as ``[B, 3]`` float32 (Eq. app-actor-history)."""
+    def grid(self, num_patches: Optional[int] = None) -> torch.Tensor:
+        """The removal counts of the budget head at an input of ``num_patches`` patches: the grid
+        read as fractions of ``N0``, ``round(k N0' / N0)`` (at least 1; :attr:`budgets` itself
+        at ``N0' = N0``, and for ``None``)."""
+        if num_patches is None or num_patches == self.num_patches:
+            return self.budgets
+        return torch.div(self.budgets * num_patches + self.num_patches // 2, self.num_patches,
+                         rounding_mode="floor").clamp_min(1)
+
+    def history(self, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor,
+                num_patches: Optional[int] = None) -> torch.Tensor:
+        """``h_l = [N_l / N0, rho_l, E_<l / (L-1)]`` as ``[B, 3]`` float32 (Eq. app-actor-history);
+        ``num_patches``: the input's ``N0`` (default the actor's)."""
         denom = max(self.depth - 1, 1)
+        n0 = self.num_patches if num_patches is None else num_patches
         return torch.stack(
-            [n_visual.float() / self.num_patches, rho.float(), interventions.float() / denom], dim=-1
+            [n_visual.float() / n0, rho.float(), interventions.float() / denom], dim=-1
         )
 
-    def has_feasible_budget(self, n_visual: torch.Tensor) -> torch.Tensor:
+    def has_feasible_budget(self, n_visual: torch.Tensor, num_patches: Optional[int] = None) -> torch.Tensor:
         """``[B]`` bool: the feasible set ``B_l = {k in grid : k <= N_l - 4}`` is non-empty."""
-        return n_visual - self.min_keep >= self.budget_step
+        return n_visual - self.min_keep >= self.smallest_budget(num_patches)
 
-    def feasible_budgets(self, n_visual: torch.Tensor) -> torch.Tensor:
+    def smallest_budget(self, num_patches: Optional[int] = None) -> int:
+        """The grid's smallest removal count at an input of ``num_patches`` patches."""
+        if num_patches is None or num_patches == self.num_patches:
+            return self.budget_step
+        return max(1, (self.budget_step * num_patches + self.num_patches // 2) // self.num_patches)
+
+    def feasible_budgets(self, n_visual: torch.Tensor, num_patches: Optional[int] = None) -> torch.Tensor:
         """``[A, M]`` bool mask of feasible budgets ``k <= N_l - min_keep``."""
-        return self.budgets[None, :] <= (n_visual[:, None] - self.min_keep)
+        return self.grid(num_patches)[None, :] <= (n_visual[:, None] - self.min_keep)
 
     # ---------------------------------------------------------------------------------------
     # networks
@@ -217,10 +262,11 @@ class Actor(nn.Module):
         valid = torch.arange(keys.shape[1], device=keys.device)[None, :] < lengths[:, None]
         return self.encoder.forward_padded(x, valid)
 
-    def budget_logits(self, z_cls: torch.Tensor, n_visual: torch.Tensor) -> torch.Tensor:
-        """``[A, M]`` float32 budget logits with infeasible budgets set to ``-inf``."""
+    def budget_logits(self, z_cls: torch.Tensor, n_visual: torch.Tensor, num_patches: Optional[int] = None) -> torch.Tensor:
+        """``[A, M]`` float32 budget logits with infeasible budgets set to ``-inf`` (``num_patches``:
+        the input's ``N0``, for the grid it reads)."""
         logits = self.budget_head(z_cls).float()
-        return logits.masked_fill(~self.feasible_budgets(n_visual), float("-inf"))
+        return logits.masked_fill(~self.feasible_budgets(n_visual, num_patches), float("-inf"))
 
     def selector_scores(self, z_visual: torch.Tensor, fraction: torch.Tensor, seg: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Removal scores ``s_j = MLP_S(Z_j + W_k k/N_l)`` (float32), ``W_k`` run once per image.

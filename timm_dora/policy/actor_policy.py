@@ -127,6 +127,17 @@ class _GateStep:
     gate: torch.Tensor
     gate_flops: float
     rec: Optional[StepRecord]
+    summary: Optional[torch.Tensor] = None  # [B, d] summary keys of a summary="mean" actor (else unused)
+
+
+def summary_keys(keys: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """``[B, d]`` the mean of each sequence's keys (every token entering the block, prefix
+    included): what a ``summary="mean"`` actor reads in place of the CLS key (sums in float32)."""
+    b = packed.batch_size
+    if packed.uniform:
+        return keys.view(b, packed.max_len, -1).float().mean(1).to(keys.dtype)
+    sums = torch.zeros(b, keys.shape[1], dtype=torch.float32, device=keys.device).index_add_(0, packed.seg, keys.float())
+    return (sums / packed.lengths[:, None]).to(keys.dtype)
 
 
 class ActorPolicy:
@@ -179,7 +190,7 @@ class ActorPolicy:
         memo = ctx.constants.memo.get(key)
         if memo is not None and all(a is b for a, b in zip(memo[0], state)):
             return memo[1], memo[2]
-        h = self.actor.history(*state)
+        h = self.actor.history(*state, num_patches=ctx.num_patches)
         context = self.actor.gate_bias(h, None, dtype)
         if ctx.constants.keep is not None:
             h, context = ctx.constants.keep(h, context)
@@ -208,6 +219,12 @@ class ActorPolicy:
         plain = all(getattr(cls, m) is getattr(ActorPolicy, m)
                     for m in ("__call__", "_gate", "_decide", "prepare", "probe", "decide"))
         return plain and not (self.sample or self.record)
+
+    def probes_in_graphs(self, num_patches: int) -> bool:
+        """:attr:`graph_probe` for a forward of ``num_patches`` patches: also the paper's CLS form at
+        the actor's own ``N0`` (the graphs read the CLS key in place and the grid as built; a
+        summary-key actor, or one at another input size, decides eagerly between replays)."""
+        return self.graph_probe and self.actor.summary == "cls" and num_patches == self.actor.num_patches
 
     def prepare(self, ctx: BlockContext) -> None:
         """The gate's history part (``h_l`` and its share of the first layer), memoised in
@@ -249,6 +266,8 @@ class ActorPolicy:
         written), what the graphs keep.
         """
         actor, p = self.actor, num_prefix
+        if actor.summary != "cls":
+            raise ValueError("controller_fixed reads the CLS row in place: a summary='mean' actor decides eagerly")
         b, rows, dev = gate.shape[0], keys.shape[0], keys.device
         total = rows
         if keys.dtype != actor.w_in.weight.dtype:
@@ -292,7 +311,7 @@ class ActorPolicy:
         out[2].copy_(flops)
         return out[0][:total], out[1], out[2]
 
-    def _use_fused(self, backend: str, dtype: torch.dtype) -> bool:
+    def _use_fused(self, backend: str, dtype: torch.dtype, num_patches: Optional[int] = None) -> bool:
         """Whether the deterministic gate and :meth:`controller_fixed` run the Triton kernels of
         :mod:`timm_dora.policy.actor_kernels` (:func:`~timm_dora.policy.actor_kernels.fused_gate`,
         :func:`~timm_dora.policy.actor_kernels.fused_controller`):
@@ -302,6 +321,10 @@ class ActorPolicy:
         if self.fused_controller is False:
             return False
         reason = fused_controller_reason(self.actor, dtype)
+        if reason is None and self.actor.summary != "cls":
+            reason = "the kernels read the CLS key; this actor reads the summary key"
+        if reason is None and num_patches not in (None, self.actor.num_patches):
+            reason = f"the kernels use the budget grid as built for {self.actor.num_patches} patches, not {num_patches}"
         if self.fused_controller is None:
             return backend == "triton" and reason is None
         if reason is not None:
@@ -322,13 +345,17 @@ class ActorPolicy:
             # not one kernel per sequence
             backend = "padded" if dev.type == "cuda" else select_backend(dev.type, dtype)
         h, context = self._gate_context(ctx, dtype)
+        n0 = ctx.num_patches
+        summary = None
         if cls_key is not None:
             cls_key = cls_key.to(dtype)
+        elif actor.summary == "mean":  # (ours: no class token) the mean key stands for it
+            cls_key = summary = summary_keys(keys, packed)
         elif packed.uniform and not self.record:
             cls_key = keys.view(b, packed.max_len, -1)[:, 0]  # a view: no gather while the batch is dense
         else:
             cls_key = keys[packed.starts]
-        if not (self.sample or self.record) and self._use_fused(backend, dtype):
+        if not (self.sample or self.record) and self._use_fused(backend, dtype, n0):
             # one Triton kernel (timm_dora.policy.actor_kernels): logit >= 0 and the feasibility rule
             gate = fused_gate(actor, cls_key, context[ctx.block], ctx.n_visual)
             return _GateStep(ctx, keys, backend, h, gate, 2.0 * actor_gate_macs(actor), None)
@@ -344,17 +371,17 @@ class ActorPolicy:
             # p^G >= 0.5 is logit >= 0 (tested without sigmoid's rounding, and in the logit's own
             # dtype: two kernels fewer per block on the inference path)
             gate = gate_logit >= 0
-        if packed.min_len - p - actor.min_keep >= actor.budget_step:  # every image has a feasible budget
+        if packed.min_len - p - actor.min_keep >= actor.smallest_budget(n0):  # every image has a feasible budget
             feasible = ctx.constants.opened
         else:
-            feasible = actor.has_feasible_budget(ctx.n_visual)
+            feasible = actor.has_feasible_budget(ctx.n_visual, n0)
             gate = gate & feasible
         gate_flops = 2.0 * actor_gate_macs(actor)  # the same for every image
         rec = None
         if self.record:
             rec = StepRecord(ctx.block, h, cls_key, gate_logit, feasible, gate, torch.zeros(0, dtype=torch.long, device=dev))
             self.records.append(rec)
-        return _GateStep(ctx, keys, backend, h, gate, gate_flops, rec)
+        return _GateStep(ctx, keys, backend, h, gate, gate_flops, rec, summary)
 
     def _decide(self, step: _GateStep, gate_host: List[bool]) -> Decision:
         """The rest of the decision once the gate vector is on the host: the controller for the
@@ -375,9 +402,22 @@ class ActorPolicy:
         n_host = ctx.n_visual_host
         n_act_host = [n_host[i] for i in active_host]
         n_act = ctx.n_visual[active]
-        # controller input: CLS key + visual keys of each gate-active image, packed
-        rows = rows_where(gate[packed.seg] & ((packed.pos == 0) | (packed.pos >= p)), sum(n_act_host) + len(active_host))
-        ctrl = Packed(keys[rows], n_act + 1, [n + 1 for n in n_act_host], num_prefix=1)
+        n0 = ctx.num_patches
+        # visual rows of the controller batch: the j-th visual token overall, of active image a at
+        # column c, sits at row j + a + 1 (a CLS row before each image's tokens)
+        j = torch.arange(sum(n_act_host), device=dev)
+        vseg = segment_ids(n_act, j.numel())
+        vis = j + vseg + 1
+        # controller input: CLS key (or summary key) + visual keys of each gate-active image, packed
+        if step.summary is None:
+            rows = rows_where(gate[packed.seg] & ((packed.pos == 0) | (packed.pos >= p)), sum(n_act_host) + len(active_host))
+            ctrl_keys = keys[rows]
+        else:
+            rows = rows_where(gate[packed.seg] & (packed.pos >= p), sum(n_act_host))
+            ctrl_keys = keys.new_empty(j.numel() + len(active_host), keys.shape[1])
+            ctrl_keys.index_copy_(0, vis, keys[rows])
+            ctrl_keys.index_copy_(0, torch.cumsum(n_act + 1, 0) - (n_act + 1), step.summary[active])
+        ctrl = Packed(ctrl_keys, n_act + 1, [n + 1 for n in n_act_host], num_prefix=1)
         # the keys are not read again: on the eager path they are a view of the block's whole qkv
         # output, which would otherwise stay alive through the actor's encoder (a memory peak above
         # native's; docs/speed_notes.md change 35). Drop every reference: this frame's, the step's
@@ -387,19 +427,14 @@ class ActorPolicy:
         ctx.release_keys()
         z = actor.encode(ctrl.x, ctrl, h[active], ctx.block, backend)
 
-        logits = actor.budget_logits(z[ctrl.starts], n_act)
+        logits = actor.budget_logits(z[ctrl.starts], n_act, n0)
         if self.sample:
             g = self.noise.budget[ctx.block][active] if self.noise is not None else gumbel_like(logits, self.generator)
             index = (logits + g).argmax(1)
         else:
             index = logits.argmax(1)
-        k = actor.budgets[index]
+        k = actor.grid(n0)[index]
 
-        # visual rows of the controller batch: the j-th visual token overall, of active image a at
-        # column c, sits at row j + a + 1 (a CLS row before each image's tokens)
-        j = torch.arange(sum(n_act_host), device=dev)
-        vseg = segment_ids(n_act, j.numel())
-        vis = j + vseg + 1
         vcol = j - (torch.cumsum(n_act, 0) - n_act)[vseg]
         s = actor.selector_scores(z[vis], k.float() / n_act.float(), vseg)
         scores = to_padded(s, vseg, vcol, len(active_host), max(n_act_host), float("-inf"))
