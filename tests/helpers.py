@@ -24,6 +24,10 @@ SMALL_FAMILIES = {
     "vit_avgpool": ("vit_tiny_patch16_224", dict(img_size=64, global_pool="avg")),
     "dinov2_layerscale": ("vit_small_patch14_dinov2", dict(img_size=56)),
     "dinov2_registers": ("vit_small_patch14_reg4_dinov2", dict(img_size=56)),
+    # no class token: global average pooling, with registers, and an attention-pool (MAP) head
+    "vit_gap": ("vit_base_patch16_gap_224", dict(img_size=64, embed_dim=192, num_heads=3)),
+    "vit_reg4_gap": ("vit_little_patch16_reg4_gap_256", dict(img_size=64)),
+    "siglip_map": ("vit_base_patch16_siglip_224", dict(img_size=64, embed_dim=192, num_heads=3)),
 }
 # The paper's backbones at full width and depth (random weights); a small image keeps CPU tests fast.
 FULL_FAMILIES = {
@@ -226,6 +230,27 @@ def kind_actor(model, kind: str):
     actor = Actor.for_model(model)
     with torch.no_grad():
         actor.gate_mlp[2].bias.fill_(-1e4 if kind == "closed" else 0.0)  # 0: opens on some images/blocks
+    return actor
+
+
+@torch.no_grad()
+def half_open_actor(model, x, seed: int = 3):
+    """A random-weight actor whose gate logit, on ``x`` with nothing removed, is positive for about
+    half of the (image, block) pairs: its last gate bias set to minus the median of the others."""
+    import timm_dora
+    from timm_dora import Actor, ActorPolicy
+
+    torch.manual_seed(seed)
+    actor = Actor.for_model(model)
+    actor.gate_mlp[2].bias.fill_(-1e4)  # closed: every block sees every token, logits recorded
+    policy = ActorPolicy(actor, record=True)
+    timm_dora.wrap(model, policy=policy)
+    try:
+        model(x)
+    finally:
+        timm_dora.unwrap(model)
+    logits = torch.stack([r.gate_logit for r in policy.records]) + 1e4
+    actor.gate_mlp[2].bias.fill_(-float(logits.median()))
     return actor
 
 

@@ -180,3 +180,30 @@ def test_padded_controller_evaluation_equals_the_packed_reference():
     assert g_ref.keys() == g_got.keys() and {n.split(".")[0] for n in g_ref} >= {"w_in", "encoder", "budget_head", "selector", "w_k"}
     for n in g_ref:
         assert torch.allclose(g_got[n], g_ref[n], atol=1e-5, rtol=1e-4), n
+
+
+def test_budget_grid_read_as_fractions_at_other_input_sizes_by_hand():
+    a = Actor(16, 4, 16)  # N0 = 16: budgets {2, 4, ..., 12}
+    assert a.grid().tolist() == a.grid(16).tolist() == [2, 4, 6, 8, 10, 12]
+    # round(k * N0' / 16), at least 1: 36 patches (96 px) and 9 (48 px)
+    assert a.grid(36).tolist() == [5, 9, 14, 18, 23, 27]
+    assert a.grid(9).tolist() == [1, 2, 3, 5, 6, 7]
+    assert (a.smallest_budget(36), a.smallest_budget(9), a.smallest_budget(16)) == (5, 1, 2)
+    n = torch.tensor([9, 8, 5])
+    assert a.feasible_budgets(n, 9).tolist() == [[True, True, True, True, False, False],
+                                                 [True, True, True, False, False, False],
+                                                 [True, False, False, False, False, False]]
+    assert a.has_feasible_budget(torch.tensor([5, 4]), 9).tolist() == [True, False]
+    h = a.history(torch.tensor([18]), torch.tensor([0.5]), torch.tensor([1]), num_patches=36)
+    assert torch.equal(h, torch.tensor([[0.5, 0.5, 1 / 3]]))  # N_l / N0' (float32)
+
+
+def test_summary_key_form_for_models_without_a_class_token():
+    import timm
+
+    no_cls = timm.create_model("vit_tiny_patch16_224", img_size=64, class_token=False, global_pool="avg")
+    assert Actor.for_model(no_cls).summary == "mean"
+    assert Actor.for_model(timm.create_model("vit_tiny_patch16_224", img_size=64)).summary == "cls"
+    assert "summary" not in Actor(16, 4, 16).config() and Actor(16, 4, 16, summary="mean").config()["summary"] == "mean"
+    with pytest.raises(ValueError, match="summary must be one of"):
+        Actor(16, 4, 16, summary="register")

@@ -76,3 +76,39 @@ def test_actor_flops_equal_hand_count_and_flop_counter():
         dec = ActorPolicy(a)(ctx)
     assert int(dec.flops) == 2 * gate
     assert_counter_agrees(fc, gate + shared, 0)
+
+
+def test_map_head_and_other_input_sizes_by_hand():
+    """A MAP (attention-pool) head: its latent query's projection, key/value projections of the
+    tokens reaching it, attention, output projection and MLP; a dynamic_img_size model at 48 and
+    96 px counted at 9 and 36 patches. Both against hand-computed MACs and the flop counter."""
+    model = make_model("vit_base_patch16_siglip_224", img_size=64, embed_dim=192, num_heads=3, dynamic_img_size=True)
+    model.requires_grad_(False)  # (torch's module tracker trips over the pool's latent parameter under the counter)
+    assert model.num_prefix_tokens == 0 and model.attn_pool is not None
+    d, hidden, classes = 192, 768, 10
+    for size, n0 in ((48, 9), (64, 16), (96, 36)):
+        plan = random_plan(2, n0, 12, [1, 6, 11], seed=n0)
+        x = torch.randn(2, 3, size, size)
+        timm_dora.wrap(model, policy=ReplayPolicy(plan))
+        with torch.no_grad():
+            model(x)
+        gflops = model.dora_stats.gflops
+        timm_dora.unwrap(model)
+        for i in range(2):
+            deletions, n, blocks = plan_for_image(plan, i), n0, []
+            for l in range(12):
+                k = len(deletions.get(l, []))
+                blocks.append((n, n - k))
+                n -= k
+            products, attention = hand_vit_macs(dict(d=d, hidden=hidden, patch=16, patches=n0, classes=classes, heads=1), blocks)
+            # the pool on the n survivors: kv (d -> 2d) per token, q and proj (d -> d) and MLP (d -> 4d -> d) on the one latent
+            products += n * d * 2 * d + d * d + d * d + 2 * d * hidden
+            attention += 2 * 1 * n * d
+            assert int(round(gflops[i].item() * 1e9)) == 2 * (products + attention), (size, i)
+            with FlopCounterMode(display=False) as fc:
+                reference_forward(model, x[i : i + 1], deletions)
+            assert_counter_agrees(fc, products, attention)
+        native_products, native_attention = hand_vit_macs(dict(d=d, hidden=hidden, patch=16, patches=n0, classes=classes, heads=1),
+                                                          [(n0, n0)] * 12)
+        native = native_products + native_attention + n0 * d * 2 * d + 2 * d * d + 2 * d * hidden + 2 * n0 * d
+        assert int(round(timm_dora.native_gflops(model, n0) * 1e9)) == 2 * native

@@ -18,7 +18,7 @@ from timm_dora.policy.actor_policy import host_reader  # noqa: E402
 
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan  # noqa: E402
 
-FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers"]
+FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers", "vit_gap", "vit_reg4_gap", "siglip_map"]
 
 
 

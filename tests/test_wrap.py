@@ -8,7 +8,8 @@ import torch
 import timm_dora
 from timm_dora import Actor, NoPrune, ReplayPolicy
 
-from helpers import FULL_FAMILIES, SMALL_FAMILIES, Recorder, images, make_model, plan_for_image, random_plan, reference_forward
+from helpers import (FULL_FAMILIES, SMALL_FAMILIES, Recorder, half_open_actor, images, make_model, plan_for_image, random_plan,
+                     reference_forward)
 
 ALL = {**SMALL_FAMILIES, **FULL_FAMILIES}
 SMALL = list(SMALL_FAMILIES)
@@ -74,9 +75,8 @@ def test_fuzzed_deletions_match_per_image_reference(family):
 def test_actor_decisions_replay_to_reference_and_are_batch_independent(family):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
-    torch.manual_seed(3)
-    actor = Actor.for_model(model)
     x = images(model, 5, seed=7)
+    actor = half_open_actor(model, x)
     rec = Recorder(timm_dora.ActorPolicy(actor))
     timm_dora.wrap(model, policy=rec)
     out = model(x)
@@ -388,3 +388,77 @@ def test_empty_batch_as_timm_takes_it(pool, readout):
     assert logits.shape == native.shape == (0, model.head.out_features) and logits.dtype == native.dtype
     assert s.tokens.shape == s.gate.shape == s.removed.shape == (0, 12) and s.gate.dtype == torch.bool
     assert s.gflops.shape == s.policy_gflops.shape == (0,) and s.removed_patches == [None] * 12
+
+
+# --------------------------------------------------------------------------------------------
+# any input size: a dynamic_img_size model at sizes other than its default (64 px, 16 patches)
+
+DYNAMIC = ("vit_tiny_patch16_224", dict(img_size=64, dynamic_img_size=True))
+
+
+@pytest.mark.parametrize("size", [48, 96])
+@torch.no_grad()
+def test_other_input_sizes_gate_off_and_fuzzed_deletions_match_the_reference(size):
+    name, kw = DYNAMIC
+    model = make_model(name, **kw)
+    n0, depth = (size // 16) ** 2, len(model.blocks)
+    x = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(size))
+    native = model(x)
+    timm_dora.wrap(model, closed_gate_actor(model))
+    assert (model(x) - native).abs().max().item() <= 1e-5
+    s = model.dora_stats
+    assert not s.gate.any() and (s.tokens == n0).all()
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, policy=NoPrune())
+    assert (model(x) - native).abs().max().item() <= 1e-5
+    assert torch.allclose(model.dora_stats.gflops, torch.full((4,), timm_dora.native_gflops(model, n0), dtype=torch.float64))
+    timm_dora.unwrap(model)
+    plan = random_plan(4, n0, depth, [0, 3, depth - 1], seed=size, min_keep=2)
+    timm_dora.wrap(model, policy=ReplayPolicy(plan))
+    out = model(x)
+    for i in range(4):
+        ref = reference_forward(model, x[i : i + 1], plan_for_image(plan, i))
+        assert (out[i] - ref[0]).abs().max().item() <= 1e-5
+    assert any(len(set(col)) > 1 for col in model.dora_stats.tokens.T.tolist())
+    timm_dora.unwrap(model)
+    assert torch.equal(model(x), native)  # unwrap: native again, bit for bit
+
+
+@pytest.mark.parametrize("size", [48, 96])
+@torch.no_grad()
+def test_an_actor_at_another_input_size_prunes_by_its_grid_read_as_fractions(size):
+    """The actor built for 16 patches at 9 or 36: removals come from its grid scaled to the input
+    (Actor.grid), the decisions replay to the per-image reference and do not depend on the batch."""
+    name, kw = DYNAMIC
+    model = make_model(name, **kw)
+    n0 = (size // 16) ** 2
+    x = torch.randn(5, 3, size, size, generator=torch.Generator().manual_seed(size))
+    actor = half_open_actor(model, x)
+    assert actor.num_patches == 16
+    rec = Recorder(timm_dora.ActorPolicy(actor))
+    timm_dora.wrap(model, policy=rec)
+    out = model(x)
+    stats = model.dora_stats
+    grid = set(actor.grid(n0).tolist())
+    assert stats.gate.any() and set(stats.removed[stats.gate].tolist()) <= grid
+    assert (stats.tokens >= actor.min_keep).all()
+    for i in range(5):
+        ref = reference_forward(model, x[i : i + 1], plan_for_image(rec.plan, i))
+        assert (out[i] - ref[0]).abs().max().item() <= 1e-5
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, actor)
+    for i in range(5):
+        single = model(x[i : i + 1])
+        assert torch.equal(model.dora_stats.removed[0], stats.removed[i])
+        assert (single[0] - out[i]).abs().max().item() <= 1e-5
+
+
+def test_a_fixed_model_built_for_another_size_takes_the_actor():
+    """A model created at 96 px (36 patches) wraps with an actor trained at 64 px (16 patches)."""
+    small = make_model("deit_tiny_patch16_224", img_size=64)
+    large = make_model("deit_tiny_patch16_224", img_size=96)
+    actor = half_open_actor(small, images(small, 4))
+    timm_dora.wrap(large, actor)
+    with torch.no_grad():
+        large(images(large, 4))
+    assert set(large.dora_stats.removed[large.dora_stats.gate].tolist()) <= set(actor.grid(36).tolist())

@@ -132,10 +132,10 @@ class _GateStep:
 
 def summary_keys(keys: torch.Tensor, packed: Packed) -> torch.Tensor:
     """``[B, d]`` the mean of each sequence's keys (every token entering the block, prefix
-    included): what a ``summary="mean"`` actor reads in place of the CLS key (sums in float32)."""
+    included): what a ``summary="mean"`` actor reads in place of the CLS key. Summed in float32 in
+    row order, the same way for a dense and a packed batch, so an image's summary does not depend
+    on the batch around it."""
     b = packed.batch_size
-    if packed.uniform:
-        return keys.view(b, packed.max_len, -1).float().mean(1).to(keys.dtype)
     sums = torch.zeros(b, keys.shape[1], dtype=torch.float32, device=keys.device).index_add_(0, packed.seg, keys.float())
     return (sums / packed.lengths[:, None]).to(keys.dtype)
 
