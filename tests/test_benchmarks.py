@@ -5,6 +5,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import throughput  # noqa: E402
@@ -212,3 +214,26 @@ def test_train_speed_script_runs_and_splits_updates_into_phases(tmp_path):
     expect = (r["setup_s"] + r["one_time_s"] + 1171 * s_plain + (1171 // cadence) * r["feedback_s"]
               + math.ceil(1171 / every) * r["checkpoint_s"]) / 60
     assert abs(r["full_recipe_min"] - expect) < 1e-9
+
+
+@needs_shared
+def test_resolution_transfer_script_runs_the_published_actor_at_other_sizes(tmp_path):
+    """A smoke run (CPU, 8 test images): at 192 px the published ViT-Ti actor removes counts from its
+    grid scaled to 144 patches, and native is counted at 144 patches."""
+    import resolution_transfer
+    from helpers import SHARED
+
+    from timm_dora import Actor, native_gflops
+    from timm_dora.evaluate import load_model
+
+    name = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+    weights = SHARED / "weights" / f"{name}.safetensors"
+    res = resolution_transfer.main(["--weights", str(weights), "--data", str(SHARED / "data" / "imagenet-mini" / "labels.csv"),
+                                    "--sizes", "192", "--limit", "8", "--batch", "4", "--workers", "0", "--device", "cpu",
+                                    "--out", str(tmp_path / "r.json")])
+    (row,) = res["rows"]
+    assert (row["size"], row["patches"], row["n_images"]) == (192, 144, 8)
+    assert row["native_gflops"] == pytest.approx(native_gflops(load_model(name, str(weights)), 144), rel=1e-12)
+    grid = set(Actor.from_pretrained(Path(__file__).resolve().parents[1] / "timm_dora" / "hub" / "actors" / name).grid(144).tolist())
+    assert all(b["budget_min"] in grid and b["budget_max"] in grid for b in row["per_block"] if b["gate_rate"] > 0)
+    assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["dora_top1"] == row["dora_top1"]

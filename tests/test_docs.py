@@ -25,7 +25,8 @@ def citations() -> List[str]:
     relative to ``benchmarks/results/`` where it names a path below it."""
     texts = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "timm_dora" / "hub" / "actors").glob("*/README.md"))]
-    spans = [s for p in texts for s in re.findall(r"`([^`\n]+)`", p.read_text())]
+    prose = [re.sub(r"```.*?```", " ", p.read_text(), flags=re.S) for p in texts]  # fenced code blocks out
+    spans = [" ".join(s.split()) for text in prose for s in re.findall(r"`([^`]+)`", text)]
     out = []
     for span in spans:
         for pattern in braces(span):

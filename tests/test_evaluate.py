@@ -291,3 +291,30 @@ def test_data_workers_are_capped_at_the_cpus(setup_files, monkeypatch):
     _, csv_path, _, _ = setup_files
     model = make_model(MODEL, img_size=IMG, num_classes=CLASSES)
     assert loader_for(model, str(csv_path), "test", workers=4).num_workers == 2
+
+
+def test_eval_at_another_input_size(setup_files):
+    """``--input-size``: the model takes other sizes through timm's dynamic_img_size and the images
+    are preprocessed at that size; native and DORA are counted at its patch count (48 px: 9)."""
+    from timm_dora import native_gflops
+
+    root, csv_path, weights, actor = setup_files
+    res = _eval(root, csv_path, weights, "--input-size", "48", "--actor", str(actor))
+    assert res["preprocessing"]["input_size"] == [3, 48, 48]
+    native, dora = res["rows"]
+    model = load_model(MODEL, str(weights), img_size=IMG, num_classes=CLASSES)
+    assert native["gflops"] == pytest.approx(native_gflops(model, 9), rel=1e-12)
+    assert all(b["tokens_mean"] <= 9 for b in dora["per_block"]) and dora["gflops"] <= native["gflops"] + 0.01
+
+
+def test_baselines_refuse_what_they_cannot_count(setup_files):
+    from timm_dora.evaluate import build_method
+
+    dynamic = load_model(MODEL, random_weights=True, img_size=IMG, num_classes=CLASSES, dynamic_img_size=True)
+    tome = build_method(dynamic, "tome", r=2)
+    with pytest.raises(ValueError, match="ToMe is counted at the model's own input size"):
+        tome.outputs(torch.randn(1, 3, 48, 48))
+    no_cls = make_model("vit_tiny_patch16_224", img_size=IMG, class_token=False, global_pool="avg")
+    with pytest.raises(ValueError, match="no class token \\(use rule 'slice'\\)"):
+        build_method(no_cls, "static", schedule="3:4")
+    assert build_method(no_cls, "static", schedule="3:4", rule="slice").outputs(torch.randn(1, 3, IMG, IMG))

@@ -485,3 +485,16 @@ def test_publish_fails_and_uploads(saved, tmp_path, monkeypatch, capsys):
     assert "no metadata header" in out
     assert "stray: folder is not in registry.json" in out
     assert "nothing uploaded" in out and len(uploaded) == 1
+
+
+def test_summary_key_actor_round_trip(tmp_path):
+    model = make_model("vit_base_patch16_gap_224", img_size=64, embed_dim=192, num_heads=3)
+    actor = Actor.for_model(model)
+    assert actor.summary == "mean"
+    folder = hub.save_pretrained(actor, tmp_path / "gap", backbone=model)
+    loaded, config = hub.load_pretrained(folder)
+    assert config["actor"]["summary"] == "mean" and loaded.summary == "mean" and same_weights(actor, loaded)
+    hub.check_backbone(config, model)
+    edit_config(folder, lambda c: c["actor"].update(summary="register"))
+    with pytest.raises(ValueError, match="invalid actor config field 'actor.summary': must be one of"):
+        hub.load_pretrained(folder)

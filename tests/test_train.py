@@ -358,3 +358,30 @@ def test_cli_errors_are_one_line(data, tmp_path, capsys):
     assert rc == 1 and err.count("\n") == 1 and err.startswith("timm-dora-train: error: ") and "missing.csv" in err
     rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "run2"), "--cutmix-prob", "2"])
     assert rc == 1 and capsys.readouterr().err == "timm-dora-train: error: --cutmix-prob must be in [0, 1], got 2.0\n"
+
+
+@pytest.mark.parametrize("model,size,summary", [
+    ("vit_wee_patch16_reg1_gap_256", 64, "mean"),  # no class token: GAP readout and a register
+    ("vit_tiny_patch16_224", 48, "cls"),  # another input size: 9 patches
+])
+def test_cli_trains_other_families_and_sizes(data, tmp_path, model, size, summary):
+    """A short CPU run for a backbone without a class token and at another input size: the selected
+    actor saves, loads through from_pretrained and runs on the backbone."""
+    import timm
+
+    args = [a for a in ARGS if a not in ("vit_tiny_patch16_224", "64")]
+    args[args.index("--model") + 1:args.index("--model") + 1] = [model]
+    args[args.index("--img-size") + 1:args.index("--img-size") + 1] = [str(size)]
+    out = tmp_path / "run"
+    assert main(args + ["--data", str(data), "--out", str(out), "--updates", "2", "--checkpoint-every", "2"]) == 0
+    actor = Actor.from_pretrained(out / "selected")
+    backbone = timm.create_model(model, pretrained=False, img_size=size, num_classes=4).eval()
+    assert (actor.summary, actor.num_patches) == (summary, (size // 16) ** 2)
+    assert json.loads((out / "selected" / "config.json").read_text())["actor"].get("summary", "cls") == summary
+    import timm_dora
+
+    timm_dora.wrap(backbone, str(out / "selected"))
+    with torch.no_grad():
+        logits = backbone(torch.randn(2, 3, size, size))
+    assert logits.shape == (2, 4) and backbone.dora_stats.gate.shape == (2, len(backbone.blocks))
+    assert len(read_metrics(out)) == 2

@@ -112,10 +112,12 @@ class Tally:
 
 
 def loader_for(model: nn.Module, data: str, split: str = "test", *, batch: int = 64, workers: int = 4,
-               limit: Optional[int] = None, class_map=None, pin_memory: bool = False):
+               limit: Optional[int] = None, class_map=None, pin_memory: bool = False, input_size: Optional[int] = None):
     """A DataLoader over ``split`` of ``data`` (labels CSV or image folder) with the model's eval
-    preprocessing; ``workers`` capped at the CPUs this process may use (:func:`~timm_dora.data.worker_count`)."""
-    ds = open_split(data, split, eval_transform(model), class_map=class_map)
+    preprocessing (at ``input_size`` px where given); ``workers`` capped at the CPUs this process may
+    use (:func:`~timm_dora.data.worker_count`)."""
+    size = {} if input_size is None else {"input_size": (3, input_size, input_size)}
+    ds = open_split(data, split, eval_transform(model, **size), class_map=class_map)
     if limit is not None and limit < len(ds):
         ds = torch.utils.data.Subset(ds, range(limit))
     return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False, num_workers=worker_count(workers),

@@ -139,15 +139,18 @@ def bench_inputs(
     images: Optional[torch.Tensor] = None,
     workers: int = 4,
     seed: int = 0,
+    input_size: Optional[int] = None,
 ) -> Tuple[List[torch.Tensor], Dict[str, Any]]:
     """GPU-resident input batches and a description of them.
 
     ``images``: already preprocessed images ``[N, 3, H, W]`` (e.g. :func:`timm_dora.data.preload`);
     ``data``/``split``: load and preprocess them here; neither: random normal batches.
+    ``input_size``: square inputs of this size instead of the model's own.
     """
     device = torch.device(device)
     if images is None and data is not None:
-        ds = open_split(data, split, eval_transform(model))
+        size = {} if input_size is None else {"input_size": (3, input_size, input_size)}
+        ds = open_split(data, split, eval_transform(model, **size))
         images, _ = preload(ds, device=device, dtype=dtype, num_workers=workers)
     if images is not None:
         n = images.shape[0]
@@ -163,7 +166,7 @@ def bench_inputs(
                 "images_used": min(n, used), "tiled": tiled}
     else:
         g = torch.Generator().manual_seed(seed)
-        h, w = model.patch_embed.img_size
+        h, w = model.patch_embed.img_size if input_size is None else (input_size, input_size)
         out = [torch.randn(batch, 3, h, w, generator=g).to(device, dtype) for _ in range(batches)]
         info = {"inputs": "random", "data": None, "split": None}
     info.update({"batch": batch, "batches": len(out), "dtype": str(dtype).replace("torch.", "")})
@@ -206,7 +209,7 @@ def _run(args) -> int:
         print("warning: timing on the CPU only smoke-tests the protocol; the paper's numbers are CUDA", file=sys.stderr)
     inputs, info = bench_inputs(model, batch=args.batch, batches=args.batches, device=device,
                                 dtype=torch.float32 if autocast else dtype, data=args.data, split=args.split,
-                                workers=args.workers, seed=args.seed)
+                                workers=args.workers, seed=args.seed, input_size=args.input_size)
     methods = [NativeMethod(model)]
     if args.method != "native":
         methods.append(method_from_args(model, args))

@@ -74,6 +74,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--weights", default=None, help="local .safetensors state dict of the backbone (default: timm's pretrained download)")
     ap.add_argument("--random-weights", action="store_true", help="random backbone weights (smoke tests only)")
     ap.add_argument("--img-size", type=int, default=None, help="build the model for this input size (smoke tests)")
+    ap.add_argument("--input-size", type=positive_int, default=None,
+                    help="run at this input size (square, px): the model takes it through timm's dynamic_img_size "
+                         "(position embedding resampled per input) and images are preprocessed at it")
     ap.add_argument("--num-classes", type=int, default=None, help="classifier size if not the model's default")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
@@ -100,7 +103,7 @@ def setup(args) -> Tuple[nn.Module, torch.device, torch.dtype, bool]:
         torch.backends.cudnn.allow_tf32 = False
     dtype, autocast = precision_for(device, args.precision)
     model = load_model(args.model, args.weights, random_weights=args.random_weights, img_size=args.img_size,
-                       num_classes=args.num_classes, seed=args.seed)
+                       num_classes=args.num_classes, seed=args.seed, dynamic_img_size=args.input_size is not None)
     return model.to(device, dtype), device, dtype, autocast
 
 
@@ -146,7 +149,7 @@ def _run(args) -> int:
     model, device, dtype, autocast = setup(args)
     method = method_from_args(model, args)
     loader = loader_for(model, args.data, args.split, batch=args.batch, workers=args.workers, limit=args.limit,
-                        class_map=args.class_map, pin_memory=device.type == "cuda")
+                        class_map=args.class_map, pin_memory=device.type == "cuda", input_size=args.input_size)
     n = len(loader.dataset)
     bar = tqdm(total=n, desc=f"eval {args.method}", unit="img", disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
     try:
@@ -155,7 +158,7 @@ def _run(args) -> int:
     finally:
         bar.close()
         method.close()
-    cfg = data_config(model)
+    cfg = data_config(model, **({} if args.input_size is None else {"input_size": (3, args.input_size, args.input_size)}))
     payload = {
         **run_header(args, device, dtype, autocast),
         "data": {"spec": str(args.data), "split": args.split, "images": n},

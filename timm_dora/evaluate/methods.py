@@ -67,15 +67,31 @@ class Method:
         """Undo what the method did to the model (e.g. unwrap)."""
 
 
+def _patches(model: nn.Module, x: torch.Tensor) -> int:
+    """Patches of an input ``x`` (``[B, 3, H, W]``) for ``model``'s patch embedding."""
+    ph, pw = model.patch_embed.patch_size
+    return (x.shape[-2] // ph) * (x.shape[-1] // pw)
+
+
+def _own_size(model: nn.Module, x: torch.Tensor, method: str) -> None:
+    if tuple(x.shape[-2:]) != tuple(model.patch_embed.img_size):
+        raise ValueError(f"{method} is counted at the model's own input size {tuple(model.patch_embed.img_size)}, "
+                         f"not {tuple(x.shape[-2:])}")
+
+
 class NativeMethod(Method):
     name = "native"
 
     def __init__(self, model: nn.Module):
-        self.model, self.gflops, self.config = model, native_gflops(model), {}
+        self.model, self.config = model, {}
+        self.gflops = {model.patch_embed.num_patches: native_gflops(model)}  # by input patch count
 
     def outputs(self, x):
         logits = native_forward(self.model, x)
-        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.gflops))}
+        n0 = _patches(self.model, x)
+        if n0 not in self.gflops:  # another input size (a dynamic_img_size model)
+            self.gflops[n0] = native_gflops(self.model, n0)
+        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.gflops[n0]))}
 
     def timing_fn(self):
         return self.model if not is_wrapped(self.model) else (lambda x: native_forward(self.model, x))
@@ -142,6 +158,7 @@ class ToMeMethod(Method):
                        "matching_gflops": self.fn.cost.matching_gflops}
 
     def outputs(self, x):
+        _own_size(self.fn.model, x, "ToMe")
         logits = self.fn(x)
         return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.cost.gflops, self.fn.cost.r, self.n0))}
 
@@ -158,6 +175,7 @@ class StaticMethod(Method):
         self.config = {"schedule": {str(b): k for b, k in sorted(self.fn.schedule.items())}, "rule": rule}
 
     def outputs(self, x):
+        _own_size(self.fn.model, x, "a static schedule")
         logits = self.fn(x)
         return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.gflops, self.ks, self.n0))}
 

@@ -68,12 +68,17 @@ def load_model(
     img_size: Optional[int] = None,
     num_classes: Optional[int] = None,
     seed: int = 0,
+    dynamic_img_size: bool = False,
 ) -> nn.Module:
     """A frozen timm backbone in eval mode: local safetensors ``weights``, random weights
-    (``random_weights``, seeded; for smoke tests) or timm's pretrained download."""
+    (``random_weights``, seeded; for smoke tests) or timm's pretrained download.
+    ``dynamic_img_size``: timm's option to take any input size (the position embedding resampled
+    per input; the weights stay those of the model's own size)."""
     kw: Dict[str, Any] = {}
     if img_size is not None:
         kw["img_size"] = img_size
+    if dynamic_img_size:
+        kw["dynamic_img_size"] = True
     if num_classes is not None:
         kw["num_classes"] = num_classes
     if weights is not None and random_weights:

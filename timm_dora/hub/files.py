@@ -139,7 +139,10 @@ def validate_config(config: Any) -> Dict[str, Any]:
         for name in ("architecture", "pretrained_tag"):
             _optional_str(f"backbone.{name}", backbone.get(name))
         for name in _BACKBONE_INTS:
-            _positive_int(f"backbone.{name}", backbone.get(name))
+            value = backbone.get(name)
+            if name == "num_prefix_tokens" and value == 0 and not isinstance(value, bool):  # (no class token, no registers)
+                continue
+            _positive_int(f"backbone.{name}", value)
         if backbone.get("readout") not in READOUTS:
             raise _fail("backbone.readout", f"must be one of {READOUTS}, got {backbone.get('readout')!r}")
         for name in ("embed_dim", "depth", "num_patches"):

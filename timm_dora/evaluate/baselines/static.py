@@ -138,6 +138,9 @@ class StaticPrune:
         self.schedule = parse_schedule(self.schedule)
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if self.rule == "cls_sim" and getattr(self.model, "cls_token", None) is None:
+            raise ValueError("rule 'cls_sim' ranks tokens by similarity to the CLS key; this model has no class token "
+                             "(use rule 'slice')")
         self.gflops = static_gflops(self.model, self.schedule, self.rule)
 
     @property
