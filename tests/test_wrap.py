@@ -76,22 +76,28 @@ def test_actor_decisions_replay_to_reference_and_are_batch_independent(family):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     x = images(model, 5, seed=7)
-    actor = half_open_actor(model, x)
+    stats = _replay_and_batch_independence(model, half_open_actor(model, x), x)
+    assert stats.gate.any(), "random actor never opened its gate; the test would not exercise pruning"
+
+
+def _replay_and_batch_independence(model, actor, x):
+    """The actor's decisions on ``x`` replay to the per-image reference, and each image alone gets
+    the same decisions and logits (no leakage between packed images); returns the batch's stats."""
     rec = Recorder(timm_dora.ActorPolicy(actor))
     timm_dora.wrap(model, policy=rec)
     out = model(x)
     stats = model.dora_stats
-    assert stats.gate.any(), "random actor never opened its gate; the test would not exercise pruning"
-    for i in range(5):
+    for i in range(x.shape[0]):
         ref = reference_forward(model, x[i : i + 1], plan_for_image(rec.plan, i))
         assert (out[i] - ref[0]).abs().max().item() <= 1e-5
-    # the same image alone gives the same decisions and logits: no leakage between packed images
     timm_dora.unwrap(model)
     timm_dora.wrap(model, actor)
-    for i in range(5):
+    for i in range(x.shape[0]):
         single = model(x[i : i + 1])
         assert torch.equal(model.dora_stats.removed[0], stats.removed[i])
         assert (single[0] - out[i]).abs().max().item() <= 1e-5
+    timm_dora.unwrap(model)
+    return stats
 
 
 @torch.no_grad()
@@ -435,22 +441,9 @@ def test_an_actor_at_another_input_size_prunes_by_its_grid_read_as_fractions(siz
     x = torch.randn(5, 3, size, size, generator=torch.Generator().manual_seed(size))
     actor = half_open_actor(model, x)
     assert actor.num_patches == 16
-    rec = Recorder(timm_dora.ActorPolicy(actor))
-    timm_dora.wrap(model, policy=rec)
-    out = model(x)
-    stats = model.dora_stats
-    grid = set(actor.grid(n0).tolist())
-    assert stats.gate.any() and set(stats.removed[stats.gate].tolist()) <= grid
+    stats = _replay_and_batch_independence(model, actor, x)
+    assert stats.gate.any() and set(stats.removed[stats.gate].tolist()) <= set(actor.grid(n0).tolist())
     assert (stats.tokens >= actor.min_keep).all()
-    for i in range(5):
-        ref = reference_forward(model, x[i : i + 1], plan_for_image(rec.plan, i))
-        assert (out[i] - ref[0]).abs().max().item() <= 1e-5
-    timm_dora.unwrap(model)
-    timm_dora.wrap(model, actor)
-    for i in range(5):
-        single = model(x[i : i + 1])
-        assert torch.equal(model.dora_stats.removed[0], stats.removed[i])
-        assert (single[0] - out[i]).abs().max().item() <= 1e-5
 
 
 def test_a_fixed_model_built_for_another_size_takes_the_actor():
