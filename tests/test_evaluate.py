@@ -318,3 +318,19 @@ def test_baselines_refuse_what_they_cannot_count(setup_files):
     with pytest.raises(ValueError, match="no class token \\(use rule 'slice'\\)"):
         build_method(no_cls, "static", schedule="3:4")
     assert build_method(no_cls, "static", schedule="3:4", rule="slice").outputs(torch.randn(1, 3, IMG, IMG))
+
+
+def test_eval_with_skip_dead_lowers_every_row_by_the_dead_mlp(setup_files):
+    """``--skip-dead``: native and the method leave out the last block's MLP on the tokens the CLS
+    readout never reads: the same predictions, the GFLOPs lower by exactly that MLP on the tokens
+    surviving the last block."""
+    root, csv_path, weights, actor = setup_files
+    plain = _eval(root, csv_path, weights, "--actor", str(actor))
+    lean = _eval(root, csv_path, weights, "--actor", str(actor), "--skip-dead")
+    model = load_model(MODEL, str(weights), img_size=IMG, num_classes=CLASSES)
+    mlp = 2 * model.embed_dim * 4 * model.embed_dim  # MACs per token of the last MLP
+    for a, b in zip(plain["rows"], lean["rows"]):
+        assert (a["method"], a["correct1"], a.get("agreement")) == (b["method"], b["correct1"], b.get("agreement"))
+        tokens_after_last = a["per_block"][-1]["tokens_mean"] if "per_block" in a else 16
+        assert a["gflops"] - b["gflops"] == pytest.approx(2 * mlp * tokens_after_last / 1e9, abs=1e-9)
+    assert lean["rows"][1]["config"]["skip_dead"] is True

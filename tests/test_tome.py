@@ -256,3 +256,21 @@ def test_schedule_for_reduction():
     s = schedule_for_reduction(model, 0.3, [3, 6, 9])
     red = 1 - static_gflops(model, s, "slice") / timm_dora.native_gflops(model)
     assert set(s) <= {3, 6, 9} and abs(red - 0.3) < 0.06
+
+
+@torch.no_grad()
+def test_baselines_with_skip_dead_give_the_same_logits_for_less_compute():
+    from timm_dora.evaluate.baselines import StaticPrune, ToMe
+
+    name, kw = SMALL_FAMILIES["deit_distilled"]
+    model = make_model(name, **kw)
+    x = images(model, 3)
+    mlp = sum(m.in_features * m.out_features for m in model.blocks[-1].mlp.modules() if isinstance(m, torch.nn.Linear))
+    # ToMe r=2 on 16 tokens, capped at half: 14, 12, ..., 2 after block 7, 1 after block 8, then 1
+    for make, tokens_after_last in ((lambda s: ToMe(model, 2, skip_dead=s), 1),
+                                    (lambda s: StaticPrune(model, {3: 4, 11: 2}, "cls_sim", skip_dead=s), 16 - 6)):
+        full, lean = make(False), make(True)
+        assert (lean(x) - full(x)).abs().max().item() <= 1e-5
+        g_full = full.cost.gflops if hasattr(full, "cost") else full.gflops
+        g_lean = lean.cost.gflops if hasattr(lean, "cost") else lean.gflops
+        assert g_full - g_lean == pytest.approx(2 * mlp * tokens_after_last / 1e9, abs=1e-12)

@@ -455,3 +455,47 @@ def test_a_fixed_model_built_for_another_size_takes_the_actor():
     with torch.no_grad():
         large(images(large, 4))
     assert set(large.dora_stats.removed[large.dora_stats.gate].tolist()) <= set(actor.grid(36).tolist())
+
+
+# --------------------------------------------------------------------------------------------
+# skip_dead: the last block's MLP only on the rows a CLS-token readout reads
+
+
+@pytest.mark.parametrize("family", ["deit", "deit_distilled", "vit_augreg", "dinov2_registers"])
+@torch.no_grad()
+def test_skip_dead_gives_the_same_logits_for_the_last_mlp_on_the_prefix_rows_only(family):
+    name, kw = SMALL_FAMILIES[family]
+    model = make_model(name, **kw)
+    x = images(model, 4)
+    p, depth = model.num_prefix_tokens, len(model.blocks)
+    mlp = sum(m.in_features * m.out_features for m in model.blocks[-1].mlp.modules() if isinstance(m, torch.nn.Linear))
+    plan = random_plan(4, model.patch_embed.num_patches, depth, [1, depth // 2, depth - 1], seed=3)
+    for policy in (NoPrune(), ReplayPolicy(plan), timm_dora.ActorPolicy(half_open_actor(model, x))):
+        timm_dora.wrap(model, policy=policy)
+        ref, ref_stats = model(x), model.dora_stats
+        timm_dora.unwrap(model)
+        timm_dora.wrap(model, policy=policy, skip_dead=True)
+        out, stats = model(x), model.dora_stats
+        timm_dora.unwrap(model)
+        assert (out - ref).abs().max().item() <= 1e-5
+        for name_ in ("tokens", "gate", "removed", "policy_gflops"):
+            assert torch.equal(getattr(stats, name_), getattr(ref_stats, name_)), name_
+        # the MLP of the last block no longer runs on the visual tokens surviving it: 2 * mlp MACs each
+        saved = 2 * mlp * stats.tokens[:, -1].double() / 1e9
+        assert torch.allclose(ref_stats.gflops - stats.gflops, saved, rtol=0, atol=1e-12)
+    native = model(x)
+    assert timm_dora.native_gflops(model) - timm_dora.native_gflops(model, skip_dead=True) == pytest.approx(
+        2 * mlp * model.patch_embed.num_patches / 1e9, abs=1e-12)
+    from timm_dora.evaluate import native_forward
+
+    assert (native_forward(model, x, skip_dead=True) - native).abs().max().item() <= 1e-5
+
+
+def test_skip_dead_refuses_readouts_that_read_every_token_and_graphs():
+    model = make_model(*SMALL_FAMILIES["vit_avgpool"][:1], **SMALL_FAMILIES["vit_avgpool"][1])
+    with pytest.raises(ValueError, match="this readout .*global_pool='avg'.* reads every token"):
+        timm_dora.wrap(model, policy=NoPrune(), skip_dead=True)
+    deit = make_model(*SMALL_FAMILIES["deit"][:1], **SMALL_FAMILIES["deit"][1])
+    with pytest.raises(ValueError, match="not captured in CUDA graphs yet"):
+        timm_dora.wrap(deit, Actor.for_model(deit), skip_dead=True, cuda_graphs=True)
+    assert not timm_dora.is_wrapped(deit) and not timm_dora.is_wrapped(model)

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
-from .engine.patch import check_supported, is_wrapped, is_wrapped_as
+from .engine.patch import check_skip_dead, check_supported, is_wrapped, is_wrapped_as
 from .engine.patch import wrap as engine_wrap
 from .engine.protocol import Policy
 from .hub import resolve_actor
@@ -30,6 +30,7 @@ def wrap(
     attn_backend: str = "auto",
     speculate: bool = False,
     cuda_graphs: bool = False,
+    skip_dead: bool = False,
     **hub_kwargs,
 ) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes tokens with DORA.
@@ -69,6 +70,10 @@ def wrap(
             graphs' pool per batch shape. Results match the default path up to rounding (the
             captured controller runs on every image, masked, so in bf16 a near-tie may decide
             differently). Off CUDA the same segments run uncaptured (how the CPU tests check it).
+        skip_dead: the last block's MLP only on the rows a CLS-token readout reads (the prefix
+            tokens): the other rows never reach the logits, so the logits are the same (up to
+            rounding) for less compute, and the GFLOPs count what runs. Only where the readout is
+            the class token (``global_pool="token"``); eager only for now (not with ``cuda_graphs``).
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
@@ -78,7 +83,7 @@ def wrap(
     """
     if actor is not None and policy is not None:
         raise ValueError("pass an actor or a policy, not both")
-    options = dict(readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs)
+    options = dict(readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead)
     if policy is not None:
         if speculate and not getattr(policy, "speculate", False):
             raise ValueError(
@@ -91,6 +96,7 @@ def wrap(
     if is_wrapped_as(model, current if same else None, **options):  # (raises if wrapped otherwise)
         return model
     check_supported(model, readout, attn_backend)  # before any download
+    check_skip_dead(model, readout, skip_dead, cuda_graphs)
     actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
     _check_actor(model, actor)
     return engine_wrap(model, ActorPolicy(actor, speculate=speculate), actor=actor, **options)

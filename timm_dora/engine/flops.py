@@ -78,9 +78,13 @@ class BackboneCost:
         n = n_final.double() - (0 if self.pool_include_prefix else self.num_prefix)
         return n * (self.pool_kv_macs + 2 * self.pool_attn)
 
-    def native_macs(self) -> float:
+    def native_macs(self, skip_dead: bool = False) -> float:
+        """MACs of the unpruned forward; ``skip_dead``: the last block's MLP on the prefix tokens only
+        (what a CLS-token readout reads)."""
         n = torch.tensor([self.num_prefix + self.num_patches])
-        blocks = sum(float(self.block_macs(i, n, n)) for i in range(len(self.qkv_macs)))
+        depth = len(self.qkv_macs)
+        last = torch.tensor([self.num_prefix]) if skip_dead else n
+        blocks = sum(float(self.block_macs(i, n, last if i == depth - 1 else n)) for i in range(depth))
         return self.patch_macs + blocks + self.head_macs + float(self.pool_macs(n))
 
 
@@ -122,10 +126,11 @@ def backbone_cost(model: nn.Module, num_patches: Optional[int] = None) -> Backbo
     )
 
 
-def native_gflops(model: nn.Module, num_patches: Optional[int] = None) -> float:
+def native_gflops(model: nn.Module, num_patches: Optional[int] = None, skip_dead: bool = False) -> float:
     """GFLOPs per image of the unpruned model under this accounting (at ``num_patches`` patches:
-    another input size of a ``dynamic_img_size`` model)."""
-    return 2 * backbone_cost(model, num_patches).native_macs() / 1e9
+    another input size of a ``dynamic_img_size`` model; ``skip_dead``: without the last block's MLP
+    on the tokens a CLS-token readout never reads)."""
+    return 2 * backbone_cost(model, num_patches).native_macs(skip_dead) / 1e9
 
 
 def actor_gate_macs(actor) -> int:

@@ -111,6 +111,7 @@ class _DoraState:
     graphs: "OrderedDict" = field(default_factory=OrderedDict)  # graphs.GraphRunner per batch shape
     warned: bool = False  # the one warning that cuda_graphs could not be used
     costs: Dict[int, BackboneCost] = field(default_factory=dict)  # at other input sizes, by patch count
+    skip_dead: bool = False  # the last block's MLP on the rows the readout reads only (the prefix rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,6 +161,17 @@ def check_supported(model: nn.Module, readout: str = "model", attn_backend: str 
             raise TypeError(f"block {i} attention is {type(blk.attn).__name__}; only timm.layers.Attention is supported")
 
 
+def check_skip_dead(model: nn.Module, readout: str, skip_dead: bool, cuda_graphs: bool) -> None:
+    """``skip_dead`` needs a readout that reads the prefix rows only (the CLS token), and runs eagerly."""
+    if not skip_dead:
+        return
+    if readout != "model" or model.global_pool != "token" or getattr(model, "attn_pool", None) is not None:
+        raise ValueError(f"skip_dead=True leaves out the last block's MLP on the tokens the readout never reads: "
+                         f"this readout (readout={readout!r}, global_pool={model.global_pool!r}) reads every token")
+    if cuda_graphs:
+        raise ValueError("skip_dead=True is not captured in CUDA graphs yet: pass cuda_graphs=False with it")
+
+
 # --------------------------------------------------------------------------------------------
 # wrap / unwrap
 
@@ -183,20 +195,21 @@ def is_wrapped(model: nn.Module) -> bool:
 
 
 def is_wrapped_as(model: nn.Module, policy: Optional[Policy], *, readout: str = "model", attn_backend: str = "auto",
-                  cuda_graphs: bool = False) -> bool:
+                  cuda_graphs: bool = False, skip_dead: bool = False) -> bool:
     """Whether ``model`` is already wrapped with exactly this policy and options (wrapping again is
     then a no-op). ``False`` if it is not wrapped; ``ValueError`` if it is wrapped otherwise (or
     ``policy`` is ``None``): :func:`unwrap` must come first."""
     if not is_wrapped(model):
         return False
     state = model._dora
-    if state.policy is policy and (state.readout, state.attn_backend, state.cuda_graphs) == (readout, attn_backend, bool(cuda_graphs)):
+    options = (state.readout, state.attn_backend, state.cuda_graphs, state.skip_dead)
+    if state.policy is policy and options == (readout, attn_backend, bool(cuda_graphs), bool(skip_dead)):
         return True
     raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
 
 
 def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backend: str = "auto",
-         cuda_graphs: bool = False, actor: Optional[nn.Module] = None) -> nn.Module:
+         cuda_graphs: bool = False, skip_dead: bool = False, actor: Optional[nn.Module] = None) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes with ``policy``.
 
     The engine's wrap: :func:`timm_dora.wrap` (the public one) documents the options and builds
@@ -205,11 +218,14 @@ def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backe
     Wrapping again with the same policy and options is a no-op; with others it raises.
     """
     _check_policy(policy)
-    if is_wrapped_as(model, policy, readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs):
+    if is_wrapped_as(model, policy, readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs,
+                     skip_dead=skip_dead):
         return model
     check_supported(model, readout, attn_backend)
+    check_skip_dead(model, readout, skip_dead, cuda_graphs)
     original = type(model)
-    model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, bool(cuda_graphs))
+    model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, bool(cuda_graphs),
+                             skip_dead=bool(skip_dead))
     if actor is not None:
         p = next(model.parameters())
         model.add_module("dora_actor", actor.to(device=p.device, dtype=p.dtype))
@@ -350,7 +366,9 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
     rho, interventions = consts.no_rho, consts.zeros
     entering, gates, removed_all, removed_patches, policy_flops = [], [], [], [], []
     scalar_flops = 0.0
+    final = None  # (skip_dead) the prefix rows after the last block: all the readout reads
     for l, blk in enumerate(model.blocks):
+        dead = state.skip_dead and l == depth - 1  # the readout reads the prefix rows only
         speculative = None  # the MLP of the unpruned batch, enqueued before the host waits
         if runner is not None:
             with scope("dora.graphs"):
@@ -361,7 +379,7 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
             ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts,
                                releasable=True)
             del keys
-            if speculate:
+            if speculate and not dead:
                 with scope("dora.policy"):
                     finish = policy.begin(ctx)  # enqueues the gate and its copy to the host
                 del ctx
@@ -414,6 +432,10 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
                 continue
         if runner is not None:
             runner.mlp(l, packed, mlp_done)
+        elif dead:  # the last block's MLP on the prefix rows: the other rows never reach the logits
+            with scope("dora.mlp"):
+                rows = packed.prefix_rows()
+                final = mlp_residual(blk, rows.reshape(-1, rows.shape[-1])).view(rows.shape)
         elif speculative is not None:
             packed = packed.with_x(speculative)
             del speculative
@@ -424,6 +446,9 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
     if runner is not None:
         with scope("dora.readout"):
             logits, packed = runner.finish()
+    if final is not None:
+        with scope("dora.readout"):
+            logits = model.forward_head(model.norm(final))
     if logits is None:
         with scope("dora.readout"):
             packed = packed.with_x(model.norm(packed.x))
@@ -436,6 +461,8 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
         if scalar_flops:
             own = own + scalar_flops  # integer-valued float64 sums: exact in any order
         n_mlp = n_attn - removed
+        if state.skip_dead:
+            n_mlp[:, -1] = p
         macs = cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_mlp).sum(1) + cost.pool_macs(n_mlp[:, -1])
         flops = 2.0 * macs + own
         patches = []

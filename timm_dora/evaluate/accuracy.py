@@ -140,14 +140,16 @@ def evaluate(
     autocast: bool = False,
     native: bool = True,
     progress: Optional[Callable[[int], None]] = None,
+    skip_dead: bool = False,
 ) -> List[Dict[str, Any]]:
     """Native (``native=True``) and every method on each ``(images, labels, ...)`` batch; one row
-    per output (see :class:`Tally`), native first."""
+    per output (see :class:`Tally`), native first (``skip_dead``: native without the last block's
+    dead MLP rows, as the methods built with it)."""
     p = next(model.parameters())
     device = torch.device(device) if device is not None else p.device
     dtype = p.dtype
     tallies: Dict[str, Tally] = {}
-    nat = NativeMethod(model) if native else None
+    nat = NativeMethod(model, skip_dead) if native else None
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     seen = 0
     for item in batches:

@@ -210,7 +210,7 @@ def _run(args) -> int:
     inputs, info = bench_inputs(model, batch=args.batch, batches=args.batches, device=device,
                                 dtype=torch.float32 if autocast else dtype, data=args.data, split=args.split,
                                 workers=args.workers, seed=args.seed, input_size=args.input_size)
-    methods = [NativeMethod(model)]
+    methods = [NativeMethod(model, args.skip_dead)]
     if args.method != "native":
         methods.append(method_from_args(model, args))
     rows = []

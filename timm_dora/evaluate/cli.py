@@ -94,6 +94,9 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
     ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40")
     ap.add_argument("--rule", choices=("cls_sim", "slice"), default="cls_sim", help="static schedule token rule")
     ap.add_argument("--wpr-iters", type=int, default=30, help="Attention-WPR propagation steps")
+    ap.add_argument("--skip-dead", action="store_true",
+                    help="every method (native too) leaves out the last block's MLP on the tokens a CLS-token "
+                         "readout never reads, and counts what runs (eager only)")
 
 
 def setup(args) -> Tuple[nn.Module, torch.device, torch.dtype, bool]:
@@ -110,7 +113,8 @@ def setup(args) -> Tuple[nn.Module, torch.device, torch.dtype, bool]:
 def method_from_args(model: nn.Module, args) -> Method:
     return build_method(model, args.method, actor=args.actor, r=args.r, prop_attn=not args.no_prop_attn,
                         schedule=args.schedule, rule=args.rule, seed=args.seed, wpr_iters=args.wpr_iters,
-                        attn_backend=args.attn_backend, cuda_graphs=getattr(args, "cuda_graphs", False))
+                        attn_backend=args.attn_backend, cuda_graphs=getattr(args, "cuda_graphs", False),
+                        skip_dead=getattr(args, "skip_dead", False))
 
 
 def run_header(args, device: torch.device, dtype: torch.dtype, autocast: bool) -> Dict[str, Any]:
@@ -154,7 +158,7 @@ def _run(args) -> int:
     bar = tqdm(total=n, desc=f"eval {args.method}", unit="img", disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
     try:
         rows = evaluate(model, [] if args.method == "native" else [method], loader, device=device, autocast=autocast,
-                        progress=lambda seen: bar.update(seen - bar.n))
+                        progress=lambda seen: bar.update(seen - bar.n), skip_dead=args.skip_dead)
     finally:
         bar.close()
         method.close()

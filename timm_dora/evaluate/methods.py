@@ -11,6 +11,8 @@ import torch.nn as nn
 
 from ..api import wrap
 from ..engine import is_wrapped, native_gflops, run, unwrap
+from ..engine.blocks import embed, mlp_residual
+from ..engine.patch import check_skip_dead
 from .baselines.selectors import SELECTORS
 from .baselines.static import StaticPrune
 from .baselines.tome import ToMe
@@ -21,8 +23,17 @@ __all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", 
 METHODS = ("native", "dora", "tome", "static", "random", "similarity", "attention-wpr")
 
 
-def native_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """timm's own forward, also on a wrapped model (``forward_head(forward_features(x))``)."""
+def native_forward(model: nn.Module, x: torch.Tensor, skip_dead: bool = False) -> torch.Tensor:
+    """timm's own forward, also on a wrapped model (``forward_head(forward_features(x))``).
+    ``skip_dead``: the last block's MLP on the prefix tokens only (all a CLS-token readout reads),
+    the blocks composed from timm's own modules."""
+    if skip_dead:
+        h = embed(model, x)
+        for blk in model.blocks[:-1]:
+            h = blk(h)
+        last = model.blocks[-1]
+        h = (h + last.drop_path1(last.ls1(last.attn(last.norm1(h)))))[:, : model.num_prefix_tokens]
+        return model.forward_head(model.norm(mlp_residual(last, h)))
     if is_wrapped(model):
         return model.forward_head(model.forward_features(x))
     return model(x)
@@ -82,19 +93,23 @@ def _own_size(model: nn.Module, x: torch.Tensor, method: str) -> None:
 class NativeMethod(Method):
     name = "native"
 
-    def __init__(self, model: nn.Module):
-        self.model, self.config = model, {}
-        self.gflops = {model.patch_embed.num_patches: native_gflops(model)}  # by input patch count
+    def __init__(self, model: nn.Module, skip_dead: bool = False):
+        check_skip_dead(model, "model", skip_dead, False)
+        self.model, self.skip_dead = model, skip_dead
+        self.config = {"skip_dead": True} if skip_dead else {}
+        self.gflops = {model.patch_embed.num_patches: native_gflops(model, skip_dead=skip_dead)}  # by input patch count
 
     def outputs(self, x):
-        logits = native_forward(self.model, x)
+        logits = native_forward(self.model, x, self.skip_dead)
         n0 = _patches(self.model, x)
         if n0 not in self.gflops:  # another input size (a dynamic_img_size model)
-            self.gflops[n0] = native_gflops(self.model, n0)
+            self.gflops[n0] = native_gflops(self.model, n0, self.skip_dead)
         return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.gflops[n0]))}
 
     def timing_fn(self):
-        return self.model if not is_wrapped(self.model) else (lambda x: native_forward(self.model, x))
+        if self.skip_dead or is_wrapped(self.model):
+            return lambda x: native_forward(self.model, x, self.skip_dead)
+        return self.model
 
 
 class DoraMethod(Method):
@@ -107,6 +122,8 @@ class DoraMethod(Method):
         self._owns = not is_wrapped(model)
         wrap(model, actor, **wrap_kwargs)
         self.config = {"actor": actor if isinstance(actor, (str, type(None))) else type(actor).__name__}
+        if wrap_kwargs.get("skip_dead"):
+            self.config["skip_dead"] = True
 
     def _output(self, logits, s) -> Output:
         return Output(logits, s.gflops, s.gate, s.removed, s.tokens, s.backend)
@@ -150,12 +167,12 @@ class SelectorMethod(DoraMethod):
 
 
 class ToMeMethod(Method):
-    def __init__(self, model: nn.Module, r, prop_attn: bool = True):
-        self.fn = ToMe(model, r, prop_attn)
+    def __init__(self, model: nn.Module, r, prop_attn: bool = True, skip_dead: bool = False):
+        self.fn = ToMe(model, r, prop_attn, skip_dead)
         self.name = self.fn.name
         self.n0 = model.patch_embed.num_patches
         self.config = {"r": r if isinstance(r, int) else list(r), "prop_attn": prop_attn, "r_effective": self.fn.cost.r,
-                       "matching_gflops": self.fn.cost.matching_gflops}
+                       "matching_gflops": self.fn.cost.matching_gflops, **({"skip_dead": True} if skip_dead else {})}
 
     def outputs(self, x):
         _own_size(self.fn.model, x, "ToMe")
@@ -167,12 +184,13 @@ class ToMeMethod(Method):
 
 
 class StaticMethod(Method):
-    def __init__(self, model: nn.Module, schedule, rule: str = "cls_sim"):
-        self.fn = StaticPrune(model, schedule, rule)
+    def __init__(self, model: nn.Module, schedule, rule: str = "cls_sim", skip_dead: bool = False):
+        self.fn = StaticPrune(model, schedule, rule, skip_dead)
         self.name = self.fn.name
         self.n0 = model.patch_embed.num_patches
         self.ks = [self.fn.schedule.get(l, 0) for l in range(len(model.blocks))]
-        self.config = {"schedule": {str(b): k for b, k in sorted(self.fn.schedule.items())}, "rule": rule}
+        self.config = {"schedule": {str(b): k for b, k in sorted(self.fn.schedule.items())}, "rule": rule,
+                       **({"skip_dead": True} if skip_dead else {})}
 
     def outputs(self, x):
         _own_size(self.fn.model, x, "a static schedule")
@@ -204,18 +222,21 @@ def build_method(
     wpr_iters: int = 30,
     attn_backend: str = "auto",
     cuda_graphs: bool = False,
+    skip_dead: bool = False,
 ) -> Method:
-    """A :class:`Method` by name (see :data:`METHODS`)."""
+    """A :class:`Method` by name (see :data:`METHODS`). ``skip_dead``: every method leaves out the
+    last block's MLP on the tokens a CLS-token readout never reads (and counts what runs)."""
     if method == "native":
-        return NativeMethod(model)
+        return NativeMethod(model, skip_dead)
     if method == "dora":
-        return DoraMethod(model, actor, attn_backend=attn_backend, cuda_graphs=cuda_graphs)
+        return DoraMethod(model, actor, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead)
     if method == "tome":
-        return ToMeMethod(model, _parse_r(r), prop_attn)
+        return ToMeMethod(model, _parse_r(r), prop_attn, skip_dead)
     if method == "static":
         if not schedule:
             raise ValueError("--method static needs --schedule block:count[,block:count...]")
-        return StaticMethod(model, schedule, rule)
+        return StaticMethod(model, schedule, rule, skip_dead)
     if method in ("random", "similarity", "attention-wpr"):
-        return SelectorMethod(model, method, actor, seed=seed, wpr_iters=wpr_iters, attn_backend=attn_backend)
+        return SelectorMethod(model, method, actor, seed=seed, wpr_iters=wpr_iters, attn_backend=attn_backend,
+                              skip_dead=skip_dead)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")

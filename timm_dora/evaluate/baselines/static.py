@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ...engine.flops import backbone_cost
-from ...engine.patch import check_supported
+from ...engine.patch import check_skip_dead, check_supported
 from .tome import _mlp_residual, attention_with_keys, embed, head
 
 __all__ = ["RULES", "StaticPrune", "parse_schedule", "schedule_for_reduction", "static_forward", "static_gflops"]
@@ -67,22 +67,26 @@ def _check(model: nn.Module, schedule: Schedule, min_keep: int = 1) -> List[int]
     return ks
 
 
-def static_gflops(model: nn.Module, schedule: Schedule, rule: str = "cls_sim") -> float:
+def static_gflops(model: nn.Module, schedule: Schedule, rule: str = "cls_sim", skip_dead: bool = False) -> float:
     """GFLOPs per image (the same for every image) of :func:`static_forward`."""
     cost = backbone_cost(model)
     p, n = cost.num_prefix, cost.num_patches
     macs = float(cost.patch_macs + cost.head_macs)
-    for l, k in enumerate(_check(model, schedule)):
-        macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n + p - k])))
+    ks = _check(model, schedule)
+    for l, k in enumerate(ks):
+        n_mlp = p if skip_dead and l == len(ks) - 1 else n + p - k
+        macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n_mlp])))
         if k and rule == "cls_sim":
             macs += n * cost.attn_dim[l]  # cosine of every visual key with the CLS key
         n -= k
     return 2 * macs / 1e9
 
 
-def static_forward(model: nn.Module, x: torch.Tensor, schedule: Schedule, rule: str = "cls_sim") -> torch.Tensor:
+def static_forward(model: nn.Module, x: torch.Tensor, schedule: Schedule, rule: str = "cls_sim",
+                   skip_dead: bool = False) -> torch.Tensor:
     """Logits of ``model`` (not wrapped) with ``schedule[l]`` visual tokens removed after block ``l``'s
-    attention residual, chosen by ``rule`` (see the module docstring)."""
+    attention residual, chosen by ``rule`` (see the module docstring); ``skip_dead``: the last
+    block's MLP on the prefix tokens only."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     ks = _check(model, schedule)
@@ -101,6 +105,8 @@ def static_forward(model: nn.Module, x: torch.Tensor, schedule: Schedule, rule: 
                 sim = (kf[:, p:] @ kf[:, :1].transpose(1, 2)).squeeze(-1)  # [B, N_l]: the counted matvec
                 idx = sim.topk(keep, dim=1, sorted=False).indices.sort(dim=1).values + p
                 x = torch.cat([x[:, :p], x.gather(1, idx[..., None].expand(-1, -1, x.shape[2]))], dim=1)
+        if skip_dead and blk is model.blocks[-1]:
+            x = x[:, :p]
         x = _mlp_residual(blk, x)
     return head(model, x)
 
@@ -132,16 +138,18 @@ class StaticPrune:
     model: nn.Module
     schedule: Dict[int, int]
     rule: str = "cls_sim"
+    skip_dead: bool = False
 
     def __post_init__(self):
         check_supported(self.model)
+        check_skip_dead(self.model, "model", self.skip_dead, False)
         self.schedule = parse_schedule(self.schedule)
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
         if self.rule == "cls_sim" and getattr(self.model, "cls_token", None) is None:
             raise ValueError("rule 'cls_sim' ranks tokens by similarity to the CLS key; this model has no class token "
                              "(use rule 'slice')")
-        self.gflops = static_gflops(self.model, self.schedule, self.rule)
+        self.gflops = static_gflops(self.model, self.schedule, self.rule, self.skip_dead)
 
     @property
     def name(self) -> str:
@@ -149,4 +157,4 @@ class StaticPrune:
         return f"static-{self.rule}({spec})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return static_forward(self.model, x, self.schedule, self.rule)
+        return static_forward(self.model, x, self.schedule, self.rule, self.skip_dead)

@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...engine.flops import backbone_cost
-from ...engine.patch import check_supported
+from ...engine.patch import check_skip_dead, check_supported
 
 __all__ = [
     "ToMe",
@@ -210,15 +210,17 @@ class ToMeCost:
     tokens: List[int]  # visual tokens after each block
 
 
-def tome_gflops(model: nn.Module, r: RSchedule) -> ToMeCost:
-    """GFLOPs per image of :func:`tome_forward` (same for every image: ToMe is input-uniform)."""
+def tome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> ToMeCost:
+    """GFLOPs per image of :func:`tome_forward` (same for every image: ToMe is input-uniform);
+    ``skip_dead``: the last block's MLP on the prefix tokens only."""
     cost = backbone_cost(model)
     p = cost.num_prefix
     eff, entering = tome_schedule(model, r)
     macs = float(cost.patch_macs + cost.head_macs)
     match = 0.0
     for l, (rl, n) in enumerate(zip(eff, entering)):
-        macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n + p - rl])))
+        n_mlp = p if skip_dead and l == len(eff) - 1 else n + p - rl
+        macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n_mlp])))
         if rl > 0:
             head_dim = cost.attn_dim[l] // model.blocks[l].attn.num_heads
             match += math.ceil(n / 2) * (n // 2) * head_dim
@@ -226,20 +228,24 @@ def tome_gflops(model: nn.Module, r: RSchedule) -> ToMeCost:
     return ToMeCost(2 * (macs + match) / 1e9, 2 * match / 1e9, eff, tokens)
 
 
-def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: bool = True) -> torch.Tensor:
+def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: bool = True,
+                 skip_dead: bool = False) -> torch.Tensor:
     """Logits of ``model`` (a timm ViT, not wrapped) on images ``x`` with ToMe merging ``r`` tokens
-    per block (an int, or one value per block). ``r = 0`` is the native forward."""
+    per block (an int, or one value per block). ``r = 0`` is the native forward. ``skip_dead``: the
+    last block's MLP on the prefix tokens only (all a CLS-token readout reads)."""
     eff, _ = tome_schedule(model, r)
     p = model.num_prefix_tokens
     x = embed(model, x)
     size: Optional[torch.Tensor] = None  # None while every token has size 1
-    for blk, rl in zip(model.blocks, eff):
+    for l, (blk, rl) in enumerate(zip(model.blocks, eff)):
         log_size = size.log() if (size is not None and prop_attn) else None
         x, k = attention_with_keys(blk, x, log_size)
         if rl > 0:
             if size is None:
                 size = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
             x, size = bipartite_soft_matching(x, k.mean(1), size, rl, p)
+        if skip_dead and l == len(eff) - 1:
+            x = x[:, :p]
         x = _mlp_residual(blk, x)
     return head(model, x)
 
@@ -251,10 +257,11 @@ class ToMe:
     and the effective schedule.
     """
 
-    def __init__(self, model: nn.Module, r: RSchedule, prop_attn: bool = True):
+    def __init__(self, model: nn.Module, r: RSchedule, prop_attn: bool = True, skip_dead: bool = False):
         check_supported(model)
-        self.model, self.r, self.prop_attn = model, r, prop_attn
-        self.cost = tome_gflops(model, r)
+        check_skip_dead(model, "model", skip_dead, False)
+        self.model, self.r, self.prop_attn, self.skip_dead = model, r, prop_attn, skip_dead
+        self.cost = tome_gflops(model, r, skip_dead)
 
     @property
     def name(self) -> str:
@@ -262,4 +269,4 @@ class ToMe:
         return f"tome(r={r}{'' if self.prop_attn else ', no prop-attn'})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return tome_forward(self.model, x, self.r, self.prop_attn)
+        return tome_forward(self.model, x, self.r, self.prop_attn, self.skip_dead)
