@@ -385,3 +385,34 @@ def test_cli_trains_other_families_and_sizes(data, tmp_path, model, size, summar
         logits = backbone(torch.randn(2, 3, size, size))
     assert logits.shape == (2, 4) and backbone.dora_stats.gate.shape == (2, len(backbone.blocks))
     assert len(read_metrics(out)) == 2
+
+
+@pytest.mark.parametrize("skip_dead", [False, True])
+def test_skip_dead_rollouts_make_no_decision_at_the_last_block(skip_dead):
+    """With ``skip_dead`` the actor decides nothing at the last block (no gate, no cost, an
+    infeasible transition: no reward for tokens that cost nothing); the other blocks are as before.
+    An actor that opens every gate with the smallest budget (2 of 36 patches at each block)."""
+    import timm_dora
+    from timm_dora.backbone import create_backbone
+    from timm_dora.train.rollout import collect
+
+    model = create_backbone("vit_tiny_patch16_224", img_size=96, num_classes=4)
+    timm_dora.wrap(model, policy=timm_dora.NoPrune(), skip_dead=skip_dead)
+    torch.manual_seed(0)
+    actor = Actor.for_model(model)
+    with torch.no_grad():
+        actor.gate_mlp[2].bias.fill_(1e4)
+        actor.budget_head[3].bias.copy_(torch.arange(actor.num_budgets, 0, -1).float() * 1e3)  # budget 2 wins
+        traj = collect(model, actor, torch.randn(4, 3, 96, 96))
+    assert (traj.k[:, :-1] == 2).all()
+    assert (traj.k[:, -1] == (0 if skip_dead else 2)).all()
+    last = traj.block == traj.k.shape[1] - 1
+    assert bool(traj.feasible[last].any()) is not skip_dead and bool(traj.gate[last].any()) is not skip_dead
+
+
+def test_cli_skip_dead_trains_and_records_it(data, tmp_path):
+    out = tmp_path / "run"
+    assert main(ARGS + ["--data", str(data), "--out", str(out), "--updates", "2", "--checkpoint-every", "2",
+                        "--skip-dead"]) == 0
+    config = json.loads((out / "selected" / "config.json").read_text())
+    assert config["training"]["skip_dead"] is True and len(read_metrics(out)) == 2

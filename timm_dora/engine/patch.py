@@ -377,7 +377,7 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
             with scope("dora.attention"):
                 x_attn, keys = attention_residual(blk, packed, backend)
             ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts,
-                               releasable=True)
+                               releasable=True, dead=dead)
             del keys
             if speculate and not dead:
                 with scope("dora.policy"):

@@ -94,6 +94,10 @@ class BlockContext:
     # the creator (the DORA forward) lets the policy drop ``keys`` once read (:meth:`release_keys`);
     # a context made elsewhere keeps them (it may be reused after the call)
     releasable: bool = field(default=False, repr=False)
+    # the block's MLP on the visual tokens is dead compute (``skip_dead`` at the last block: the
+    # readout reads the prefix tokens only), so removing them here is free: a policy may decide
+    # nothing (DORA's actor does not, and its training gets no reward for this block)
+    dead: bool = False
 
     def __post_init__(self):
         if self.constants is None:

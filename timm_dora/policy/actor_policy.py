@@ -345,6 +345,14 @@ class ActorPolicy:
             # not one kernel per sequence
             backend = "padded" if dev.type == "cuda" else select_backend(dev.type, dtype)
         h, context = self._gate_context(ctx, dtype)
+        if ctx.dead:  # (skip_dead) removing tokens here is free: no decision, no gate, no cost
+            closed = ctx.constants.closed
+            rec = None
+            if self.record:  # a transition with no feasible action: PPO and the rewards skip it
+                rec = StepRecord(ctx.block, h, keys.new_zeros(b, actor.embed_dim), torch.zeros(b, device=dev), closed,
+                                 closed, torch.zeros(0, dtype=torch.long, device=dev))
+                self.records.append(rec)
+            return _GateStep(ctx, keys, backend, h, closed, 0.0, rec)
         n0 = ctx.num_patches
         summary = None
         if cls_key is not None:

@@ -78,7 +78,7 @@ class Checkpoints:
         return {
             "updates": self.u, "target_drop": self.cfg.target_drop, "a_u": self.feedback.coefficient,
             "dev_top1": rec.top1, "dev_native_top1": rec.native_top1, "dev_gflops": rec.gflops,
-            "model": self.cfg.model, "data": self.cfg.data,
+            "model": self.cfg.model, "data": self.cfg.data, **({"skip_dead": True} if self.cfg.skip_dead else {}),
         }
 
     def select(self) -> Dict:
