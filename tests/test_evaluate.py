@@ -329,8 +329,10 @@ def test_eval_with_skip_dead_lowers_every_row_by_the_dead_mlp(setup_files):
     lean = _eval(root, csv_path, weights, "--actor", str(actor), "--skip-dead")
     model = load_model(MODEL, str(weights), img_size=IMG, num_classes=CLASSES)
     mlp = 2 * model.embed_dim * 4 * model.embed_dim  # MACs per token of the last MLP
-    for a, b in zip(plain["rows"], lean["rows"]):
+    (native, dora), (lean_native, lean_dora) = plain["rows"], lean["rows"]
+    for a, b in ((native, lean_native), (dora, lean_dora)):
         assert (a["method"], a["correct1"], a.get("agreement")) == (b["method"], b["correct1"], b.get("agreement"))
-        tokens_after_last = a["per_block"][-1]["tokens_mean"] if "per_block" in a else 16
-        assert a["gflops"] - b["gflops"] == pytest.approx(2 * mlp * tokens_after_last / 1e9, abs=1e-9)
-    assert lean["rows"][1]["config"]["skip_dead"] is True
+    assert native["gflops"] - lean_native["gflops"] == pytest.approx(2 * mlp * 16 / 1e9, abs=1e-12)
+    # DORA: that MLP on the tokens surviving its last block, and its actor's decision there (none now)
+    assert dora["gflops"] - lean_dora["gflops"] >= 2 * mlp * dora["per_block"][-1]["tokens_mean"] / 1e9 - 1e-12
+    assert lean_dora["per_block"][-1]["gate_rate"] == 0.0 and lean_dora["config"]["skip_dead"] is True
