@@ -96,3 +96,17 @@ def test_state_dict_exact_resume():
     assert resumed.state_dict() == full.state_dict()
     with pytest.raises(ValueError):
         resumed.update(32, 0.0)
+
+
+def test_moving_average_of_the_drops_by_hand():
+    """``ema=0.5``: the rule reads 0.03, then 0.5 * 0.03 + 0.5 * (-0.01) = 0.01 (on target: no
+    change), then 0.5 * 0.01 + 0.5 * 0.02 = 0.015; a resumed controller continues the average."""
+    fb = FeedbackController(a_init=30.0, target=0.01, cadence=1, num_shards=1, ema=0.5)
+    assert fb.update(1, 0.03) == 30.0 + 5 * 2  # (0.03 - 0.01) / 0.01 = 2
+    assert fb.update(2, -0.01) == 40.0 and fb.smoothed == pytest.approx(0.01)
+    again = FeedbackController(cadence=1, num_shards=1)
+    again.load_state_dict(fb.state_dict())
+    assert again.update(3, 0.02) == pytest.approx(40.0 + 5 * 0.5) and again.smoothed == pytest.approx(0.015)
+    assert [h["smoothed"] for h in again.history] == pytest.approx([0.03, 0.01, 0.015])
+    with pytest.raises(ValueError, match="moving-average weight"):
+        FeedbackController(ema=1.0)

@@ -38,3 +38,22 @@ def test_ties_and_mappings():
     assert select_checkpoint(recs).name == "y"  # tie on GFLOPs: higher Top-1, then earlier
     with pytest.raises(ValueError):
         select_checkpoint([])
+
+
+def test_fitted_drops_by_hand_and_the_fit_rule():
+    """Drops along increasing GFLOPs must not increase: 3.0, 0.5, 2.0, 0.0, 0.0 pools the violating
+    pair (0.5, 2.0) into 1.25. At a 1 pp target the plain rule takes the lucky 1.6-GFLOPs
+    checkpoint (0.5 pp measured), the fit the 1.8 one."""
+    from timm_dora.train.selection import fitted_drops
+
+    recs = [CheckpointRecord(f"u{i}", 80.0 - d, 80.0, g)
+            for i, (g, d) in enumerate([(1.7, 2.0), (1.5, 3.0), (2.0, 0.0), (1.6, 0.5), (1.8, 0.0)])]
+    assert [round(v, 9) for v in fitted_drops(recs)] == [1.25, 3.0, 0.0, 1.25, 0.0]
+    assert select_checkpoint(recs, 1.0).name == "u3"
+    fit = select_checkpoint(recs, 1.0, rule="fit")
+    assert (fit.name, fit.violates, fit.feasible) == ("u4", False, ("u2", "u4"))
+    # equal GFLOPs share one fitted value; a run that only gets worse violates
+    same = [CheckpointRecord("a", 79.0, 80.0, 1.5), CheckpointRecord("b", 80.0, 80.0, 1.5)]
+    assert fitted_drops(same) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="selection rule must be one of"):
+        select_checkpoint(recs, 1.0, rule="lcb")

@@ -416,3 +416,26 @@ def test_cli_skip_dead_trains_and_records_it(data, tmp_path):
                         "--skip-dead"]) == 0
     config = json.loads((out / "selected" / "config.json").read_text())
     assert config["training"]["skip_dead"] is True and len(read_metrics(out)) == 2
+
+
+def test_feedback_on_the_rollout_pool_too_with_a_moving_average(data, tmp_path):
+    """``--qc-with-rollout``: the checks read the 4 QC images and the 10 rollout images (eval
+    preprocessing); ``--feedback-ema``: the coefficient follows the moving average of the drops;
+    ``--selection fit`` is recorded with the selection."""
+    out = tmp_path / "run"
+    assert main(ARGS + ["--data", str(data), "--out", str(out), "--qc-with-rollout", "--qc-shards", "1",
+                        "--feedback-ema", "0.5", "--selection", "fit"]) == 0
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out", str(tmp_path / "t"),
+                                                             "--qc-with-rollout", "--qc-shards", "1"]))
+    trainer = Trainer(cfg)
+    assert trainer.qc_x.shape[0] == 14 and trainer.qc_shard_idx == [list(range(14))]
+    checks = [r for r in read_metrics(out) if "d_u" in r]
+    assert len(checks) == 2 and checks[0]["d_smoothed"] == checks[0]["d_u"]
+    assert checks[1]["d_smoothed"] == pytest.approx(0.5 * checks[0]["d_u"] + 0.5 * checks[1]["d_u"])
+    for d in (checks[0]["d_u"], checks[1]["d_u"]):
+        assert round(d * 14) == pytest.approx(d * 14, abs=1e-9)  # a count of 14 images
+    selection = json.loads((out / "selection.json").read_text())
+    assert selection["rule"] == "fit" and len(selection["fitted_drops"]) == 2
+    assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--selection", "lcb"]) == 1

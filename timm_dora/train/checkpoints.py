@@ -84,10 +84,12 @@ class Checkpoints:
     def select(self) -> Dict:
         """Apply the dev selection rule and write the chosen actor to ``OUT/selected``."""
         recs = [CheckpointRecord(**r) for r in self.checkpoints]
-        choice = select_checkpoint(recs, target_pp=100.0 * self.cfg.target_drop)
+        choice = select_checkpoint(recs, target_pp=100.0 * self.cfg.target_drop, rule=self.cfg.selection)
         actor = Actor.from_pretrained(self.out / "checkpoints" / choice.record.name)
         summary = {"selected": dataclasses.asdict(choice.record), "violates": choice.violates,
-                   "target_pp": 100.0 * self.cfg.target_drop, "checkpoints": self.checkpoints}
+                   "target_pp": 100.0 * self.cfg.target_drop, "rule": self.cfg.selection, "checkpoints": self.checkpoints}
+        if self.cfg.selection == "fit":
+            summary["fitted_drops"] = list(choice.drops)
         actor.save_pretrained(self.out / "selected", backbone=self.model,
                               extra={**actor.pretrained_config.get("training", {}), "selection": summary})
         (self.out / "selection.json").write_text(json.dumps(summary, indent=1))

@@ -34,6 +34,7 @@ class TrainConfig:
     augment: str = "none"  # ours, for small pools: "none" | "light" | "strong" (pool.train_transform; True = "light")
     cutmix_prob: float = 0.5  # ours: with --augment strong, the share of rollout images given a patch CutMix from another pool image
     budget_step: int = 2  # the budget grid {s, 2s, ..., N0 - 4} of actor and critic (paper: 2)
+    selection: str = "min"  # "min" (paper: lowest dev GFLOPs within the target) or "fit" (ours: on fitted drops)
     skip_dead: bool = False  # ours: the last block's MLP on the prefix tokens only (CLS readouts) and no decision there
     init_actor: Optional[str] = None  # warm start from a saved actor (folder or Hub id); critic, optimizers, feedback fresh
     readout: str = "model"
@@ -44,6 +45,8 @@ class TrainConfig:
     terminal_only: bool = False  # ablation
     feedback_cadence: int = 8
     qc_shards: int = 8
+    qc_with_rollout: bool = False  # ours: the feedback checks read the rollout pool's images too (eval preprocessing)
+    feedback_ema: float = 0.0  # ours: weight of the past in a moving average of the checks' drops (0: the paper's rule)
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit

@@ -9,6 +9,10 @@ QC shards (round robin) and the paired Top-1 drop ``d_u`` (Eq. app-feedback-pair
 
 with target ``d* = 0.01``; otherwise ``a_{u+1} = a_u``. The new value applies from the next rollout.
 
+``ema`` (ours, for small QC sets; 0 is the paper's rule): the rule reads an exponential moving
+average of the checks' drops, ``d~_u = ema d~_prev + (1 - ema) d_u`` (the first check's own), so
+that a few images' noise moves the coefficient less.
+
 Usage per update ``u``::
 
     a_u = fb.coefficient                      # rollout + rewards + PPO of update u use a_u
@@ -54,6 +58,8 @@ class FeedbackController:
         num_shards: QC shards evaluated round robin (8 shards of 2,048 images).
         fixed: ablation "Fixed coefficient": checks still run (and are logged) but the
             coefficient never changes.
+        ema: weight of the past in the moving average of the drops the rule reads (ours; 0: the
+            paper's, each check's own drop).
     """
 
     def __init__(
@@ -67,9 +73,14 @@ class FeedbackController:
         cadence: int = 8,
         num_shards: int = 8,
         fixed: bool = False,
+        ema: float = 0.0,
     ) -> None:
         if cadence < 1 or num_shards < 1 or scale <= 0 or bounds[0] > bounds[1]:
             raise ValueError("need cadence >= 1, num_shards >= 1, scale > 0 and bounds[0] <= bounds[1]")
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"the drop's moving-average weight must be in [0, 1), got {ema}")
+        self.ema = float(ema)
+        self.smoothed: Optional[float] = None  # the moving average of the drops so far (None: no check yet)
         self.target, self.scale, self.step, self.inner_clip = float(target), float(scale), float(step), float(inner_clip)
         self.bounds = (float(bounds[0]), float(bounds[1]))
         self.cadence, self.num_shards, self.fixed = int(cadence), int(num_shards), bool(fixed)
@@ -109,22 +120,26 @@ class FeedbackController:
         if u <= self.last_update:
             raise ValueError(f"feedback for u={u} already applied (last applied u={self.last_update})")
         before = self.coefficient
-        after = before if self.fixed else self.proposed(before, float(drop))
+        drop = float(drop)
+        self.smoothed = drop if self.smoothed is None else self.ema * self.smoothed + (1.0 - self.ema) * drop
+        after = before if self.fixed else self.proposed(before, self.smoothed)
         self.coefficient = after
         self.last_update = u
-        self.history.append({"u": u, "shard": shard, "drop": float(drop), "a_before": before, "a_after": after})
+        self.history.append({"u": u, "shard": shard, "drop": drop, "smoothed": self.smoothed, "a_before": before,
+                             "a_after": after})
         return after
 
     def state_dict(self) -> Dict[str, Any]:
         return {
             "coefficient": self.coefficient,
+            "smoothed": self.smoothed,
             "shard_pointer": self.shard_pointer,
             "last_update": self.last_update,
             "history": [dict(h) for h in self.history],
             "config": {
                 "target": self.target, "scale": self.scale, "step": self.step, "inner_clip": self.inner_clip,
                 "bounds": list(self.bounds), "cadence": self.cadence, "num_shards": self.num_shards,
-                "fixed": self.fixed,
+                "fixed": self.fixed, "ema": self.ema,
             },
         }
 
@@ -134,7 +149,9 @@ class FeedbackController:
             self.target, self.scale, self.step = float(cfg["target"]), float(cfg["scale"]), float(cfg["step"])
             self.inner_clip, self.bounds = float(cfg["inner_clip"]), (float(cfg["bounds"][0]), float(cfg["bounds"][1]))
             self.cadence, self.num_shards, self.fixed = int(cfg["cadence"]), int(cfg["num_shards"]), bool(cfg["fixed"])
+            self.ema = float(cfg.get("ema", 0.0))
         self.coefficient = float(state["coefficient"])
+        self.smoothed = state.get("smoothed")
         self.shard_pointer = int(state["shard_pointer"])
         self.last_update = int(state["last_update"])
         self.history = [dict(h) for h in state["history"]]

@@ -57,6 +57,7 @@ from .ppo import (
 from .rewards import step_rewards, token_layer_compression
 from .rollout import Trajectory, collect, evaluate_controller, evaluate_gate, shadow_divergences
 from .runtime import Comm, PhaseClock
+from .selection import RULES
 
 __all__ = ["Trainer"]
 
@@ -101,6 +102,8 @@ class Trainer(Checkpoints):
         cfg.augment = P.augment_level(cfg.augment)
         if not 0.0 <= cfg.cutmix_prob <= 1.0:
             raise ValueError(f"--cutmix-prob must be in [0, 1], got {cfg.cutmix_prob}")
+        if cfg.selection not in RULES:
+            raise ValueError(f"--selection must be one of {RULES}, got {cfg.selection!r}")
         self.patch = model.patch_embed.patch_size[0]
         tr = P.train_transform(model, cfg.augment)
         self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
@@ -116,8 +119,11 @@ class Trainer(Checkpoints):
             raise ValueError(f"--data-workers must be 0 or more, got {cfg.data_workers}")
         self.workers = cfg.data_workers if cfg.data_workers is not None else min(4, (os.cpu_count() or 1) - 1)
         self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
+        if cfg.qc_with_rollout:  # (ours) the feedback also reads the rollout pool, as the evaluation sees it
+            pool_x, pool_y = D.preload(D.open_split(cfg.data, cfg.rollout_split, ev), self.dev)
+            self.qc_x, self.qc_y = torch.cat([self.qc_x, pool_x]), torch.cat([self.qc_y, pool_y])
         self.dev_x, self.dev_y = D.preload(dev_set, self.dev)
-        self.qc_shard_idx = D.fixed_shards(len(qc_set), cfg.qc_shards)
+        self.qc_shard_idx = D.fixed_shards(len(self.qc_x), cfg.qc_shards)
 
         # learners
         self.actor = Actor.for_model(model, budget_step=cfg.budget_step)
@@ -150,7 +156,7 @@ class Trainer(Checkpoints):
         self.rms = RunningMeanStd()
         self.feedback = FeedbackController(
             a_init=cfg.a_init, target=cfg.target_drop, cadence=cfg.feedback_cadence,
-            num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient,
+            num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient, ema=cfg.feedback_ema,
         )
         self.sampler = P.RolloutSampler(len(self.rollout_set), p.rollout_images, torch.Generator().manual_seed(p.seed))
         self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # rollout noise, same on every process
@@ -232,7 +238,7 @@ class Trainer(Checkpoints):
                 drop = paired_drop(self.qc_native[sel], pred == self.qc_y[sel])
             drop = comm.broadcast_object(drop)
             self.feedback.update(u, drop, shard)
-            m.update(d_u=drop, qc_shard=shard, a_next=self.feedback.coefficient)
+            m.update(d_u=drop, d_smoothed=self.feedback.smoothed, qc_shard=shard, a_next=self.feedback.coefficient)
             clock.mark("feedback")
         rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
         m.update(self._ppo_update(traj, d, rewards, a_u))
