@@ -243,6 +243,8 @@ def test_unreachable_hub_fails_at_once_or_reads_the_cache(saved, tmp_path, monke
     model, actor, folder = saved
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(socket, "create_connection", no_connection)
+    for name in hub_published.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     assert hub.hub_reachable() == (False, "huggingface.co is unreachable ([Errno -2] Name or service not known)")
     cache = tmp_path / "cache"
     hub_cache(cache, "org/actor", {COMMIT_A: folder}, {"main": COMMIT_A})
@@ -254,6 +256,8 @@ def test_unreachable_hub_fails_at_once_or_reads_the_cache(saved, tmp_path, monke
     assert spy == [("org/actor", "config.json", None), ("org/actor", "model.safetensors", None),
                    ("org/absent", "config.json", None)]
     assert spy.cached_only == [True, True, True]
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")  # a direct connection proves nothing there
+    assert hub.hub_reachable() == (True, "")
 
 
 def test_resolve_errors(saved, tmp_path, offline, monkeypatch):

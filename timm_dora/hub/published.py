@@ -56,13 +56,19 @@ def packaged_actor(name: str) -> Optional[Path]:
     return folder if (folder / "model.safetensors").is_file() else None
 
 
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
 def hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> Tuple[bool, str]:
     """``(whether a connection to the Hub's endpoint opens within timeout, why not)``; ``False``
-    at once with ``HF_HUB_OFFLINE=1``."""
+    at once with ``HF_HUB_OFFLINE=1``. Behind a proxy (``HTTPS_PROXY`` and the like) a direct
+    connection says nothing, so the Hub is taken as reachable and huggingface_hub decides."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return False, "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return True, ""
     url = urlparse(constants.ENDPOINT)
     host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
     try:
