@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import timm_dora
 from timm_dora import Actor, ActorPolicy
 from timm_dora.evaluate.baselines import SELECTORS, AttentionWPRSelector, RandomSelector, SimilaritySelector
-from timm_dora.evaluate.baselines.tome import embed
+from timm_dora.engine.blocks import embed
 
 from helpers import SMALL_FAMILIES, Recorder, counter_flops, images, make_model
 

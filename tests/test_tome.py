@@ -21,7 +21,7 @@ from timm_dora.evaluate.baselines import (
     tome_schedule,
 )
 from timm_dora.evaluate.baselines.static import parse_schedule, schedule_for_reduction
-from timm_dora.evaluate.baselines.tome import embed
+from timm_dora.engine.blocks import embed
 
 from helpers import SMALL_FAMILIES, assert_counter_agrees, hand_vit_macs, images, make_model
 

@@ -24,9 +24,10 @@ from typing import Dict, List, Mapping, Sequence, Union
 import torch
 import torch.nn as nn
 
+from ...engine.blocks import embed, mlp_residual
 from ...engine.flops import backbone_cost
 from ...engine.patch import check_skip_dead, check_supported
-from .tome import _mlp_residual, attention_with_keys, embed, head
+from .tome import attention_with_keys, head
 
 __all__ = ["RULES", "StaticPrune", "parse_schedule", "schedule_for_reduction", "static_forward", "static_gflops"]
 
@@ -107,7 +108,7 @@ def static_forward(model: nn.Module, x: torch.Tensor, schedule: Schedule, rule: 
                 x = torch.cat([x[:, :p], x.gather(1, idx[..., None].expand(-1, -1, x.shape[2]))], dim=1)
         if skip_dead and blk is model.blocks[-1]:
             x = x[:, :p]
-        x = _mlp_residual(blk, x)
+        x = mlp_residual(blk, x)
     return head(model, x)
 
 

@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...engine.blocks import embed, mlp_residual
 from ...engine.flops import backbone_cost
 from ...engine.patch import check_skip_dead, check_supported
 
@@ -60,7 +61,6 @@ __all__ = [
     "ToMe",
     "attention_with_keys",
     "bipartite_soft_matching",
-    "embed",
     "head",
     "proportional_attention",
     "tome_forward",
@@ -73,11 +73,6 @@ RSchedule = Union[int, Sequence[int]]
 
 # --------------------------------------------------------------------------------------------
 # dense pieces shared by the dense baselines (ToMe, static schedules)
-
-
-def embed(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The model's own token embedding: ``norm_pre(patch_drop(_pos_embed(patch_embed(x))))``."""
-    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
 
 
 def head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -117,10 +112,6 @@ def attention_with_keys(
         o = o * gate(y).sigmoid()
     o = attn.proj_drop(attn.proj(o))
     return x + blk.drop_path1(blk.ls1(o)), k
-
-
-def _mlp_residual(blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,7 +237,7 @@ def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: boo
             x, size = bipartite_soft_matching(x, k.mean(1), size, rl, p)
         if skip_dead and l == len(eff) - 1:
             x = x[:, :p]
-        x = _mlp_residual(blk, x)
+        x = mlp_residual(blk, x)
     return head(model, x)
 
 
