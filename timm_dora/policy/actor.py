@@ -176,8 +176,12 @@ class Actor(nn.Module):
         at ``N0' = N0``, and for ``None``)."""
         if num_patches is None or num_patches == self.num_patches:
             return self.budgets
-        return torch.div(self.budgets * num_patches + self.num_patches // 2, self.num_patches,
-                         rounding_mode="floor").clamp_min(1)
+        return self._rescaled(self.budgets, num_patches).clamp_min(1)
+
+    def _rescaled(self, k, num_patches: int):
+        """``round(k N0' / N0)`` (halves up) for an int or a long tensor ``k``: the one rounding
+        rule of :meth:`grid` and :meth:`smallest_budget`."""
+        return (k * num_patches + self.num_patches // 2) // self.num_patches
 
     def history(self, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor,
                 num_patches: Optional[int] = None) -> torch.Tensor:
@@ -197,7 +201,7 @@ class Actor(nn.Module):
         """The grid's smallest removal count at an input of ``num_patches`` patches."""
         if num_patches is None or num_patches == self.num_patches:
             return self.budget_step
-        return max(1, (self.budget_step * num_patches + self.num_patches // 2) // self.num_patches)
+        return max(1, self._rescaled(self.budget_step, num_patches))
 
     def feasible_budgets(self, n_visual: torch.Tensor, num_patches: Optional[int] = None) -> torch.Tensor:
         """``[A, M]`` bool mask of feasible budgets ``k <= N_l - min_keep``."""
