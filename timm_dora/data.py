@@ -47,11 +47,12 @@ def data_config(model: torch.nn.Module, **overrides: Any) -> Dict[str, Any]:
     One correction: timm keeps the *pretrained* ``input_size`` in ``pretrained_cfg`` when a model
     is built with another ``img_size`` (e.g. DINOv2 is 518 there, 224 in the paper); the size the
     model was built for (``model.patch_embed.img_size``) wins. ``overrides`` are passed to timm as
-    ``args`` (e.g. ``crop_pct=0.875`` for a 256-pixel resize before a 224 crop).
+    ``args`` (e.g. ``crop_pct=0.875`` for a 256-pixel resize before a 224 crop; ``img_size=256`` for
+    square 256-pixel inputs); as in timm, an override of ``None`` is none.
     """
     args = dict(overrides)
     img_size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if "input_size" not in args and "img_size" not in args and img_size is not None:
+    if args.get("input_size") is None and args.get("img_size") is None and img_size is not None:
         h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         cfg_size = tuple(getattr(model, "pretrained_cfg", {}).get("input_size", (3, 224, 224)))
         if cfg_size[1:] != (h, w):

@@ -116,8 +116,7 @@ def loader_for(model: nn.Module, data: str, split: str = "test", *, batch: int =
     """A DataLoader over ``split`` of ``data`` (labels CSV or image folder) with the model's eval
     preprocessing (at ``input_size`` px where given); ``workers`` capped at the CPUs this process may
     use (:func:`~timm_dora.data.worker_count`)."""
-    size = {} if input_size is None else {"input_size": (3, input_size, input_size)}
-    ds = open_split(data, split, eval_transform(model, **size), class_map=class_map)
+    ds = open_split(data, split, eval_transform(model, img_size=input_size), class_map=class_map)
     if limit is not None and limit < len(ds):
         ds = torch.utils.data.Subset(ds, range(limit))
     return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False, num_workers=worker_count(workers),

@@ -149,8 +149,7 @@ def bench_inputs(
     """
     device = torch.device(device)
     if images is None and data is not None:
-        size = {} if input_size is None else {"input_size": (3, input_size, input_size)}
-        ds = open_split(data, split, eval_transform(model, **size))
+        ds = open_split(data, split, eval_transform(model, img_size=input_size))
         images, _ = preload(ds, device=device, dtype=dtype, num_workers=workers)
     if images is not None:
         n = images.shape[0]

@@ -162,7 +162,7 @@ def _run(args) -> int:
     finally:
         bar.close()
         method.close()
-    cfg = data_config(model, **({} if args.input_size is None else {"input_size": (3, args.input_size, args.input_size)}))
+    cfg = data_config(model, img_size=args.input_size)
     payload = {
         **run_header(args, device, dtype, autocast),
         "data": {"spec": str(args.data), "split": args.split, "images": n},
