@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from timm_dora.engine.packing import Packed, delete_rows, gather_survivors, select_backend, varlen_attention
+from timm_dora.engine.packing import Packed, delete_rows, gather_survivors, select_backend, varlen_attention, bucket_rows, row_bucket
 
 
 def block_diagonal_reference(q, k, v, lengths, scale):
@@ -92,3 +92,34 @@ def test_backend_selection():
         select_backend("cpu", torch.bfloat16, "torch_varlen")
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("cpu", torch.float32, "xformers")
+
+
+def test_row_bucket_by_hand():
+    # step 2 ** (bit_length - 6), at least 8
+    assert [row_bucket(n) for n in (1, 8, 9, 197, 256, 257)] == [8, 8, 16, 200, 256, 264]
+    # 50,432 rows (256 images x 197): bit length 16, step 1,024
+    assert row_bucket(50_432) == 51_200
+    assert row_bucket(51_200) == 51_200
+    for n in range(1, 5000):
+        b = row_bucket(n)
+        assert n <= b <= n + max(8, n // 32) and b % 8 == 0
+
+
+def test_bucket_rows_pads_for_the_call_and_returns_the_rows_of_the_input():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(12, 5)
+    seen = []
+
+    def fn(t):
+        seen.append(tuple(t.shape))
+        return lin(t)
+
+    x = torch.randn(3, 67, 12)  # 201 rows -> 208
+    y = bucket_rows(fn, x, enabled=True)
+    assert seen == [(208, 12)] and y.shape == (3, 67, 5)
+    torch.testing.assert_close(y, lin(x), rtol=0, atol=1e-6)
+    # already a bucket size, or switched off (the default on the CPU): fn sees x itself
+    seen.clear()
+    bucket_rows(fn, torch.randn(208, 12), enabled=True)
+    bucket_rows(fn, x)
+    assert seen == [(208, 12), (3, 67, 12)]

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .packing import Packed, rows_where, varlen_attention
+from .packing import Packed, bucket_rows, rows_where, varlen_attention
 
 __all__ = ["embed", "attention_keys", "attention_residual", "mlp_residual", "readout"]
 
@@ -31,7 +31,7 @@ def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 def _qk_v(attn: nn.Module, y: torch.Tensor, packed: Packed):
     """``(q, k, v)`` after ``q_norm``/``k_norm``: dense ``[B, H, S, hd]`` views on a uniform
     batch (as timm's Attention), else ``[T, H, hd]``."""
-    qkv = attn.qkv(y)
+    qkv = bucket_rows(attn.qkv, y)
     if packed.uniform:  # no per-tensor view ops
         q, k, v = qkv.view(packed.batch_size, packed.max_len, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     else:
@@ -75,13 +75,13 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Option
     gate = getattr(attn, "gate", None)
     if gate is not None:
         o = o * gate(y).sigmoid()
-    o = attn.proj_drop(attn.proj(o))
+    o = attn.proj_drop(bucket_rows(attn.proj, o))
     return torch.add(packed.x, blk.drop_path1(blk.ls1(o)), out=out), _keys_rows(k, packed) if keys else None
 
 
 def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows (into ``out`` when given)."""
-    return torch.add(x, blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x)))), out=out)
+    return torch.add(x, blk.drop_path2(blk.ls2(bucket_rows(blk.mlp, blk.norm2(x)))), out=out)
 
 
 def _segment_pool(packed: Packed, pool: str, include_prefix: bool) -> torch.Tensor:

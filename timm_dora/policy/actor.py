@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..engine.packing import Packed, PackedTransformerBlock, lookup
+from ..engine.packing import Packed, PackedTransformerBlock, bucket_rows, lookup
 
 __all__ = [
     "Actor",
@@ -249,7 +249,7 @@ class Actor(nn.Module):
             emb = lookup(self.block_embed, block[packed.seg])
         else:
             emb = self.block_embed[block]
-        x = self.w_in(keys) + emb.to(keys.dtype)
+        x = bucket_rows(self.w_in, keys) + emb.to(keys.dtype)
         cls_rows = packed.starts
         x = x.index_add(0, cls_rows, self.w_h(h.to(keys.dtype)).to(x.dtype))  # autocast may make them differ
         return self.encoder(x, packed, backend)
@@ -281,7 +281,7 @@ class Actor(nn.Module):
         """
         cond = self.w_k(fraction[:, None].to(z_visual.dtype))
         cond = cond[:, None] if seg is None else lookup(cond, seg)
-        return self.selector(z_visual + cond).squeeze(-1).float()
+        return bucket_rows(self.selector, z_visual + cond).squeeze(-1).float()
 
 
 # --------------------------------------------------------------------------------------------

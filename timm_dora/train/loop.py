@@ -56,7 +56,7 @@ from .ppo import (
 )
 from .rewards import step_rewards, token_layer_compression
 from .rollout import Trajectory, collect, evaluate_controller, evaluate_gate, shadow_divergences
-from .runtime import Comm, PhaseClock
+from .runtime import Comm, PhaseClock, eager_attention
 from .selection import RULES
 
 __all__ = ["Trainer"]
@@ -174,7 +174,8 @@ class Trainer(Checkpoints):
     def _predict(self, x: torch.Tensor, policy) -> tuple:
         preds, gflops = [], []
         for s in range(0, x.shape[0], self.cfg.eval_batch):
-            logits, stats = run(self.model, x[s : s + self.cfg.eval_batch].to(self.dtype), policy)
+            with eager_attention():
+                logits, stats = run(self.model, x[s : s + self.cfg.eval_batch].to(self.dtype), policy)
             preds.append(logits.argmax(1))
             gflops.append(stats.gflops)
         return torch.cat(preds), torch.cat(gflops)
@@ -218,7 +219,7 @@ class Trainer(Checkpoints):
         clock.mark("data")
         a_u = self.feedback.coefficient
         self.actor.eval()
-        with torch.no_grad():
+        with torch.no_grad(), eager_attention():
             z_native = run(self.model, x, NoPrune())[0].float()
             clock.mark("native")
             traj = collect(self.model, self.actor, x, z_native=z_native, noise=noise.rows(mine.to(self.dev)))
