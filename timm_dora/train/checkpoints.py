@@ -9,11 +9,12 @@ import sys
 from typing import Dict
 
 import torch
+import torch.nn as nn
 
 from ..policy import Actor, ActorPolicy
 from .selection import CheckpointRecord, select_checkpoint
 
-__all__ = ["Checkpoints"]
+__all__ = ["Checkpoints", "warm_start"]
 
 
 class Checkpoints:
@@ -25,6 +26,7 @@ class Checkpoints:
         return CheckpointRecord(f"u{self.u:05d}", top1, self.dev_native_top1, float(gflops.mean()))
 
     def state_dict(self) -> Dict:
+        self._finish_critic()  # (overlap: the critic's last steps may still be running)
         return {
             "u": self.u,
             "actor": self.actor.state_dict(),
@@ -94,3 +96,17 @@ class Checkpoints:
                               extra={**actor.pretrained_config.get("training", {}), "selection": summary})
         (self.out / "selection.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dict[str, torch.Tensor]:
+    """The weights of the saved actor at ``source`` (``--init-actor``), checked against the
+    backbone and against the actor this run would make (same sizes), or a ``ValueError``."""
+    from ..hub import check_backbone, load_pretrained
+
+    loaded, config = load_pretrained(source)
+    check_backbone(config, model, readout)
+    if loaded.config() != actor.config():
+        here = actor.config()
+        diff = {k: (v, here.get(k)) for k, v in loaded.config().items() if here.get(k) != v}
+        raise ValueError(f"--init-actor {source}: its sizes differ from this run's actor (saved, here): {diff}")
+    return loaded.state_dict()

@@ -45,7 +45,7 @@ from ..backbone import create_backbone
 from ..engine import Packed, run, wrap
 from ..policy import Actor, ActorPolicy, NoPrune, RolloutNoise
 from . import pool as P
-from .checkpoints import Checkpoints
+from .checkpoints import Checkpoints, warm_start
 from .config import TrainConfig
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
@@ -128,7 +128,7 @@ class Trainer(Checkpoints):
         # learners
         self.actor = Actor.for_model(model, budget_step=cfg.budget_step)
         if cfg.init_actor:
-            self.actor.load_state_dict(_warm_start(cfg.init_actor, self.actor, self.model, cfg.readout))
+            self.actor.load_state_dict(warm_start(cfg.init_actor, self.actor, self.model, cfg.readout))
         self.actor = self.actor.to(self.dev)
         self.critic = Critic.for_model(model, budget_step=cfg.budget_step, backend="padded").to(self.dev)
         self.graphs = cfg.cuda_graphs and self.dev.type == "cuda" and self.comm.world == 1
@@ -148,6 +148,10 @@ class Trainer(Checkpoints):
         self.ctrl_batch = StaticBatch(p.controller_minibatch, self.dev)
         self.critic_batch = StaticBatch(p.critic_minibatch, self.dev)
         self.captured: Dict[object, CapturedStep] = {}  # minibatch steps by kind, captured on first use
+        # overlap: the stream of the critic's steps, the mean loss they will give and the metrics it goes to
+        self._critic_stream: Optional[torch.cuda.Stream] = None
+        self._critic_pending: Optional[torch.Tensor] = None
+        self._critic_record: Optional[Dict] = None
         # the critic's fixed-shape token branch, compiled by Inductor (--compile; on CUDA by default):
         # H100, ViT-Ti, same run: critic update 0.39 -> 0.27 s, about 40 s of compiling in the first
         # update. The controller's forward gained nothing (its fp32 attention backward dominates).
@@ -227,7 +231,7 @@ class Trainer(Checkpoints):
             d = shadow_divergences(self.model, x, traj, p.kd_temperature, cfg.shadow_chunk)
             clock.mark("shadows")
         if self.dev.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         t_rollout = time.perf_counter() - t0
         m: Dict[str, float] = {"update": u, "a_u": a_u}
         if self.feedback.due(u):  # once, on the first process, then shared
@@ -243,8 +247,10 @@ class Trainer(Checkpoints):
             clock.mark("feedback")
         rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
         m.update(self._ppo_update(traj, d, rewards, a_u))
+        if self._critic_pending is not None:
+            self._critic_record = m  # its loss_value comes with _finish_critic
         if self.dev.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # (not the critic's stream: see _finish_critic)
         t_all = time.perf_counter() - t0
         comp = token_layer_compression(traj.k, self.num_patches)
         sums = comm.sum_(torch.stack([
@@ -361,6 +367,34 @@ class Trainer(Checkpoints):
         self.opts["critic"].step()
         return loss.detach()
 
+    def _load(self, kind: str, mb: _Minibatch, on_h: List[int], n_c: int):
+        """Put minibatch ``mb`` of a ``kind`` of step (``gate``, ``controller``, ``critic``) in its
+        static buffers; returns ``(key, step, params, optimisers)`` for :meth:`_step`."""
+        if kind == "gate":
+            self.gate_batch.select(mb.idx, len(mb.ids))
+            return "gate", self._gate_minibatch, self.groups["gate"], ["gate"]
+        if kind == "controller":
+            self.ctrl_batch.select(mb.idx, len(mb.ids))
+            g = self.groups
+            return "controller", self._controller_minibatch, g["shared"] + g["budget"] + g["selector"], ["shared", "budget", "selector"]
+        n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
+        self.critic_batch.select(mb.idx, len(mb.ids), n_on_g)
+        gate_on = n_on_g > 0 and n_c > 0  # (n_c: this process holds gate-on transitions)
+        return ("critic", gate_on), functools.partial(self._critic_minibatch, gate_on), list(self.critic.parameters()), ["critic"]
+
+    def _finish_critic(self) -> None:
+        """With ``overlap`` (CUDA graphs, one process) an update's critic steps are left running on
+        a second stream: the next update's rollout and shadows keep the host busy and the GPU
+        mostly idle, and they do not read the critic. Here the main stream waits for those steps,
+        before anything reads the critic or refills its buffers (the next update's old values, a
+        checkpoint), and their mean loss goes into their own update's metrics (``loss_value``).
+        The steps and their order are the same as without the overlap."""
+        if self._critic_pending is None:
+            return
+        torch.cuda.current_stream().wait_stream(self._critic_stream)
+        self._critic_record["loss_value"] = float(self._critic_pending)
+        self._critic_pending = self._critic_record = None
+
     def _standardize(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantage standardisation over the eligible transitions of *all* processes."""
         if self.comm.world == 1:
@@ -395,7 +429,7 @@ class Trainer(Checkpoints):
         minibatches depend on come to the host in one transfer and all minibatch indices go to the
         device in one; a process holding none of a minibatch runs it with no real row (zero
         gradients, the same collectives)."""
-        p, dev, comm = self.cfg.ppo, self.dev, self.comm
+        cfg, p, dev, comm = self.cfg, self.cfg.ppo, self.dev, self.comm
         b, depth = traj.k.shape
         batch = p.rollout_images
         n_t, n_c = b * depth, traj.ctrl_t.numel()
@@ -426,6 +460,7 @@ class Trainer(Checkpoints):
         frac = self.actor.budgets[traj.budget_index].float() / n_ctrl.clamp_min(1).float()  # k_l / N_l
         # the critic's inputs, padded: H_l of each transition in P + N0 rows (one scatter per update)
         tokens = Packed(traj.tokens, traj.token_lengths, tok_len_h, traj.num_prefix).padded(traj.num_prefix + self.num_patches)
+        self._finish_critic()  # the last update's critic steps, if still running
         cb = self.critic_batch
         fresh = cb.load(n_t, tokens=tokens, lengths=traj.token_lengths, block=traj.block, q=q,
                         zn=traj.z_native.repeat(depth, 1), ctrl_of=traj.ctrl_of, budget_index=traj.budget_index, frac=frac)
@@ -464,35 +499,31 @@ class Trainer(Checkpoints):
             self.captured.clear()  # new buffers: capture again
 
         logs: Dict[str, List[torch.Tensor]] = {"gate": [], "controller": [], "critic": []}
-        gate_params = self.groups["gate"]
-        ctrl_params = self.groups["shared"] + self.groups["budget"] + self.groups["selector"]
         self.actor.train()
         for gate_mbs, ctrl_mbs in actor_epochs:
-            for mb in gate_mbs:
-                self.gate_batch.select(mb.idx, len(mb.ids))
-                logs["gate"].append(self._step("gate", self._gate_minibatch, gate_params, ["gate"]).double())
-            for mb in ctrl_mbs:
-                kb.select(mb.idx, len(mb.ids))
-                out = self._step("controller", self._controller_minibatch, ctrl_params, ["shared", "budget", "selector"])
-                logs["controller"].append(out.double())
+            for kind, mbs in (("gate", gate_mbs), ("controller", ctrl_mbs)):
+                for mb in mbs:
+                    logs[kind].append(self._step(*self._load(kind, mb, on_h, n_c)).double().reshape(-1))
         self.actor.eval()
         self.clock.mark("actor_update")
-
         self.critic.train()
-        cparams = list(self.critic.parameters())
-        for mb in critic_mbs:
-            n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
-            cb.select(mb.idx, len(mb.ids), n_on_g)
-            gate_on = n_on_g > 0 and n_c > 0  # (n_c: this process holds gate-on transitions)
-            out = self._step(("critic", gate_on), functools.partial(self._critic_minibatch, gate_on), cparams, ["critic"])
-            logs["critic"].append(out.double().reshape(1))
-        self.critic.eval()
+        deferred = self.graphs and cfg.overlap
+        if deferred:  # on a second stream, beside the next update's rollout (see _finish_critic)
+            if self._critic_stream is None:
+                self._critic_stream = torch.cuda.Stream()
+            self._critic_stream.wait_stream(torch.cuda.current_stream())
+            flat.record_stream(self._critic_stream)  # the minibatch indices are read there
+        with torch.cuda.stream(self._critic_stream) if deferred else contextlib.nullcontext():
+            for mb in critic_mbs:
+                logs["critic"].append(self._step(*self._load("critic", mb, on_h, n_c)).double().reshape(-1))
+            if deferred:
+                self._critic_pending = torch.stack(logs.pop("critic")).mean(0)
         self.clock.mark("critic_update")
         # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
         names = {"gate": ("loss_gate", "entropy_gate"), "critic": ("loss_value",),
                  "controller": ("loss_budget", "loss_selector", "entropy_budget", "entropy_selector")}
         out = {k: float("nan") for ks in names.values() for k in ks}
-        kinds = [k for k in names if logs[k]]
+        kinds = [k for k in names if logs.get(k)]
         if kinds:
             means = comm.sum_(torch.cat([torch.stack(logs[k]).mean(0) for k in kinds]).cpu())
             keys = [name for k in kinds for name in names[k]]
@@ -518,6 +549,21 @@ class Trainer(Checkpoints):
             # tqdm shows s/update (or updates/s) and the remaining time
             bar = tqdm(total=cfg.total_updates, initial=self.u, desc="DORA PPO", unit="update", dynamic_ncols=True)
         start = time.perf_counter()
+        unwritten: List[Dict] = []  # metrics in update order; one may wait for its critic loss (overlap)
+
+        def write(final: bool = False) -> None:
+            if final:
+                self._finish_critic()
+            while unwritten and unwritten[0] is not self._critic_record:
+                m = unwritten.pop(0)
+                if main:
+                    log.write(json.dumps(m) + "\n")
+                    log.flush()
+                    self._tensorboard(m)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(a=f"{m['a_u']:.1f}", C=f"{m['compression']:.3f}", G=f"{m['gflops']:.2f}")
+
         try:
             while self.u < cfg.total_updates:
                 m = self.step()
@@ -527,17 +573,13 @@ class Trainer(Checkpoints):
                     rec = self.save_checkpoint()
                     m.update(dev_top1=rec.top1, dev_gflops=rec.gflops, dev_native_top1=rec.native_top1)
                     m["phases"]["checkpoint"] = time.perf_counter() - t  # dev evaluation and saving
-                if main:
-                    log.write(json.dumps(m) + "\n")
-                    log.flush()
-                    self._tensorboard(m)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(a=f"{m['a_u']:.1f}", C=f"{m['compression']:.3f}", G=f"{m['gflops']:.2f}")
+                unwritten.append(m)
+                write()
                 if out_of_time:
                     print(f"--max-minutes reached after update {self.u}: stopping (resume with --resume)", file=sys.stderr)
                     break
         finally:
+            write(final=True)
             self.stop_prefetch()
             if log is not None:
                 log.close()
@@ -556,17 +598,3 @@ class Trainer(Checkpoints):
         for k, v in m.items():
             if isinstance(v, (int, float)) and k != "update" and math.isfinite(v):
                 self._tb.add_scalar(k, v, self.u)
-
-
-def _warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dict[str, torch.Tensor]:
-    """The weights of the saved actor at ``source`` (``--init-actor``), checked against the
-    backbone and against the actor this run would make (same sizes), or a ``ValueError``."""
-    from ..hub import check_backbone, load_pretrained
-
-    loaded, config = load_pretrained(source)
-    check_backbone(config, model, readout)
-    if loaded.config() != actor.config():
-        here = actor.config()
-        diff = {k: (v, here.get(k)) for k, v in loaded.config().items() if here.get(k) != v}
-        raise ValueError(f"--init-actor {source}: its sizes differ from this run's actor (saved, here): {diff}")
-    return loaded.state_dict()

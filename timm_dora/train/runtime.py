@@ -115,7 +115,7 @@ class PhaseClock:
         if not self.cuda:
             return time.perf_counter()
         if self.sync:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # (not a stream left running on purpose)
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
