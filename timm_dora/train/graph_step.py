@@ -13,11 +13,12 @@ starts from exactly the state an eager step would have started from.
 """
 from __future__ import annotations
 
+from concurrent import futures
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["CapturedStep"]
+__all__ = ["CapturedStep", "StaticBatch", "BackgroundSteps"]
 
 
 class CapturedStep:
@@ -129,3 +130,55 @@ class StaticBatch:
         self.w.copy_(torch.arange(self.capacity, device=self.w.device) < m)
         self.n.fill_(float(n))
         self.n_on.fill_(float(max(n_on, 1)))
+
+
+class BackgroundSteps:
+    """Work left running on a second CUDA stream while the host goes on (one piece at a time).
+
+    :meth:`launch` makes the second stream wait for what the current stream has queued, then runs
+    ``work`` on it: from a thread of its own when ``work`` only replays captured graphs (launching
+    one costs the host about 1 ms for a graph of hundreds of kernels, and ``CUDAGraph.replay``
+    releases the GIL), else here (a capture, with autograd and compiling, stays on the calling
+    thread). :meth:`finish` makes the current stream wait for it and returns what ``work``
+    returned. Whatever ``work`` reads must not change, and what it writes must not be read,
+    until then."""
+
+    def __init__(self) -> None:
+        self.stream: Optional[torch.cuda.Stream] = None
+        self.pending: Optional[futures.Future] = None
+        self._thread = futures.ThreadPoolExecutor(1, thread_name_prefix="timm-dora-background")
+
+    @property
+    def busy(self) -> bool:
+        return self.pending is not None
+
+    def launch(self, work: Callable[[], torch.Tensor], replays_only: bool, reads: Sequence[torch.Tensor] = ()) -> None:
+        """Run ``work`` on the second stream; ``reads``: tensors of the current stream it reads
+        (kept from reuse until it is done)."""
+        if self.pending is not None:
+            raise RuntimeError("BackgroundSteps.launch: the last work was not finished")
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        for t in reads:
+            t.record_stream(self.stream)
+
+        def run() -> torch.Tensor:
+            with torch.cuda.stream(self.stream):
+                return work()
+
+        if replays_only:
+            self.pending = self._thread.submit(run)
+        else:
+            self.pending = futures.Future()
+            self.pending.set_result(run())
+
+    def finish(self) -> Optional[torch.Tensor]:
+        """Wait for the launched work (``None`` when there is none); returns its result."""
+        if self.pending is None:
+            return None
+        out = self.pending.result()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.pending = None
+        return out
+

@@ -49,7 +49,7 @@ from .checkpoints import Checkpoints, warm_start
 from .config import TrainConfig
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, paired_drop
-from .graph_step import CapturedStep, StaticBatch
+from .graph_step import BackgroundSteps, CapturedStep, StaticBatch
 from .ppo import (
     RunningMeanStd, actor_parameter_groups, apply_pcgrad, clipped_surrogate, clipped_value_loss, gae_shared_return,
     standardize,
@@ -148,10 +148,8 @@ class Trainer(Checkpoints):
         self.ctrl_batch = StaticBatch(p.controller_minibatch, self.dev)
         self.critic_batch = StaticBatch(p.critic_minibatch, self.dev)
         self.captured: Dict[object, CapturedStep] = {}  # minibatch steps by kind, captured on first use
-        # overlap: the stream of the critic's steps, the mean loss they will give and the metrics it goes to
-        self._critic_stream: Optional[torch.cuda.Stream] = None
-        self._critic_pending: Optional[torch.Tensor] = None
-        self._critic_record: Optional[Dict] = None
+        self.background = BackgroundSteps()  # overlap: the critic's steps beside the next rollout
+        self._critic_record: Optional[Dict] = None  # the metrics waiting for their critic loss
         # the critic's fixed-shape token branch, compiled by Inductor (--compile; on CUDA by default):
         # H100, ViT-Ti, same run: critic update 0.39 -> 0.27 s, about 40 s of compiling in the first
         # update. The controller's forward gained nothing (its fp32 attention backward dominates).
@@ -247,7 +245,7 @@ class Trainer(Checkpoints):
             clock.mark("feedback")
         rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
         m.update(self._ppo_update(traj, d, rewards, a_u))
-        if self._critic_pending is not None:
+        if self.background.busy:
             self._critic_record = m  # its loss_value comes with _finish_critic
         if self.dev.type == "cuda":
             torch.cuda.current_stream().synchronize()  # (not the critic's stream: see _finish_critic)
@@ -382,18 +380,22 @@ class Trainer(Checkpoints):
         gate_on = n_on_g > 0 and n_c > 0  # (n_c: this process holds gate-on transitions)
         return ("critic", gate_on), functools.partial(self._critic_minibatch, gate_on), list(self.critic.parameters()), ["critic"]
 
+    def _critic_steps(self, mbs: List[_Minibatch], on_h: List[int], n_c: int) -> torch.Tensor:
+        """The critic's minibatch steps of an update; their mean loss."""
+        losses = [self._step(*self._load("critic", mb, on_h, n_c)).double().reshape(-1) for mb in mbs]
+        return torch.stack(losses).mean(0)
+
     def _finish_critic(self) -> None:
-        """With ``overlap`` (CUDA graphs, one process) an update's critic steps are left running on
-        a second stream: the next update's rollout and shadows keep the host busy and the GPU
-        mostly idle, and they do not read the critic. Here the main stream waits for those steps,
-        before anything reads the critic or refills its buffers (the next update's old values, a
-        checkpoint), and their mean loss goes into their own update's metrics (``loss_value``).
-        The steps and their order are the same as without the overlap."""
-        if self._critic_pending is None:
-            return
-        torch.cuda.current_stream().wait_stream(self._critic_stream)
-        self._critic_record["loss_value"] = float(self._critic_pending)
-        self._critic_pending = self._critic_record = None
+        """With ``overlap`` (CUDA graphs, one process) an update's critic steps are left running
+        (:class:`~timm_dora.train.graph_step.BackgroundSteps`): the next update's rollout and
+        shadows keep the host busy and the GPU mostly idle, and they do not read the critic. Here
+        the main stream waits for those steps, before anything reads the critic or refills its
+        buffers (the next update's old values, a checkpoint), and their mean loss goes into their
+        own update's metrics (``loss_value``). The steps and their order are those without it."""
+        mean = self.background.finish()
+        if mean is not None:
+            self._critic_record["loss_value"] = float(mean)
+            self._critic_record = None
 
     def _standardize(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantage standardisation over the eligible transitions of *all* processes."""
@@ -507,17 +509,13 @@ class Trainer(Checkpoints):
         self.actor.eval()
         self.clock.mark("actor_update")
         self.critic.train()
-        deferred = self.graphs and cfg.overlap
-        if deferred:  # on a second stream, beside the next update's rollout (see _finish_critic)
-            if self._critic_stream is None:
-                self._critic_stream = torch.cuda.Stream()
-            self._critic_stream.wait_stream(torch.cuda.current_stream())
-            flat.record_stream(self._critic_stream)  # the minibatch indices are read there
-        with torch.cuda.stream(self._critic_stream) if deferred else contextlib.nullcontext():
+        if not (self.graphs and cfg.overlap):
             for mb in critic_mbs:
                 logs["critic"].append(self._step(*self._load("critic", mb, on_h, n_c)).double().reshape(-1))
-            if deferred:
-                self._critic_pending = torch.stack(logs.pop("critic")).mean(0)
+        else:  # left running beside the next update's rollout (see _finish_critic)
+            keys = {("critic", sum(on_h[t] for t in mb.ids) > 0 and n_c > 0) for mb in critic_mbs}
+            self.background.launch(functools.partial(self._critic_steps, critic_mbs, on_h, n_c),
+                                   replays_only=keys <= self.captured.keys(), reads=[flat])
         self.clock.mark("critic_update")
         # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
         names = {"gate": ("loss_gate", "entropy_gate"), "critic": ("loss_value",),
