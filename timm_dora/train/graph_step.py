@@ -13,7 +13,7 @@ starts from exactly the state an eager step would have started from.
 """
 from __future__ import annotations
 
-from concurrent import futures
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -136,7 +136,7 @@ class BackgroundSteps:
     """Work left running on a second CUDA stream while the host goes on (one piece at a time).
 
     :meth:`launch` makes the second stream wait for what the current stream has queued, then runs
-    ``work`` on it: from a thread of its own when ``work`` only replays captured graphs (launching
+    ``work`` on it: from a thread of its own (one per launch) when ``work`` only replays captured graphs (launching
     one costs the host about 1 ms for a graph of hundreds of kernels, and ``CUDAGraph.replay``
     releases the GIL), else here (a capture, with autograd and compiling, stays on the calling
     thread). :meth:`finish` makes the current stream wait for it and returns what ``work``
@@ -145,8 +145,7 @@ class BackgroundSteps:
 
     def __init__(self) -> None:
         self.stream: Optional[torch.cuda.Stream] = None
-        self.pending: Optional[futures.Future] = None
-        self._thread = futures.ThreadPoolExecutor(1, thread_name_prefix="timm-dora-background")
+        self.pending: Optional[tuple] = None  # (the launching thread or None, its result box)
 
     @property
     def busy(self) -> bool:
@@ -167,18 +166,34 @@ class BackgroundSteps:
             with torch.cuda.stream(self.stream):
                 return work()
 
-        if replays_only:
-            self.pending = self._thread.submit(run)
-        else:
-            self.pending = futures.Future()
-            self.pending.set_result(run())
+        box: Dict[str, object] = {}
+        if not replays_only:
+            box["out"] = run()
+            self.pending = (None, box)
+            return
+
+        def target() -> None:
+            try:
+                box["out"] = run()
+            except BaseException as e:  # raised again by finish()
+                box["error"] = e
+
+        # a thread per launch, ended by finish(): none outlives the work (a process forked for data
+        # workers later inherits no thread)
+        thread = threading.Thread(target=target, name="timm-dora-background", daemon=True)
+        thread.start()
+        self.pending = (thread, box)
 
     def finish(self) -> Optional[torch.Tensor]:
         """Wait for the launched work (``None`` when there is none); returns its result."""
         if self.pending is None:
             return None
-        out = self.pending.result()
-        torch.cuda.current_stream().wait_stream(self.stream)
+        thread, box = self.pending
         self.pending = None
-        return out
+        if thread is not None:
+            thread.join()
+        if "error" in box:
+            raise box["error"]
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return box["out"]
 
