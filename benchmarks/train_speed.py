@@ -26,6 +26,7 @@ and writes its op table (self CPU and CUDA time, calls) and the kernel-launch co
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import shlex
@@ -82,6 +83,8 @@ def measure(name: str, args) -> Dict:
             profile(trainer, args.profile)
         trainer.stop_prefetch()  # its workers would go on making batches during the next configuration
     cfg = trainer.cfg
+    del trainer  # freed here (CUDA graphs and all) before the next configuration starts its workers
+    gc.collect()
     measured = updates[args.warmup :]
     plain = [u for u in measured if not u["feedback"]]
     phases = sorted({k for u in measured for k in u["phases"]})

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -246,7 +247,14 @@ class RolloutPrefetch:
         self.loader = torch.utils.data.DataLoader(
             pool, batch_sampler=batches(), num_workers=workers, collate_fn=_StackKeyed(dtype), prefetch_factor=1,
             worker_init_fn=_background_worker)  # no pinning thread: it would touch CUDA while a step is captured
-        self.it = iter(self.loader)
+        # the workers are forked here: objects of this process that only a cycle collection would
+        # free (CUDA graphs, events, tensors of an earlier trainer) must never be freed in a worker,
+        # where touching CUDA aborts it; frozen, the workers' collector never looks at them
+        gc.freeze()
+        try:
+            self.it = iter(self.loader)
+        finally:
+            gc.unfreeze()
 
     def __next__(self) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
         return next(self.it)
