@@ -56,7 +56,7 @@ class TrainConfig:
     tensorboard: bool = False
     progress: bool = True
     cuda_graphs: bool = True  # ours: replay the PPO minibatch steps from CUDA graphs (CUDA, one process)
-    overlap: bool = True  # ours: with cuda_graphs, the actor's and the critic's minibatch steps replayed in pairs, one graph with a branch per learner (they are independent: the same maths)
+    overlap: bool = True  # ours: with cuda_graphs, an update's critic steps run on a second stream beside the next update's rollout (the same steps in the same order)
     compile: Optional[bool] = None  # ours: torch.compile (Inductor) the critic's token branch; None: on CUDA only
     critic_bf16: Optional[bool] = None  # ours: the critic's token branch under bf16 autocast (fp32 weights, Adam, heads, losses); None: on CUDA only
     ppo: PPOConfig = field(default_factory=PPOConfig)

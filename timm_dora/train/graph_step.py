@@ -136,9 +136,9 @@ class BackgroundSteps:
     """Work left running on a second CUDA stream while the host goes on (one piece at a time).
 
     :meth:`launch` makes the second stream wait for what the current stream has queued, then runs
-    ``work`` on it: from a thread of its own (one per launch) when ``work`` only replays captured graphs (launching
-    one costs the host about 1 ms for a graph of hundreds of kernels, and ``CUDAGraph.replay``
-    releases the GIL), else here (a capture, with autograd and compiling, stays on the calling
+    ``work`` on it: from a thread of its own (one per launch) when ``work`` only replays captured
+    graphs (launching one costs the host about 1 ms for a graph of hundreds of kernels, and
+    ``CUDAGraph.replay`` releases the GIL), else here (a capture, with autograd and compiling, stays on the calling
     thread). :meth:`finish` makes the current stream wait for it and returns what ``work``
     returned. Whatever ``work`` reads must not change, and what it writes must not be read,
     until then."""
@@ -178,8 +178,7 @@ class BackgroundSteps:
             except BaseException as e:  # raised again by finish()
                 box["error"] = e
 
-        # a thread per launch, ended by finish(): none outlives the work (a process forked for data
-        # workers later inherits no thread)
+        # a thread per launch, joined by finish(): no thread is left over between launches
         thread = threading.Thread(target=target, name="timm-dora-background", daemon=True)
         thread.start()
         self.pending = (thread, box)

@@ -175,11 +175,11 @@ class Trainer(Checkpoints):
     @torch.no_grad()
     def _predict(self, x: torch.Tensor, policy) -> tuple:
         preds, gflops = [], []
-        for s in range(0, x.shape[0], self.cfg.eval_batch):
-            with eager_attention():
+        with eager_attention():
+            for s in range(0, x.shape[0], self.cfg.eval_batch):
                 logits, stats = run(self.model, x[s : s + self.cfg.eval_batch].to(self.dtype), policy)
-            preds.append(logits.argmax(1))
-            gflops.append(stats.gflops)
+                preds.append(logits.argmax(1))
+                gflops.append(stats.gflops)
         return torch.cat(preds), torch.cat(gflops)
 
     def _rollout_images(self, idx: torch.Tensor) -> torch.Tensor:
@@ -375,10 +375,15 @@ class Trainer(Checkpoints):
             self.ctrl_batch.select(mb.idx, len(mb.ids))
             g = self.groups
             return "controller", self._controller_minibatch, g["shared"] + g["budget"] + g["selector"], ["shared", "budget", "selector"]
-        n_on_g = sum(on_h[t] for t in mb.ids)  # the loss divisor: gate-on transitions of all processes
+        n_on_g, key = self._critic_key(mb, on_h, n_c)
         self.critic_batch.select(mb.idx, len(mb.ids), n_on_g)
-        gate_on = n_on_g > 0 and n_c > 0  # (n_c: this process holds gate-on transitions)
-        return ("critic", gate_on), functools.partial(self._critic_minibatch, gate_on), list(self.critic.parameters()), ["critic"]
+        return key, functools.partial(self._critic_minibatch, key[1]), list(self.critic.parameters()), ["critic"]
+
+    @staticmethod
+    def _critic_key(mb: _Minibatch, on_h: List[int], n_c: int):
+        """``(loss divisor: gate-on transitions of all processes in mb, the step's key)``."""
+        n_on_g = sum(on_h[t] for t in mb.ids)
+        return n_on_g, ("critic", n_on_g > 0 and n_c > 0)  # (n_c: this process holds gate-on transitions)
 
     def _critic_steps(self, mbs: List[_Minibatch], on_h: List[int], n_c: int) -> torch.Tensor:
         """The critic's minibatch steps of an update; their mean loss."""
@@ -386,12 +391,10 @@ class Trainer(Checkpoints):
         return torch.stack(losses).mean(0)
 
     def _finish_critic(self) -> None:
-        """With ``overlap`` (CUDA graphs, one process) an update's critic steps are left running
-        (:class:`~timm_dora.train.graph_step.BackgroundSteps`): the next update's rollout and
-        shadows keep the host busy and the GPU mostly idle, and they do not read the critic. Here
-        the main stream waits for those steps, before anything reads the critic or refills its
-        buffers (the next update's old values, a checkpoint), and their mean loss goes into their
-        own update's metrics (``loss_value``). The steps and their order are those without it."""
+        """With ``overlap`` an update's critic steps run beside the next rollout, which does not read
+        the critic (:class:`~timm_dora.train.graph_step.BackgroundSteps`). Wait for them before the
+        critic is read or its buffers refilled (old values, a checkpoint); their mean loss goes
+        into their own update's metrics. The steps and their order are those without overlap."""
         mean = self.background.finish()
         if mean is not None:
             self._critic_record["loss_value"] = float(mean)
@@ -513,15 +516,14 @@ class Trainer(Checkpoints):
             for mb in critic_mbs:
                 logs["critic"].append(self._step(*self._load("critic", mb, on_h, n_c)).double().reshape(-1))
         else:  # left running beside the next update's rollout (see _finish_critic)
-            keys = {("critic", sum(on_h[t] for t in mb.ids) > 0 and n_c > 0) for mb in critic_mbs}
-            self.background.launch(functools.partial(self._critic_steps, critic_mbs, on_h, n_c),
-                                   replays_only=keys <= self.captured.keys(), reads=[flat])
+            replays = all(self._critic_key(mb, on_h, n_c)[1] in self.captured for mb in critic_mbs)
+            self.background.launch(functools.partial(self._critic_steps, critic_mbs, on_h, n_c), replays, reads=[flat])
         self.clock.mark("critic_update")
         # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
         names = {"gate": ("loss_gate", "entropy_gate"), "critic": ("loss_value",),
                  "controller": ("loss_budget", "loss_selector", "entropy_budget", "entropy_selector")}
         out = {k: float("nan") for ks in names.values() for k in ks}
-        kinds = [k for k in names if logs.get(k)]
+        kinds = [k for k in names if logs[k]]
         if kinds:
             means = comm.sum_(torch.cat([torch.stack(logs[k]).mean(0) for k in kinds]).cpu())
             keys = [name for k in kinds for name in names[k]]
