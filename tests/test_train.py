@@ -321,7 +321,10 @@ def test_cuda_graph_ppo_steps_equal_eager_steps(data, tmp_path):
     """The gate, controller and critic steps replayed from CUDA graphs train as the eager ones do
     (float rounding: capturable Adam and the replayed kernels may round differently), and with the
     critic's steps left running beside the next rollout (``--overlap``, the default) as without:
-    the same steps, and each update's critic loss in its own record."""
+    the same steps, and each update's critic loss in its own record. The same tolerance for both:
+    two ``--no-overlap`` runs in one process differed by 8e-5 (relative) in the second update's
+    critic loss on the H100 (atomics in attention backward kernels); ``--overlap`` runs were bit
+    for bit equal to the other ``--no-overlap`` runs."""
     runs = {}
     for flags in (("--cuda-graphs", "--overlap"), ("--cuda-graphs", "--no-overlap"), ("--no-cuda-graphs",)):
         out = tmp_path / "_".join(f.strip("-") for f in flags)
@@ -336,7 +339,7 @@ def test_cuda_graph_ppo_steps_equal_eager_steps(data, tmp_path):
         assert a["interventions"] > 0  # the rollouts pruned: controller steps ran
         for k in keys:
             assert abs(b[k] - c[k]) <= 1e-3 * max(1.0, abs(c[k])), (b["update"], k, b[k], c[k])
-            assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])), (a["update"], k, a[k], b[k])
+            assert abs(a[k] - b[k]) <= 1e-3 * max(1.0, abs(b[k])), (a["update"], k, a[k], b[k])
 
 
 def test_minibatch_buffers_are_allocated_once(data, tmp_path):
