@@ -3,8 +3,11 @@
 #
 #   bash benchmarks/make_pictures.sh            # SHARED=../shared (real ViT-Ti weights and images)
 #
-# tradeoff: top-1 against GFLOPs of DORA, ToMe and static schedules on `test` (compare_strong/, H100);
-# training: the published actors' runs (benchmarks/results/train/*_strong_metrics.jsonl);
+# tradeoff_h100: top-1 against GFLOPs and throughput of DORA (the published actors), ToMe and static
+#   schedules on `test` (benchmarks/results/compare/, H100);
+# tradeoff_vit_tiny: drop against GFLOPs on `test` of DORA's seeds and checkpoints, the static and ToMe
+#   sweeps and the random selector (benchmarks/results/tradeoff_vit_tiny.json, H100);
+# training: the published actors' runs (benchmarks/results/train/*_metrics.jsonl.gz);
 # trajectory and policy: the published ViT-Ti actor on the real backbone, dev images (fp32 CPU).
 # Each picture is written with its numbers as JSON next to it.
 set -euo pipefail
@@ -14,12 +17,14 @@ R=benchmarks/results
 V=vit_tiny_patch16_224.augreg_in21k_ft_in1k
 DATA=$SHARED/data/imagenet-mini
 
-timm-dora viz tradeoff --results $R/compare_strong/compare_*.json --format png --out docs --name tradeoff_h100 \
+timm-dora viz tradeoff --results $R/compare/compare_*.json --format png --out docs --name tradeoff_h100 \
     --title "test split (1,300 images), H100 bf16: DORA (published actors), ToMe, static schedules"
-for run in vit_tiny deit_tiny; do
-    timm-dora viz training --metrics $R/train/${run}_t1.0_strong_metrics.jsonl --target 0.01 --format png --out docs \
-        --name training_${run}_h100_strong --title "${run}: the published actor's run (--augment strong, 1 pp target)"
-done
+timm-dora viz tradeoff --results $R/tradeoff_vit_tiny.json --format png --out docs --name tradeoff_vit_tiny \
+    --title "ViT-Ti, test split: DORA (paper recipe, 3 seeds), static and ToMe sweeps"
+timm-dora viz training --metrics $R/train/vit_tiny_paper_full_metrics.jsonl.gz --target 0.01 --format png --out docs \
+    --name training_vit_tiny_h100_paper --title "vit_tiny: the published actor's run (the paper's recipe, seed 0)"
+timm-dora viz training --metrics $R/train/deit_tiny_t1.0_strong_metrics.jsonl.gz --target 0.01 --format png --out docs \
+    --name training_deit_tiny_h100_strong --title "deit_tiny: the published actor's run (--augment strong, 1 pp target)"
 timm-dora viz trajectory --model $V --weights "$SHARED/weights/$V.safetensors" --format png --out docs \
     --dpi 70 --name trajectory_vit_tiny --images "$DATA/sample1000/n01580077.jpg" "$DATA/sample1000/n01582220.jpg" \
     "$DATA/sample1000/n01669191.jpg" "$DATA/sample1000/n01784675.jpg"

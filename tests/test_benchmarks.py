@@ -237,3 +237,74 @@ def test_resolution_transfer_script_runs_the_published_actor_at_other_sizes(tmp_
     grid = set(Actor.from_pretrained(Path(__file__).resolve().parents[1] / "timm_dora" / "hub" / "actors" / name).grid(144).tolist())
     assert all(b["budget_min"] in grid and b["budget_max"] in grid for b in row["per_block"] if b["gate_rate"] > 0)
     assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["dora_top1"] == row["dora_top1"]
+
+
+def test_tradeoff_interpolates_a_sweep_by_hand():
+    import tradeoff
+
+    pts = [(2.0, 1.5), (1.0, 5.0), (2.5, 0.5)]  # unsorted on purpose
+    assert tradeoff.interpolate(pts, 1.5) == pytest.approx(3.25)
+    assert tradeoff.interpolate(pts, 2.25) == pytest.approx(1.0)
+    assert tradeoff.interpolate(pts, 2.5) == pytest.approx(0.5)
+    assert tradeoff.interpolate(pts, 0.9) is None and tradeoff.interpolate(pts, 2.6) is None
+
+
+def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
+    """benchmarks/tradeoff.py on a tiny random backbone (CPU): the seed published is the dev rule's
+    (never the test split's), every row is paired against the same native predictions, GFLOPs are
+    the accounting's own, and the skip_dead tables change GFLOPs only."""
+    import tradeoff
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from timm_dora import Actor, native_gflops
+    from timm_dora.evaluate import load_model
+    from timm_dora.evaluate.baselines.static import static_gflops
+
+    name = "deit_tiny_patch16_224"
+    model = load_model(name, random_weights=True, img_size=64, num_classes=5)
+    save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    rows = ["path,label,synset,set,split"]
+    for i in range(12):
+        Image.fromarray((torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()).save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,{i % 5},n{i % 5:08d},x,test")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    # seed 0: fewest dev GFLOPs but 2 pp over the target; seed 1: within it; seed 2: within, more GFLOPs
+    dev = {0: (70.0, 72.0, 1.0), 1: (72.0, 72.0, 1.2), 2: (73.0, 72.0, 1.3)}
+    actors = []
+    for seed, (top1, native, gfl) in dev.items():
+        torch.manual_seed(seed)
+        Actor.for_model(model).save_pretrained(tmp_path / f"s{seed}", backbone=model, extra={
+            "dev_top1": top1, "dev_native_top1": native, "dev_gflops": gfl})
+        actors.append(f"{seed}={tmp_path / f's{seed}'}")
+    res = tradeoff.main(["--model", name, "--weights", str(tmp_path / "w.safetensors"), "--img-size", "64",
+                         "--num-classes", "5", "--data", str(tmp_path / "labels.csv"), "--device", "cpu", "--workers", "0",
+                         "--batch", "5", "--seed-actors", *actors, "--checkpoints", str(tmp_path / "s2"),
+                         "--static-blocks", "3,6,9", "--static-reductions", "20", "40", "--tome-r", "1", "2",
+                         "--out", str(tmp_path / "t.json")])
+    assert res["published_seed"]["seed"] == 1 and res["dora"]["seed"] == 1
+    assert res["n_images"] == 12 and json.loads((tmp_path / "t.json").read_text())["dora"]["seed"] == 1
+    assert res["native"]["gflops"] == pytest.approx(native_gflops(model), rel=1e-12)
+    assert res["skip_dead"]["native"]["gflops"] == pytest.approx(native_gflops(model, skip_dead=True), rel=1e-12)
+    assert [s["seed"] for s in res["dora"]["seeds"]] == [0, 1, 2]
+    assert res["dora"]["drop_pp"] == res["dora"]["seeds"][1]["drop_pp"]
+    assert res["checkpoints"][0]["drop_pp"] == res["dora"]["seeds"][2]["drop_pp"]  # the same actor, the same images
+    rowsets = [res["dora"]["seeds"], res["static"], res["tome"], [res["random_selector"]], res["checkpoints"]]
+    for row in (r for rs in rowsets for r in rs):
+        assert row["drop_pp"] == pytest.approx(res["native"]["top1"] - row["top1"], abs=1e-9)
+        assert row["gflops_reduction_pct"] == pytest.approx(100 * (1 - row["gflops"] / res["native"]["gflops"]), abs=1e-9)
+    for s in res["static"]:
+        sched = {int(b): int(k) for b, k in (p.split(":") for p in s["schedule"].split(","))}
+        assert s["gflops"] == pytest.approx(static_gflops(model, sched), rel=1e-12)
+    assert [t["r"] for t in res["tome"]] == [1, 2]
+    d = res["dora"]
+    assert d["gflops_p10"] <= d["gflops_p90"]
+    assert d["spread_pct_of_native"] == pytest.approx(100 * (d["gflops_p90"] - d["gflops_p10"]) / res["native"]["gflops"])
+    # skip_dead: identical predictions (the CLS readout never reads the rows it leaves out), fewer GFLOPs
+    sd = res["skip_dead"]
+    for a, b in [(res["dora"], sd["dora"]), (res["random_selector"], sd["random_selector"])] + list(zip(res["tome"], sd["tome"])):
+        assert a["top1"] == b["top1"] and b["gflops"] < a["gflops"]
+    assert set(res["targets"]) == {"drop_pp_le_1", "gflops_reduction_pct_ge_30", "dominates_static",
+                                   "random_selector_1pp_worse", "per_image_spread_ge_5pct"}

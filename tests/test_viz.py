@@ -309,3 +309,53 @@ def test_viz_modules_import_matplotlib_only_inside_functions():
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
         assert not any(name.split(".")[0] == "matplotlib" for name in names), path.name
+
+
+def _sweep_doc(model="m"):
+    return {"model": model, "device": "GPU X", "split": "test", "n_images": 100,
+            "native": {"top1": 80.0, "gflops": 2.5},
+            "dora": {"seed": 0, "gflops": 1.8, "drop_pp": 0.5, "drop_se_pp": 0.3,
+                     "seeds": [{"seed": 0, "gflops": 1.8, "drop_pp": 0.5, "drop_se_pp": 0.3},
+                               {"seed": 1, "gflops": 1.9, "drop_pp": 1.2, "drop_se_pp": 0.4}]},
+            "static": [{"family": "3,6,9", "rule": "cls_sim", "gflops": 2.2, "drop_pp": 0.8, "drop_se_pp": 0.2},
+                       {"family": "3,6,9", "rule": "cls_sim", "gflops": 2.0, "drop_pp": 1.5, "drop_se_pp": 0.2}],
+            "tome": [{"r": 4, "gflops": 2.1, "drop_pp": 0.2}, {"r": 5, "gflops": 2.0, "drop_pp": 0.3}],
+            "random_selector": {"gflops": 1.7, "drop_pp": 4.0, "drop_se_pp": 0.6},
+            "checkpoints": [{"gflops": 2.3, "drop_pp": 0.1, "drop_se_pp": 0.1}]}
+
+
+def test_sweep_from_tradeoff_benchmark_json(tmp_path):
+    data = viz.sweep_data(_sweep_doc())
+    assert data["series"]["static cls_sim blocks 3,6,9"] == [(2.0, 1.5, 0.2), (2.2, 0.8, 0.2)]  # by GFLOPs
+    assert data["series"]["ToMe r=4..5"] == [(2.0, 0.3, 0.0), (2.1, 0.2, 0.0)]
+    assert data["series"]["DORA seeds"] == [(1.8, 0.5, 0.3), (1.9, 1.2, 0.4)]
+    assert data["series"]["DORA checkpoints"] == [(2.3, 0.1, 0.1)]
+    assert data["dora"] == (1.8, 0.5, 0.3) and data["random_selector"] == (1.7, 4.0, 0.6)
+    assert data["native_gflops"] == 2.5
+    fig = viz.plot_sweep([data])
+    line = by_gid(fig, "m|static cls_sim blocks 3,6,9")
+    assert list(line.get_xdata()) == [2.0, 2.2] and list(line.get_ydata()) == [1.5, 0.8]
+    rnd = by_gid(fig, "m|random selector")
+    assert (rnd.get_xdata()[0], rnd.get_ydata()[0]) == (1.7, 4.0)
+    assert rnd.axes.get_ylim()[1] >= 4.5  # the random selector is on the panel
+
+    with pytest.raises(ValueError, match="not a trade-off sweep"):
+        viz.sweep_data({"native": {}})
+    (tmp_path / "a.json").write_text(json.dumps(_sweep_doc("a")))
+    (tmp_path / "b.json").write_text(json.dumps(_sweep_doc("b")))
+    out = tmp_path / "pics"
+    assert main(["viz", "tradeoff", "--results", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(out)]) == 0
+    check_png(out / "tradeoff.png")
+    numbers = json.loads((out / "tradeoff.json").read_text())
+    assert [d["model"] for d in numbers] == ["a", "b"] and numbers[0]["dora"] == [1.8, 0.5, 0.3]
+    (tmp_path / "e.json").write_text(json.dumps({"model": "m", "rows": [{"method": "native", "top1": 1.0, "gflops": 2.0}]}))
+    assert main(["viz", "tradeoff", "--results", str(tmp_path / "a.json"), str(tmp_path / "e.json"), "--out", str(out)]) == 1
+
+
+def test_read_metrics_reads_gzip(tmp_path):
+    import gzip
+
+    rows = [{"update": 1, "a_u": 30.0}, {"update": 2, "a_u": 25.0}]
+    with gzip.open(tmp_path / "metrics.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert viz.read_metrics(tmp_path / "metrics.jsonl.gz") == rows

@@ -50,7 +50,7 @@ class TrainConfig:
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit
-    data_workers: Optional[int] = None  # ours: processes augmenting rollout batches ahead of the update (None: min(4, cores - 1); 0: none)
+    data_workers: Optional[int] = None  # ours: processes augmenting rollout batches ahead of the update (None: half the usable cores, at most 8, at least 1; 0: none)
     shadow_chunk: int = 2048  # shadow rows per packed forward (memory only: each row is computed alone)
     eval_batch: int = 256
     tensorboard: bool = False

@@ -117,7 +117,7 @@ class Trainer(Checkpoints):
             self.augmented = P.AugmentedPool(self.rollout_set, cfg.ppo.seed, cfg.augment == "strong", cfg.cutmix_prob, self.patch)
         if cfg.data_workers is not None and cfg.data_workers < 0:
             raise ValueError(f"--data-workers must be 0 or more, got {cfg.data_workers}")
-        self.workers = cfg.data_workers if cfg.data_workers is not None else min(4, (os.cpu_count() or 1) - 1)
+        self.workers = cfg.data_workers if cfg.data_workers is not None else max(1, D.worker_count(16) // 2)
         self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
         if cfg.qc_with_rollout:  # (ours) the feedback also reads the rollout pool, as the evaluation sees it
             pool_x, pool_y = D.preload(D.open_split(cfg.data, cfg.rollout_split, ev), self.dev)

@@ -16,8 +16,8 @@ from ..data import eval_transform, open_split
 from ..engine import native_gflops
 from ..hub import resolve_actor
 from ..policy import Actor
-from .data import policy_data, read_metrics, read_results, tradeoff_data, training_data
-from .plots import FORMATS, collect_stats, plot_policy, plot_tradeoff, plot_training, save, trajectory_grid
+from .data import is_sweep, policy_data, read_metrics, read_results, sweep_data, tradeoff_data, training_data
+from .plots import FORMATS, collect_stats, plot_policy, plot_sweep, plot_tradeoff, plot_training, save, trajectory_grid
 
 __all__ = ["add_parser"]
 
@@ -113,7 +113,23 @@ def _cmd_training(args) -> int:
     return 0
 
 
+def _json_or_none(path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError:  # JSON lines: eval/bench rows
+        return None
+
+
 def _cmd_tradeoff(args) -> int:
+    docs = [_json_or_none(p) for p in args.results]
+    sweeps = [is_sweep(d) for d in docs]
+    if any(sweeps):  # benchmarks/tradeoff.py documents: drop against GFLOPs per backbone
+        if not all(sweeps):
+            raise ValueError("--results: give trade-off sweeps (benchmarks/tradeoff.py) or eval/bench results, not both")
+        data = [sweep_data(d) for d in docs]
+        fig = plot_sweep(data, args.title)
+        _write(fig, Path(args.out), args.name or "tradeoff", data, args)
+        return 0
     data = tradeoff_data(read_results(args.results))
     fig = plot_tradeoff(data, args.title)
     _write(fig, Path(args.out), args.name or "tradeoff", data, args)
@@ -168,8 +184,10 @@ def add_parser(subparsers) -> None:
     _common(r)
     r.set_defaults(func=_cmd_training)
 
-    s = sub.add_parser("tradeoff", help="top-1 vs GFLOPs and vs throughput from eval/bench JSON")
-    s.add_argument("--results", nargs="+", required=True, help="eval or bench JSON files")
+    s = sub.add_parser("tradeoff", help="top-1 vs GFLOPs and vs throughput from eval/bench JSON, or drop vs GFLOPs "
+                                        "from trade-off sweeps (benchmarks/tradeoff.py)")
+    s.add_argument("--results", nargs="+", required=True,
+                   help="eval or bench JSON files, or trade-off sweep JSON files (one panel per backbone)")
     s.add_argument("--title", default=None)
     _common(s)
     s.set_defaults(func=_cmd_tradeoff)

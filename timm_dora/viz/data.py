@@ -5,6 +5,7 @@ arrays read from the existing outputs (:class:`~timm_dora.engine.patch.DoraStats
 ``a_u``/``d_u`` from the log). :mod:`~timm_dora.viz.plots` draws them."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -258,9 +259,10 @@ def policy_data(stats: Any, native_gflops: float, bins: Union[int, str] = "auto"
 
 
 def read_metrics(path: PathLike) -> List[Dict[str, Any]]:
-    """The rows of a training ``metrics.jsonl`` (one JSON object per line; blank lines skipped)."""
+    """The rows of a training ``metrics.jsonl`` (one JSON object per line; blank lines skipped;
+    gzip-compressed where the name ends in ``.gz``)."""
     rows = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
         for i, line in enumerate(f, start=1):
             if line.strip():
                 try:
@@ -411,4 +413,40 @@ def tradeoff_data(rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "points": points,
         "has_top1": {m: any(p["top1"] is not None for p in points[m]) for m in models},
         "devices": devices,
+    }
+
+
+def is_sweep(doc: Any) -> bool:
+    """Whether a JSON document is a trade-off sweep of ``benchmarks/tradeoff.py`` (native, DORA,
+    static and ToMe tables of one backbone)."""
+    return isinstance(doc, Mapping) and all(k in doc for k in ("native", "dora", "static", "tome"))
+
+
+def _pt(row: Mapping[str, Any]) -> Tuple[float, float, float]:
+    return float(row["gflops"]), float(row["drop_pp"]), float(row.get("drop_se_pp") or 0.0)
+
+
+def sweep_data(doc: Mapping[str, Any]) -> Dict[str, Any]:
+    """Points of a trade-off sweep (``benchmarks/tradeoff.py``), drop against GFLOPs, every number as
+    the document has it: ``series`` maps a name to its ``(gflops, drop_pp, drop_se_pp)`` points
+    (``static <blocks>`` per block family and ``ToMe`` in order of GFLOPs, ``DORA checkpoints``,
+    ``DORA seeds``), ``dora`` is the published actor's point, ``random_selector`` DORA's gates and
+    budgets with random tokens; ``native_gflops`` is native's (drop 0)."""
+    if not is_sweep(doc):
+        raise ValueError("not a trade-off sweep (benchmarks/tradeoff.py): it needs native, dora, static and tome")
+    series: Dict[str, List[Tuple[float, float, float]]] = {}
+    for s in doc["static"]:
+        series.setdefault(f"static {s.get('rule', '')} blocks {s.get('family', '?')}".replace("  ", " "), []).append(_pt(s))
+    series["ToMe r=" + "..".join(str(r["r"]) for r in (doc["tome"][0], doc["tome"][-1]))] = [_pt(r) for r in doc["tome"]]
+    for name in list(series):
+        series[name].sort()
+    if doc.get("checkpoints"):
+        series["DORA checkpoints"] = [_pt(c) for c in doc["checkpoints"]]
+    series["DORA seeds"] = [_pt(s) for s in doc["dora"].get("seeds", [])]
+    return {
+        "model": str(doc.get("model", "?")), "device": doc.get("device"), "split": doc.get("split"),
+        "n_images": doc.get("n_images"), "native_gflops": float(doc["native"]["gflops"]),
+        "native_top1": float(doc["native"]["top1"]), "series": series, "dora": _pt(doc["dora"]),
+        "dora_seed": doc["dora"].get("seed"),
+        "random_selector": _pt(doc["random_selector"]) if doc.get("random_selector") else None,
     }

@@ -15,7 +15,7 @@ import torch
 from ..engine import is_wrapped
 from .data import _cpu, _is_dora, grey_patches, trajectory_data
 
-__all__ = ["FORMATS", "collect_stats", "plot_policy", "plot_tradeoff", "plot_training", "plot_trajectory",
+__all__ = ["FORMATS", "collect_stats", "plot_policy", "plot_sweep", "plot_tradeoff", "plot_training", "plot_trajectory",
            "plot_trajectory_grid", "save", "trajectory", "trajectory_grid"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -382,3 +382,52 @@ def collect_stats(model: torch.nn.Module, dataset, batch_size: int = 64, limit: 
         s = model.dora_stats
         out.append({k: _cpu(getattr(s, k)) for k in ("gate", "removed", "tokens", "gflops")})
     return out
+
+
+def plot_sweep(datas: Sequence[Mapping[str, Any]], title: Optional[str] = None, target_pp: float = 1.0):
+    """Drop against GFLOPs, one panel per backbone (dicts of :func:`~timm_dora.viz.data.sweep_data`):
+    the static and ToMe sweeps as lines, DORA's checkpoints and seeds as small stars, the published
+    actor as a large star with its standard error, the random selector as a cross, native at 0 and
+    the ``target_pp`` drop as a dashed line. Artists have ``gid = f"{model}|{series}"``."""
+    if not datas:
+        raise ValueError("no trade-off sweeps to draw")
+    colors = ("tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:cyan", "tab:olive")
+    with _rc():
+        fig = _figure(figsize=(6.0 * len(datas) + 0.6, 5.2))
+        axes = fig.subplots(1, len(datas), squeeze=False)[0]
+        handles: Dict[str, Any] = {}
+        for ax, d in zip(axes, datas):
+            m = d["model"]
+            lines = [k for k in d["series"] if not k.startswith("DORA")]
+            for i, name in enumerate(lines):
+                g, y, _ = zip(*d["series"][name]) if d["series"][name] else ((), (), ())
+                handles.setdefault(name, ax.plot(g, y, marker="os^v"[i % 4], ms=4, lw=1.2, color=colors[i % len(colors)],
+                                                 gid=f"{m}|{name}")[0])
+            for name, ms, col in (("DORA checkpoints", 7, "0.6"), ("DORA seeds", 10, "tab:orange")):
+                pts = d["series"].get(name) or []
+                if pts:
+                    g, y, _ = zip(*pts)
+                    handles.setdefault(name, ax.plot(g, y, ls="none", marker="*", ms=ms, color=col, gid=f"{m}|{name}")[0])
+            g, y, se = d["dora"]
+            handles.setdefault("DORA (published)", ax.errorbar([g], [y], yerr=[se], fmt="*", ms=16, color="tab:red",
+                                                              mec="k", mew=0.6, capsize=3, gid=f"{m}|DORA (published)"))
+            if d.get("random_selector"):
+                g, y, _ = d["random_selector"]
+                handles.setdefault("DORA gates, random tokens", ax.plot([g], [y], ls="none", marker="X", ms=9, color="k",
+                                                                       gid=f"{m}|random selector")[0])
+            handles.setdefault("native", ax.plot([d["native_gflops"]], [0.0], ls="none", marker="o", ms=8, color="k",
+                                                 mfc="w", gid=f"{m}|native")[0])
+            ax.axhline(target_pp, ls="--", lw=0.8, color="0.4")
+            ax.axhline(0.0, lw=0.6, color="0.8")
+            ys = [y for pts in d["series"].values() for _, y, _ in pts] + [d["dora"][1]]
+            top = max([4.0, 3.0 * target_pp, d["dora"][1] + 1.5] + ([d["random_selector"][1] + 0.5] if d.get("random_selector") else []))
+            ax.set_ylim(min(-1.0, min(ys) - 0.5), top)  # the steep ends of the sweeps run off the top
+            ax.set_xlabel("GFLOPs per image")
+            ax.set_ylabel(f"top-1 drop vs native (pp), {d.get('split') or ''} {d.get('n_images') or ''} images")
+            ax.set_title(m)
+            ax.grid(alpha=0.3)
+        fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center", ncols=2 if len(datas) == 1 else 4,
+                   frameon=False)
+        devices = sorted({str(d["device"]) for d in datas if d.get("device")})
+        _suptitle(fig, (title or "drop against GFLOPs") + (f" ({', '.join(devices)})" if devices else ""))
+    return fig

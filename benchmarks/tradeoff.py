@@ -1,0 +1,221 @@
+"""The accuracy-computation trade-off of one backbone on one split: DORA (every seed of a recipe,
+and the checkpoints of their runs), the static sweep, ToMe r = 4..14 and DORA's gates and budgets
+with random token choice, all paired against native on the same images, with and without the
+dead compute of a CLS readout (``skip_dead``).
+
+    python benchmarks/tradeoff.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k --weights W.safetensors \\
+        --data labels.csv --split test --seed-actors 0=run0/selected 1=run1/selected 2=run2/selected \\
+        --checkpoints run1/checkpoints/u* --publish-as timm_dora/hub/actors/<model> \\
+        --out benchmarks/results/tradeoff_vit_tiny.json
+
+Which seed's actor is published is chosen on the development split, never on ``--split``: each
+seed's selected actor carries its dev record (``training`` in its config) and the paper's selection
+rule (lowest dev GFLOPs within the target drop, App. E.2) is applied across the seeds.
+
+Rows per method: ``top1``, ``drop_pp`` (native's top-1 minus the method's, on the same images),
+``drop_se_pp`` (its paired standard error), ``gflops`` (mean per image, App. E.4 accounting) and
+``gflops_reduction_pct``; DORA rows add the per-image ``gflops_p10`` / ``gflops_p90``. The static
+sweep covers reductions of ``--static-reductions`` (percent of native GFLOPs) for each block family
+of ``--static-blocks`` with the ``cls_sim`` rule; ``static_at_dora`` is the static drop linearly
+interpolated at DORA's GFLOPs. The top-level tables are the plain models; ``skip_dead`` holds the
+same tables with the last block's MLP on the CLS row only (identical logits, fewer GFLOPs).
+
+bf16 on CUDA, fp32 on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from timm_dora.evaluate import build_method, environment, load_model, loader_for, write_json
+from timm_dora.evaluate.baselines.static import schedule_for_reduction
+from timm_dora.train.selection import CheckpointRecord, select_checkpoint
+
+MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+
+
+def _batches(model, args, dev, dtype) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """The split's images, preprocessed once and kept on the device."""
+    loader = loader_for(model, args.data, args.split, batch=args.batch, workers=args.workers, limit=args.limit)
+    return [(x.to(dev, dtype), torch.as_tensor(y).to(dev)) for x, y, *_ in loader]
+
+
+@torch.inference_mode()
+def _predict(method, batches) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """Per row of ``method``: top-1 predictions and per-image GFLOPs over all images."""
+    out: Dict[str, Tuple[list, list]] = {}
+    try:
+        for x, _ in batches:
+            for name, o in method.outputs(x).items():
+                p, g = out.setdefault(name, ([], []))
+                p.append(o.logits.float().argmax(1))
+                g.append(o.gflops.double())
+    finally:
+        method.close()
+    return {k: (torch.cat(p), torch.cat(g)) for k, (p, g) in out.items()}
+
+
+def _row(pred: torch.Tensor, gfl: torch.Tensor, native_pred: torch.Tensor, labels: torch.Tensor,
+         native_gflops: float, spread: bool = False) -> Dict[str, Any]:
+    ok, native_ok = (pred == labels).double(), (native_pred == labels).double()
+    diff = native_ok - ok  # per image in {-1, 0, 1}
+    n = diff.numel()
+    row = {"top1": 100.0 * float(ok.mean()), "drop_pp": 100.0 * float(diff.mean()),
+           "drop_se_pp": 100.0 * float(diff.std(unbiased=False)) / n ** 0.5,
+           "agreement": 100.0 * float((pred == native_pred).double().mean()),
+           "gflops": float(gfl.mean()), "gflops_reduction_pct": 100.0 * (1.0 - float(gfl.mean()) / native_gflops)}
+    if spread:
+        q = torch.quantile(gfl.float().cpu(), torch.tensor([0.1, 0.9]))
+        row.update(gflops_p10=float(q[0]), gflops_p90=float(q[1]),
+                   spread_pct_of_native=100.0 * float(q[1] - q[0]) / native_gflops)
+    return row
+
+
+def interpolate(points: Sequence[Tuple[float, float]], at: float) -> Optional[float]:
+    """The drop of a sweep ``[(gflops, drop), ...]`` linearly interpolated at ``at`` GFLOPs
+    (``None`` outside the sweep's range)."""
+    pts = sorted(points)
+    for (g0, d0), (g1, d1) in zip(pts, pts[1:]):
+        if g0 <= at <= g1:
+            return d0 if g1 == g0 else d0 + (d1 - d0) * (at - g0) / (g1 - g0)
+    return None
+
+
+def _dev_record(actor_dir: str, name: str) -> CheckpointRecord:
+    cfg = json.loads((Path(actor_dir) / "config.json").read_text())
+    t = cfg.get("training") or {}
+    if "dev_top1" not in t:
+        raise ValueError(f"{actor_dir}: its config has no dev record (training.dev_top1): not a timm-dora-train actor")
+    return CheckpointRecord(name, float(t["dev_top1"]), float(t["dev_native_top1"]), float(t["dev_gflops"]))
+
+
+def _table(model, batches, labels, args, actors: Dict[str, str], published: str, skip_dead: bool,
+           checkpoints: Sequence[str]) -> Dict[str, Any]:
+    nat_p, nat_g = _predict(build_method(model, "native", skip_dead=skip_dead), batches)["native"]
+    ng = float(nat_g.mean())
+    row = lambda p, g, **kw: _row(p, g, nat_p, labels, ng, **kw)  # noqa: E731
+    t: Dict[str, Any] = {"native": {"top1": 100.0 * float((nat_p == labels).double().mean()), "gflops": ng}}
+
+    seeds, by_seed = [], {}
+    for seed, path in actors.items():
+        rows = _predict(build_method(model, "random" if seed == published else "dora", actor=path, seed=args.random_seed,
+                                     skip_dead=skip_dead), batches)
+        by_seed[seed] = row(*rows["dora"], spread=True)
+        seeds.append({"seed": int(seed), "actor": path, **by_seed[seed]})
+        if seed == published:
+            t["random_selector"] = {"seed": args.random_seed, **row(*rows["random"])}
+    d = dict(by_seed[published])
+    drops = [s["drop_pp"] for s in seeds]
+    reds = [s["gflops_reduction_pct"] for s in seeds]
+    t["dora"] = {"actor": args.publish_as or actors[published], "seed": int(published), **d, "seeds": seeds,
+                 "seeds_drop_pp_mean": statistics.mean(drops), "seeds_drop_pp_sd": statistics.pstdev(drops),
+                 "seeds_gflops_reduction_pct_mean": statistics.mean(reds),
+                 "seeds_gflops_reduction_pct_sd": statistics.pstdev(reds)}
+
+    t["static"] = []
+    for fam in args.static_blocks:
+        blocks = [int(b) for b in fam.split(",")]
+        seen = set()
+        for red in args.static_reductions:
+            sched = schedule_for_reduction(model, red / 100.0, blocks)
+            key = tuple(sorted(sched.items()))
+            if not sched or key in seen:
+                continue
+            seen.add(key)
+            spec = ",".join(f"{b}:{k}" for b, k in sorted(sched.items()))
+            method = build_method(model, "static", schedule=spec, rule="cls_sim", skip_dead=skip_dead)
+            p, g = next(iter(_predict(method, batches).values()))
+            t["static"].append({"schedule": spec, "family": fam, "rule": "cls_sim", **row(p, g)})
+    t["static_at_dora"] = {}
+    for fam in args.static_blocks:
+        pts = [(s["gflops"], s["drop_pp"]) for s in t["static"] if s["family"] == fam]
+        t["static_at_dora"][fam] = interpolate(pts, d["gflops"])
+
+    t["tome"] = []
+    for r in range(args.tome_r[0], args.tome_r[1] + 1):
+        p, g = next(iter(_predict(build_method(model, "tome", r=r, skip_dead=skip_dead), batches).values()))
+        t["tome"].append({"r": r, **row(p, g)})
+
+    t["checkpoints"] = []
+    for path in checkpoints:
+        p, g = _predict(build_method(model, "dora", actor=path, skip_dead=skip_dead), batches)["dora"]
+        t["checkpoints"].append({"actor": path, **row(p, g)})
+    return t
+
+
+def _targets(t: Dict[str, Any], min_reduction: float) -> Dict[str, Any]:
+    d = t["dora"]
+    static = [v for v in t["static_at_dora"].values() if v is not None]
+    return {
+        "drop_pp_le_1": d["drop_pp"] <= 1.0,
+        f"gflops_reduction_pct_ge_{min_reduction:g}": d["gflops_reduction_pct"] >= min_reduction,
+        "dominates_static": bool(static) and min(static) > d["drop_pp"],
+        "random_selector_1pp_worse": t["random_selector"]["drop_pp"] - d["drop_pp"] >= 1.0,
+        "per_image_spread_ge_5pct": d["spread_pct_of_native"] >= 5.0,
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--weights", required=True, help="the backbone's .safetensors")
+    ap.add_argument("--data", required=True, help="labels CSV")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--seed-actors", nargs="+", required=True, metavar="SEED=FOLDER",
+                    help="each training seed's selected actor (its config holds its dev record)")
+    ap.add_argument("--target-pp", type=float, default=1.0, help="the dev selection's drop target across seeds")
+    ap.add_argument("--publish-as", default=None, help="the hub folder the chosen seed's actor is published to")
+    ap.add_argument("--checkpoints", nargs="*", default=[], help="more actors to place on the picture (run checkpoints)")
+    ap.add_argument("--static-blocks", nargs="+", default=["3,6,9", "1,2,3,4,5,6,7,8,9,10,11"],
+                    help="block families of the static sweep (equal counts at each block of a family)")
+    ap.add_argument("--static-reductions", type=float, nargs="+",
+                    default=[5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60], help="static sweep, percent of native GFLOPs")
+    ap.add_argument("--tome-r", type=int, nargs=2, default=[4, 14])
+    ap.add_argument("--random-seed", type=int, default=0)
+    ap.add_argument("--min-reduction", type=float, default=30.0, help="the GFLOPs-reduction target (percent)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--limit", type=int, default=None, help="first N images only (smoke tests)")
+    ap.add_argument("--img-size", type=int, default=None, help="build the model for this input size (smoke tests)")
+    ap.add_argument("--num-classes", type=int, default=None, help="classifier size (smoke tests)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    actors = dict(a.split("=", 1) for a in args.seed_actors)
+    choice = select_checkpoint([_dev_record(p, s) for s, p in actors.items()], target_pp=args.target_pp)
+    published = choice.record.name
+
+    model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
+    batches = _batches(model, args, dev, dtype)
+    labels = torch.cat([y for _, y in batches])
+    cmd = " ".join(["python benchmarks/tradeoff.py"] + (argv if argv is not None else sys.argv[1:]))
+    res: Dict[str, Any] = {**environment(dev, cmd), "model": args.model, "split": args.split,
+                           "n_images": int(labels.numel()), "dtype": str(dtype).replace("torch.", ""),
+                           "published_seed": {"seed": int(published), "rule": "lowest dev GFLOPs within the target",
+                                              "target_pp": args.target_pp, "violates": choice.violates,
+                                              "dev": {s: vars(_dev_record(p, s)) for s, p in actors.items()}}}
+    res.update(_table(model, batches, labels, args, actors, published, False, args.checkpoints))
+    res["targets"] = _targets(res, args.min_reduction)
+    res["skip_dead"] = _table(model, batches, labels, args, actors, published, True, [])
+    write_json(args.out, res)
+    d = res["dora"]
+    print(f"native {res['native']['top1']:.2f} %, {res['native']['gflops']:.3f} GFLOPs; DORA seed {published}: "
+          f"drop {d['drop_pp']:.2f} +- {d['drop_se_pp']:.2f} pp at -{d['gflops_reduction_pct']:.1f} % "
+          f"(p10-p90 {d['spread_pct_of_native']:.1f} %); seeds {[round(s['drop_pp'], 2) for s in d['seeds']]} pp, "
+          f"{[round(s['gflops_reduction_pct'], 1) for s in d['seeds']]} %", flush=True)
+    print(f"random selector {res['random_selector']['drop_pp']:.2f} pp; static at DORA: {res['static_at_dora']}; "
+          f"targets {res['targets']}", flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
