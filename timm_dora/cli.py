@@ -1,4 +1,4 @@
-"""The ``timm-dora`` command: ``eval``, ``bench`` and ``viz`` subcommands.
+"""The ``timm-dora`` command: ``eval``, ``bench``, ``viz`` and ``partition`` subcommands.
 
 Each subcommand lives in its own module, which provides ``add_parser(subparsers)`` registering its
 arguments and setting ``func`` (called with the parsed arguments, returning an exit code). Modules
@@ -19,6 +19,7 @@ COMMANDS = {
     "eval": ("timm_dora.evaluate.cli", "top-1, GFLOPs and policy statistics of native and wrapped models"),
     "bench": ("timm_dora.evaluate.bench", "throughput with the paper's App. E.5 timing protocol"),
     "viz": ("timm_dora.viz.cli", "pictures: pruning trajectories, policy statistics, training dynamics"),
+    "partition": ("timm_dora.partition", "re-partition the training images of a labels CSV (test stays)"),
 }
 
 
