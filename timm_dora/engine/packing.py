@@ -232,7 +232,7 @@ def removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor, valid: 
     rows = packed.starts[image] + packed.num_prefix + col
     if valid is not None:
         rows = torch.where(valid, rows, packed.total)
-    remove = torch.zeros(packed.total + (valid is not None), dtype=torch.bool, device=packed.x.device)
+    remove = torch.zeros(packed.total + (1 if valid is not None else 0), dtype=torch.bool, device=packed.x.device)
     remove.index_fill_(0, rows.reshape(-1), True)  # not ``remove[rows] = True``: that syncs on CUDA (H100 profile)
     return remove if valid is None else remove[: packed.total]
 
