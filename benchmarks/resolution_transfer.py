@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from timm_dora.evaluate import build_method, environment, evaluate, load_model, loader_for, write_json
+from timm_dora.evaluate import build_method, environment, evaluate, inference_device, load_model, loader_for, write_json
 
 MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 
@@ -37,9 +37,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    dev, dtype, _ = inference_device(args.device)  # bf16 on CUDA (TF32 off), fp32 on the CPU
     res = {**environment(dev, " ".join(["python benchmarks/resolution_transfer.py"]
                                        + (argv if argv is not None else sys.argv[1:]))),
            "model": args.model, "actor": args.actor or "published", "split": args.split,

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from timm_dora.evaluate import build_method, environment, load_model, loader_for, write_json
+from timm_dora.evaluate import build_method, environment, inference_device, load_model, loader_for, write_json
 from timm_dora.evaluate.baselines.static import schedule_for_reduction
 from timm_dora.train.selection import CheckpointRecord, select_checkpoint
 
@@ -187,9 +187,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    dev, dtype, _ = inference_device(args.device)  # bf16 on CUDA (TF32 off), fp32 on the CPU
     actors = dict(a.split("=", 1) for a in args.seed_actors)
     choice = select_checkpoint([_dev_record(p, s) for s, p in actors.items()], target_pp=args.target_pp)
     published = choice.record.name

@@ -26,7 +26,7 @@ import timm_dora  # noqa: E402
 import timm_dora.engine.graphs  # noqa: E402
 from throughput import captured, matched_counts, measure_row, oracle_forward, oracle_gflops  # noqa: E402
 from timm_dora.evaluate.bench import bench_inputs  # noqa: E402
-from timm_dora.evaluate import environment, load_model, write_json  # noqa: E402
+from timm_dora.evaluate import environment, inference_device, load_model, write_json  # noqa: E402
 from timm_dora.engine.flops import backbone_cost  # noqa: E402
 
 
@@ -47,9 +47,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    dev, dtype, _ = inference_device(args.device)  # bf16 on CUDA (TF32 off), fp32 on the CPU
     model = load_model(args.model, args.weights).eval().to(dev, dtype)
     inputs, info = bench_inputs(model, batch=args.batch, batches=args.batches, device=dev, dtype=dtype,
                                 data=args.data, split=args.split, workers=2)

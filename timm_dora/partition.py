@@ -17,6 +17,7 @@ import argparse
 import csv
 import os
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -73,10 +74,7 @@ def partition_csv(labels: str, out: str, sizes: Dict[str, int], take: Sequence[s
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(new)
-    counts: Dict[str, int] = {}
-    for r in new:
-        counts[r["split"].strip()] = counts.get(r["split"].strip(), 0) + 1
-    return counts
+    return dict(Counter(r["split"].strip() for r in new))
 
 
 def _size(text: str):

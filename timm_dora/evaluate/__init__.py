@@ -11,8 +11,8 @@ Library use::
 from .accuracy import Tally, evaluate, format_rows, loader_for, tensor_batches
 from .methods import METHODS, DoraMethod, Method, NativeMethod, Output, SelectorMethod, StaticMethod, ToMeMethod
 from .methods import build_method, native_forward
-from .setup import PRECISIONS, environment, load_model, precision_for, write_json
+from .setup import PRECISIONS, environment, inference_device, load_model, precision_for, write_json
 
 __all__ = ["METHODS", "PRECISIONS", "DoraMethod", "Method", "NativeMethod", "Output", "SelectorMethod", "StaticMethod",
-           "Tally", "ToMeMethod", "build_method", "environment", "evaluate", "format_rows", "load_model", "loader_for",
+           "Tally", "ToMeMethod", "build_method", "environment", "evaluate", "format_rows", "inference_device", "load_model", "loader_for",
            "native_forward", "precision_for", "tensor_batches", "write_json"]

@@ -47,7 +47,7 @@ import torch.nn as nn
 from ..data import data_config
 from .accuracy import evaluate, format_rows, loader_for
 from .methods import METHODS, Method, build_method
-from .setup import PRECISIONS, environment, load_model, precision_for, write_json
+from .setup import PRECISIONS, environment, inference_device, load_model, write_json
 
 __all__ = ["add_parser", "add_model_args", "add_method_args", "command_line", "count", "method_from_args",
            "positive_int", "run_header", "setup"]
@@ -100,11 +100,7 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
 
 
 def setup(args) -> Tuple[nn.Module, torch.device, torch.dtype, bool]:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":  # the paper's timing/inference contract: no TF32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    dtype, autocast = precision_for(device, args.precision)
+    device, dtype, autocast = inference_device(args.device, args.precision)
     model = load_model(args.model, args.weights, random_weights=args.random_weights, img_size=args.img_size,
                        num_classes=args.num_classes, seed=args.seed, dynamic_img_size=args.input_size is not None)
     return model.to(device, dtype), device, dtype, autocast

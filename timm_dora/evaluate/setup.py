@@ -60,6 +60,17 @@ def precision_for(device: torch.device, precision: str = "auto") -> Tuple[torch.
     return torch.float32, False
 
 
+def inference_device(device: Optional[str] = None, precision: str = "auto") -> Tuple[torch.device, torch.dtype, bool]:
+    """``(device, dtype, autocast)`` for an evaluation: ``device`` (default: CUDA when there is one),
+    TF32 off on CUDA (the paper's timing and inference contract) and :func:`precision_for`'s dtype."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    dtype, autocast = precision_for(dev, precision)
+    return dev, dtype, autocast
+
+
 def load_model(
     name: str,
     weights: Optional[str] = None,

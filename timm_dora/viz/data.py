@@ -436,7 +436,8 @@ def sweep_data(doc: Mapping[str, Any]) -> Dict[str, Any]:
         raise ValueError("not a trade-off sweep (benchmarks/tradeoff.py): it needs native, dora, static and tome")
     series: Dict[str, List[Tuple[float, float, float]]] = {}
     for s in doc["static"]:
-        series.setdefault(f"static {s.get('rule', '')} blocks {s.get('family', '?')}".replace("  ", " "), []).append(_pt(s))
+        name = " ".join(w for w in ("static", s.get("rule"), "blocks", s.get("family", "?")) if w)
+        series.setdefault(name, []).append(_pt(s))
     series["ToMe r=" + "..".join(str(r["r"]) for r in (doc["tome"][0], doc["tome"][-1]))] = [_pt(r) for r in doc["tome"]]
     for name in list(series):
         series[name].sort()
