@@ -30,3 +30,18 @@ def test_compiled_wrapped_model_equals_eager(policy):
             out = torch.compile(model, backend=backend)(x)
             assert torch.equal(model.dora_stats.removed, removed)
             torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+
+
+def test_compiled_forward_breaks_only_where_the_host_reads():
+    """Dynamo splits a compiled wrapped forward where the eager executor reads decisions on the host
+    (the gate, the new lengths), not at the engine's lazily computed layout values (a
+    ``functools.cached_property`` takes a lock on Python 3.11 that Dynamo cannot trace)."""
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    torch.manual_seed(2)
+    timm_dora.wrap(model, timm_dora.Actor.for_model(model))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(torch.randn(5, 3, 64, 64))
+    reasons = [b.reason for b in explained.break_reasons]
+    assert reasons  # the host reads do break the graph
+    assert not [r for r in reasons if "context manager" in r.lower()]

@@ -64,6 +64,37 @@ def test_interpreted_kernel_matches_per_sequence_sdpa():
         assert case["new_lengths_max_abs_diff"] < 1e-5
 
 
+COMPILED_OP = r"""
+import json
+import torch
+import torch.nn.functional as F
+from timm_dora.engine.varlen_kernel import varlen_attention_op, varlen_attention_triton
+
+torch.manual_seed(0)
+lengths = torch.tensor([5, 70, 1, 33])
+t = int(lengths.sum())
+cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+q, k, v = torch.randn(3, t, 2, 64).unbind(0)
+direct = varlen_attention_triton(q, k, v, cu, 70, 0.3)
+# fullgraph: Dynamo must take the op whole (a graph break or a trace into the Triton launch fails)
+compiled = torch.compile(lambda q, k, v, cu: torch.ops.timm_dora.varlen_attention(q, k, v, cu, 70, 0.3) * 2,
+                         backend="aot_eager", fullgraph=True)(q, k, v, cu)
+torch.library.opcheck(varlen_attention_op, (q, k, v, cu, 70, 0.3),
+                      test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+print(json.dumps({"max_abs_diff": float((compiled - 2 * direct).abs().max()), "shape": list(compiled.shape)}))
+"""
+
+
+@pytest.mark.skipif(triton_version() < (3, 8), reason="Triton's interpreter before 3.8 cannot run this kernel here")
+def test_custom_op_compiles_as_one_opaque_op():
+    """``torch.ops.timm_dora.varlen_attention`` (what a compiled wrapped model calls): traced by
+    ``torch.compile(fullgraph=True)`` without a graph break, equal to the kernel called directly,
+    and its schema and fake implementation pass ``torch.library.opcheck``."""
+    res = run_interpreted(COMPILED_OP, timeout=300)
+    assert res["shape"] == [109, 2, 64]
+    assert res["max_abs_diff"] == 0.0
+
+
 def test_kernel_input_errors():
     from timm_dora.engine.varlen_kernel import varlen_attention_triton
 

@@ -46,6 +46,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .lazy import lazy
+
 __all__ = [
     "Packed",
     "BACKENDS",
@@ -109,11 +111,11 @@ class Packed:
     def total(self) -> int:
         return self.x.shape[0]
 
-    @functools.cached_property
+    @lazy
     def max_len(self) -> int:
         return max(self.lengths_host)
 
-    @functools.cached_property
+    @lazy
     def min_len(self) -> int:
         return min(self.lengths_host)
 
@@ -122,22 +124,22 @@ class Packed:
         """True when all sequences have one length, so ``x`` is also a dense ``[B, S, d]``."""
         return self.min_len == self.max_len
 
-    @functools.cached_property
+    @lazy
     def cu_seqlens(self) -> torch.Tensor:
         """``[B+1]`` int32 cumulative lengths (the varlen kernels' layout)."""
         return F.pad(torch.cumsum(self.lengths, 0, dtype=torch.int32), (1, 0))
 
-    @functools.cached_property
+    @lazy
     def starts(self) -> torch.Tensor:
         """``[B]`` int64 row index where each sequence starts."""
         return self.cu_seqlens[:-1].long()
 
-    @functools.cached_property
+    @lazy
     def seg(self) -> torch.Tensor:
         """``[T]`` sequence index of each row."""
         return segment_ids(self.lengths, self.total)
 
-    @functools.cached_property
+    @lazy
     def pos(self) -> torch.Tensor:
         """``[T]`` position of each row inside its sequence (0 is CLS)."""
         return torch.arange(self.total, device=self.x.device) - self.starts[self.seg]
@@ -202,9 +204,12 @@ def bucket_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ena
     the H100 (torch 2.11) against 0.03 ms for a known one, and a ragged batch (a deletion, a
     shadow batch, a QC shard) brings a new row count to every layer. In buckets the shapes
     repeat. Each row's output is computed from that row alone, so the rows kept are ``fn``'s.
+    Not under ``torch.compile`` either: there the bucket size would be a Python int that Dynamo
+    specialises on, one recompilation per row count; Inductor compiles for dynamic row counts.
     ``enabled``: force the padding on or off (default: the conditions above)."""
     if enabled is None:
-        enabled = x.device.type == "cuda" and not torch.is_grad_enabled() and not torch.cuda.is_current_stream_capturing()
+        enabled = (x.device.type == "cuda" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                   and not torch.cuda.is_current_stream_capturing())
     if not enabled or x.dim() < 2:
         return fn(x)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -404,6 +409,8 @@ def varlen_attention(
 
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if q.shape[-1] in TILE and not grad:
+            if torch.compiler.is_compiling():  # one opaque op for Dynamo and Inductor
+                return torch.ops.timm_dora.varlen_attention(q, k, v, cu, n, scale)
             return varlen_attention_triton(q, k, v, cu, n, scale)
         # a head dim without tuned tiles, or a gradient to carry (the kernel is forward-only):
         # the FlashAttention-2 kernel, which has a backward

@@ -329,8 +329,11 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
         if model.training:
             raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
     runner = None  # the forward replayed from CUDA graphs (graphs.GraphRunner), when enabled
-    if state.cuda_graphs and (getattr(model.patch_embed, "dynamic_img_size", False)
-                              or tuple(x.shape[-2:]) == tuple(model.patch_embed.img_size)):
+    # under torch.compile the eager executor runs (Dynamo traces it; mode="reduce-overhead" captures
+    # the compiled graphs): the graph runner's host-side bookkeeping is not traceable
+    use_graphs = state.cuda_graphs and not torch.compiler.is_compiling()
+    if use_graphs and (getattr(model.patch_embed, "dynamic_img_size", False)
+                       or tuple(x.shape[-2:]) == tuple(model.patch_embed.img_size)):
         backend = select_backend(x.device.type, x.dtype, state.attn_backend)
         why = graph_mode_reason(model, x, backend)
         if why is None:

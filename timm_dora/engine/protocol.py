@@ -20,12 +20,12 @@ does not call the policy at those blocks and replays each run of them as one seg
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from .lazy import lazy
 from .packing import Packed
 
 __all__ = ["BlockContext", "Decision", "ForwardConstants", "LazyKeysContext", "Policy"]
@@ -51,22 +51,22 @@ class ForwardConstants:
         """The decision "no gate opened, nothing removed" (these shared constant tensors)."""
         return Decision(self.closed, self.zeros, None, flops)
 
-    @functools.cached_property
+    @lazy
     def zeros(self) -> torch.Tensor:
         """int64 zeros: no token removed."""
         return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
 
-    @functools.cached_property
+    @lazy
     def closed(self) -> torch.Tensor:
         """bool False: the gate stayed closed for every image."""
         return torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
 
-    @functools.cached_property
+    @lazy
     def opened(self) -> torch.Tensor:
         """bool True (e.g. every image has a feasible budget)."""
         return torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
 
-    @functools.cached_property
+    @lazy
     def no_rho(self) -> torch.Tensor:
         """float32 zeros: ``rho`` after a block that removed nothing."""
         return torch.zeros(self.batch_size, dtype=torch.float32, device=self.device)

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["varlen_attention_triton", "copy_open_keys", "TILE"]
+__all__ = ["varlen_attention_triton", "varlen_attention_op", "copy_open_keys", "TILE"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -130,6 +130,21 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                       scale * 1.4426950408889634, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
                       num_warps=warps, num_stages=stages)
     return out
+
+
+@torch.library.custom_op("timm_dora::varlen_attention", mutates_args=())
+def varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_len: int, scale: float) -> torch.Tensor:
+    """:func:`varlen_attention_triton` as the custom op ``torch.ops.timm_dora.varlen_attention``, for
+    ``torch.compile``: Dynamo and Inductor see one opaque op with a fake implementation (the output
+    is a new contiguous ``[T, H, hd]`` like ``q``) instead of tracing into the Triton launch. Eager
+    code calls :func:`varlen_attention_triton` directly (a custom op's dispatch costs host time)."""
+    return varlen_attention_triton(q, k, v, cu_seqlens, max_len, scale)
+
+
+@varlen_attention_op.register_fake
+def _varlen_attention_fake(q, k, v, cu_seqlens, max_len, scale):
+    return q.new_empty(q.shape)
 
 
 def copy_open_keys(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, gate: torch.Tensor,

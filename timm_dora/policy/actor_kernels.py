@@ -301,6 +301,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@torch.compiler.disable  # under torch.compile: run eagerly (Dynamo would trace the Triton launches)
 def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torch.Tensor,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The deterministic gate of ``actor`` (``p^G >= 0.5``, i.e. logit ``>= 0``) where a budget is
@@ -340,6 +341,7 @@ def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torc
     return out
 
 
+@torch.compiler.disable  # under torch.compile: run eagerly (Dynamo would trace the Triton launches)
 def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, h: torch.Tensor,
                      n_visual: torch.Tensor, gate: torch.Tensor, block: int, cu_out: torch.Tensor, num_prefix: int,
                      total: int, tile: Union[Tuple[int, int], Dict[str, Tuple[int, int]], None] = None,

@@ -1,0 +1,219 @@
+"""What a user gets by default, against what a serving engineer compares with (not a test).
+
+For each configuration, in one process on one GPU (bf16, batch 320 unless ``by_batch``), the
+timing protocol of :func:`timm_dora.evaluate.bench.time_forward` (warm-up, synchronised timed
+loop, median of repeats; ``--warmup/--iters/--repeats``) on GPU-resident batches:
+
+- ``native_eager_ips`` / ``native_compiled_ips``: the unwrapped timm model, eager and under
+  ``torch.compile`` (default mode);
+- ``dora_default_ips``: ``timm_dora.wrap(model, actor)`` with no flags;
+- ``dora_graphs_ips``: the same with ``cuda_graphs=True`` (``capture_s``: its first forward minus
+  a steady one; ``graph_memory_mb``: the memory reserved by that first forward);
+- ``dora_compiled_ips`` / ``dora_compiled_ro_ips``: ``torch.compile`` of the wrapped model, default
+  mode and ``mode="reduce-overhead"`` (``--compile-modes``), with ``compile_s`` (first forward),
+  ``graphs`` (the graphs Dynamo compiled over the whole row: recompilations included) and the compiled
+  forward's agreement with eager on the first batch: ``compiled_same_decisions_pct`` (images whose
+  per-block removals equal eager's) and ``compiled_max_abs_diff`` (logits of those images);
+- ``oracle_compiled_ips``: a dense model that removes DORA's realised mean count per block by
+  slicing (no selection, no packing), compiled: the ceiling at DORA's per-block removal;
+- ``dora_gflops`` / ``native_gflops`` (App. E.4 accounting, mean over the timed batches).
+
+Configurations: ``vit_tiny_published`` (ViT-Ti with ``--vit-weights``, the actor in hub/, the
+first ``--images`` `test` images of ``--data``) and ``deit_base_forced_369`` (DeiT-B with random
+weights and random images, a random actor whose gate is forced open at blocks 3, 6 and 9), which
+adds ``gate_off_default_ips`` (``NoPrune``, defaults) and ``by_batch`` (the rows at batch sizes
+``--by-batch``; compiled DORA and the oracle only at ``--batch``, whose row is the top-level one).
+
+    python benchmarks/default_speed.py --vit-weights W.safetensors --data labels.csv \\
+        --out benchmarks/results/default_speed_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import timm_dora  # noqa: E402
+from timm_dora import NoPrune  # noqa: E402
+from timm_dora.evaluate import bench, environment, inference_device, load_model, loader_for, write_json  # noqa: E402
+from timm_dora.hub.published import resolve_actor  # noqa: E402
+from throughput import gate_forced_actor, oracle_forward  # noqa: E402
+
+VIT = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+DEIT_B = "deit_base_patch16_224"
+
+
+def timed(fn: Callable, inputs: List[torch.Tensor], args) -> float:
+    gc.collect()
+    torch.cuda.empty_cache()
+    return bench.time_forward(fn, inputs, warmup=args.warmup, iters=args.iters, repeats=args.repeats)["images_per_s"]
+
+
+def first_call_s(fn: Callable, x: torch.Tensor) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        fn(x)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def decisions(model) -> torch.Tensor:
+    return model.dora_stats.removed.clone()
+
+
+def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compiled: bool = True,
+              row: Optional[Dict[str, Any]] = None, save: Callable[[], None] = lambda: None) -> Dict[str, Any]:
+    """The DORA rows of one configuration on ``inputs`` (``model`` unwrapped on entry and exit),
+    added to ``row``; ``save()`` after each (a long compile may not finish inside a GPU job)."""
+    row = {} if row is None else row
+    timm_dora.wrap(model, actor_fn())
+    gflops, removed = [], []
+    with torch.inference_mode():
+        eager_logits = model(inputs[0]).float()
+        eager_removed = decisions(model)
+        for x in inputs:
+            model(x)
+            gflops.append(model.dora_stats.gflops)
+            removed.append(model.dora_stats.removed)
+    row["dora_gflops"] = float(torch.cat(gflops).mean())
+    removed = torch.cat(removed).float().mean(0)  # [depth] mean removal per block
+    ks = {l: int(round(float(r))) for l, r in enumerate(removed) if r > 0}
+    row["realised_removal_per_block"] = {str(l): round(float(r), 2) for l, r in enumerate(removed) if r > 0}
+    timm_dora.unwrap(model)
+    if args.compiled_only:
+        return _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed)
+    timm_dora.wrap(model, actor_fn())
+    row["dora_default_ips"] = timed(model, inputs, args)
+    timm_dora.unwrap(model)
+    save()
+
+    timm_dora.wrap(model, actor_fn(), cuda_graphs=True)
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    first = first_call_s(model, inputs[0])
+    row["graph_memory_mb"] = (torch.cuda.memory_reserved() - reserved) / 2**20
+    row["capture_s"] = first - first_call_s(model, inputs[0])
+    row["dora_graphs_ips"] = timed(model, inputs, args)
+    timm_dora.unwrap(model)
+    save()
+
+    if compiled:
+        torch._dynamo.reset()
+        row["oracle_removal_per_block"] = ks
+        row["oracle_compiled_ips"] = timed(torch.compile(oracle_forward(model, ks)), inputs, args)
+        save()
+        _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed)
+    return row
+
+
+def _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed) -> Dict[str, Any]:
+    """``torch.compile`` of the wrapped model in each of ``--compile-modes``: compile time, agreement
+    with the eager forward on the first batch, throughput (errors recorded in the row)."""
+    modes = {"default": ("dora_compiled", None), "reduce-overhead": ("dora_compiled_ro", "reduce-overhead")}
+    for key, mode in (modes[m] for m in args.compile_modes):
+        timm_dora.wrap(model, actor_fn())
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        fn = torch.compile(model, mode=mode)
+        try:
+            row[f"{key}_compile_s"] = first_call_s(fn, inputs[0])
+            with torch.inference_mode():
+                out = fn(inputs[0]).float()
+            same = (decisions(model) == eager_removed).all(1)
+            row[f"{key}_same_decisions_pct"] = 100.0 * float(same.float().mean())
+            row[f"{key}_max_abs_diff"] = float((out[same] - eager_logits[same]).abs().max()) if same.any() else None
+            save()
+            row[f"{key}_ips"] = timed(fn, inputs, args)
+        except Exception as e:  # recorded, not hidden: the row says why it has no number
+            row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row[f"{key}_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        timm_dora.unwrap(model)
+        save()
+    return row
+
+
+def native_rows(model, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
+    timm_dora.wrap(model, policy=NoPrune())  # native's GFLOPs by the same accounting
+    with torch.inference_mode():
+        model(inputs[0])
+    gflops = float(model.dora_stats.gflops.mean())
+    timm_dora.unwrap(model)
+    torch._dynamo.reset()
+    return {"native_gflops": gflops, "native_eager_ips": timed(model, inputs, args),
+            "native_compiled_ips": timed(torch.compile(model), inputs, args)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vit-weights", required=True)
+    ap.add_argument("--data", required=True, help="labels CSV with a test split")
+    ap.add_argument("--configs", nargs="+", default=["vit_tiny_published", "deit_base_forced_369"])
+    ap.add_argument("--batch", type=int, default=320)
+    ap.add_argument("--images", type=int, default=1280, help="test images for ViT-Ti (whole batches)")
+    ap.add_argument("--by-batch", type=int, nargs="*", default=[1, 8, 64, 257, 320])
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compiled-only", action="store_true", help="only the compiled DORA rows (and eager for agreement)")
+    ap.add_argument("--compile-modes", nargs="*", default=["default", "reduce-overhead"], choices=["default", "reduce-overhead"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev, dtype, _ = inference_device("cuda", "bf16")
+    res: Dict[str, Any] = {**environment(dev, " ".join(["python benchmarks/default_speed.py"] + (argv or sys.argv[1:]))),
+                           "protocol": {"warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
+                                        "dtype": "bfloat16", "batch": args.batch}}
+
+    if "vit_tiny_published" in args.configs:
+        model = load_model(VIT, args.vit_weights).to(dev, dtype).eval()
+        loader = loader_for(model, args.data, "test", batch=args.batch, workers=4, limit=args.images)
+        inputs = [x.to(dev, dtype) for x, *_ in loader if x.shape[0] == args.batch]
+        actor = resolve_actor(model).to(dev, dtype)
+        row = {"actor": f"timm_dora/hub/actors/{VIT}", "images": sum(x.shape[0] for x in inputs)}
+        res["vit_tiny_published"] = row
+        if not args.compiled_only:
+            row.update(native_rows(model, inputs, args))
+        dora_rows(model, lambda: actor, inputs, args, row=row, save=lambda: write_json(args.out, res))
+        del model, inputs
+
+    if "deit_base_forced_369" in args.configs:
+        torch.manual_seed(0)
+        model = load_model(DEIT_B, random_weights=True).to(dev, dtype).eval()
+        forced = gate_forced_actor(model, [3, 6, 9]).to(dev, dtype)
+        g = torch.Generator(device=dev).manual_seed(0)
+        make = lambda b: [torch.randn(b, 3, 224, 224, device=dev, generator=g).to(dtype) for _ in range(2)]
+        inputs = make(args.batch)
+        row = {}
+        res["deit_base_forced_369"] = row
+        row.update(native_rows(model, inputs, args))
+        dora_rows(model, lambda: forced, inputs, args, row=row, save=lambda: write_json(args.out, res))
+        timm_dora.wrap(model, policy=NoPrune())
+        row["gate_off_default_ips"] = timed(model, inputs, args)
+        timm_dora.unwrap(model)
+        write_json(args.out, res)
+        row["by_batch"] = {}
+        for b in args.by_batch:
+            if b == args.batch:  # the rows above, measured in this run
+                row["by_batch"][str(b)] = {k: v for k, v in row.items() if k != "by_batch"}
+                continue
+            xs = make(b)
+            row["by_batch"][str(b)] = {**native_rows(model, xs, args),
+                                       **dora_rows(model, lambda: forced, xs, args, compiled=False)}
+            write_json(args.out, res)
+            write_json(args.out, res)
+    for name in ("vit_tiny_published", "deit_base_forced_369"):
+        r = res.get(name)
+        if r:
+            print(name, {k: (round(v) if isinstance(v, float) and v > 100 else v) for k, v in r.items() if k.endswith("ips")})
+
+
+if __name__ == "__main__":
+    main()
