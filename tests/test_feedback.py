@@ -110,3 +110,13 @@ def test_moving_average_of_the_drops_by_hand():
     assert [h["smoothed"] for h in again.history] == pytest.approx([0.03, 0.01, 0.015])
     with pytest.raises(ValueError, match="moving-average weight"):
         FeedbackController(ema=1.0)
+
+
+def test_disagreement_counts_every_changed_prediction():
+    from timm_dora.train.feedback import disagreement
+
+    native = torch.tensor([3, 1, 4, 1, 5])
+    assert disagreement(native, torch.tensor([3, 1, 4, 1, 5])) == 0.0
+    assert disagreement(native, torch.tensor([3, 2, 4, 7, 5])) == 0.4  # 2 of 5 changed, labels not needed
+    with pytest.raises(ValueError, match="equally long"):
+        disagreement(native, native[:3])

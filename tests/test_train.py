@@ -426,6 +426,24 @@ def test_cli_skip_dead_trains_and_records_it(data, tmp_path):
     assert config["training"]["skip_dead"] is True and len(read_metrics(out)) == 2
 
 
+def test_label_free_disagreement_feedback(data, tmp_path):
+    """``--feedback-signal disagreement``: each check's ``d_u`` is the share of the 4 QC images whose
+    top-1 differs from native's, and the coefficient follows the paper's rule with the error
+    normalised by ``target_disagreement / target_drop x 0.01`` (0.2 here)."""
+    out = tmp_path / "run"
+    assert main(ARGS + ["--data", str(data), "--out", str(out), "--qc-shards", "1", "--feedback-signal",
+                        "disagreement", "--target-disagreement", "0.2"]) == 0
+    checks = [r for r in read_metrics(out) if "d_u" in r]
+    assert len(checks) == 2
+    a = 5.0  # --a-init
+    for c in checks:
+        assert round(c["d_u"] * 4) == pytest.approx(c["d_u"] * 4, abs=1e-9)  # a count of 4 images
+        assert c["a_u"] == pytest.approx(a)
+        a = min(max(a + 5.0 * min(max((c["d_u"] - 0.2) / 0.2, -2.0), 2.0), 0.0), 300.0)
+        assert c["a_next"] == pytest.approx(a)
+    assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--feedback-signal", "kl"]) == 1
+
+
 def test_feedback_on_the_rollout_pool_too_with_a_moving_average(data, tmp_path):
     """``--qc-with-rollout``: the checks read the 4 QC images and the 10 rollout images (eval
     preprocessing); ``--feedback-ema``: the coefficient follows the moving average of the drops;

@@ -47,6 +47,8 @@ class TrainConfig:
     qc_shards: int = 8
     qc_with_rollout: bool = False  # ours: the feedback checks read the rollout pool's images too (eval preprocessing)
     feedback_ema: float = 0.0  # ours: weight of the past in a moving average of the checks' drops (0: the paper's rule)
+    feedback_signal: str = "drop"  # "drop" (paper: paired top-1 drop on the QC labels) or "disagreement" (ours: share of QC images whose top-1 differs from native's, label-free)
+    target_disagreement: float = 0.06  # ours: the disagreement the feedback holds with --feedback-signal disagreement (its error is normalised by target_disagreement / target_drop x 0.01)
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit

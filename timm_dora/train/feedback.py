@@ -9,6 +9,10 @@ QC shards (round robin) and the paired Top-1 drop ``d_u`` (Eq. app-feedback-pair
 
 with target ``d* = 0.01``; otherwise ``a_{u+1} = a_u``. The new value applies from the next rollout.
 
+``--feedback-signal disagreement`` (ours): the trainer passes :func:`disagreement` (the share of QC
+images whose top-1 differs from native's) instead of the paired drop, with ``target`` the
+disagreement to hold and ``scale`` the same fraction of it as the paper's ``0.01`` of ``d*``.
+
 ``ema`` (ours, for small QC sets; 0 is the paper's rule): the rule reads an exponential moving
 average of the checks' drops, ``d~_u = ema d~_prev + (1 - ema) d_u`` (the first check's own), so
 that a few images' noise moves the coefficient less.
@@ -26,7 +30,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["FeedbackController", "paired_drop"]
+__all__ = ["FeedbackController", "SIGNALS", "disagreement", "paired_drop"]
+
+SIGNALS = ("drop", "disagreement")  # what a check measures: the paper's paired drop, or (ours) label-free disagreement
 
 Correct = Union[torch.Tensor, Sequence[bool], Sequence[int]]
 
@@ -42,6 +48,16 @@ def paired_drop(correct_native: Correct, correct_dora: Correct) -> float:
     if cn.numel() != cd.numel() or cn.numel() == 0:
         raise ValueError(f"need two equally long, non-empty correctness vectors, got {cn.numel()} and {cd.numel()}")
     return float((cn - cd).mean())
+
+
+def disagreement(pred_native: torch.Tensor, pred_dora: torch.Tensor) -> float:
+    """The share of images whose top-1 class differs from the native model's (ours, ``--feedback-signal
+    disagreement``): label-free, so a check can read images without labels, and on the same images it
+    moves in finer steps than the paired drop (every flip counts, not only flips of correct answers)."""
+    a, b = torch.as_tensor(pred_native).reshape(-1), torch.as_tensor(pred_dora).reshape(-1)
+    if a.numel() != b.numel() or a.numel() == 0:
+        raise ValueError(f"need two equally long, non-empty prediction vectors, got {a.numel()} and {b.numel()}")
+    return float((a != b).double().mean())
 
 
 class FeedbackController:

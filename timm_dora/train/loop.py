@@ -48,7 +48,7 @@ from . import pool as P
 from .checkpoints import Checkpoints, warm_start
 from .config import TrainConfig
 from .critic import Critic, native_features, trajectory_scalar_states
-from .feedback import FeedbackController, paired_drop
+from .feedback import SIGNALS, FeedbackController, disagreement, paired_drop
 from .graph_step import BackgroundSteps, CapturedStep, StaticBatch
 from .ppo import (
     RunningMeanStd, actor_parameter_groups, apply_pcgrad, clipped_surrogate, clipped_value_loss, gae_shared_return,
@@ -104,6 +104,11 @@ class Trainer(Checkpoints):
             raise ValueError(f"--cutmix-prob must be in [0, 1], got {cfg.cutmix_prob}")
         if cfg.selection not in RULES:
             raise ValueError(f"--selection must be one of {RULES}, got {cfg.selection!r}")
+        if cfg.feedback_signal not in SIGNALS:
+            raise ValueError(f"--feedback-signal must be one of {SIGNALS}, got {cfg.feedback_signal!r}")
+        if not 0.0 < cfg.target_disagreement < 1.0 or not cfg.target_drop > 0.0:
+            raise ValueError(f"--target-disagreement must be in (0, 1) and --target-drop above 0, got "
+                             f"{cfg.target_disagreement} and {cfg.target_drop}")
         self.patch = model.patch_embed.patch_size[0]
         tr = P.train_transform(model, cfg.augment)
         self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
@@ -156,9 +161,14 @@ class Trainer(Checkpoints):
         compiled = cfg.compile if cfg.compile is not None else self.dev.type == "cuda"
         self.critic_tokens = torch.compile(self.critic.encode_padded, dynamic=False) if compiled else self.critic.encode_padded
         self.rms = RunningMeanStd()
+        # (ours) a disagreement target reads as the drop target would: the rule's error is normalised
+        # by the same fraction of its target (the paper: 0.01 for a 0.01 target)
+        labelled = cfg.feedback_signal == "drop"
+        target = cfg.target_drop if labelled else cfg.target_disagreement
         self.feedback = FeedbackController(
-            a_init=cfg.a_init, target=cfg.target_drop, cadence=cfg.feedback_cadence,
-            num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient, ema=cfg.feedback_ema,
+            a_init=cfg.a_init, target=target, scale=0.01 if labelled else 0.01 * target / cfg.target_drop,
+            cadence=cfg.feedback_cadence, num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient,
+            ema=cfg.feedback_ema,
         )
         self.sampler = P.RolloutSampler(len(self.rollout_set), p.rollout_images, torch.Generator().manual_seed(p.seed))
         self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # rollout noise, same on every process
@@ -166,7 +176,8 @@ class Trainer(Checkpoints):
         self.u = 0
         self.checkpoints: List[Dict] = []
         # Native references on QC and dev (fixed backbone)
-        self.qc_native = self._predict(self.qc_x, NoPrune())[0] == self.qc_y
+        self.qc_native_pred = self._predict(self.qc_x, NoPrune())[0]
+        self.qc_native = self.qc_native_pred == self.qc_y
         dev_native, _ = self._predict(self.dev_x, NoPrune())
         self.dev_native_top1 = 100.0 * float((dev_native == self.dev_y).float().mean())
         self._tb = None
@@ -238,7 +249,10 @@ class Trainer(Checkpoints):
             if comm.main:
                 sel = torch.tensor(self.qc_shard_idx[shard], device=self.dev)
                 pred, _ = self._predict(self.qc_x[sel], ActorPolicy(self.actor))
-                drop = paired_drop(self.qc_native[sel], pred == self.qc_y[sel])
+                if cfg.feedback_signal == "drop":
+                    drop = paired_drop(self.qc_native[sel], pred == self.qc_y[sel])
+                else:
+                    drop = disagreement(self.qc_native_pred[sel], pred)
             drop = comm.broadcast_object(drop)
             self.feedback.update(u, drop, shard)
             m.update(d_u=drop, d_smoothed=self.feedback.smoothed, qc_shard=shard, a_next=self.feedback.coefficient)
