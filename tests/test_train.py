@@ -438,9 +438,14 @@ def test_label_free_disagreement_feedback(data, tmp_path):
     a = 5.0  # --a-init
     for c in checks:
         assert round(c["d_u"] * 4) == pytest.approx(c["d_u"] * 4, abs=1e-9)  # a count of 4 images
+        assert c["d_u"] == c["qc_disagreement"] >= abs(c["qc_drop"])  # a changed answer for every flip
         assert c["a_u"] == pytest.approx(a)
         a = min(max(a + 5.0 * min(max((c["d_u"] - 0.2) / 0.2, -2.0), 2.0), 0.0), 300.0)
         assert c["a_next"] == pytest.approx(a)
+    # every dev checkpoint records its disagreement with native too (the calibration of the target)
+    for rec in json.loads((out / "selection.json").read_text())["checkpoints"]:
+        assert 0.0 <= rec["disagreement"] <= 100.0
+        assert rec["disagreement"] >= abs(rec["native_top1"] - rec["top1"]) - 1e-9
     assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--feedback-signal", "kl"]) == 1
 
 

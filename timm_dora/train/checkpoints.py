@@ -23,7 +23,8 @@ class Checkpoints:
     def evaluate_dev(self) -> CheckpointRecord:
         pred, gflops = self._predict(self.dev_x, ActorPolicy(self.actor))
         top1 = 100.0 * float((pred == self.dev_y).float().mean())
-        return CheckpointRecord(f"u{self.u:05d}", top1, self.dev_native_top1, float(gflops.mean()))
+        disagreement = 100.0 * float((pred != self.dev_native_pred).float().mean())
+        return CheckpointRecord(f"u{self.u:05d}", top1, self.dev_native_top1, float(gflops.mean()), disagreement)
 
     def state_dict(self) -> Dict:
         self._finish_critic()  # (overlap: the critic's last steps may still be running)

@@ -178,8 +178,8 @@ class Trainer(Checkpoints):
         # Native references on QC and dev (fixed backbone)
         self.qc_native_pred = self._predict(self.qc_x, NoPrune())[0]
         self.qc_native = self.qc_native_pred == self.qc_y
-        dev_native, _ = self._predict(self.dev_x, NoPrune())
-        self.dev_native_top1 = 100.0 * float((dev_native == self.dev_y).float().mean())
+        self.dev_native_pred, _ = self._predict(self.dev_x, NoPrune())
+        self.dev_native_top1 = 100.0 * float((self.dev_native_pred == self.dev_y).float().mean())
         self._tb = None
 
     # ---------------------------------------------------------------------------------------
@@ -245,17 +245,18 @@ class Trainer(Checkpoints):
         m: Dict[str, float] = {"update": u, "a_u": a_u}
         if self.feedback.due(u):  # once, on the first process, then shared
             shard = self.feedback.next_shard()
-            drop = None
+            measured = None
             if comm.main:
                 sel = torch.tensor(self.qc_shard_idx[shard], device=self.dev)
                 pred, _ = self._predict(self.qc_x[sel], ActorPolicy(self.actor))
-                if cfg.feedback_signal == "drop":
-                    drop = paired_drop(self.qc_native[sel], pred == self.qc_y[sel])
-                else:
-                    drop = disagreement(self.qc_native_pred[sel], pred)
-            drop = comm.broadcast_object(drop)
-            self.feedback.update(u, drop, shard)
-            m.update(d_u=drop, d_smoothed=self.feedback.smoothed, qc_shard=shard, a_next=self.feedback.coefficient)
+                # both measures logged (the second calibrates the other's target); the signal steers
+                measured = (paired_drop(self.qc_native[sel], pred == self.qc_y[sel]),
+                            disagreement(self.qc_native_pred[sel], pred))
+            measured = comm.broadcast_object(measured)
+            signal = measured[0] if cfg.feedback_signal == "drop" else measured[1]
+            self.feedback.update(u, signal, shard)
+            m.update(d_u=signal, d_smoothed=self.feedback.smoothed, qc_shard=shard, a_next=self.feedback.coefficient,
+                     qc_drop=measured[0], qc_disagreement=measured[1])
             clock.mark("feedback")
         rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
         m.update(self._ppo_update(traj, d, rewards, a_u))
@@ -585,7 +586,8 @@ class Trainer(Checkpoints):
                 if self.u % cfg.checkpoint_every == 0 or self.u == cfg.total_updates or out_of_time:
                     t = time.perf_counter()
                     rec = self.save_checkpoint()
-                    m.update(dev_top1=rec.top1, dev_gflops=rec.gflops, dev_native_top1=rec.native_top1)
+                    m.update(dev_top1=rec.top1, dev_gflops=rec.gflops, dev_native_top1=rec.native_top1,
+                             dev_disagreement=rec.disagreement)
                     m["phases"]["checkpoint"] = time.perf_counter() - t  # dev evaluation and saving
                 unwritten.append(m)
                 write()

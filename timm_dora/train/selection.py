@@ -15,7 +15,7 @@ whichever checkpoint's noise fell lowest; the fit pools neighbouring checkpoints
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["CheckpointRecord", "RULES", "Selection", "fitted_drops", "select_checkpoint"]
 
@@ -35,6 +35,7 @@ class CheckpointRecord:
     top1: float
     native_top1: float
     gflops: float
+    disagreement: Optional[float] = None  # ours: % of dev images whose top-1 differs from native's (label-free)
 
     @property
     def drop_pp(self) -> float:
