@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
+from .feedback import SIGNALS
 from .pool import AUGMENT_LEVELS
 from .ppo import PPOConfig
+from .selection import RULES
 
 __all__ = ["TrainConfig", "build_parser", "config_from_args"]
 
@@ -66,6 +68,31 @@ class TrainConfig:
     @property
     def total_updates(self) -> int:
         return self.ppo.updates
+
+    @property
+    def feedback_rule(self) -> Tuple[float, float]:
+        """``(target, scale)`` of the feedback rule: the paper's ``(target_drop, 0.01)``, or (ours, with
+        ``--feedback-signal disagreement``) ``target_disagreement`` with the same fraction of it as
+        scale, ``0.01 x target_disagreement / target_drop``: the disagreement target reads as the
+        drop target would."""
+        if self.feedback_signal == "drop":
+            return self.target_drop, 0.01
+        return self.target_disagreement, 0.01 * self.target_disagreement / self.target_drop
+
+    def check(self) -> "TrainConfig":
+        """This configuration, after a ``ValueError`` naming the flag of any setting out of range."""
+        if not 0.0 <= self.cutmix_prob <= 1.0:
+            raise ValueError(f"--cutmix-prob must be in [0, 1], got {self.cutmix_prob}")
+        if self.selection not in RULES:
+            raise ValueError(f"--selection must be one of {RULES}, got {self.selection!r}")
+        if self.feedback_signal not in SIGNALS:
+            raise ValueError(f"--feedback-signal must be one of {SIGNALS}, got {self.feedback_signal!r}")
+        if not 0.0 < self.target_disagreement < 1.0 or not self.target_drop > 0.0:
+            raise ValueError(f"--target-disagreement must be in (0, 1) and --target-drop above 0, got "
+                             f"{self.target_disagreement} and {self.target_drop}")
+        if self.data_workers is not None and self.data_workers < 0:
+            raise ValueError(f"--data-workers must be 0 or more, got {self.data_workers}")
+        return self
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,7 +48,7 @@ from . import pool as P
 from .checkpoints import Checkpoints, warm_start
 from .config import TrainConfig
 from .critic import Critic, native_features, trajectory_scalar_states
-from .feedback import SIGNALS, FeedbackController, disagreement, paired_drop
+from .feedback import FeedbackController, disagreement, paired_drop
 from .graph_step import BackgroundSteps, CapturedStep, StaticBatch
 from .ppo import (
     RunningMeanStd, actor_parameter_groups, apply_pcgrad, clipped_surrogate, clipped_value_loss, gae_shared_return,
@@ -57,7 +57,6 @@ from .ppo import (
 from .rewards import step_rewards, token_layer_compression
 from .rollout import Trajectory, collect, evaluate_controller, evaluate_gate, shadow_divergences
 from .runtime import Comm, PhaseClock, eager_attention
-from .selection import RULES
 
 __all__ = ["Trainer"]
 
@@ -76,7 +75,7 @@ class Trainer(Checkpoints):
     """Holds the frozen wrapped backbone, the actor, the critic, optimisers and all training state."""
 
     def __init__(self, cfg: TrainConfig, sync_phases: bool = False):
-        self.cfg = cfg
+        self.cfg = cfg.check()
         self.comm = Comm()
         self.dev = torch.device(cfg.device)
         self.clock = PhaseClock(self.dev, sync=sync_phases)  # per-phase times of each update
@@ -100,15 +99,6 @@ class Trainer(Checkpoints):
         # data: the backbone's own preprocessing (App. E.1); splits must be disjoint
         ev = D.eval_transform(model)
         cfg.augment = P.augment_level(cfg.augment)
-        if not 0.0 <= cfg.cutmix_prob <= 1.0:
-            raise ValueError(f"--cutmix-prob must be in [0, 1], got {cfg.cutmix_prob}")
-        if cfg.selection not in RULES:
-            raise ValueError(f"--selection must be one of {RULES}, got {cfg.selection!r}")
-        if cfg.feedback_signal not in SIGNALS:
-            raise ValueError(f"--feedback-signal must be one of {SIGNALS}, got {cfg.feedback_signal!r}")
-        if not 0.0 < cfg.target_disagreement < 1.0 or not cfg.target_drop > 0.0:
-            raise ValueError(f"--target-disagreement must be in (0, 1) and --target-drop above 0, got "
-                             f"{cfg.target_disagreement} and {cfg.target_drop}")
         self.patch = model.patch_embed.patch_size[0]
         tr = P.train_transform(model, cfg.augment)
         self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
@@ -120,8 +110,6 @@ class Trainer(Checkpoints):
         if cfg.augment != "none":
             self.rollout_set.keep_decoded()  # decode each file once; the random crop/flip still run per update
             self.augmented = P.AugmentedPool(self.rollout_set, cfg.ppo.seed, cfg.augment == "strong", cfg.cutmix_prob, self.patch)
-        if cfg.data_workers is not None and cfg.data_workers < 0:
-            raise ValueError(f"--data-workers must be 0 or more, got {cfg.data_workers}")
         self.workers = cfg.data_workers if cfg.data_workers is not None else max(1, D.worker_count(16) // 2)
         self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
         if cfg.qc_with_rollout:  # (ours) the feedback also reads the rollout pool, as the evaluation sees it
@@ -161,15 +149,9 @@ class Trainer(Checkpoints):
         compiled = cfg.compile if cfg.compile is not None else self.dev.type == "cuda"
         self.critic_tokens = torch.compile(self.critic.encode_padded, dynamic=False) if compiled else self.critic.encode_padded
         self.rms = RunningMeanStd()
-        # (ours) a disagreement target reads as the drop target would: the rule's error is normalised
-        # by the same fraction of its target (the paper: 0.01 for a 0.01 target)
-        labelled = cfg.feedback_signal == "drop"
-        target = cfg.target_drop if labelled else cfg.target_disagreement
-        self.feedback = FeedbackController(
-            a_init=cfg.a_init, target=target, scale=0.01 if labelled else 0.01 * target / cfg.target_drop,
-            cadence=cfg.feedback_cadence, num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient,
-            ema=cfg.feedback_ema,
-        )
+        target, scale = cfg.feedback_rule
+        self.feedback = FeedbackController(a_init=cfg.a_init, target=target, scale=scale, cadence=cfg.feedback_cadence,
+                                           num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient, ema=cfg.feedback_ema)
         self.sampler = P.RolloutSampler(len(self.rollout_set), p.rollout_images, torch.Generator().manual_seed(p.seed))
         self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # rollout noise, same on every process
         self.cpu_gen = torch.Generator().manual_seed(p.seed + 1)  # minibatch order
