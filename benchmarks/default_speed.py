@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import timm_dora  # noqa: E402
 from timm_dora import NoPrune  # noqa: E402
+from timm_dora.engine import native_gflops  # noqa: E402
 from timm_dora.evaluate import bench, environment, inference_device, load_model, loader_for, write_json  # noqa: E402
 from timm_dora.hub.published import resolve_actor  # noqa: E402
 from throughput import gate_forced_actor, oracle_forward  # noqa: E402
@@ -88,12 +89,11 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compi
     removed = torch.cat(removed).float().mean(0)  # [depth] mean removal per block
     ks = {l: int(round(float(r))) for l, r in enumerate(removed) if r > 0}
     row["realised_removal_per_block"] = {str(l): round(float(r), 2) for l, r in enumerate(removed) if r > 0}
+    if not args.compiled_only:
+        row["dora_default_ips"] = timed(model, inputs, args)
     timm_dora.unwrap(model)
     if args.compiled_only:
         return _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed)
-    timm_dora.wrap(model, actor_fn())
-    row["dora_default_ips"] = timed(model, inputs, args)
-    timm_dora.unwrap(model)
     save()
 
     timm_dora.wrap(model, actor_fn(), cuda_graphs=True)
@@ -142,13 +142,8 @@ def _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager
 
 
 def native_rows(model, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
-    timm_dora.wrap(model, policy=NoPrune())  # native's GFLOPs by the same accounting
-    with torch.inference_mode():
-        model(inputs[0])
-    gflops = float(model.dora_stats.gflops.mean())
-    timm_dora.unwrap(model)
     torch._dynamo.reset()
-    return {"native_gflops": gflops, "native_eager_ips": timed(model, inputs, args),
+    return {"native_gflops": native_gflops(model), "native_eager_ips": timed(model, inputs, args),
             "native_compiled_ips": timed(torch.compile(model), inputs, args)}
 
 

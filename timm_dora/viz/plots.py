@@ -388,7 +388,8 @@ def plot_sweep(datas: Sequence[Mapping[str, Any]], title: Optional[str] = None, 
     """Drop against GFLOPs, one panel per backbone (dicts of :func:`~timm_dora.viz.data.sweep_data`):
     the static and ToMe sweeps as lines, DORA's checkpoints and seeds as small stars, the seed chosen
     on dev (the published actor where the sweep published one) as a large star with its standard
-    error, the random selector as a cross, native at 0 and the ``target_pp`` drop as a dashed line. Artists have ``gid = f"{model}|{series}"``."""
+    error, the random selector as a cross, native at 0 and the ``target_pp`` drop as a dashed line.
+    Artists have ``gid = f"{model}|{series}"``."""
     if not datas:
         raise ValueError("no trade-off sweeps to draw")
     colors = ("tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:cyan", "tab:olive")
@@ -409,8 +410,9 @@ def plot_sweep(datas: Sequence[Mapping[str, Any]], title: Optional[str] = None, 
                     g, y, _ = zip(*pts)
                     handles.setdefault(name, ax.plot(g, y, ls="none", marker="*", ms=ms, color=col, gid=f"{m}|{name}")[0])
             g, y, se = d["dora"]
-            handles.setdefault("DORA (seed chosen on dev)", ax.errorbar([g], [y], yerr=[se], fmt="*", ms=16, color="tab:red",
-                                                              mec="k", mew=0.6, capsize=3, gid=f"{m}|DORA (seed chosen on dev)"))
+            chosen = "DORA (seed chosen on dev)"
+            handles.setdefault(chosen, ax.errorbar([g], [y], yerr=[se], fmt="*", ms=16, color="tab:red", mec="k", mew=0.6,
+                                                   capsize=3, gid=f"{m}|{chosen}"))
             if d.get("random_selector"):
                 g, y, _ = d["random_selector"]
                 handles.setdefault("DORA gates, random tokens", ax.plot([g], [y], ls="none", marker="X", ms=9, color="k",
