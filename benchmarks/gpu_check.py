@@ -69,9 +69,9 @@ def check(name, kw, batch, mode):
         out["native_rel_err"] = rel_err(gpu(x.to("cuda", dtype)), cpu(x))
 
     plan = random_plan(batch, n0, depth, [0, 2, depth // 2, depth - 2], seed=1)
-    timm_dora.wrap(cpu, policy=ReplayPolicy(plan))
+    timm_dora.wrap(cpu, policy=ReplayPolicy(plan), cuda_graphs=False)
     ref = cpu(x)
-    timm_dora.wrap(gpu, policy=ReplayPolicy(on(plan, "cuda")))
+    timm_dora.wrap(gpu, policy=ReplayPolicy(on(plan, "cuda")), cuda_graphs=False)
     with ctx:
         got = gpu(x.to("cuda", dtype))
     out["fuzzed_rel_err"] = rel_err(got, ref)
@@ -83,7 +83,7 @@ def check(name, kw, batch, mode):
     with torch.no_grad():
         actor.gate_mlp[2].bias.fill_(0.3)
     rec = Recorder(ActorPolicy(actor.to("cuda", dtype)))
-    timm_dora.wrap(gpu, policy=rec)
+    timm_dora.wrap(gpu, policy=rec, cuda_graphs=False)
     with ctx:
         got = gpu(x.to("cuda", dtype))
     stats = gpu.dora_stats

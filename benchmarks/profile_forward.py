@@ -127,7 +127,7 @@ def main():
                 model(x)
             native_ms = wall_ms(model, x, args.iters)
             for cfg, kw in ({} if args.graphs_only else configs).items():
-                timm_dora.wrap(model, **kw)
+                timm_dora.wrap(model, cuda_graphs=False, **kw)
                 for _ in range(args.warmup):
                     model(x)
                 ms = wall_ms(model, x, args.iters)

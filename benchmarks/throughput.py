@@ -401,7 +401,7 @@ def _measure(args, argv) -> dict:
             red, blocks = parse_reduction(target, args.blocks)
             mean_k = schedule_for_reduction(model, red, blocks)
             plan = fixed_plan(args.batch, cost.num_patches, blocks, mean_k, args.spread, 0, dev)
-            timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False))
+            timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), cuda_graphs=False)
             stats = gflops_of(model, plan, inputs)
             g = float(stats.gflops.mean())
             tag = f"@{int(round(100 * (1 - g / native_gflops)))}%"
@@ -411,7 +411,7 @@ def _measure(args, argv) -> dict:
             for ab in args.attn_backends:
                 sfx = "" if len(args.attn_backends) == 1 else f"[{ab}]"
                 if "fixed" in args.configs:
-                    timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), attn_backend=ab)
+                    timm_dora.wrap(model, policy=ReplayPolicy(plan, check=False), attn_backend=ab, cuda_graphs=False)
                     if first_forward(model, "fixed" + tag + sfx):
                         add("fixed" + tag + sfx, model, g, backend=model.dora_stats.backend, blocks=blocks,
                             mean_k=mean_k, tokens_range=[int(stats.tokens[:, -1].min()), int(stats.tokens[:, -1].max())])

@@ -14,7 +14,7 @@ the published actors), then the applications: :mod:`~timm_dora.train` (PPO),
 """
 from . import hub  # noqa: F401  (attaches Actor.from_pretrained / save_pretrained / push_to_hub)
 from .api import wrap
-from .engine import DoraStats, Packed, is_wrapped, native_gflops, run, set_policy, unwrap
+from .engine import DoraStats, Packed, engine_info, is_wrapped, native_gflops, release_graphs, run, set_policy, unwrap
 from .policy import Actor, ActorPolicy, BlockContext, Decision, NoPrune, ReplayPolicy
 from .version import __version__
 
@@ -28,8 +28,10 @@ __all__ = [
     "Packed",
     "ReplayPolicy",
     "__version__",
+    "engine_info",
     "is_wrapped",
     "native_gflops",
+    "release_graphs",
     "run",
     "set_policy",
     "unwrap",

@@ -29,7 +29,7 @@ def wrap(
     readout: str = "model",
     attn_backend: str = "auto",
     speculate: bool = False,
-    cuda_graphs: bool = False,
+    cuda_graphs: Optional[bool] = None,
     skip_dead: bool = False,
     **hub_kwargs,
 ) -> nn.Module:
@@ -57,23 +57,26 @@ def wrap(
             runs). Pays when gates rarely open. With ``policy=``, construct the policy with
             ``speculate=True`` instead (it must offer ``begin``, see
             :mod:`timm_dora.engine.protocol`).
-        cuda_graphs: inference only, opt-in: the forward's heavy segments (each block's attention
-            and MLP residuals, the actor's gate and controller with the deletion, the readout)
-            are captured as CUDA graphs on first use and replayed; host decisions run eagerly in
-            between (:mod:`timm_dora.engine.graphs`). Until the first deletion shapes are fixed
-            by the batch shape; after it, packed rows are padded to a multiple of a bucket of
-            about 1/256 of the batch's rows (16 to 256; one graph per block and size). Graphs are
-            kept for up to 4 batch shapes (and policies). Needs ``eval()``, no autograd
-            (``torch.inference_mode()``) and, on CUDA, bf16/fp16 without autocast; otherwise the
-            forward runs eagerly with one warning. The graphs read the weights in place; moving
-            or casting the model recaptures. Costs memory: a few ``[B*S, d]`` buffers and the
-            graphs' pool per batch shape. Results match the default path up to rounding (the
-            captured controller runs on every image, masked, so in bf16 a near-tie may decide
-            differently). Off CUDA the same segments run uncaptured (how the CPU tests check it).
+        cuda_graphs: ``None`` (the default): wherever it can, the forward is replayed from CUDA
+            graphs: on CUDA, in ``eval()`` mode, without autograd (``torch.inference_mode()`` or
+            ``no_grad``) and autocast, in bf16/fp16 (cast the model). Each block's attention and
+            MLP residuals, the actor's gate and controller with the deletion, and the readout are
+            captured on first use and replayed; host decisions run in between
+            (:mod:`timm_dora.engine.graphs`). Elsewhere (CPU, training, fp32) it runs eagerly.
+            The batch is padded to a bucket (sizes up to 8 as they are, then three significant
+            bits: 10, 12, ..., 256, 320, ...; the padding's outputs are dropped) and graphs are kept
+            for up to 4 buckets; :func:`timm_dora.engine_info` reports their count, capture time and
+            memory, :func:`timm_dora.release_graphs` frees them. A capture that fails falls back to
+            eager for good, with one warning (:mod:`timm_dora.engine.capture`). Results match the
+            eager forward up to rounding (the captured controller runs on every image, masked, so
+            in bf16 a near-tie may decide differently). ``True``: captured, with one warning where
+            it cannot be (off CUDA the same segments run uncaptured: how the CPU tests check
+            them); ``False``: always eager. The graphs read the weights in place; moving or casting
+            the model recaptures.
         skip_dead: the last block's MLP only on the rows a CLS-token readout reads (the prefix
             tokens): the other rows never reach the logits, so the logits are the same (up to
             rounding) for less compute, and the GFLOPs count what runs. Only where the readout is
-            the class token (``global_pool="token"``); eager only for now (not with ``cuda_graphs``).
+            the class token (``global_pool="token"``); eager only for now (not with ``cuda_graphs=True``).
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 

@@ -5,7 +5,8 @@ of training, evaluation, actors' files or the Hub.
 - :mod:`~timm_dora.engine.patch`: ``wrap``/``unwrap`` (the timm integration) and the forward
   (:func:`~timm_dora.engine.patch.run`), executed eagerly;
 - :mod:`~timm_dora.engine.graphs` (with :mod:`~timm_dora.engine.segments`): the same forward
-  replayed from CUDA graphs (``cuda_graphs=True``);
+  replayed from CUDA graphs; :mod:`~timm_dora.engine.capture`: which of the two runs a forward
+  (captured wherever possible by default), batch buckets, fallback, ``engine_info``;
 - :mod:`~timm_dora.engine.blocks`: one block's program, composed from timm's own submodules, that
   both executors run;
 - :mod:`~timm_dora.engine.protocol`: what a policy sees and returns;
@@ -13,10 +14,11 @@ of training, evaluation, actors' files or the Hub.
   :mod:`~timm_dora.engine.varlen_kernel`: the Triton varlen attention kernel;
 - :mod:`~timm_dora.engine.flops`: GFLOPs accounting (App. E.4).
 """
+from .capture import engine_info, release_graphs
 from .flops import native_gflops
 from .packing import Packed
 from .patch import DoraStats, is_wrapped, run, set_policy, unwrap, wrap
 from .protocol import BlockContext, Decision, ForwardConstants
 
-__all__ = ["BlockContext", "Decision", "DoraStats", "ForwardConstants", "Packed", "is_wrapped", "native_gflops", "run",
-           "set_policy", "unwrap", "wrap"]
+__all__ = ["BlockContext", "Decision", "DoraStats", "ForwardConstants", "Packed", "engine_info", "is_wrapped",
+           "native_gflops", "release_graphs", "run", "set_policy", "unwrap", "wrap"]

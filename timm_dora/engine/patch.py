@@ -38,7 +38,8 @@ from torch.profiler import record_function
 
 from .blocks import attention_residual, embed, mlp_residual, readout
 from .flops import BackboneCost, backbone_cost
-from .graphs import RunAheadMissed, graph_mode_reason, graph_runner, release_all
+from .capture import batch_bucket, capture_reason, captures_under_compile, fell_back, pad_batch
+from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all
 from .packing import BACKENDS, Packed, delete_rows, rows_where, segment_ids, select_backend
 from .protocol import BlockContext, ForwardConstants, Policy
 
@@ -107,9 +108,12 @@ class _DoraState:
     attn_backend: str
     cost: BackboneCost  # at the input size the model was created for
     original_class: type
-    cuda_graphs: bool = False
-    graphs: "OrderedDict" = field(default_factory=OrderedDict)  # graphs.GraphRunner per batch shape
-    warned: bool = False  # the one warning that cuda_graphs could not be used
+    cuda_graphs: Optional[bool] = None  # None: captured wherever possible (engine.capture)
+    graphs: "OrderedDict" = field(default_factory=OrderedDict)  # graphs.GraphRunner per batch bucket
+    warned: bool = False  # the one warning that cuda_graphs=True could not be used
+    failed: Optional[str] = None  # why capturing was given up (a captured forward raised)
+    executor: Optional[str] = None  # what ran the last forward: "captured" or "eager"
+    reason: Optional[str] = None  # why the last forward ran eagerly
     costs: Dict[int, BackboneCost] = field(default_factory=dict)  # at other input sizes, by patch count
     skip_dead: bool = False  # the last block's MLP on the rows the readout reads only (the prefix rows)
 
@@ -161,15 +165,16 @@ def check_supported(model: nn.Module, readout: str = "model", attn_backend: str 
             raise TypeError(f"block {i} attention is {type(blk.attn).__name__}; only timm.layers.Attention is supported")
 
 
-def check_skip_dead(model: nn.Module, readout: str, skip_dead: bool, cuda_graphs: bool) -> None:
-    """``skip_dead`` needs a readout that reads the prefix rows only (the CLS token), and runs eagerly."""
+def check_skip_dead(model: nn.Module, readout: str, skip_dead: bool, cuda_graphs: Optional[bool]) -> None:
+    """``skip_dead`` needs a readout that reads the prefix rows only (the CLS token), and runs eagerly
+    (``cuda_graphs=True`` is refused with it; by default such a model is not captured)."""
     if not skip_dead:
         return
     if readout != "model" or model.global_pool != "token" or getattr(model, "attn_pool", None) is not None:
         raise ValueError(f"skip_dead=True leaves out the last block's MLP on the tokens the readout never reads: "
                          f"this readout (readout={readout!r}, global_pool={model.global_pool!r}) reads every token")
-    if cuda_graphs:
-        raise ValueError("skip_dead=True is not captured in CUDA graphs yet: pass cuda_graphs=False with it")
+    if cuda_graphs is True:
+        raise ValueError("skip_dead=True is not captured in CUDA graphs yet: leave cuda_graphs unset or False with it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,6 +187,8 @@ def _dora_class(cls: type) -> type:
     if cls not in _CLASSES:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling() and captures_under_compile(self, x):
+                return _opaque_forward(self, x)  # the captured executor, one call Dynamo does not trace
             logits, stats = run(self, x, self._dora.policy)
             self.dora_stats = stats
             return logits
@@ -190,12 +197,18 @@ def _dora_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
+@torch.compiler.disable
+def _opaque_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logits, model.dora_stats = run(model, x, model._dora.policy)
+    return logits
+
+
 def is_wrapped(model: nn.Module) -> bool:
     return isinstance(getattr(model, "_dora", None), _DoraState)
 
 
 def is_wrapped_as(model: nn.Module, policy: Optional[Policy], *, readout: str = "model", attn_backend: str = "auto",
-                  cuda_graphs: bool = False, skip_dead: bool = False) -> bool:
+                  cuda_graphs: Optional[bool] = None, skip_dead: bool = False) -> bool:
     """Whether ``model`` is already wrapped with exactly this policy and options (wrapping again is
     then a no-op). ``False`` if it is not wrapped; ``ValueError`` if it is wrapped otherwise (or
     ``policy`` is ``None``): :func:`unwrap` must come first."""
@@ -203,13 +216,17 @@ def is_wrapped_as(model: nn.Module, policy: Optional[Policy], *, readout: str = 
         return False
     state = model._dora
     options = (state.readout, state.attn_backend, state.cuda_graphs, state.skip_dead)
-    if state.policy is policy and options == (readout, attn_backend, bool(cuda_graphs), bool(skip_dead)):
+    if state.policy is policy and options == (readout, attn_backend, _option(cuda_graphs), bool(skip_dead)):
         return True
     raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
 
 
+def _option(cuda_graphs: Optional[bool]) -> Optional[bool]:
+    return None if cuda_graphs is None else bool(cuda_graphs)
+
+
 def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backend: str = "auto",
-         cuda_graphs: bool = False, skip_dead: bool = False, actor: Optional[nn.Module] = None) -> nn.Module:
+         cuda_graphs: Optional[bool] = None, skip_dead: bool = False, actor: Optional[nn.Module] = None) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes with ``policy``.
 
     The engine's wrap: :func:`timm_dora.wrap` (the public one) documents the options and builds
@@ -224,7 +241,7 @@ def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backe
     check_supported(model, readout, attn_backend)
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
     original = type(model)
-    model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, bool(cuda_graphs),
+    model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, _option(cuda_graphs),
                              skip_dead=bool(skip_dead))
     if actor is not None:
         p = next(model.parameters())
@@ -283,14 +300,46 @@ def _no_scope(name: str) -> contextlib.nullcontext:
 
 
 def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor, DoraStats]:
-    """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and stats."""
+    """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and
+    stats. Captured or eager as :mod:`~timm_dora.engine.capture` decides (the batch padded to its
+    bucket when captured, the padding's outputs dropped)."""
     if x.shape[0] == 0:
         return _empty_batch(model, x)
+    state: _DoraState = model._dora
+    backend = select_backend(x.device.type, x.dtype, state.attn_backend)
+    state.reason = why = capture_reason(model, x, backend)
+    if why is not None:
+        state.executor = "eager"
+        if state.cuda_graphs and not state.warned and state.failed is None and not torch.compiler.is_compiling():
+            state.warned = True
+            # (pointing at the caller of model(x): run, forward and two frames of nn.Module's call between)
+            warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=5)
+        return _forward(model, x, policy, None)
+    batch = x.shape[0]
+    padded = pad_batch(x, batch_bucket(batch))
     try:
-        return _run(model, x, policy, run_ahead=True)
+        runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout)
+        out = _forward(model, padded, policy, runner, keep=batch)
+    except Exception as error:  # a failed capture: eagerly, and for good if that works
+        release_all(state.graphs)
+        out = _forward(model, x, policy, None)  # (raises if the input was at fault: graphs stay on)
+        why = fell_back(model, error)
+        state.executor, state.reason = "eager", f"an earlier capture failed ({why})"
+        warnings.warn(f"timm_dora: capturing CUDA graphs failed, so this model runs eagerly from now on ({why}); "
+                      "timm_dora.engine_info(model) keeps the reason", stacklevel=5)
+        return out
+    state.executor = "captured"
+    return out
+
+
+def _forward(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[GraphRunner],
+             keep: Optional[int] = None) -> Tuple[torch.Tensor, DoraStats]:
+    """The block program, eager (``runner`` None) or replayed by ``runner``."""
+    try:
+        return _run(model, x, policy, runner, run_ahead=True, keep=keep)
     except RunAheadMissed:  # (CUDA graphs: a gate opened inside the dense blocks run ahead) once more,
         # block by block
-        return _run(model, x, policy, run_ahead=False)
+        return _run(model, x, policy, runner, run_ahead=False, keep=keep)
 
 
 def _cost_at(state: "_DoraState", model: nn.Module, num_patches: int) -> BackboneCost:
@@ -318,7 +367,9 @@ def _empty_batch(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, DoraS
                              policy_gflops=flops.clone(), backend=backend, removed_patches=[None] * depth)
 
 
-def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> Tuple[torch.Tensor, DoraStats]:
+def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[GraphRunner], run_ahead: bool,
+         keep: Optional[int] = None) -> Tuple[torch.Tensor, DoraStats]:
+    """One forward; ``keep``: the real images are the first ``keep`` (the rest pad a captured batch)."""
     state: _DoraState = model._dora
     cost = state.cost
     if model.training and any(getattr(m, "drop_prob", 0.0) > 0 for m in model.modules() if type(m).__name__ == "DropPath"):
@@ -328,24 +379,10 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
         _check_policy(policy)
         if model.training:
             raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
-    runner = None  # the forward replayed from CUDA graphs (graphs.GraphRunner), when enabled
-    # under torch.compile the eager executor runs (Dynamo traces it; mode="reduce-overhead" captures
-    # the compiled graphs): the graph runner's host-side bookkeeping is not traceable
-    use_graphs = state.cuda_graphs and not torch.compiler.is_compiling()
-    if use_graphs and (getattr(model.patch_embed, "dynamic_img_size", False)
-                       or tuple(x.shape[-2:]) == tuple(model.patch_embed.img_size)):
-        backend = select_backend(x.device.type, x.dtype, state.attn_backend)
-        why = graph_mode_reason(model, x, backend)
-        if why is None:
-            runner = graph_runner(model, state.graphs, policy, x, backend, state.readout)
-        elif not state.warned:
-            state.warned = True
-            # (pointing at the caller of model(x): _run, run, forward and two frames of nn.Module's call between)
-            warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=6)
     p = model.num_prefix_tokens
     if runner is not None:
         runner.start(x, run_ahead)
-        b, n0, dev = runner.batch, runner.num_patches, x.device
+        b, n0, dev, backend = runner.batch, runner.num_patches, x.device, runner.backend
         packed = None
         del x
     else:
@@ -475,8 +512,13 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, run_ahead: bool) -> 
                 continue
             lengths, total, ids, remove, count = entry
             rows = rows_where(remove, count)
-            patches.append((segment_ids(lengths, total)[rows], ids[rows] - p))
-        return dict(tokens=n0 - removed.cumsum(1), gate=torch.stack(gates, 1), removed=removed, gflops=flops / 1e9,
-                    policy_gflops=own / 1e9, backend=backend, removed_patches=patches)
+            image, patch = segment_ids(lengths, total)[rows], ids[rows] - p
+            if real < b:  # not the padding's
+                image, patch = image[image < real], patch[image < real]
+            patches.append((image, patch))
+        gate, tokens = torch.stack(gates, 1), n0 - removed.cumsum(1)
+        return dict(tokens=tokens[:real], gate=gate[:real], removed=removed[:real], gflops=flops[:real] / 1e9,
+                    policy_gflops=own[:real] / 1e9, backend=backend, removed_patches=patches)
 
-    return logits, _LazyStats(statistics)
+    real = b if keep is None else keep
+    return (logits if real == b else logits[:real]), _LazyStats(statistics)

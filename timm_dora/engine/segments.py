@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Callable, Dict, Optional
@@ -405,6 +406,7 @@ class Segments:
             g.replay()
             return
         fn = self._segment(key)
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         # the warm-up, outside the capture (lazy initialisations); the capture only records, and
         # the replay gives this call's result, except for segments that consume their input: the
         # controller (its deletion overwrites the block input and layout it read) and, without the
@@ -430,6 +432,9 @@ class Segments:
         self.graphs[key] = g
         if not self._consumes_input(key):
             g.replay()
+        torch.cuda.current_stream(self.device).synchronize()
+        self.capture_s += time.perf_counter() - start
+        self.memory_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
 
     def _scratch_bytes(self) -> int:
         """The largest scratch space a segment is expected to need: a dense block's attention (its

@@ -88,7 +88,8 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
     ap.add_argument("--actor", default=None, help="DORA actor: folder, hf-hub:org/name or repo id (default: the registered one)")
     ap.add_argument("--attn-backend", default="auto", help="DORA's varlen attention backend (auto, triton, flash, torch_varlen, sdpa_loop)")
     ap.add_argument("--cuda-graphs", action="store_true",
-                    help="DORA: wrap(..., cuda_graphs=True), the forward replayed from CUDA graphs (timm_dora.engine.graphs)")
+                    help="DORA: wrap(..., cuda_graphs=True), the forward replayed from CUDA graphs (timm_dora.engine.graphs); "
+                         "without it the eager executor runs, the reference")
     ap.add_argument("--r", type=int, nargs="+", default=None, help="ToMe merges per block: one value, or one per block")
     ap.add_argument("--no-prop-attn", action="store_true", help="ToMe without proportional attention")
     ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40")

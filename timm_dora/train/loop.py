@@ -92,7 +92,8 @@ class Trainer(Checkpoints):
             kw["num_classes"] = cfg.num_classes
         model = create_backbone(cfg.model, cfg.weights, pretrained=cfg.pretrained, **kw)
         self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
-        self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout, skip_dead=cfg.skip_dead)
+        self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout, skip_dead=cfg.skip_dead,
+                          cuda_graphs=False)
         self.num_patches = model.patch_embed.num_patches
         self.depth = len(model.blocks)
 

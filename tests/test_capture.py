@@ -1,0 +1,195 @@
+"""Which executor runs a wrapped forward (#30, :mod:`timm_dora.engine.capture`): captured by default
+where it can be, batch buckets, the fallback to eager, ``engine_info`` and ``release_graphs``.
+
+On CPU ``cuda_graphs=True`` runs the captured executor's segments uncaptured (as in
+``test_graphs.py``), so its batch padding, fallback and bookkeeping are checked here against the
+eager forward; the CUDA tests at the end check the default on a GPU."""
+import warnings
+
+import pytest
+import torch
+
+import timm_dora
+from timm_dora.engine import capture as capture_module
+from timm_dora.engine import graphs as graphs_module
+from timm_dora.engine.capture import batch_bucket
+from timm_dora.engine.graphs import GraphRunner
+
+from helpers import SMALL_FAMILIES, images, kind_actor, make_model
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _model():
+    name, kw = SMALL_FAMILIES["deit"]
+    return make_model(name, **kw)
+
+
+def _forward(model, x, **wrap_kw):
+    timm_dora.wrap(model, **wrap_kw)
+    try:
+        with torch.inference_mode():
+            return model(x), model.dora_stats, timm_dora.engine_info(model)
+    finally:
+        timm_dora.unwrap(model)
+
+
+def test_batch_buckets_round_to_three_significant_bits():
+    assert [batch_bucket(b) for b in (1, 2, 7, 8)] == [1, 2, 7, 8]  # small batches as they are
+    assert [batch_bucket(b) for b in (9, 10, 11, 13, 15, 16, 17)] == [10, 10, 12, 14, 16, 16, 20]
+    assert [batch_bucket(b) for b in (33, 64, 65, 257, 320, 321, 1000)] == [40, 64, 80, 320, 320, 384, 1024]
+    for b in range(9, 2049):  # at most four sizes per octave, less than a quarter of padding
+        assert b <= batch_bucket(b) < 1.25 * b
+
+
+def test_by_default_a_cpu_forward_runs_eagerly_without_a_word():
+    model = _model()
+    x = images(model, 3)
+    actor = kind_actor(model, "biased")
+    ref = _forward(model, x, actor=actor, cuda_graphs=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, stats, info = _forward(model, x, actor=actor)
+    assert torch.equal(out, ref[0]) and torch.equal(stats.removed, ref[1].removed)
+    assert info["cuda_graphs"] is None and info["executor"] == "eager"
+    assert info["reason"] == "the model is on cpu, not CUDA" and info["batch_shapes"] == []
+    assert ref[2]["reason"] == "cuda_graphs=False"
+
+
+@pytest.mark.parametrize("batch", [9, 11, 13])
+def test_a_captured_forward_pads_the_batch_to_its_bucket_and_drops_the_padding(batch):
+    """The captured executor runs 10, 12 or 14 images; logits and every statistic are the real
+    images' only, with the eager forward's decisions (the captured controller runs on every image,
+    masked: products over more rows may round differently, so logits within 1e-5)."""
+    model = _model()
+    x = images(model, batch, seed=4)
+    actor = kind_actor(model, "forced")
+    ref, ref_stats, _ = _forward(model, x, actor=actor, cuda_graphs=False)
+    out, stats, info = _forward(model, x, actor=actor, cuda_graphs=True)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    for name in ("tokens", "gate", "removed", "gflops", "policy_gflops"):
+        assert torch.equal(getattr(stats, name), getattr(ref_stats, name)), name
+    assert ref_stats.removed.sum() > 0
+    for got, want in zip(stats.removed_patches, ref_stats.removed_patches, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert int(got[0].max()) < batch
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert info["executor"] == "captured" and info["reason"] is None
+    assert [s["batch"] for s in info["batch_shapes"]] == [batch_bucket(batch)]
+
+
+def test_a_failed_capture_falls_back_to_eager_for_good_with_one_warning(monkeypatch):
+    model = _model()
+    x = images(model, 4)
+    actor = kind_actor(model, "biased")
+    ref = _forward(model, x, actor=actor, cuda_graphs=False)[0]
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore lines")
+
+    monkeypatch.setattr(GraphRunner, "start", broken)
+    timm_dora.wrap(model, actor, cuda_graphs=True)
+    with torch.inference_mode():
+        with pytest.warns(UserWarning, match="capturing CUDA graphs failed, so this model runs eagerly from now on "
+                                             r"\(RuntimeError: operation not permitted when stream is capturing\)") as caught:
+            out = model(x)
+        assert caught[0].filename == __file__
+        assert torch.equal(out, ref)
+        info = timm_dora.engine_info(model)
+        assert info["executor"] == "eager" and info["batch_shapes"] == []
+        assert info["failed"] == "RuntimeError: operation not permitted when stream is capturing"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once only, and no second attempt
+            monkeypatch.undo()
+            assert torch.equal(model(x), ref)
+        assert timm_dora.engine_info(model)["reason"].startswith("an earlier capture failed (RuntimeError")
+        assert len(model._dora.graphs) == 0
+    timm_dora.unwrap(model)
+
+
+def test_an_input_the_eager_forward_refuses_too_raises_and_keeps_the_graphs_on():
+    model = _model()
+    timm_dora.wrap(model, kind_actor(model, "biased"), cuda_graphs=True)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="expected input.*to have 3 channels"):
+            model(torch.randn(2, 4, 64, 64))
+        assert timm_dora.engine_info(model)["failed"] is None
+        model(images(model, 2))
+    assert timm_dora.engine_info(model)["executor"] == "captured"
+    timm_dora.unwrap(model)
+
+
+def test_engine_info_reports_the_cached_buckets_and_release_graphs_frees_them(monkeypatch):
+    monkeypatch.setattr(graphs_module, "MAX_CACHED", 2)
+    monkeypatch.setattr(capture_module, "MAX_CACHED", 2)
+    model = _model()
+    timm_dora.wrap(model, kind_actor(model, "forced"), cuda_graphs=True)
+    with torch.inference_mode():
+        for b in (2, 9, 10, 3):  # 9 and 10 share bucket 10; 2 is dropped when 3 comes
+            model(images(model, b))
+    info = timm_dora.engine_info(model)
+    assert [s["batch"] for s in info["batch_shapes"]] == [10, 3] and info["max_cached"] == 2
+    assert info["graphs"] == 0 and info["capture_s"] == 0.0  # off CUDA nothing is captured
+    assert timm_dora.release_graphs(model) == 2
+    assert timm_dora.engine_info(model)["batch_shapes"] == []
+    with torch.inference_mode():
+        model(images(model, 3))
+    assert [s["batch"] for s in timm_dora.engine_info(model)["batch_shapes"]] == [3]
+    timm_dora.unwrap(model)
+    with pytest.raises(ValueError, match="not wrapped"):
+        timm_dora.engine_info(model)
+
+
+def test_the_graph_option_is_part_of_the_wrap_identity():
+    model = _model()
+    actor = kind_actor(model, "closed")
+    timm_dora.wrap(model, actor)
+    assert timm_dora.wrap(model, actor, cuda_graphs=None) is model
+    for other in (True, False):
+        with pytest.raises(ValueError, match="already wrapped"):
+            timm_dora.wrap(model, actor, cuda_graphs=other)
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, actor, skip_dead=True)  # by default skip_dead is simply not captured
+    timm_dora.unwrap(model)
+
+
+def test_under_torch_compile_a_capturable_forward_is_one_opaque_call(monkeypatch):
+    """Where the forward would be captured (here forced on the CPU, which runs the same segments
+    uncaptured) ``torch.compile`` calls the captured executor as it is: Dynamo compiles no graph of
+    the block program, and the output equals the captured executor's."""
+    model = _model()
+    x = images(model, 5)
+    actor = kind_actor(model, "forced")
+    ref, ref_stats, _ = _forward(model, x, actor=actor, cuda_graphs=True)
+    monkeypatch.setattr("timm_dora.engine.patch.captures_under_compile", lambda m, images: True)
+    timm_dora.wrap(model, actor, cuda_graphs=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.inference_mode():
+        out = torch.compile(model)(x)
+    assert torch.equal(out, ref) and torch.equal(model.dora_stats.removed, ref_stats.removed)
+    assert timm_dora.engine_info(model)["executor"] == "captured"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    timm_dora.unwrap(model)
+
+
+@cuda
+def test_by_default_a_half_precision_cuda_forward_is_captured_and_bucketed():
+    model = _model().to("cuda", torch.bfloat16)
+    x = images(model, 9).to("cuda", torch.bfloat16)
+    actor = kind_actor(model, "forced")
+    ref, ref_stats, _ = _forward(model, x, actor=actor, cuda_graphs=False)
+    out, stats, info = _forward(model, x, actor=actor)
+    assert info["executor"] == "captured" and [s["batch"] for s in info["batch_shapes"]] == [10]
+    assert info["graphs"] > 0 and info["capture_s"] > 0 and info["memory_mb"] > 0
+    same = (stats.removed == ref_stats.removed).all(1)
+    assert same.float().mean() >= 0.75  # bf16 near-ties may decide otherwise
+    torch.testing.assert_close(out[same].float(), ref[same].float(), rtol=0.05, atol=0.05)
+    with torch.no_grad():
+        timm_dora.wrap(model, actor)
+        model.train()
+        model(x)  # training mode: eagerly, without a word
+        assert timm_dora.engine_info(model)["reason"] == "the model is in training mode"
+        timm_dora.unwrap(model)
