@@ -6,9 +6,11 @@ loop, median of repeats; ``--warmup/--iters/--repeats``) on GPU-resident batches
 
 - ``native_eager_ips`` / ``native_compiled_ips``: the unwrapped timm model, eager and under
   ``torch.compile`` (default mode);
-- ``dora_default_ips``: ``timm_dora.wrap(model, actor)`` with no flags;
-- ``dora_graphs_ips``: the same with ``cuda_graphs=True`` (``capture_s``: its first forward minus
-  a steady one; ``graph_memory_mb``: the memory reserved by that first forward);
+- ``dora_default_ips``: ``timm_dora.wrap(model, actor)`` with no flags (captured: ``capture_s``, its
+  first forward minus a steady one; ``graph_memory_mb``, the memory reserved by that first forward;
+  ``engine_info``, :func:`timm_dora.engine_info` after the timing; its agreement with the eager
+  executor on the first batch: ``default_same_decisions_pct``, ``default_max_abs_diff``);
+- ``dora_eager_ips``: the same with ``cuda_graphs=False``, the eager executor;
 - ``dora_compiled_ips`` / ``dora_compiled_ro_ips``: ``torch.compile`` of the wrapped model, default
   mode and ``mode="reduce-overhead"`` (``--compile-modes``), with ``compile_s`` (first forward),
   ``graphs`` (the graphs Dynamo compiled over the whole row: recompilations included) and the compiled
@@ -16,6 +18,10 @@ loop, median of repeats; ``--warmup/--iters/--repeats``) on GPU-resident batches
   per-block removals equal eager's) and ``compiled_max_abs_diff`` (logits of those images);
 - ``oracle_compiled_ips``: a dense model that removes DORA's realised mean count per block by
   slicing (no selection, no packing), compiled: the ceiling at DORA's per-block removal;
+- references that separate the engine's dense kernels (:mod:`timm_dora.engine.dense_kernels`) from
+  pruning: ``dora_default_timm_kernels_ips`` (DORA's default with them off: timm's LayerNorm and
+  convolution), ``native_compiled_gemm_embed_ips`` and ``oracle_compiled_gemm_embed_ips`` (native and
+  oracle compiled with the patch embedding as one matrix product, as the engine computes it);
 - ``dora_gflops`` / ``native_gflops`` (App. E.4 accounting, mean over the timed batches).
 
 Configurations: ``vit_tiny_published`` (ViT-Ti with ``--vit-weights``, the actor in hub/, the
@@ -43,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import timm_dora  # noqa: E402
 from timm_dora import NoPrune  # noqa: E402
-from timm_dora.engine import native_gflops  # noqa: E402
+from timm_dora.engine import dense_kernels, native_gflops  # noqa: E402
+from timm_dora.engine.dense_kernels import patch_embed_gemm  # noqa: E402
 from timm_dora.evaluate import bench, environment, inference_device, load_model, loader_for, write_json  # noqa: E402
 from timm_dora.hub.published import resolve_actor  # noqa: E402
 from throughput import gate_forced_actor, oracle_forward  # noqa: E402
@@ -76,7 +83,7 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compi
     """The DORA rows of one configuration on ``inputs`` (``model`` unwrapped on entry and exit),
     added to ``row``; ``save()`` after each (a long compile may not finish inside a GPU job)."""
     row = {} if row is None else row
-    timm_dora.wrap(model, actor_fn())
+    timm_dora.wrap(model, actor_fn(), cuda_graphs=False)  # the eager executor: the reference decisions
     gflops, removed = [], []
     with torch.inference_mode():
         eager_logits = model(inputs[0]).float()
@@ -90,19 +97,30 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compi
     ks = {l: int(round(float(r))) for l, r in enumerate(removed) if r > 0}
     row["realised_removal_per_block"] = {str(l): round(float(r), 2) for l, r in enumerate(removed) if r > 0}
     if not args.compiled_only:
-        row["dora_default_ips"] = timed(model, inputs, args)
+        row["dora_eager_ips"] = timed(model, inputs, args)
     timm_dora.unwrap(model)
     if args.compiled_only:
         return _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed)
     save()
 
-    timm_dora.wrap(model, actor_fn(), cuda_graphs=True)
+    timm_dora.wrap(model, actor_fn())  # no flags: what a user gets
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     first = first_call_s(model, inputs[0])
     row["graph_memory_mb"] = (torch.cuda.memory_reserved() - reserved) / 2**20
+    row["first_forward_s"] = first
     row["capture_s"] = first - first_call_s(model, inputs[0])
-    row["dora_graphs_ips"] = timed(model, inputs, args)
+    with torch.inference_mode():
+        out = model(inputs[0]).float()
+    same = (decisions(model) == eager_removed).all(1)
+    row["default_same_decisions_pct"] = 100.0 * float(same.float().mean())
+    row["default_max_abs_diff"] = float((out[same] - eager_logits[same]).abs().max()) if same.any() else None
+    row["dora_default_ips"] = timed(model, inputs, args)
+    row["engine_info"] = timm_dora.engine_info(model)
+    dense_kernels.ENABLED = False  # the same without the engine's LayerNorm and patch-embedding kernels
+    timm_dora.release_graphs(model)
+    row["dora_default_timm_kernels_ips"] = timed(model, inputs, args)
+    dense_kernels.ENABLED = True
     timm_dora.unwrap(model)
     save()
 
@@ -110,6 +128,8 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compi
         torch._dynamo.reset()
         row["oracle_removal_per_block"] = ks
         row["oracle_compiled_ips"] = timed(torch.compile(oracle_forward(model, ks)), inputs, args)
+        row["oracle_compiled_gemm_embed_ips"] = timed(torch.compile(oracle_forward(model, ks, gemm_embed(model))),
+                                                      inputs, args)
         save()
         _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed)
     return row
@@ -141,10 +161,47 @@ def _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager
     return row
 
 
-def native_rows(model, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
+def gemm_embed(model) -> Callable:
+    """The model's patch embedding as the engine computes it on CUDA (one matrix product)."""
+    return lambda x: patch_embed_gemm(model.patch_embed.proj, x)
+
+
+def native_rows(model, inputs: List[torch.Tensor], args, references: bool = True) -> Dict[str, Any]:
     torch._dynamo.reset()
-    return {"native_gflops": native_gflops(model), "native_eager_ips": timed(model, inputs, args),
-            "native_compiled_ips": timed(torch.compile(model), inputs, args)}
+    row = {"native_gflops": native_gflops(model), "native_eager_ips": timed(model, inputs, args),
+           "native_compiled_ips": timed(torch.compile(model), inputs, args)}
+    if references:
+        row["native_compiled_gemm_embed_ips"] = timed(torch.compile(oracle_forward(model, {}, gemm_embed(model))),
+                                                      inputs, args)
+    return row
+
+
+def targets(res: Dict[str, Any]) -> Dict[str, Any]:
+    """Issue #30's targets, read off the rows (ratios and whether each is met)."""
+    out: Dict[str, Any] = {}
+
+    def best(r):
+        return max(r.get("dora_default_ips") or 0, r.get("dora_compiled_ips") or 0)
+
+    for name, key, floor in (("vit_tiny_published", "vit", 1.0), ("deit_base_forced_369", "deit", 1.4)):
+        r = res.get(name)
+        if not r or "native_compiled_ips" not in r or "dora_default_ips" not in r:
+            continue
+        if r.get("oracle_compiled_ips"):
+            ratio = best(r) / r["oracle_compiled_ips"]
+            out[f"{key}_best_over_oracle_compiled"] = {"ratio": round(ratio, 3), "target": 0.9, "met": ratio >= 0.9}
+        ratio = r["dora_default_ips"] / r["native_compiled_ips"]
+        out[f"{key}_default_over_native_compiled"] = {"ratio": round(ratio, 3), "target": floor, "met": ratio >= floor}
+        if "gate_off_default_ips" in r:
+            ratio = r["gate_off_default_ips"] / r["native_compiled_ips"]
+            out["deit_gate_off_default_over_native_compiled"] = {"ratio": round(ratio, 3), "target": 0.98,
+                                                                 "met": ratio >= 0.98}
+        if "by_batch" in r:
+            out["deit_default_over_native_compiled_by_batch"] = {
+                b: {"ratio": round(v["dora_default_ips"] / v["native_compiled_ips"], 3),
+                    "met": v["dora_default_ips"] >= v["native_compiled_ips"]}
+                for b, v in r["by_batch"].items() if "dora_default_ips" in v}
+    return out
 
 
 def main(argv=None) -> None:
@@ -200,10 +257,12 @@ def main(argv=None) -> None:
                 row["by_batch"][str(b)] = {k: v for k, v in row.items() if k != "by_batch"}
                 continue
             xs = make(b)
-            row["by_batch"][str(b)] = {**native_rows(model, xs, args),
+            row["by_batch"][str(b)] = {**native_rows(model, xs, args, references=False),
                                        **dora_rows(model, lambda: forced, xs, args, compiled=False)}
             write_json(args.out, res)
             write_json(args.out, res)
+    res["targets"] = targets(res)
+    write_json(args.out, res)
     for name in ("vit_tiny_published", "deit_base_forced_369"):
         r = res.get(name)
         if r:

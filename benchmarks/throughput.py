@@ -51,7 +51,7 @@ import argparse
 import gc
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -174,11 +174,13 @@ def gate_forced_actor(model, blocks: List[int]) -> Actor:
     return actor
 
 
-def oracle_forward(model, ks: Dict[int, int]):
-    """Dense static schedule: the same blocks' own submodules, tokens dropped by slicing."""
+def oracle_forward(model, ks: Dict[int, int], patch_embed: Optional[Callable] = None):
+    """Dense static schedule: the same blocks' own submodules, tokens dropped by slicing;
+    ``patch_embed``: instead of the model's own (e.g. the engine's matrix-product form)."""
+    embed = model.patch_embed if patch_embed is None else patch_embed
 
     def fwd(x):
-        x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+        x = model.norm_pre(model.patch_drop(model._pos_embed(embed(x))))
         for l, blk in enumerate(model.blocks):
             x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))
             if ks.get(l):

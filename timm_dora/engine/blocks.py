@@ -5,6 +5,8 @@ patch_embed(x))))``, a block is ``norm1``, ``attn.qkv``, ``attn.q_norm``/``k_nor
 ``attn.norm``, ``attn.proj``, ``ls1``, ``drop_path1`` (the attention residual), then ``norm2``,
 ``mlp``, ``ls2``, ``drop_path2`` (the MLP residual), and the readout is the model's final ``norm``
 and head (``forward_head`` for the CLS token, else the model's pooling over surviving tokens).
+On CUDA in half precision the LayerNorms and the patch embedding run faster kernels with the
+modules' own parameters (:mod:`~timm_dora.engine.dense_kernels`).
 The functions work on packed rows (:class:`~timm_dora.engine.packing.Packed`): dense
 ``[B, S, d]`` while every image has all its tokens, ragged after a deletion. Both executors (the
 eager forward in :mod:`~timm_dora.engine.patch` and the CUDA graphs in
@@ -18,14 +20,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .dense_kernels import layer_norm, patch_embed
 from .packing import Packed, bucket_rows, rows_where, varlen_attention
 
-__all__ = ["embed", "attention_keys", "attention_residual", "mlp_residual", "readout"]
+__all__ = ["embed", "attention_keys", "attention_residual", "mlp_residual", "final_norm", "readout"]
 
 
 def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     """The model's own token embedding: ``norm_pre(patch_drop(_pos_embed(patch_embed(x))))``."""
-    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(images))))
+    return model.norm_pre(model.patch_drop(model._pos_embed(patch_embed(model.patch_embed, images))))
 
 
 def _qk_v(attn: nn.Module, y: torch.Tensor, packed: Packed):
@@ -47,7 +50,7 @@ def _keys_rows(k: torch.Tensor, packed: Packed) -> torch.Tensor:
 def attention_keys(blk: nn.Module, packed: Packed) -> torch.Tensor:
     """The keys ``[T, d]`` that :func:`attention_residual` returns, recomputed from the block input
     (``norm1``, ``qkv``, ``k_norm``: the same operations, so the same values)."""
-    _, k, _ = _qk_v(blk.attn, blk.norm1(packed.x), packed)
+    _, k, _ = _qk_v(blk.attn, layer_norm(blk.norm1, packed.x), packed)
     return _keys_rows(k, packed)
 
 
@@ -63,7 +66,7 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Option
     actor's gate there, so that it runs beside the attention kernel."""
     attn = blk.attn
     t = packed.total
-    y = blk.norm1(packed.x)
+    y = layer_norm(blk.norm1, packed.x)
     q, k, v = _qk_v(attn, y, packed)
     if on_keys is not None:
         on_keys(k)
@@ -81,7 +84,12 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Option
 
 def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows (into ``out`` when given)."""
-    return torch.add(x, blk.drop_path2(blk.ls2(bucket_rows(blk.mlp, blk.norm2(x)))), out=out)
+    return torch.add(x, blk.drop_path2(blk.ls2(bucket_rows(blk.mlp, layer_norm(blk.norm2, x)))), out=out)
+
+
+def final_norm(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's final ``norm`` of rows ``x``."""
+    return layer_norm(model.norm, x)
 
 
 def _segment_pool(packed: Packed, pool: str, include_prefix: bool) -> torch.Tensor:

@@ -101,17 +101,23 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
     - ``reason``: why the last forward ran eagerly (``None`` when captured);
     - ``failed``: why capturing was given up for this model, or ``None``;
     - ``batch_shapes``: per cached batch bucket (at most ``max_cached``), ``batch``, ``graphs``,
-      ``capture_s`` (warm-ups and captures, device-synchronised) and ``memory_mb`` (the memory the
-      allocator reserved while its buffers were made and its graphs captured);
+      ``capture_s`` (warm-ups and captures, device-synchronised) and ``memory_mb`` (its fixed
+      buffers and the segments of its graphs' private memory pool);
     - ``graphs``, ``capture_s``, ``memory_mb``: their sums.
 
-    ``memory_mb`` is what the cache's allocator added: free it with :func:`release_graphs` (and
-    ``torch.cuda.empty_cache()`` to return it to the device)."""
+    Free that memory with :func:`release_graphs` (and ``torch.cuda.empty_cache()`` to return it to
+    the device)."""
     if not hasattr(model, "_dora"):
         raise ValueError("model is not wrapped by timm_dora")
     state = model._dora
+    pools: Dict[tuple, int] = {}
+    if any(r.pool is not None for r in state.graphs.values()):
+        for seg in torch.cuda.memory._snapshot()["segments"]:  # the graphs' private pools' segments
+            key = tuple(seg.get("segment_pool_id", ()))
+            pools[key] = pools.get(key, 0) + seg["total_size"]
     shapes = [{"batch": r.batch, "graphs": len(r.graphs), "capture_s": round(r.capture_s, 3),
-               "memory_mb": round(r.memory_bytes / 2**20, 1)} for r in state.graphs.values()]
+               "memory_mb": round((r.buffer_bytes + pools.get(tuple(r.pool or ()), 0)) / 2**20, 1)}
+              for r in state.graphs.values()]
     return {"cuda_graphs": state.cuda_graphs, "executor": state.executor, "reason": state.reason,
             "failed": state.failed, "max_cached": MAX_CACHED, "batch_shapes": shapes,
             "graphs": sum(s["graphs"] for s in shapes), "capture_s": round(sum(s["capture_s"] for s in shapes), 3),

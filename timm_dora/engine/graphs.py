@@ -174,10 +174,8 @@ class GraphRunner(Segments):
         self.copy_keys = bool(getattr(policy, "reads_keys", True))
         dev = self.device = images.device
         self.capture = dev.type == "cuda"
-        # what capturing cost: seconds of warm-ups and captures, memory reserved by the buffers and
-        # the captures (timm_dora.engine.capture.engine_info)
-        self.capture_s, self.memory_bytes = 0.0, 0
-        reserved = torch.cuda.memory_reserved(dev) if self.capture else 0
+        # what capturing costs (engine.capture.engine_info): seconds of warm-ups and captures, bytes of buffers
+        self.capture_s, allocated = 0.0, torch.cuda.memory_allocated(dev) if self.capture else 0
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: usable under no_grad too
             self._make_buffers(model, images)
         # the gate and controller run inside the graphs only for a plain deterministic ActorPolicy
@@ -234,8 +232,7 @@ class GraphRunner(Segments):
         # other blocks, NoPrune's every block) run as chains of whole blocks: one segment each
         skips = getattr(policy, "prunes_nothing_at", None)
         self.skips: Optional[Callable[[int], bool]] = None if self.probing else skips
-        if self.capture:
-            self.memory_bytes = max(0, torch.cuda.memory_reserved(dev) - reserved)
+        self.buffer_bytes = torch.cuda.memory_allocated(dev) - allocated if self.capture else 0
 
     def release(self) -> None:
         """Destroy the captured graphs now (their memory pool goes back to the allocator's cache)

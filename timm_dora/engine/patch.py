@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
-from .blocks import attention_residual, embed, mlp_residual, readout
+from .blocks import attention_residual, embed, final_norm, mlp_residual, readout
 from .flops import BackboneCost, backbone_cost
 from .capture import batch_bucket, capture_reason, captures_under_compile, fell_back, pad_batch
 from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all
@@ -488,10 +488,10 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
             logits, packed = runner.finish()
     if final is not None:
         with scope("dora.readout"):
-            logits = model.forward_head(model.norm(final))
+            logits = model.forward_head(final_norm(model, final))
     if logits is None:
         with scope("dora.readout"):
-            packed = packed.with_x(model.norm(packed.x))
+            packed = packed.with_x(final_norm(model, packed.x))
             logits = readout(model, packed, state.readout)
     def statistics() -> Dict[str, object]:
         # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .blocks import attention_keys, attention_residual, mlp_residual, readout
+from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
 from .packing import gather_survivors, varlen_attention
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
@@ -119,7 +119,7 @@ class Segments:
 
         def readout_dense():
             final = self.dense_inputs[self.depth % 2]
-            logits = readout(model, final.with_x(model.norm(final.x)), self.readout_mode)
+            logits = readout(model, final.with_x(final_norm(model, final.x)), self.readout_mode)
             if name == "dense":
                 self.logits[name] = logits
                 return
@@ -137,7 +137,7 @@ class Segments:
 
         def readout_packed():
             rows = self.cu[:-1].long()[:, None] + self.prefix  # (a buffer: a graph keeps no tensor alive)
-            self.logits["packed"] = model.forward_head(model.norm(self.x[self.depth % 2][rows]))
+            self.logits["packed"] = model.forward_head(final_norm(model, self.x[self.depth % 2][rows]))
         return readout_packed
 
     def _attention_controller_segment(self, key: tuple) -> Callable[[], None]:
@@ -406,7 +406,7 @@ class Segments:
             g.replay()
             return
         fn = self._segment(key)
-        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        start = time.perf_counter()
         # the warm-up, outside the capture (lazy initialisations); the capture only records, and
         # the replay gives this call's result, except for segments that consume their input: the
         # controller (its deletion overwrites the block input and layout it read) and, without the
@@ -434,7 +434,6 @@ class Segments:
             g.replay()
         torch.cuda.current_stream(self.device).synchronize()
         self.capture_s += time.perf_counter() - start
-        self.memory_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
 
     def _scratch_bytes(self) -> int:
         """The largest scratch space a segment is expected to need: a dense block's attention (its

@@ -1,0 +1,100 @@
+"""The dense kernels of the block program on CUDA (``timm_dora.engine.dense_kernels``, #30): the
+Triton LayerNorm against ``torch.nn.functional.layer_norm`` (in Triton's interpreter on the CPU, in
+bf16 on CUDA), the patch embedding as one matrix product against timm's convolution, and the
+fallback to the module itself wherever the fast form does not apply."""
+import pytest
+import torch
+import torch.nn as nn
+
+from helpers import make_model, run_interpreted
+from timm_dora.engine import dense_kernels
+from timm_dora.engine.dense_kernels import layer_norm, patch_embed, patch_embed_gemm
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+INTERPRETED = r"""
+import json
+import torch
+import torch.nn.functional as F
+from timm_dora.engine.dense_kernels import layer_norm_triton
+
+torch.manual_seed(0)
+out = {}
+for rows, n in ((37, 192), (5, 768), (3, 100)):  # several rows per program, the last one partial; a width
+    # that is no power of two
+    x = torch.randn(rows, n) * 3 + 1
+    w, b = torch.randn(n), torch.randn(n)
+    wide = torch.randn(rows, n + 8)[:, :n]  # rows with a stride of their own
+    wide.copy_(x)
+    ref = F.layer_norm(x, (n,), w, b, 1e-6)
+    out[f"{rows}x{n}"] = [float((layer_norm_triton(t, w, b, 1e-6) - ref).abs().max()) for t in (x, wide)]
+print(json.dumps(out))
+"""
+
+
+def test_interpreted_layer_norm_matches_torch():
+    pytest.importorskip("triton")
+    res = run_interpreted(INTERPRETED, timeout=300)
+    assert set(res) == {"37x192", "5x768", "3x100"}
+    for diffs in res.values():
+        assert max(diffs) < 1e-5, res
+
+
+def test_patch_embedding_as_one_matrix_product_equals_timms_convolution():
+    torch.manual_seed(0)
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    x = torch.randn(3, 3, 64, 64)
+    with torch.no_grad():
+        ref = model.patch_embed(x)
+        got = patch_embed_gemm(model.patch_embed.proj, x)
+    assert got.shape == ref.shape == (3, 16, 192)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_off_cuda_and_in_fp32_the_modules_run_themselves():
+    """The fast forms only on CUDA in half precision: elsewhere the module's own output, bit for bit."""
+    torch.manual_seed(0)
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    x = torch.randn(2, 3, 64, 64)
+    norm = model.blocks[0].norm1
+    rows = torch.randn(10, 192)
+    with torch.no_grad():
+        assert torch.equal(patch_embed(model.patch_embed, x), model.patch_embed(x))
+        assert torch.equal(layer_norm(norm, rows), norm(rows))
+        assert torch.equal(layer_norm(nn.Identity(), rows), rows)
+
+
+def test_timms_layer_norms_are_the_plain_ones():
+    """Every norm of timm's ViT blocks is a LayerNorm whose forward is ``F.layer_norm`` (the kind
+    the Triton kernel replaces); a subclass with a forward of its own is not."""
+    model = make_model("vit_tiny_patch16_224", img_size=64)
+    norms = [model.norm] + [n for blk in model.blocks for n in (blk.norm1, blk.norm2)]
+    assert all(type(n).forward in dense_kernels._PLAIN_LAYER_NORMS for n in norms)
+
+    class Scaled(nn.LayerNorm):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    assert Scaled.forward not in dense_kernels._PLAIN_LAYER_NORMS
+
+
+@cuda
+def test_on_cuda_the_fast_kernels_give_the_modules_values(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dense_kernels, "layer_norm_triton",
+                        lambda *a, f=dense_kernels.layer_norm_triton: calls.append(1) or f(*a))
+    torch.manual_seed(0)
+    model = make_model("deit_tiny_patch16_224", img_size=64).to("cuda", torch.bfloat16)
+    x = torch.randn(5, 3, 64, 64, device="cuda").to(torch.bfloat16)
+    rows = torch.randn(1000, 192, device="cuda").to(torch.bfloat16) * 4
+    norm = model.blocks[0].norm1
+    with torch.inference_mode():
+        torch.testing.assert_close(layer_norm(norm, rows), norm(rows), rtol=0.02, atol=0.02)
+        torch.testing.assert_close(patch_embed(model.patch_embed, x), model.patch_embed(x), rtol=0.02, atol=0.02)
+        assert calls == [1]  # the kernel ran
+        old = dense_kernels.ENABLED
+        dense_kernels.ENABLED = False
+        try:
+            assert torch.equal(layer_norm(norm, rows), norm(rows))
+        finally:
+            dense_kernels.ENABLED = old

@@ -1,0 +1,139 @@
+"""Faster kernels for two dense parts of the block program, on CUDA in fp16/bf16.
+
+Measured on an H100 (ViT-Ti, batch 320, bf16; ``docs/performance.md``), two of timm's dense
+operations cost far more than the bytes they move:
+
+- **LayerNorm.** ATen's kernel takes about 85 us per call on ``[63040, 192]`` rows (1.4 of DORA's
+  6.3 ms of kernel time per batch): :func:`layer_norm` is a Triton kernel that normalises several
+  rows per program, in fp32, for any width up to 8,192.
+- **The patch embedding.** cuDNN runs the 16x16/16 convolution with a generic implicit-GEMM
+  kernel (about 1 ms per batch): :func:`patch_embed` computes the same product as one matrix
+  multiplication over the image's non-overlapping patches (a copy that lays the patches out as
+  rows, then ``addmm``).
+
+Both give timm's values up to rounding (fp32 accumulation either way) and take the module's own
+parameters (``norm.weight``, ``proj.weight``...): nothing of timm's forward is copied. Anywhere
+else (the CPU, fp32, other norms or embeddings, autograd) the module itself runs. :data:`ENABLED`
+switches both off (the A/B of ``benchmarks/default_speed.py --timm-kernels``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["layer_norm", "layer_norm_triton", "patch_embed", "patch_embed_gemm", "ENABLED"]
+
+ENABLED = True
+
+try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the installation
+    triton = None
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _plain_layer_norms() -> tuple:
+    """The forwards that compute exactly ``F.layer_norm`` with the module's parameters: torch's and
+    timm's ``LayerNorm`` (whose optional "fast norm" is the same function by another kernel)."""
+    forwards = [nn.LayerNorm.forward]
+    try:
+        from timm.layers import LayerNorm
+        forwards.append(LayerNorm.forward)
+    except ImportError:  # pragma: no cover - timm is a dependency
+        pass
+    return tuple(forwards)
+
+
+_PLAIN_LAYER_NORMS = _plain_layer_norms()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _layer_norm_fwd(X, W, B, Y, rows, n, stride_x, stride_y, eps,
+                        BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        col = tl.arange(0, BLOCK_N)
+        mask = (row[:, None] < rows) & (col[None, :] < n)
+        x = tl.load(X + row[:, None].to(tl.int64) * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / n
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n + eps)
+        w = tl.load(W + col, mask=col < n, other=0.0).to(tl.float32)
+        b = tl.load(B + col, mask=col < n, other=0.0).to(tl.float32)
+        y = xc * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(Y + row[:, None].to(tl.int64) * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _fast(x: torch.Tensor) -> bool:
+    return (ENABLED and triton is not None and x.is_cuda and x.dtype in _HALF
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def layer_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``; for an affine ``nn.LayerNorm`` over the last dimension of a half-precision CUDA
+    tensor (rows of unit stride), the Triton kernel."""
+    if not (_fast(x) and type(norm).forward in _PLAIN_LAYER_NORMS and norm.elementwise_affine and norm.bias is not None
+            and len(norm.normalized_shape) == 1 and x.shape[-1] <= 8192 and x.stride(-1) == 1
+            and norm.weight.dtype == x.dtype):
+        return norm(x)
+    return layer_norm_triton(x, norm.weight, norm.bias, norm.eps)
+
+
+def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension by the Triton kernel (any device Triton runs on: the CPU
+    tests use its interpreter)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        block_n = triton.next_power_of_2(n)
+        per, warps = LN_CONFIG(block_n)
+        _layer_norm_fwd[(triton.cdiv(rows, per),)](x2, weight, bias, y, rows, n, x2.stride(0), n, eps,
+                                                    BLOCK_N=block_n, ROWS=per, num_warps=warps)
+    return y.view(x.shape)
+
+
+def _ln_config(block_n: int) -> tuple:
+    """(rows per program, warps) for a padded width: fixed, so that a call inside a CUDA-graph
+    capture never autotunes; about 4K elements a program."""
+    return max(1, min(16, 4096 // block_n)), 4
+
+
+LN_CONFIG = _ln_config
+
+
+def patch_embed(embed: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """``embed(images)`` for timm's ``PatchEmbed``; for a non-overlapping convolution (kernel =
+    stride, no padding) with flattened ``[B, N, d]`` output, on a half-precision CUDA batch whose
+    size divides into patches, one matrix product over the patches laid out as rows."""
+    proj = getattr(embed, "proj", None)
+    if not (_fast(images) and type(proj) is nn.Conv2d and images.dim() == 4 and getattr(embed, "flatten", False)
+            and proj.kernel_size == proj.stride and proj.padding == (0, 0) and proj.dilation == (1, 1)
+            and proj.groups == 1 and type(getattr(embed, "norm", None)) is nn.Identity
+            and not getattr(embed, "dynamic_img_pad", False) and proj.weight.dtype == images.dtype):
+        return embed(images)
+    b, c, h, w = images.shape
+    ph, pw = proj.kernel_size
+    img = getattr(embed, "img_size", None)
+    if h % ph or w % pw or (getattr(embed, "strict_img_size", False) and img is not None and (h, w) != tuple(img)):
+        return embed(images)  # timm's own check and message
+    return patch_embed_gemm(proj, images)
+
+
+def patch_embed_gemm(proj: nn.Conv2d, images: torch.Tensor) -> torch.Tensor:
+    """A non-overlapping ``proj`` convolution of ``images`` as ``[B, N, d]`` rows (``N`` patches in
+    row-major order, as ``flatten(2).transpose(1, 2)`` gives them) by one matrix product."""
+    b, c, h, w = images.shape
+    ph, pw = proj.kernel_size
+    gh, gw = h // ph, w // pw
+    # [B, C, gh, ph, gw, pw] -> [B, gh, gw, C, ph, pw]: one row per patch, in the weight's (C, ph, pw) order
+    rows = images.reshape(b, c, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b * gh * gw, c * ph * pw)
+    out = F.linear(rows, proj.weight.reshape(proj.out_channels, -1), proj.bias)
+    return out.view(b, gh * gw, proj.out_channels)
