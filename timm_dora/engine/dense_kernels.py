@@ -102,8 +102,10 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 
 def _ln_config(block_n: int) -> tuple:
     """(rows per program, warps) for a padded width: fixed, so that a call inside a CUDA-graph
-    capture never autotunes; about 4K elements a program."""
-    return max(1, min(16, 4096 // block_n)), 4
+    capture never autotunes. About 8K elements a program, 8 warps: on an H100, ``[63040, 192]`` bf16
+    rows in 28 us (ATen's kernel: 84), ``[63040, 768]`` in 71 us (132), among 35 configurations."""
+    per = max(1, min(32, 8192 // block_n))
+    return per, 8 if per * block_n >= 8192 else 4
 
 
 LN_CONFIG = _ln_config
