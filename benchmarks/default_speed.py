@@ -28,7 +28,7 @@ Configurations: ``vit_tiny_published`` (ViT-Ti with ``--vit-weights``, the actor
 first ``--images`` `test` images of ``--data``) and ``deit_base_forced_369`` (DeiT-B with random
 weights and random images, a random actor whose gate is forced open at blocks 3, 6 and 9), which
 adds ``gate_off_default_ips`` (``NoPrune``, defaults) and ``by_batch`` (the rows at batch sizes
-``--by-batch``; compiled DORA and the oracle only at ``--batch``, whose row is the top-level one).
+``--by-batch``, every field but the references; the one at ``--batch`` is the top-level row).
 
     python benchmarks/default_speed.py --vit-weights W.safetensors --data labels.csv \\
         --out benchmarks/results/default_speed_h100.json
@@ -79,9 +79,11 @@ def decisions(model) -> torch.Tensor:
 
 
 def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compiled: bool = True,
-              row: Optional[Dict[str, Any]] = None, save: Callable[[], None] = lambda: None) -> Dict[str, Any]:
+              row: Optional[Dict[str, Any]] = None, save: Callable[[], None] = lambda: None,
+              references: bool = True) -> Dict[str, Any]:
     """The DORA rows of one configuration on ``inputs`` (``model`` unwrapped on entry and exit),
-    added to ``row``; ``save()`` after each (a long compile may not finish inside a GPU job)."""
+    added to ``row``; ``save()`` after each (a long compile may not finish inside a GPU job).
+    ``references``: also the rows that separate the dense kernels' gain from pruning's."""
     row = {} if row is None else row
     timm_dora.wrap(model, actor_fn(), cuda_graphs=False)  # the eager executor: the reference decisions
     gflops, removed = [], []
@@ -117,10 +119,11 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compi
     row["default_max_abs_diff"] = float((out[same] - eager_logits[same]).abs().max()) if same.any() else None
     row["dora_default_ips"] = timed(model, inputs, args)
     row["engine_info"] = timm_dora.engine_info(model)
-    dense_kernels.ENABLED = False  # the same without the engine's LayerNorm and patch-embedding kernels
-    timm_dora.release_graphs(model)
-    row["dora_default_timm_kernels_ips"] = timed(model, inputs, args)
-    dense_kernels.ENABLED = True
+    if references:
+        dense_kernels.ENABLED = False  # the same without the engine's LayerNorm and patch-embedding kernels
+        timm_dora.release_graphs(model)
+        row["dora_default_timm_kernels_ips"] = timed(model, inputs, args)
+        dense_kernels.ENABLED = True
     timm_dora.unwrap(model)
     save()
 
@@ -128,8 +131,9 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compi
         torch._dynamo.reset()
         row["oracle_removal_per_block"] = ks
         row["oracle_compiled_ips"] = timed(torch.compile(oracle_forward(model, ks)), inputs, args)
-        row["oracle_compiled_gemm_embed_ips"] = timed(torch.compile(oracle_forward(model, ks, gemm_embed(model))),
-                                                      inputs, args)
+        if references:
+            row["oracle_compiled_gemm_embed_ips"] = timed(
+                torch.compile(oracle_forward(model, ks, gemm_embed(model))), inputs, args)
         save()
         _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed)
     return row
@@ -258,7 +262,7 @@ def main(argv=None) -> None:
                 continue
             xs = make(b)
             row["by_batch"][str(b)] = {**native_rows(model, xs, args, references=False),
-                                       **dora_rows(model, lambda: forced, xs, args, compiled=False)}
+                                       **dora_rows(model, lambda: forced, xs, args, references=False)}
             write_json(args.out, res)
             write_json(args.out, res)
     res["targets"] = targets(res)
