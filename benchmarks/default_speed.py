@@ -78,7 +78,7 @@ def decisions(model) -> torch.Tensor:
     return model.dora_stats.removed.clone()
 
 
-def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compiled: bool = True,
+def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args,
               row: Optional[Dict[str, Any]] = None, save: Callable[[], None] = lambda: None,
               references: bool = True) -> Dict[str, Any]:
     """The DORA rows of one configuration on ``inputs`` (``model`` unwrapped on entry and exit),
@@ -121,22 +121,22 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args, compi
     row["engine_info"] = timm_dora.engine_info(model)
     if references:
         dense_kernels.ENABLED = False  # the same without the engine's LayerNorm and patch-embedding kernels
-        timm_dora.release_graphs(model)
-        row["dora_default_timm_kernels_ips"] = timed(model, inputs, args)
-        dense_kernels.ENABLED = True
+        try:
+            timm_dora.release_graphs(model)
+            row["dora_default_timm_kernels_ips"] = timed(model, inputs, args)
+        finally:
+            dense_kernels.ENABLED = True
     timm_dora.unwrap(model)
     save()
 
-    if compiled:
-        torch._dynamo.reset()
-        row["oracle_removal_per_block"] = ks
-        row["oracle_compiled_ips"] = timed(torch.compile(oracle_forward(model, ks)), inputs, args)
-        if references:
-            row["oracle_compiled_gemm_embed_ips"] = timed(
-                torch.compile(oracle_forward(model, ks, gemm_embed(model))), inputs, args)
-        save()
-        _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed)
-    return row
+    torch._dynamo.reset()
+    row["oracle_removal_per_block"] = ks
+    row["oracle_compiled_ips"] = timed(torch.compile(oracle_forward(model, ks)), inputs, args)
+    if references:
+        row["oracle_compiled_gemm_embed_ips"] = timed(
+            torch.compile(oracle_forward(model, ks, gemm_embed(model))), inputs, args)
+    save()
+    return _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed)
 
 
 def _compiled_rows(model, actor_fn, inputs, args, row, save, eager_logits, eager_removed) -> Dict[str, Any]:

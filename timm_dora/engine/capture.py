@@ -84,12 +84,11 @@ def pad_batch(images: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def fell_back(model: nn.Module, error: BaseException) -> str:
-    """Record that a captured forward failed (the model runs eagerly from now on) and release its
-    graphs; returns the reason for the one warning."""
+    """Record that a captured forward failed (the model runs eagerly from now on; the caller has
+    released its graphs); returns the reason for the one warning."""
     state = model._dora
     first = (str(error).strip().splitlines() or [""])[0]
     state.failed = f"{type(error).__name__}: {first[:300]}"
-    release_all(state.graphs)
     return state.failed
 
 

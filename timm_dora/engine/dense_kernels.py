@@ -94,7 +94,7 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
         block_n = triton.next_power_of_2(n)
-        per, warps = LN_CONFIG(block_n)
+        per, warps = _ln_config(block_n)
         _layer_norm_fwd[(triton.cdiv(rows, per),)](x2, weight, bias, y, rows, n, x2.stride(0), n, eps,
                                                     BLOCK_N=block_n, ROWS=per, num_warps=warps)
     return y.view(x.shape)
@@ -106,9 +106,6 @@ def _ln_config(block_n: int) -> tuple:
     rows in 28 us (ATen's kernel: 84), ``[63040, 768]`` in 71 us (132), among 35 configurations."""
     per = max(1, min(32, 8192 // block_n))
     return per, 8 if per * block_n >= 8192 else 4
-
-
-LN_CONFIG = _ln_config
 
 
 def patch_embed(embed: nn.Module, images: torch.Tensor) -> torch.Tensor:

@@ -321,7 +321,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout)
         out = _forward(model, padded, policy, runner, keep=batch)
     except Exception as error:  # a failed capture: eagerly, and for good if that works
-        release_all(state.graphs)
+        release_all(state.graphs)  # (whatever the eager retry gives: a failed capture's graphs are not reused)
         out = _forward(model, x, policy, None)  # (raises if the input was at fault: graphs stay on)
         why = fell_back(model, error)
         state.executor, state.reason = "eager", f"an earlier capture failed ({why})"
