@@ -39,9 +39,11 @@ from torch.profiler import record_function
 from .blocks import attention_residual, embed, final_norm, mlp_residual, readout
 from .flops import BackboneCost, backbone_cost
 from .capture import batch_bucket, capture_reason, captures_under_compile, fell_back, pad_batch
+from . import graphs
 from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all
 from .packing import BACKENDS, Packed, delete_rows, rows_where, segment_ids, select_backend
 from .protocol import BlockContext, ForwardConstants, Policy
+from .whole import forward_whole, runs_whole
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check_supported", "DoraStats", "run",
            "READOUTS", "SUPPORTED_POOLS"]
@@ -319,7 +321,10 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     padded = pad_batch(x, batch_bucket(batch))
     try:
         runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout)
-        out = _forward(model, padded, policy, runner, keep=batch)
+        if runs_whole(runner):
+            out = _whole(model, runner, padded, keep=batch)
+        else:
+            out = _forward(model, padded, policy, runner, keep=batch)
     except Exception as error:  # a failed capture: eagerly, and for good if that works
         release_all(state.graphs)  # (whatever the eager retry gives: a failed capture's graphs are not reused)
         out = _forward(model, x, policy, None)  # (raises if the input was at fault: graphs stay on)
@@ -367,6 +372,53 @@ def _empty_batch(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, DoraS
                              policy_gflops=flops.clone(), backend=backend, removed_patches=[None] * depth)
 
 
+def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed: torch.Tensor, own: torch.Tensor,
+                removed_patches: list, skip_dead: bool, backend: str, real: int) -> Dict[str, object]:
+    """A forward's :class:`DoraStats` fields from its decisions: ``gate``, ``removed`` ``[B, L]``;
+    ``own`` ``[B]`` the policy's FLOPs; per block ``None`` (no gate opened) or ``(lengths, total,
+    ids, remove, count)`` of the rows before the deletion (``total``, ``count``: ints or 0-d
+    tensors). Only the first ``real`` images are reported (the rest pad a captured batch)."""
+    # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
+    tokens = n0 - removed.cumsum(1)
+    n_attn = tokens + removed + p  # the rows entering each block's attention
+    n_mlp = n_attn - removed
+    if skip_dead:
+        n_mlp[:, -1] = p
+    macs = cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_mlp).sum(1) + cost.pool_macs(n_mlp[:, -1])
+    flops = 2.0 * macs + own
+    patches = []
+    for entry in removed_patches:
+        if entry is None:
+            patches.append(None)
+            continue
+        lengths, total, ids, remove, count = entry
+        rows = rows_where(remove, int(count))
+        image, patch = segment_ids(lengths, int(total))[rows], ids[rows] - p
+        if real < gate.shape[0]:  # not the padding's
+            image, patch = image[image < real], patch[image < real]
+        patches.append((image, patch))
+    return dict(tokens=tokens[:real], gate=gate[:real], removed=removed[:real], gflops=flops[:real] / 1e9,
+                policy_gflops=own[:real] / 1e9, backend=backend, removed_patches=patches)
+
+
+def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) -> Tuple[torch.Tensor, DoraStats]:
+    """The forward as one graph (:mod:`~timm_dora.engine.whole`); ``keep`` as for :func:`_run`."""
+    state: _DoraState = model._dora
+    logits, rec = forward_whole(runner, x, graphs.FUSED_INTERVENTIONS)
+    p, n0 = model.num_prefix_tokens, runner.num_patches
+    cost = state.cost if n0 == state.cost.num_patches else _cost_at(state, model, n0)
+
+    def statistics() -> Dict[str, object]:
+        lengths = n0 + p - rec.removed.cumsum(1) + rec.removed  # [B, L] each image's rows entering each block
+        opened = rec.gate.any(0).tolist()
+        patches = [(lengths[:, l], lengths[:, l].sum(), rec.ids[l], rec.remove[l], rec.removed[:, l].sum())
+                   if opened[l] else None for l in range(len(opened))]
+        return _statistics(cost, p, n0, rec.gate, rec.removed, rec.flops.sum(0), patches, False, runner.backend,
+                           keep)
+
+    return (logits if keep == runner.batch else logits[:keep]), _LazyStats(statistics)
+
+
 def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[GraphRunner], run_ahead: bool,
          keep: Optional[int] = None) -> Tuple[torch.Tensor, DoraStats]:
     """One forward; ``keep``: the real images are the first ``keep`` (the rest pad a captured batch)."""
@@ -404,7 +456,7 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
     consts = ForwardConstants(b, dev)
     n_visual = torch.full((b,), n0, dtype=torch.long, device=dev)
     rho, interventions = consts.no_rho, consts.zeros
-    entering, gates, removed_all, removed_patches, policy_flops = [], [], [], [], []
+    gates, removed_all, removed_patches, policy_flops = [], [], [], []
     scalar_flops = 0.0
     final = None  # (skip_dead) the prefix rows after the last block: all the readout reads
     for l, blk in enumerate(model.blocks):
@@ -437,7 +489,6 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
             # output) are dead before the MLP (before the non-speculative one), the pre-deletion
             # rows before the next attention
             del x_attn
-        entering.append(n_visual)
         gates.append(dec.gate)
         removed_all.append(dec.removed)
         if isinstance(dec.flops, torch.Tensor):
@@ -494,31 +545,11 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
             packed = packed.with_x(final_norm(model, packed.x))
             logits = readout(model, packed, state.readout)
     def statistics() -> Dict[str, object]:
-        # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
-        removed = torch.stack(removed_all, 1)
-        n_attn = torch.stack(entering, 1) + p
         own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
         if scalar_flops:
             own = own + scalar_flops  # integer-valued float64 sums: exact in any order
-        n_mlp = n_attn - removed
-        if state.skip_dead:
-            n_mlp[:, -1] = p
-        macs = cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_mlp).sum(1) + cost.pool_macs(n_mlp[:, -1])
-        flops = 2.0 * macs + own
-        patches = []
-        for entry in removed_patches:
-            if entry is None:
-                patches.append(None)
-                continue
-            lengths, total, ids, remove, count = entry
-            rows = rows_where(remove, count)
-            image, patch = segment_ids(lengths, total)[rows], ids[rows] - p
-            if real < b:  # not the padding's
-                image, patch = image[image < real], patch[image < real]
-            patches.append((image, patch))
-        gate, tokens = torch.stack(gates, 1), n0 - removed.cumsum(1)
-        return dict(tokens=tokens[:real], gate=gate[:real], removed=removed[:real], gflops=flops[:real] / 1e9,
-                    policy_gflops=own[:real] / 1e9, backend=backend, removed_patches=patches)
+        return _statistics(cost, p, n0, torch.stack(gates, 1), torch.stack(removed_all, 1), own, removed_patches,
+                           state.skip_dead, backend, real)
 
     real = b if keep is None else keep
     return (logits if real == b else logits[:real]), _LazyStats(statistics)

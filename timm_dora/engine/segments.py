@@ -25,6 +25,7 @@ from .blocks import attention_keys, attention_residual, final_norm, mlp_residual
 from .packing import gather_survivors, varlen_attention
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
+from .whole import whole_segment
 
 __all__ = ["Segments", "MLP_CHUNKS", "RESERVE_POOL"]
 
@@ -106,6 +107,7 @@ class Segments:
             "controller": self._controller_segment,
             "chain": self._chain_segment,
             "attention_packed": self._attention_packed_segment,
+            "whole": lambda key: whole_segment(self, key[1]),  # the whole forward (engine.whole)
         }.get(key[0])
         if build is None:
             raise KeyError(key)
@@ -466,7 +468,9 @@ class Segments:
     def _consumes_input(self, key: tuple) -> bool:
         """Segments that overwrite what they read, so must run exactly once: the controller (its
         deletion gathers into the block input), alone or after the attention in the same graph
-        (:data:`~timm_dora.engine.graphs.FUSED_INTERVENTIONS`), a chain of blocks or a run ahead (the second block writes
-        into the first one's input) and, without the actor, the in-place MLP."""
-        return (key[0] in ("controller", "chain", "run_ahead", "attention_controller", "attention_packed_controller")
+        (:data:`~timm_dora.engine.graphs.FUSED_INTERVENTIONS`), a chain of blocks, a run ahead or the whole
+        forward (the second block writes into the first one's input) and, without the actor, the
+        in-place MLP."""
+        return (key[0] in ("controller", "chain", "run_ahead", "attention_controller", "attention_packed_controller",
+                           "whole")
                 or (key[0] == "mlp" and not self.probing))

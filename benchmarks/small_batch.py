@@ -1,0 +1,92 @@
+"""Small batches: the whole-forward graph against the per-block executor and native (not a test).
+
+For each configuration of ``default_speed.py`` and each batch size of ``--batches``, in one process
+on one GPU (bf16, the timing protocol of :func:`timm_dora.evaluate.bench.time_forward`):
+``native_compiled_ips`` and ``native_compiled_ro_ips`` (the timm model under ``torch.compile``,
+default mode and ``mode="reduce-overhead"``, which replays CUDA graphs), and the wrapped model with
+default options run by each captured executor: ``whole_ips`` (the forward as one graph,
+:mod:`timm_dora.engine.whole`) and ``per_block_ips`` (:mod:`timm_dora.engine.graphs`), with
+``same_decisions_pct``, the images whose per-block removals agree between the two. The crossover
+sets :data:`timm_dora.engine.whole.MAX_BATCH`.
+
+    python benchmarks/small_batch.py --vit-weights W.safetensors --data labels.csv --out <json>
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import timm_dora  # noqa: E402
+from timm_dora.engine import whole  # noqa: E402
+from timm_dora.evaluate import environment, inference_device, load_model, loader_for, write_json  # noqa: E402
+from timm_dora.hub.published import resolve_actor  # noqa: E402
+from default_speed import DEIT_B, VIT, timed  # noqa: E402
+from throughput import gate_forced_actor  # noqa: E402
+
+
+def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
+    torch._dynamo.reset()
+    row: Dict[str, Any] = {"native_compiled_ips": timed(torch.compile(model), inputs, args)}
+    torch._dynamo.reset()
+    row["native_compiled_ro_ips"] = timed(torch.compile(model, mode="reduce-overhead"), inputs, args)
+    removed = {}
+    for name, mode in (("whole", True), ("per_block", False)):
+        whole.WHOLE = mode
+        try:
+            timm_dora.wrap(model, actor)
+            row[f"{name}_ips"] = timed(model, inputs, args)
+            with torch.inference_mode():
+                model(inputs[0])
+            removed[name] = model.dora_stats.removed.clone()
+            timm_dora.unwrap(model)
+        finally:
+            whole.WHOLE = None
+    row["same_decisions_pct"] = 100.0 * float((removed["whole"] == removed["per_block"]).all(1).float().mean())
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vit-weights", required=True)
+    ap.add_argument("--data", required=True, help="labels CSV with a test split")
+    ap.add_argument("--configs", nargs="+", default=["deit_base_forced_369", "vit_tiny_published"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev, dtype, _ = inference_device("cuda", "bf16")
+    res: Dict[str, Any] = {**environment(dev, " ".join(["python benchmarks/small_batch.py"] + (argv or sys.argv[1:]))),
+                           "protocol": {"warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
+                                        "dtype": "bfloat16"}}
+    for config in args.configs:
+        if config == "deit_base_forced_369":
+            torch.manual_seed(0)
+            model = load_model(DEIT_B, random_weights=True).to(dev, dtype).eval()
+            actor = gate_forced_actor(model, [3, 6, 9]).to(dev, dtype)
+            g = torch.Generator(device=dev).manual_seed(0)
+            make = lambda b: [torch.randn(b, 3, 224, 224, device=dev, generator=g).to(dtype) for _ in range(2)]
+        else:
+            model = load_model(VIT, args.vit_weights).to(dev, dtype).eval()
+            actor = resolve_actor(model).to(dev, dtype)
+            pool = torch.cat([x for x, *_ in loader_for(model, args.data, "test", batch=64, workers=4,
+                                                        limit=2 * max(args.batches))]).to(dev, dtype)
+            make = lambda b: [pool[:b], pool[b:2 * b]]
+        res[config] = {}
+        for b in args.batches:
+            res[config][str(b)] = rows(model, actor, make(b), args)
+            print(config, b, {k: round(v) for k, v in res[config][str(b)].items()}, flush=True)
+            write_json(args.out, res)
+        del model
+
+
+if __name__ == "__main__":
+    main()
