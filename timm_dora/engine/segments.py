@@ -92,6 +92,12 @@ class Segments:
     (the controller's also consumes its input: it is run once per call, see
     :meth:`_replay_or_capture`)."""
 
+    # the packed gate and the controller copy the gate vector and the new lengths to pinned host
+    # memory for the host's decisions (False: the whole forward, which decides on the device)
+    host_reads = True
+    # the graph being captured (None outside a capture): the whole forward adds conditional nodes to it
+    capturing: Optional["torch.cuda.CUDAGraph"] = None
+
     def _segment(self, key: tuple) -> Callable[[], None]:
         """The function that segment ``key`` runs (``key[0]`` its kind, ``key[1]`` mostly the block),
         reading and writing the runner's fixed buffers only."""
@@ -298,9 +304,10 @@ class Segments:
             self.ids[:rows].copy_(ids)
             self.lengths.copy_(before - removed)
             torch.cumsum(self.lengths, 0, dtype=self.cu.dtype, out=self.cu[1:])
-            self.lengths_host.copy_(self.lengths, non_blocking=self.capture)
-            if self.capture:
-                self.deleted_ready.record()
+            if self.host_reads:
+                self.lengths_host.copy_(self.lengths, non_blocking=self.capture)
+                if self.capture:
+                    self.deleted_ready.record()
         return controller
 
     def _chain_segment(self, key: tuple) -> Callable[[], None]:
@@ -350,8 +357,9 @@ class Segments:
             step = self.policy.probe(gate_ctx(keys))
             self.ctrl_in[0].copy_(step.h)
             self.ctrl_in[2].copy_(step.gate)
-            self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
-            self._gate_copied(l)
+            if self.host_reads:
+                self.gate_host[l].copy_(step.gate, non_blocking=self.capture)
+                self._gate_copied(l)
             self.steps[("packed", l)] = replace(step, ctx=None, keys=None, h=self.ctrl_in[0], gate=self.ctrl_in[2])
 
         def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
@@ -433,8 +441,12 @@ class Segments:
         # captured on the warm-up's stream, not torch's own capture stream: cuBLAS allocates a
         # workspace (33 MiB on the H100, never returned) for every stream it runs on, and the
         # capture stream would be a second one (speed notes, change 36)
-        with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
-            fn()
+        self.capturing = g
+        try:
+            with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
+                fn()
+        finally:
+            self.capturing = None
         self.graphs[key] = g
         if not self._consumes_input(key):
             g.replay()

@@ -9,17 +9,19 @@ device, so the forward is one graph, replayed with no host read:
 
 - per block, the same segments as the per-block executor's packed phase, recorded back to back:
   the attention on the packed rows (``cu_seqlens`` in a fixed buffer, the longest possible
-  sequence as its maximum) with the actor's gate in line, the controller on every image masked
-  by the gate with the deletion (the survivors gathered to the front of the rows, lengths and
-  ``cu_seqlens`` updated), the history ``(N_l, rho_l, E_<l)`` updated in place, and the MLP on
-  all ``B*S`` rows: the rows past the survivors are padding that the attention never reads and
-  the deletion never gathers;
+  sequence as its maximum) with the actor's gate in line; then, as a conditional node of the graph
+  that runs only where some image's gate opened (``torch.cuda.CUDAGraph.begin_capture_to_if_node``,
+  :data:`IF_NODES`), the controller on every image masked by the gate, the deletion (the survivors
+  gathered to the front of the rows, lengths and ``cu_seqlens`` updated) and the history
+  ``(N_l, rho_l, E_<l)`` updated in place; then the MLP on all ``B*S`` rows: the rows past the
+  survivors are padding that the attention never reads and the deletion never gathers;
 - the CLS-token readout at the final ``cu_seqlens``.
 
 The price is that the dense parts (``qkv``, projection, MLP) run on every row of the unpruned
 batch at every block: only the attention shrinks. At small batches those products are too short
 to fill the GPU anyway; at larger ones the per-block executor, which runs them on the survivors
-only, is faster (the crossover, measured on an H100, sets :data:`MAX_BATCH`).
+only, is faster (the crossover, measured on an H100, sets :data:`MAX_BATCH`). Without conditional
+nodes (an older torch) the controller runs at every block, masked: the same result, slower.
 
 What the statistics need is recorded per block inside the graph (gates, removals, the actor's
 FLOPs, the rows' ids and the removal mask) and copied once per forward; ``model.dora_stats`` is
@@ -28,6 +30,7 @@ of the CLS form (the actor decides inside the graphs) with the CLS-token readout
 """
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Callable, Optional
 
@@ -43,6 +46,9 @@ MAX_BATCH = 8
 # None: as above; True: every forward the runner can run whole, captured or not (the CPU tests run
 # it uncaptured); False: never
 WHOLE: Optional[bool] = None
+# The controller, the deletion and the history update as a conditional node of the graph, run only
+# where some gate opened (False: at every block, masked by the gate: the same result)
+IF_NODES = True
 
 
 def whole_reason(runner) -> Optional[str]:
@@ -82,22 +88,35 @@ class _Record:
         return sum(t.numel() * t.element_size() for t in (self.counts, self.flops, self.ids, self.remove))
 
 
+@contextlib.contextmanager
+def _if_any(runner, gate: torch.Tensor):
+    """The body runs only where some image's gate opened: in a capture, a conditional node of the
+    graph on ``gate.any()`` (CUDA 12.4 and a torch with ``CUDAGraph.begin_capture_to_if_node``);
+    otherwise (the warm-up, uncaptured, an older torch) always, which gives the same result: with
+    every gate closed the controller removes nothing."""
+    graph = runner.capturing
+    if graph is None or not IF_NODES or not hasattr(graph, "begin_capture_to_if_node"):
+        yield
+        return
+    graph.begin_capture_to_if_node(gate.any())
+    try:
+        yield
+    finally:
+        graph.end_capture_to_conditional_node()
+
+
 def whole_segment(runner, fused: bool) -> Callable[[], None]:
-    """The function the whole-forward graph records: every block's segments at ``B*S`` rows with
-    the history updated on the device, then the readout into a fixed buffer. ``fused``: the
-    controller runs in the attention's segment, reading the keys in place
-    (:data:`~timm_dora.engine.graphs.FUSED_INTERVENTIONS` with the Triton gate)."""
+    """The function the whole-forward graph records: every block's segments at ``B*S`` rows, the
+    controller, the deletion and the history update only where some gate opened (:func:`_if_any`),
+    then the readout into a fixed buffer. ``fused``: the controller reads the keys in place from
+    the attention's ``qkv`` output (the Triton gate)."""
     r = runner
     depth, rows, p = r.depth, r.batch * r.seq, r.model.num_prefix_tokens
     dense = r.dense_inputs[0]
     rec = r.record
-    if fused:
-        attend = [r._segment(("attention_packed_controller", l, rows, False, True)) for l in range(depth)]
-        control = [None] * depth
-    else:
-        attend = [r._segment(("attention_packed", l, rows, False, True)) for l in range(depth)]
-        control = [r._segment(("controller", l, rows, False, False)) for l in range(depth)]
-    mlp = [r._segment(("mlp_compacted", l, rows)) for l in range(depth)]
+    attend = [r._segment(("attention_packed", l, rows, False, True, fused)) for l in range(depth)]
+    control = [r._segment(("controller", l, rows, False, "in_place" if fused else False)) for l in range(depth)]
+    mlp = [r._segment(("mlp", l, rows)) for l in range(depth)]  # from the attention output xa
     read = r._segment(("readout_packed",))
     n_visual, rho, interventions = r.history_in
     gate, (remove, removed, flops) = r.ctrl_in[2], r.ctrl_out
@@ -108,24 +127,29 @@ def whole_segment(runner, fused: bool) -> Callable[[], None]:
         n_visual.fill_(r.num_patches)
         rho.zero_()
         interventions.zero_()
+        rec.counts.zero_()
+        rec.remove.zero_()
         if not r.capture:  # uncaptured, the attention and the controller run on the real rows
             r.cur = dense.with_x(r.x[0])
         for l in range(depth):
-            rec.ids[l].copy_(r.ids)
-            attend[l]()
-            if control[l] is not None:
-                control[l]()
-            rec.counts[0, l].copy_(gate)
-            rec.counts[1, l].copy_(removed)
-            rec.flops[l].copy_(flops)
-            rec.remove[l].copy_(remove[:rows])
-            torch.div(removed, n_visual, out=rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
-            n_visual.sub_(removed)
-            interventions.add_(gate)
+            attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
+            rec.flops[l].fill_(r.steps[("packed", l)].gate_flops)  # the gate's, on every image
+            rho.zero_()  # rho_{l+1} where nothing is removed
+            with _if_any(r, gate):
+                rec.ids[l].copy_(r.ids)
+                control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu
+                r.xa.copy_(r.x[l % 2])  # (the MLP reads xa, whether or not this ran)
+                rec.counts[0, l].copy_(gate)
+                rec.counts[1, l].copy_(removed)
+                rec.flops[l].copy_(flops)
+                rec.remove[l].copy_(remove[:rows])
+                torch.div(removed, n_visual, out=rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
+                n_visual.sub_(removed)
+                interventions.add_(gate)
+            r._keys_in_place = None  # (a view of this block's qkv output)
             if not r.capture:
                 total = int(r.lengths.sum())
-                r.cur = Packed(r.x[(l + 1) % 2][:total], r.lengths.clone(), r.lengths.tolist(), p,
-                               r.ids[:total].clone())
+                r.cur = Packed(r.xa[:total], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:total].clone())
             mlp[l]()
         read()
         out = r.logits.get("whole")
@@ -143,7 +167,10 @@ def forward_whole(runner, images: torch.Tensor, fused: bool):
     if getattr(r, "record", None) is None:
         r.record = _Record(r.depth, r.batch, r.batch * r.seq, r.device)
         r.buffer_bytes += r.record.nbytes
-    r.start(images, run_ahead=False)  # the embedding, eagerly, into the first block's input
-    r._run(("whole", bool(r.triton_gate and fused)))
-    r.cur = None
+    r.host_reads = False  # (decisions stay on the device: no gate or length copies to the host)
+    try:
+        r.start(images, run_ahead=False)  # the embedding, eagerly, into the first block's input
+        r._run(("whole", bool(r.triton_gate and fused)))
+    finally:
+        r.host_reads, r.cur = True, None
     return r.logits["whole"].clone(), r.record.copy()
