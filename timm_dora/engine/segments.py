@@ -280,7 +280,11 @@ class Segments:
                 step = self.steps[l]
                 args = (controller_keys(rows), src.cu_seqlens, src.lengths_host, step.h, self.full, step.gate)
             elif self.capture:
-                args = (controller_keys(rows), self.cu, None) + self.ctrl_in
+                cu = self.cu
+                if not self.host_reads and self.triton_gate:  # (the whole forward runs the controller at every block: where
+                    # no gate opened it sees empty sequences, and its kernels return at once)
+                    cu = cu * self.ctrl_in[2].any()
+                args = (controller_keys(rows), cu, None) + self.ctrl_in
             else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
                 args = (controller_keys(self.cur.total), self.cur.cu_seqlens, self.cur.lengths_host) + self.ctrl_in
             keys, cu, lengths, h, n_visual, gate = args

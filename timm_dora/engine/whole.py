@@ -21,7 +21,9 @@ The price is that the dense parts (``qkv``, projection, MLP) run on every row of
 batch at every block: only the attention shrinks. At small batches those products are too short
 to fill the GPU anyway; at larger ones the per-block executor, which runs them on the survivors
 only, is faster (the crossover, measured on an H100, sets :data:`MAX_BATCH`). Without conditional
-nodes (an older torch) the controller runs at every block, masked: the same result, slower.
+nodes (torch 2.11 has none) the body runs at every block, masked by the gate: the same result. The
+actor's Triton kernels then see empty sequences where no gate opened and return at once; the
+deletion's few small kernels still run (an identity gather).
 
 What the statistics need is recorded per block inside the graph (gates, removals, the actor's
 FLOPs, the rows' ids and the removal mask) and copied once per forward; ``model.dora_stats`` is
@@ -95,7 +97,8 @@ def _if_any(runner, gate: torch.Tensor):
     otherwise (the warm-up, uncaptured, an older torch) always, which gives the same result: with
     every gate closed the controller removes nothing."""
     graph = runner.capturing
-    if graph is None or not IF_NODES or not hasattr(graph, "begin_capture_to_if_node"):
+    if graph is None or not IF_NODES or not hasattr(graph, "begin_capture_to_if_node"):  # (whole_segment
+        # tells the same condition apart)
         yield
         return
     graph.begin_capture_to_if_node(gate.any())
@@ -116,7 +119,10 @@ def whole_segment(runner, fused: bool) -> Callable[[], None]:
     rec = r.record
     attend = [r._segment(("attention_packed", l, rows, False, True, fused)) for l in range(depth)]
     control = [r._segment(("controller", l, rows, False, "in_place" if fused else False)) for l in range(depth)]
-    mlp = [r._segment(("mlp", l, rows)) for l in range(depth)]  # from the attention output xa
+    # with conditional nodes the deletion may not run: the MLP reads the attention output xa, into
+    # which the deletion copies the survivors back; else it always runs and the MLP reads its output
+    conditional = r.capture and IF_NODES and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+    mlp = [r._segment(("mlp", l, rows) if conditional else ("mlp_compacted", l, rows)) for l in range(depth)]
     read = r._segment(("readout_packed",))
     n_visual, rho, interventions = r.history_in
     gate, (remove, removed, flops) = r.ctrl_in[2], r.ctrl_out
@@ -138,7 +144,8 @@ def whole_segment(runner, fused: bool) -> Callable[[], None]:
             with _if_any(r, gate):
                 rec.ids[l].copy_(r.ids)
                 control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu
-                r.xa.copy_(r.x[l % 2])  # (the MLP reads xa, whether or not this ran)
+                if conditional:
+                    r.xa.copy_(r.x[l % 2])
                 rec.counts[0, l].copy_(gate)
                 rec.counts[1, l].copy_(removed)
                 rec.flops[l].copy_(flops)
@@ -149,7 +156,7 @@ def whole_segment(runner, fused: bool) -> Callable[[], None]:
             r._keys_in_place = None  # (a view of this block's qkv output)
             if not r.capture:
                 total = int(r.lengths.sum())
-                r.cur = Packed(r.xa[:total], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:total].clone())
+                r.cur = Packed(r.x[l % 2][:total], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:total].clone())
             mlp[l]()
         read()
         out = r.logits.get("whole")
