@@ -114,20 +114,13 @@ __all__ = ["GraphRunner", "RunAheadMissed", "graph_runner", "release_all", "grap
 
 MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
 ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucket's rule
-# With the actor's Triton kernels, at a block whose gate opened in the last forward, run the
-# controller (and the deletion) in the same graph as the attention, reading the keys in place from
-# the attention's qkv output: no copy of the open images' keys, one graph instead of two, no gate
-# read between them. On by default since its A/B on an H100 (speed notes, change 32: DeiT-B's actor share
-# 4.3 -> 4.0 %, ViT-Ti's 18.2 -> 17.2 %, medians of four alternating pairs); False restores the
-# two graphs per intervention
+# With the actor's Triton kernels, at a block whose gate opened in the last forward, the controller
+# and the deletion run in the attention's graph, reading the keys in place from its qkv output (speed
+# notes, change 32: the actor's share 4.3 -> 4.0 % on DeiT-B, 18.2 -> 17.2 % on ViT-Ti). False: two graphs
 FUSED_INTERVENTIONS = True
-# With the actor, the dense blocks from block 0 up to the first whose gate opened in the last forward
-# (all of them and the readout where none opened) run ahead as one graph. The host takes their
-# gates as closed and goes on at once; it reads all their gate vectors in one go only where it must
-# know (after the next block's graph is enqueued, or before returning the logits). Where a gate
-# opened inside the run after all, the forward raises RunAheadMissed and patch.run runs it again
-# without running ahead (the next forward's run ahead then ends before that block; speed notes, change
-# 37). False: one graph per block, each gate read after its block
+# With the actor, the dense blocks up to the first whose gate opened in the last forward run ahead as
+# one graph, their gates taken as closed and read once where the host must know; where one opened
+# after all, RunAheadMissed and patch.run runs the forward again without (speed notes, change 37)
 RUN_AHEAD = True
 
 
@@ -164,10 +157,8 @@ def graph_mode_reason(model: nn.Module, images: torch.Tensor, backend: str) -> O
 class GraphRunner(Segments):
     """The graph-replayed forward of one wrapped model for one batch shape and policy.
 
-    :func:`timm_dora.engine.patch.run` drives it block by block: :meth:`start`, then per block
-    :meth:`block` (attention and decision), :meth:`mlp` or :meth:`delete` (deletion and MLP), and
-    :meth:`finish` (readout).
-    """
+    :func:`timm_dora.engine.patch.run` drives it block by block, as it drives the eager executor
+    (:mod:`~timm_dora.engine.eager`: the interface)."""
 
     def __init__(self, model: nn.Module, policy, images: torch.Tensor, backend: str, readout_mode: str):
         self.model, self.policy, self.backend, self.readout_mode = model, policy, backend, readout_mode
@@ -186,11 +177,8 @@ class GraphRunner(Segments):
         self.probing = (probes is not None and probes(self.num_patches) and actor is not None
                         and actor.w_in.weight.dtype == self.x[0].dtype and self.copy_keys)
         # the actor's gate runs in line on the graph's stream, right after qkv: the Triton gate
-        # (one kernel) where the fused kernels run, else the modules' (about ten small kernels).
-        # The modules' gate once ran as a branch forked onto a second stream: each of its kernels
-        # waited for a whole backbone kernel (persistent GEMMs hold every SM), the gate vector
-        # reached the host only at the end of the graph, and captures of that branch failed on the
-        # H100 after other runners had captured in the same process (speed notes, changes 27, 29, 30)
+        # (one kernel) where the fused kernels run, else the modules' (about ten small kernels; not
+        # on a second stream: speed notes, changes 27, 29, 30)
         self.triton_gate = self.probing and policy._use_fused(backend, self.x[0].dtype)
         # the keys of packed blocks, kept for a policy that reads them and for the modules' gate
         # (zeros: with the actor only the open images' rows are copied in; the others keep finite
@@ -362,9 +350,16 @@ class GraphRunner(Segments):
         return self.cur is None
 
     def block(self, l: int, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor,
-              consts: ForwardConstants) -> Tuple[Decision, Packed, bool]:
-        """Block ``l``'s attention residual and decision. Returns ``(decision, attended, mlp_done)``:
-        the attention-residual rows with their layout, and whether the MLP of the unpruned rows
+              consts: ForwardConstants) -> Tuple[Decision, bool]:
+        """Block ``l``'s attention residual and decision: ``(decision, mlp_done)``, the attention-residual
+        rows with their layout kept as :attr:`attended` (the executors' interface:
+        :mod:`~timm_dora.engine.eager`)."""
+        dec, self.attended, done = self._block(l, n_visual, rho, interventions, consts)
+        return dec, done
+
+    def _block(self, l: int, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor,
+               consts: ForwardConstants) -> Tuple[Decision, Packed, bool]:
+        """Block ``l``'s ``(decision, attended, mlp_done)``: whether the MLP of the unpruned rows
         already ran (speculatively, while the actor's gate vector travelled to the host).
 
         The policy's ``ctx.keys`` and ``ctx.packed.x`` are views of the runner's fixed buffers
@@ -522,23 +517,26 @@ class GraphRunner(Segments):
             self.cu.copy_(self.cur.cu_seqlens)
             self.ids.copy_(self.cur.ids)
 
-    def mlp(self, l: int, attended: Packed, done: bool) -> None:
+    def mlp(self, l: int, done: bool) -> None:
         """Block ``l``'s MLP residual on the unpruned rows (unless ``done``); the next block's input."""
+        attended = self.attended
         t = attended.total
         if not done:
             self._run(("mlp", l, t if self.dense else self._padded(t)))
         if not self.dense:
             self.cur = attended.with_x(self.x[(l + 1) % 2][:t])
 
-    def delete(self, l: int, attended: Packed, dec: Decision,
-               history: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> None:
-        """Delete the decided rows (gathered into ``x[l % 2]``), then the MLP of the survivors.
+    def delete(self, l: int, dec: Decision, history: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+               ) -> int:
+        """Delete the decided rows of :attr:`attended` (gathered into ``x[l % 2]``), then the MLP of
+        the survivors; returns their number of rows.
 
         After the actor's controller graph, which already gathered the survivors and wrote the new
         ``cu_seqlens``, the host only waits for the new lengths and replays the MLP. What needs
         the device besides is enqueued before that wait, behind the controller (the GPU is busy
         there, idle after the wait): the layout's copies (the buffers serve the next deletion)
         and ``history``, the next block's (N_l, rho_l, E_<l), into the gate's fixed buffers."""
+        attended = self.attended
         if self.probing:  # every deletion of the actor's runner comes from its controller graph
             lengths, ids = self.lengths.clone(), self.ids.clone()
             if history is not None:
@@ -555,12 +553,13 @@ class GraphRunner(Segments):
                 # survivors' MLP is short (ViT-Ti: shorter than the host's way to the next block)
                 self._attention_packed(l + 1, rows, not self.opened[l + 1], *history)
                 self._launched = l + 1
-            return
+            return total
         after = delete_rows(attended, dec.remove, dec.removed, dec.removed_host, out=self.x[l % 2])
         self.cur = after
         self.cu.copy_(after.cu_seqlens)
         self._run(("mlp_compacted", l, self._padded(after.total)))
         self.cur = after.with_x(self.x[(l + 1) % 2][: after.total])
+        return after.total
 
     def finish(self) -> Tuple[Optional[torch.Tensor], Optional[Packed]]:
         """Logits (a copy of the graph's buffer) when the readout was replayed (the CLS-token head,

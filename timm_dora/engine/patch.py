@@ -26,7 +26,6 @@ module, a folder or a Hub id) and builds the actor's policy.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 import warnings
@@ -34,15 +33,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.profiler import record_function
 
-from .blocks import attention_residual, embed, final_norm, mlp_residual, readout
+from .blocks import final_norm, readout
+from .eager import EagerExecutor, scope
 from .flops import BackboneCost, backbone_cost
 from .capture import batch_bucket, capture_reason, captures_under_compile, fell_back, pad_batch
 from . import graphs
 from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all
-from .packing import BACKENDS, Packed, delete_rows, rows_where, segment_ids, select_backend
-from .protocol import BlockContext, ForwardConstants, Policy
+from .packing import BACKENDS, rows_where, segment_ids, select_backend
+from .protocol import ForwardConstants, Policy
 from .whole import forward_whole, runs_whole
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check_supported", "DoraStats", "run",
@@ -297,10 +296,6 @@ def _check_policy(policy: Policy) -> None:
 # the forward
 
 
-def _no_scope(name: str) -> contextlib.nullcontext:
-    return contextlib.nullcontext()
-
-
 def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor, DoraStats]:
     """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and
     stats. Captured or eager as :mod:`~timm_dora.engine.capture` decides (the batch padded to its
@@ -421,74 +416,32 @@ def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) ->
 
 def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[GraphRunner], run_ahead: bool,
          keep: Optional[int] = None) -> Tuple[torch.Tensor, DoraStats]:
-    """One forward; ``keep``: the real images are the first ``keep`` (the rest pad a captured batch)."""
+    """One forward, the block program driven through an executor: ``runner`` (captured) or, when
+    ``None``, the eager one (:mod:`~timm_dora.engine.eager`: the interface); ``keep``: the real
+    images are the first ``keep`` (the rest pad a captured batch)."""
     state: _DoraState = model._dora
     cost = state.cost
     if model.training and any(getattr(m, "drop_prob", 0.0) > 0 for m in model.modules() if type(m).__name__ == "DropPath"):
         raise RuntimeError("stochastic depth is per image and cannot act on packed rows: call model.eval() first")
-    speculate = bool(getattr(policy, "speculate", False))
-    if speculate:
+    if getattr(policy, "speculate", False):
         _check_policy(policy)
         if model.training:
             raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
-    p = model.num_prefix_tokens
-    if runner is not None:
-        runner.start(x, run_ahead)
-        b, n0, dev, backend = runner.batch, runner.num_patches, x.device, runner.backend
-        packed = None
-        del x
-    else:
-        x = embed(model, x)
-        b, s, _ = x.shape
-        n0 = s - p
-        dtype = x.dtype
-        if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")  # attention inputs come out of autocast linears
-        backend = select_backend(x.device.type, dtype, state.attn_backend)
-        packed = Packed.from_dense(x, p, track_ids=True)
-        dev = x.device
-        del x  # the packed view is the only reference: freed once block 0 replaces it (as native does)
+    p, dev = model.num_prefix_tokens, x.device
+    ex = runner if runner is not None else EagerExecutor(model, policy, state.attn_backend, state.skip_dead)
+    ex.start(x, run_ahead)
+    del x  # (eager: the packed rows are the only reference, freed once block 0 replaces them)
+    b, n0, backend = ex.batch, ex.num_patches, ex.backend
     if n0 != cost.num_patches:  # another input size (a dynamic_img_size model): its own costs
         cost = _cost_at(state, model, n0)
-    depth = len(model.blocks)
-    # profiler scopes only while a profiler runs (each costs two dispatcher calls otherwise)
-    scope = record_function if torch.autograd._profiler_enabled() else _no_scope
     consts = ForwardConstants(b, dev)
     n_visual = torch.full((b,), n0, dtype=torch.long, device=dev)
     rho, interventions = consts.no_rho, consts.zeros
     gates, removed_all, removed_patches, policy_flops = [], [], [], []
     scalar_flops = 0.0
-    final = None  # (skip_dead) the prefix rows after the last block: all the readout reads
-    for l, blk in enumerate(model.blocks):
-        dead = state.skip_dead and l == depth - 1  # the readout reads the prefix rows only
-        speculative = None  # the MLP of the unpruned batch, enqueued before the host waits
-        if runner is not None:
-            with scope("dora.graphs"):
-                dec, packed, mlp_done = runner.block(l, n_visual, rho, interventions, consts)
-        else:
-            with scope("dora.attention"):
-                x_attn, keys = attention_residual(blk, packed, backend)
-            ctx = BlockContext(l, keys, packed, n_visual, rho, interventions, depth, n0, backend, consts,
-                               releasable=True, dead=dead)
-            del keys
-            if speculate and not dead:
-                with scope("dora.policy"):
-                    finish = policy.begin(ctx)  # enqueues the gate and its copy to the host
-                del ctx
-                with scope("dora.mlp_speculative"):
-                    speculative = mlp_residual(blk, x_attn)
-                with scope("dora.policy"):
-                    dec = finish()  # waits for the gate copy, not for the MLP
-                del finish  # frees the keys and the pre-attention rows
-            else:
-                with scope("dora.policy"):
-                    dec = policy(ctx)
-                del ctx
-            packed = packed.with_x(x_attn)
-            # no extra activation may outlive its use: the keys (possibly a view of the whole qkv
-            # output) are dead before the MLP (before the non-speculative one), the pre-deletion
-            # rows before the next attention
-            del x_attn
+    for l in range(len(model.blocks)):
+        with scope("dora.block"):
+            dec, mlp_done = ex.block(l, n_visual, rho, interventions, consts)
         gates.append(dec.gate)
         removed_all.append(dec.removed)
         if isinstance(dec.flops, torch.Tensor):
@@ -497,53 +450,29 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
             scalar_flops += dec.flops
         if dec.gate is not consts.closed:
             interventions = interventions + dec.gate.long()
-            if runner is not None and dec.remove is None:
-                runner.leave_dense()  # the history changed: the dense graphs' gate assumed it did not
+            if dec.remove is None:
+                ex.leave_dense()  # the history changed (the captured dense graphs' gate assumed it did not)
         if dec.remove is None:  # nothing removed: N_l unchanged, rho_{l+1} = 0
             removed_patches.append(None)
             rho = consts.no_rho
-        else:
-            speculative = None  # some gate opened: the speculative MLP is discarded
-            rho = dec.removed.float() / n_visual.float()
-            n_visual = n_visual - dec.removed
-            with scope("dora.compact"):
-                before = packed
-                if runner is not None:
-                    # the survivors' MLP replays too; the next block's history goes into the graphs'
-                    # buffers before the runner waits for the deletion
-                    runner.delete(l, before, dec, history=(n_visual, rho, interventions))
-                    after_total = runner.cur.total
-                else:
-                    packed = delete_rows(before, dec.remove, dec.removed, dec.removed_host)
-                    after_total = packed.total
-                # which patches went, resolved only if the statistics are read (not the rows)
-                removed_patches.append((before.lengths, before.total, before.ids, dec.remove, before.total - after_total))
-                del before
-            if runner is not None:
-                continue
-        if runner is not None:
-            runner.mlp(l, packed, mlp_done)
-        elif dead:  # the last block's MLP on the prefix rows: the other rows never reach the logits
-            with scope("dora.mlp"):
-                rows = packed.prefix_rows()
-                final = mlp_residual(blk, rows.reshape(-1, rows.shape[-1])).view(rows.shape)
-        elif speculative is not None:
-            packed = packed.with_x(speculative)
-            del speculative
-        else:
-            with scope("dora.mlp"):
-                packed = packed.with_x(mlp_residual(blk, packed.x))
-    logits = None
-    if runner is not None:
-        with scope("dora.readout"):
-            logits, packed = runner.finish()
-    if final is not None:
-        with scope("dora.readout"):
-            logits = model.forward_head(final_norm(model, final))
-    if logits is None:
-        with scope("dora.readout"):
-            packed = packed.with_x(final_norm(model, packed.x))
-            logits = readout(model, packed, state.readout)
+            ex.mlp(l, mlp_done)
+            continue
+        rho = dec.removed.float() / n_visual.float()
+        n_visual = n_visual - dec.removed
+        before = ex.attended
+        entry = (before.lengths, before.total, before.ids, dec.remove)  # the layout only, not the rows
+        del before
+        # the deletion and the survivors' MLP (captured: the next block's history goes into the
+        # graphs' buffers before the runner waits for the deletion)
+        total = ex.delete(l, dec, history=(n_visual, rho, interventions))
+        # which patches went, resolved only if the statistics are read
+        removed_patches.append(entry + (entry[1] - total,))
+    with scope("dora.readout"):
+        logits, final = ex.finish()
+        if logits is None:  # the readout over the final rows (pooled readouts are not captured)
+            logits = readout(model, final.with_x(final_norm(model, final.x)), state.readout)
+    del final
+
     def statistics() -> Dict[str, object]:
         own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
         if scalar_flops:
