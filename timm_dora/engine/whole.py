@@ -9,21 +9,22 @@ device, so the forward is one graph, replayed with no host read:
 
 - per block, the same segments as the per-block executor's packed phase, recorded back to back:
   the attention on the packed rows (``cu_seqlens`` in a fixed buffer, the longest possible
-  sequence as its maximum) with the actor's gate in line; then, as a conditional node of the graph
-  that runs only where some image's gate opened (``torch.cuda.CUDAGraph.begin_capture_to_if_node``,
-  :data:`IF_NODES`), the controller on every image masked by the gate, the deletion (the survivors
-  gathered to the front of the rows, lengths and ``cu_seqlens`` updated) and the history
-  ``(N_l, rho_l, E_<l)`` updated in place; then the MLP on all ``B*S`` rows: the rows past the
-  survivors are padding that the attention never reads and the deletion never gathers;
+  sequence as its maximum) with the actor's gate in line; then the controller on every image
+  masked by the gate, the deletion (the survivors gathered to the front of the rows, lengths and
+  ``cu_seqlens`` updated) and the history ``(N_l, rho_l, E_<l)`` updated in place; then the MLP on
+  all ``B*S`` rows: the rows past the survivors are padding that the attention never reads and the
+  deletion never gathers;
 - the CLS-token readout at the final ``cu_seqlens``.
 
 The price is that the dense parts (``qkv``, projection, MLP) run on every row of the unpruned
 batch at every block: only the attention shrinks. At small batches those products are too short
 to fill the GPU anyway; at larger ones the per-block executor, which runs them on the survivors
-only, is faster (the crossover, measured on an H100, sets :data:`MAX_BATCH`). Without conditional
-nodes (torch 2.11 has none) the body runs at every block, masked by the gate: the same result. The
-actor's Triton kernels then see empty sequences where no gate opened and return at once; the
-deletion's few small kernels still run (an identity gather).
+only, is faster (the crossover, measured on an H100, sets :data:`MAX_BATCH`). The controller and
+the deletion run at every block, masked by the gate (where no gate opened they change nothing);
+the actor's Triton kernels then see empty sequences and return at once, and the deletion's few
+small kernels run an identity gather. With :data:`IF_NODES` on, and a torch with CUDA-graph
+conditional nodes (``torch.cuda.CUDAGraph.begin_capture_to_if_node``; torch 2.11 has none), they
+are a conditional node of the graph instead, run only where some image's gate opened.
 
 What the statistics need is recorded per block inside the graph (gates, removals, the actor's
 FLOPs, the rows' ids and the removal mask) and copied once per forward; ``model.dora_stats`` is
@@ -42,15 +43,17 @@ from .packing import Packed
 
 __all__ = ["MAX_BATCH", "WHOLE", "whole_reason", "runs_whole", "whole_segment", "forward_whole"]
 
-# Batches up to this size run as one graph (when captured). The H100 crossover against the
-# per-block executor (benchmarks/default_speed.py --whole-sweep): see docs/performance.md
+# Batches up to this size run as one graph (when captured): the crossover against the per-block
+# executor on an H100 (benchmarks/small_batch.py: one graph faster at 1 and 8, per block from 16)
 MAX_BATCH = 8
 # None: as above; True: every forward the runner can run whole, captured or not (the CPU tests run
 # it uncaptured); False: never
 WHOLE: Optional[bool] = None
 # The controller, the deletion and the history update as a conditional node of the graph, run only
-# where some gate opened (False: at every block, masked by the gate: the same result)
-IF_NODES = True
+# where some gate opened, where torch has them. Off by default: the H100 here has torch 2.11,
+# without conditional nodes, so that path has never run on a GPU (False: the body at every block,
+# masked by the gate: the same result)
+IF_NODES = False
 
 
 def whole_reason(runner) -> Optional[str]:
@@ -97,8 +100,7 @@ def _if_any(runner, gate: torch.Tensor):
     otherwise (the warm-up, uncaptured, an older torch) always, which gives the same result: with
     every gate closed the controller removes nothing."""
     graph = runner.capturing
-    if graph is None or not IF_NODES or not hasattr(graph, "begin_capture_to_if_node"):  # (whole_segment
-        # tells the same condition apart)
+    if graph is None or not IF_NODES or not hasattr(graph, "begin_capture_to_if_node"):
         yield
         return
     graph.begin_capture_to_if_node(gate.any())
@@ -121,7 +123,8 @@ def whole_segment(runner, fused: bool) -> Callable[[], None]:
     control = [r._segment(("controller", l, rows, False, "in_place" if fused else False)) for l in range(depth)]
     # with conditional nodes the deletion may not run: the MLP reads the attention output xa, into
     # which the deletion copies the survivors back; else it always runs and the MLP reads its output
-    conditional = r.capture and IF_NODES and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+    conditional = r.capture and IF_NODES and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")  # (as
+    # _if_any decides)
     mlp = [r._segment(("mlp", l, rows) if conditional else ("mlp_compacted", l, rows)) for l in range(depth)]
     read = r._segment(("readout_packed",))
     n_visual, rho, interventions = r.history_in
