@@ -470,3 +470,21 @@ def test_feedback_on_the_rollout_pool_too_with_a_moving_average(data, tmp_path):
     selection = json.loads((out / "selection.json").read_text())
     assert selection["rule"] == "fit" and len(selection["fitted_drops"]) == 2
     assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--selection", "lcb"]) == 1
+
+
+def test_label_free_feedback_reads_every_split(data, tmp_path, capsys):
+    """``--qc-with-dev`` with ``--qc-with-rollout``: the label-free checks read all 18 images, QC
+    first, then rollout, then dev (the dev tensors themselves); with the paper's labelled signal it
+    is refused in one line (the dev labels stay for the selection)."""
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    args = ARGS + ["--data", str(data), "--out", str(tmp_path / "t"), "--qc-with-rollout", "--qc-with-dev",
+                   "--qc-shards", "1", "--feedback-signal", "disagreement"]
+    trainer = Trainer(config_from_args(build_parser().parse_args(args)))
+    assert trainer.qc_x.shape[0] == 18 and trainer.qc_shard_idx == [list(range(18))]
+    assert torch.equal(trainer.qc_x[-4:], trainer.dev_x) and torch.equal(trainer.qc_y[-4:], trainer.dev_y)
+    qc_only = Trainer(config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out",
+                                                                         str(tmp_path / "q"), "--qc-shards", "1"])))
+    assert torch.equal(trainer.qc_x[:4], qc_only.qc_x)
+    assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--qc-with-dev"]) == 1
+    assert "--qc-with-dev reads the dev images" in capsys.readouterr().err

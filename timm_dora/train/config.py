@@ -48,6 +48,7 @@ class TrainConfig:
     feedback_cadence: int = 8
     qc_shards: int = 8
     qc_with_rollout: bool = False  # ours: the feedback checks read the rollout pool's images too (eval preprocessing)
+    qc_with_dev: bool = False  # ours: with --feedback-signal disagreement (label-free), the checks read the dev images too
     feedback_ema: float = 0.0  # ours: weight of the past in a moving average of the checks' drops (0: the paper's rule)
     feedback_signal: str = "drop"  # "drop" (paper: paired top-1 drop on the QC labels) or "disagreement" (ours: share of QC images whose top-1 differs from native's, label-free)
     target_disagreement: float = 0.06  # ours: the disagreement the feedback holds with --feedback-signal disagreement (its error is normalised by target_disagreement / target_drop x 0.01)
@@ -90,6 +91,9 @@ class TrainConfig:
         if not 0.0 < self.target_disagreement < 1.0 or not self.target_drop > 0.0:
             raise ValueError(f"--target-disagreement must be in (0, 1) and --target-drop above 0, got "
                              f"{self.target_disagreement} and {self.target_drop}")
+        if self.qc_with_dev and self.feedback_signal != "disagreement":
+            raise ValueError("--qc-with-dev reads the dev images at every feedback check: only with --feedback-signal "
+                             "disagreement, which reads no labels, so that the dev labels stay for the selection alone")
         if self.data_workers is not None and self.data_workers < 0:
             raise ValueError(f"--data-workers must be 0 or more, got {self.data_workers}")
         return self

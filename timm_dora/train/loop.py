@@ -112,11 +112,13 @@ class Trainer(Checkpoints):
             self.rollout_set.keep_decoded()  # decode each file once; the random crop/flip still run per update
             self.augmented = P.AugmentedPool(self.rollout_set, cfg.ppo.seed, cfg.augment == "strong", cfg.cutmix_prob, self.patch)
         self.workers = cfg.data_workers if cfg.data_workers is not None else max(1, D.worker_count(16) // 2)
-        self.qc_x, self.qc_y = D.preload(qc_set, self.dev)
-        if cfg.qc_with_rollout:  # (ours) the feedback also reads the rollout pool, as the evaluation sees it
-            pool_x, pool_y = D.preload(D.open_split(cfg.data, cfg.rollout_split, ev), self.dev)
-            self.qc_x, self.qc_y = torch.cat([self.qc_x, pool_x]), torch.cat([self.qc_y, pool_y])
         self.dev_x, self.dev_y = D.preload(dev_set, self.dev)
+        feedback = [D.preload(qc_set, self.dev)]  # the feedback checks' images
+        if cfg.qc_with_rollout:  # (ours) the rollout pool too, as the evaluation sees it
+            feedback.append(D.preload(D.open_split(cfg.data, cfg.rollout_split, ev), self.dev))
+        if cfg.qc_with_dev:  # (ours) the dev images too: label-free checks only (TrainConfig.check)
+            feedback.append((self.dev_x, self.dev_y))
+        self.qc_x, self.qc_y = (torch.cat(t) for t in zip(*feedback))
         self.qc_shard_idx = D.fixed_shards(len(self.qc_x), cfg.qc_shards)
 
         # learners
@@ -144,9 +146,8 @@ class Trainer(Checkpoints):
         self.captured: Dict[object, CapturedStep] = {}  # minibatch steps by kind, captured on first use
         self.background = BackgroundSteps()  # overlap: the critic's steps beside the next rollout
         self._critic_record: Optional[Dict] = None  # the metrics waiting for their critic loss
-        # the critic's fixed-shape token branch, compiled by Inductor (--compile; on CUDA by default):
-        # H100, ViT-Ti, same run: critic update 0.39 -> 0.27 s, about 40 s of compiling in the first
-        # update. The controller's forward gained nothing (its fp32 attention backward dominates).
+        # the critic's fixed-shape token branch, compiled by Inductor (--compile; on CUDA by default): H100,
+        # ViT-Ti: critic update 0.39 -> 0.27 s, ~40 s of compiling in the first update (the controller: no gain)
         compiled = cfg.compile if cfg.compile is not None else self.dev.type == "cuda"
         self.critic_tokens = torch.compile(self.critic.encode_padded, dynamic=False) if compiled else self.critic.encode_padded
         self.rms = RunningMeanStd()
