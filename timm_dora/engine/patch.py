@@ -9,12 +9,12 @@ model's own submodules, nothing of timm's forward copied). Per block:
 3. the policy decides from the block's keys; the chosen rows are deleted for real;
 4. the MLP residual on the survivors only.
 
-With a speculating policy (``ActorPolicy(actor, speculate=True)``) steps 3-4 run in two phases:
-the policy enqueues its gate and an asynchronous copy of the gate vector to the host, the MLP of
-the unpruned batch is enqueued, and only then does the host wait (for the gate copy, not the
-MLP). When nothing is removed that MLP is the block's output; otherwise it is discarded and step 4
-runs on the survivors. Results are identical either way. With ``cuda_graphs=True`` the same
-program is replayed from CUDA graphs (:mod:`~timm_dora.engine.graphs`).
+:func:`run` drives that program through an executor, never asking which one runs: the eager one
+(:mod:`~timm_dora.engine.eager`, which also states the interface) or, where
+:mod:`~timm_dora.engine.capture` decides so (by default on CUDA for half-precision inference), the
+captured one (:mod:`~timm_dora.engine.graphs`); batches of up to 8 run as one graph
+(:mod:`~timm_dora.engine.whole`). The statistics (``model.dora_stats``) are computed from the
+decisions when first read.
 
 As in ToMe, wrapping swaps the instance's class for a subclass that overrides ``forward``;
 ``unwrap`` puts the original class back, so native behaviour is restored bit for bit. Other
