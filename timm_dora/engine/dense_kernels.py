@@ -14,7 +14,7 @@ operations cost far more than the bytes they move:
 Both give timm's values up to rounding (fp32 accumulation either way) and take the module's own
 parameters (``norm.weight``, ``proj.weight``...): nothing of timm's forward is copied. Anywhere
 else (the CPU, fp32, other norms or embeddings, autograd) the module itself runs. :data:`ENABLED`
-switches both off (the A/B of ``benchmarks/default_speed.py --timm-kernels``).
+switches both off (the A/B of ``benchmarks/default_speed.py``: ``dora_default_timm_kernels_ips``).
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def patch_embed(embed: nn.Module, images: torch.Tensor) -> torch.Tensor:
             and proj.groups == 1 and type(getattr(embed, "norm", None)) is nn.Identity
             and not getattr(embed, "dynamic_img_pad", False) and proj.weight.dtype == images.dtype):
         return embed(images)
-    b, c, h, w = images.shape
+    h, w = images.shape[-2:]
     ph, pw = proj.kernel_size
     img = getattr(embed, "img_size", None)
     if h % ph or w % pw or (getattr(embed, "strict_img_size", False) and img is not None and (h, w) != tuple(img)):

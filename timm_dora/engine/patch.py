@@ -343,7 +343,10 @@ def _forward(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional
 
 
 def _cost_at(state: "_DoraState", model: nn.Module, num_patches: int) -> BackboneCost:
-    """The model's costs at an input of ``num_patches`` patches (made once per size)."""
+    """The model's costs at an input of ``num_patches`` patches: those of its own input size, or
+    (another input size of a ``dynamic_img_size`` model) made once per size."""
+    if num_patches == state.cost.num_patches:
+        return state.cost
     cost = state.costs.get(num_patches)
     if cost is None:
         cost = state.costs[num_patches] = backbone_cost(model, num_patches)
@@ -401,7 +404,7 @@ def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) ->
     state: _DoraState = model._dora
     logits, rec = forward_whole(runner, x, graphs.FUSED_INTERVENTIONS)
     p, n0 = model.num_prefix_tokens, runner.num_patches
-    cost = state.cost if n0 == state.cost.num_patches else _cost_at(state, model, n0)
+    cost = _cost_at(state, model, n0)
 
     def statistics() -> Dict[str, object]:
         lengths = n0 + p - rec.removed.cumsum(1) + rec.removed  # [B, L] each image's rows entering each block
@@ -420,7 +423,6 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
     ``None``, the eager one (:mod:`~timm_dora.engine.eager`: the interface); ``keep``: the real
     images are the first ``keep`` (the rest pad a captured batch)."""
     state: _DoraState = model._dora
-    cost = state.cost
     if model.training and any(getattr(m, "drop_prob", 0.0) > 0 for m in model.modules() if type(m).__name__ == "DropPath"):
         raise RuntimeError("stochastic depth is per image and cannot act on packed rows: call model.eval() first")
     if getattr(policy, "speculate", False):
@@ -432,8 +434,7 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
     ex.start(x, run_ahead)
     del x  # (eager: the packed rows are the only reference, freed once block 0 replaces them)
     b, n0, backend = ex.batch, ex.num_patches, ex.backend
-    if n0 != cost.num_patches:  # another input size (a dynamic_img_size model): its own costs
-        cost = _cost_at(state, model, n0)
+    cost = _cost_at(state, model, n0)
     consts = ForwardConstants(b, dev)
     n_visual = torch.full((b,), n0, dtype=torch.long, device=dev)
     rho, interventions = consts.no_rho, consts.zeros

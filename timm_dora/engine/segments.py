@@ -95,8 +95,6 @@ class Segments:
     # the packed gate and the controller copy the gate vector and the new lengths to pinned host
     # memory for the host's decisions (False: the whole forward, which decides on the device)
     host_reads = True
-    # the graph being captured (None outside a capture): the whole forward adds conditional nodes to it
-    capturing: Optional["torch.cuda.CUDAGraph"] = None
 
     def _segment(self, key: tuple) -> Callable[[], None]:
         """The function that segment ``key`` runs (``key[0]`` its kind, ``key[1]`` mostly the block),
@@ -445,12 +443,8 @@ class Segments:
         # captured on the warm-up's stream, not torch's own capture stream: cuBLAS allocates a
         # workspace (33 MiB on the H100, never returned) for every stream it runs on, and the
         # capture stream would be a second one (speed notes, change 36)
-        self.capturing = g
-        try:
-            with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
-                fn()
-        finally:
-            self.capturing = None
+        with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
+            fn()
         self.graphs[key] = g
         if not self._consumes_input(key):
             g.replay()

@@ -22,9 +22,8 @@ to fill the GPU anyway; at larger ones the per-block executor, which runs them o
 only, is faster (the crossover, measured on an H100, sets :data:`MAX_BATCH`). The controller and
 the deletion run at every block, masked by the gate (where no gate opened they change nothing);
 the actor's Triton kernels then see empty sequences and return at once, and the deletion's few
-small kernels run an identity gather. With :data:`IF_NODES` on, and a torch with CUDA-graph
-conditional nodes (``torch.cuda.CUDAGraph.begin_capture_to_if_node``; torch 2.11 has none), they
-are a conditional node of the graph instead, run only where some image's gate opened.
+small kernels run an identity gather. (CUDA-graph conditional nodes, in torch releases after the
+2.11 of the H100 here, could skip them where no gate opened; not built.)
 
 What the statistics need is recorded per block inside the graph (gates, removals, the actor's
 FLOPs, the rows' ids and the removal mask) and copied once per forward; ``model.dora_stats`` is
@@ -33,7 +32,6 @@ of the CLS form (the actor decides inside the graphs) with the CLS-token readout
 """
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 from typing import Callable, Optional
 
@@ -49,11 +47,6 @@ MAX_BATCH = 8
 # None: as above; True: every forward the runner can run whole, captured or not (the CPU tests run
 # it uncaptured); False: never
 WHOLE: Optional[bool] = None
-# The controller, the deletion and the history update as a conditional node of the graph, run only
-# where some gate opened, where torch has them. Off by default: the H100 here has torch 2.11,
-# without conditional nodes, so that path has never run on a GPU (False: the body at every block,
-# masked by the gate: the same result)
-IF_NODES = False
 
 
 def whole_reason(runner) -> Optional[str]:
@@ -93,39 +86,18 @@ class _Record:
         return sum(t.numel() * t.element_size() for t in (self.counts, self.flops, self.ids, self.remove))
 
 
-@contextlib.contextmanager
-def _if_any(runner, gate: torch.Tensor):
-    """The body runs only where some image's gate opened: in a capture, a conditional node of the
-    graph on ``gate.any()`` (CUDA 12.4 and a torch with ``CUDAGraph.begin_capture_to_if_node``);
-    otherwise (the warm-up, uncaptured, an older torch) always, which gives the same result: with
-    every gate closed the controller removes nothing."""
-    graph = runner.capturing
-    if graph is None or not IF_NODES or not hasattr(graph, "begin_capture_to_if_node"):
-        yield
-        return
-    graph.begin_capture_to_if_node(gate.any())
-    try:
-        yield
-    finally:
-        graph.end_capture_to_conditional_node()
-
-
 def whole_segment(runner, fused: bool) -> Callable[[], None]:
-    """The function the whole-forward graph records: every block's segments at ``B*S`` rows, the
-    controller, the deletion and the history update only where some gate opened (:func:`_if_any`),
-    then the readout into a fixed buffer. ``fused``: the controller reads the keys in place from
-    the attention's ``qkv`` output (the Triton gate)."""
+    """The function the whole-forward graph records: every block's segments at ``B*S`` rows (the
+    controller, the deletion and the history update masked by the gate), then the readout into a
+    fixed buffer. ``fused``: the controller reads the keys in place from the attention's ``qkv``
+    output (the Triton gate)."""
     r = runner
     depth, rows, p = r.depth, r.batch * r.seq, r.model.num_prefix_tokens
     dense = r.dense_inputs[0]
     rec = r.record
     attend = [r._segment(("attention_packed", l, rows, False, True, fused)) for l in range(depth)]
     control = [r._segment(("controller", l, rows, False, "in_place" if fused else False)) for l in range(depth)]
-    # with conditional nodes the deletion may not run: the MLP reads the attention output xa, into
-    # which the deletion copies the survivors back; else it always runs and the MLP reads its output
-    conditional = r.capture and IF_NODES and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")  # (as
-    # _if_any decides)
-    mlp = [r._segment(("mlp", l, rows) if conditional else ("mlp_compacted", l, rows)) for l in range(depth)]
+    mlp = [r._segment(("mlp_compacted", l, rows)) for l in range(depth)]  # the deletion's output -> next input
     read = r._segment(("readout_packed",))
     n_visual, rho, interventions = r.history_in
     gate, (remove, removed, flops) = r.ctrl_in[2], r.ctrl_out
@@ -136,26 +108,19 @@ def whole_segment(runner, fused: bool) -> Callable[[], None]:
         n_visual.fill_(r.num_patches)
         rho.zero_()
         interventions.zero_()
-        rec.counts.zero_()
-        rec.remove.zero_()
         if not r.capture:  # uncaptured, the attention and the controller run on the real rows
             r.cur = dense.with_x(r.x[0])
         for l in range(depth):
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
-            rec.flops[l].fill_(r.steps[("packed", l)].gate_flops)  # the gate's, on every image
-            rho.zero_()  # rho_{l+1} where nothing is removed
-            with _if_any(r, gate):
-                rec.ids[l].copy_(r.ids)
-                control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu
-                if conditional:
-                    r.xa.copy_(r.x[l % 2])
-                rec.counts[0, l].copy_(gate)
-                rec.counts[1, l].copy_(removed)
-                rec.flops[l].copy_(flops)
-                rec.remove[l].copy_(remove[:rows])
-                torch.div(removed, n_visual, out=rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
-                n_visual.sub_(removed)
-                interventions.add_(gate)
+            rec.ids[l].copy_(r.ids)
+            control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu
+            rec.counts[0, l].copy_(gate)
+            rec.counts[1, l].copy_(removed)
+            rec.flops[l].copy_(flops)
+            rec.remove[l].copy_(remove[:rows])
+            torch.div(removed, n_visual, out=rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
+            n_visual.sub_(removed)
+            interventions.add_(gate)
             r._keys_in_place = None  # (a view of this block's qkv output)
             if not r.capture:
                 total = int(r.lengths.sum())
