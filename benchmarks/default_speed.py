@@ -208,31 +208,58 @@ def targets(res: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments this script shares with ``small_batch.py``: the ViT-Ti weights and images, the
+    timing protocol, the output."""
     ap.add_argument("--vit-weights", required=True)
     ap.add_argument("--data", required=True, help="labels CSV with a test split")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+
+
+def header(dev, script: str, argv, args, **protocol) -> Dict[str, Any]:
+    """A result file's device, versions, command and timing protocol."""
+    return {**environment(dev, " ".join([f"python benchmarks/{script}"] + (argv or sys.argv[1:]))),
+            "protocol": {"warmup": args.warmup, "iters": args.iters, "repeats": args.repeats, "dtype": "bfloat16",
+                         **protocol}}
+
+
+def vit_published(args, dev, dtype):
+    """``vit_tiny_published``: ViT-Ti with ``--vit-weights`` and the actor in hub/."""
+    model = load_model(VIT, args.vit_weights).to(dev, dtype).eval()
+    return model, resolve_actor(model).to(dev, dtype)
+
+
+def deit_forced(dev, dtype):
+    """``deit_base_forced_369``: DeiT-B with random weights, a random actor whose gate is forced
+    open at blocks 3, 6 and 9, and ``make(b)``: two batches of ``b`` random images."""
+    torch.manual_seed(0)
+    model = load_model(DEIT_B, random_weights=True).to(dev, dtype).eval()
+    forced = gate_forced_actor(model, [3, 6, 9]).to(dev, dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    make = lambda b: [torch.randn(b, 3, 224, 224, device=dev, generator=g).to(dtype) for _ in range(2)]
+    return model, forced, make
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(ap)
     ap.add_argument("--configs", nargs="+", default=["vit_tiny_published", "deit_base_forced_369"])
     ap.add_argument("--batch", type=int, default=320)
     ap.add_argument("--images", type=int, default=1280, help="test images for ViT-Ti (whole batches)")
     ap.add_argument("--by-batch", type=int, nargs="*", default=[1, 8, 64, 257, 320])
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compiled-only", action="store_true", help="only the compiled DORA rows (and eager for agreement)")
     ap.add_argument("--compile-modes", nargs="*", default=["default", "reduce-overhead"], choices=["default", "reduce-overhead"])
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device("cuda", "bf16")
-    res: Dict[str, Any] = {**environment(dev, " ".join(["python benchmarks/default_speed.py"] + (argv or sys.argv[1:]))),
-                           "protocol": {"warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
-                                        "dtype": "bfloat16", "batch": args.batch}}
+    res: Dict[str, Any] = header(dev, "default_speed.py", argv, args, batch=args.batch)
 
     if "vit_tiny_published" in args.configs:
-        model = load_model(VIT, args.vit_weights).to(dev, dtype).eval()
+        model, actor = vit_published(args, dev, dtype)
         loader = loader_for(model, args.data, "test", batch=args.batch, workers=4, limit=args.images)
         inputs = [x.to(dev, dtype) for x, *_ in loader if x.shape[0] == args.batch]
-        actor = resolve_actor(model).to(dev, dtype)
         row = {"actor": f"timm_dora/hub/actors/{VIT}", "images": sum(x.shape[0] for x in inputs)}
         res["vit_tiny_published"] = row
         if not args.compiled_only:
@@ -241,11 +268,7 @@ def main(argv=None) -> None:
         del model, inputs
 
     if "deit_base_forced_369" in args.configs:
-        torch.manual_seed(0)
-        model = load_model(DEIT_B, random_weights=True).to(dev, dtype).eval()
-        forced = gate_forced_actor(model, [3, 6, 9]).to(dev, dtype)
-        g = torch.Generator(device=dev).manual_seed(0)
-        make = lambda b: [torch.randn(b, 3, 224, 224, device=dev, generator=g).to(dtype) for _ in range(2)]
+        model, forced, make = deit_forced(dev, dtype)
         inputs = make(args.batch)
         row = {}
         res["deit_base_forced_369"] = row

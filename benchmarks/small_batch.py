@@ -25,10 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import timm_dora  # noqa: E402
 from timm_dora.engine import whole  # noqa: E402
-from timm_dora.evaluate import environment, inference_device, load_model, loader_for, write_json  # noqa: E402
-from timm_dora.hub.published import resolve_actor  # noqa: E402
-from default_speed import DEIT_B, VIT, timed  # noqa: E402
-from throughput import gate_forced_actor  # noqa: E402
+from timm_dora.evaluate import inference_device, loader_for, write_json  # noqa: E402
+from default_speed import add_common_args, deit_forced, header, timed, vit_published  # noqa: E402
 
 
 def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
@@ -54,29 +52,17 @@ def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--vit-weights", required=True)
-    ap.add_argument("--data", required=True, help="labels CSV with a test split")
+    add_common_args(ap)
     ap.add_argument("--configs", nargs="+", default=["deit_base_forced_369", "vit_tiny_published"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device("cuda", "bf16")
-    res: Dict[str, Any] = {**environment(dev, " ".join(["python benchmarks/small_batch.py"] + (argv or sys.argv[1:]))),
-                           "protocol": {"warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
-                                        "dtype": "bfloat16"}}
+    res: Dict[str, Any] = header(dev, "small_batch.py", argv, args)
     for config in args.configs:
         if config == "deit_base_forced_369":
-            torch.manual_seed(0)
-            model = load_model(DEIT_B, random_weights=True).to(dev, dtype).eval()
-            actor = gate_forced_actor(model, [3, 6, 9]).to(dev, dtype)
-            g = torch.Generator(device=dev).manual_seed(0)
-            make = lambda b: [torch.randn(b, 3, 224, 224, device=dev, generator=g).to(dtype) for _ in range(2)]
+            model, actor, make = deit_forced(dev, dtype)
         else:
-            model = load_model(VIT, args.vit_weights).to(dev, dtype).eval()
-            actor = resolve_actor(model).to(dev, dtype)
+            model, actor = vit_published(args, dev, dtype)
             pool = torch.cat([x for x, *_ in loader_for(model, args.data, "test", batch=64, workers=4,
                                                         limit=2 * max(args.batches))]).to(dev, dtype)
             make = lambda b: [pool[:b], pool[b:2 * b]]
