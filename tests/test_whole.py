@@ -101,6 +101,103 @@ def test_whole_runs_by_default_only_when_captured_and_small(monkeypatch):
     timm_dora.unwrap(model)
 
 
+def _assert_same(got, ref):
+    for (oa, sa), (ob, sb) in zip(got, ref, strict=True):
+        torch.testing.assert_close(oa, ob, rtol=0, atol=2e-6)
+        for field in ("tokens", "gate", "removed", "gflops", "policy_gflops"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+        for pa, pb in zip(sa.removed_patches, sb.removed_patches, strict=True):
+            assert (pa is None) == (pb is None)
+            if pa is not None:
+                assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1])
+
+
+@pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
+@pytest.mark.parametrize("family", ["deit", "dinov2_registers"])
+def test_planned_forward_equals_the_eager_executor(family, kind, whole_calls, monkeypatch):
+    name, kw = SMALL_FAMILIES[family]
+    model = make_model(name, **kw)
+    actor = kind_actor(model, kind)
+    xs = [images(model, 5, seed=s) for s in (1, 1, 2, 1)]
+    ref = _forwards(model, xs, actor=actor, cuda_graphs=False)
+    monkeypatch.setattr(whole, "PLANNED", True)
+    timm_dora.wrap(model, actor=actor, cuda_graphs=True)
+    got = []
+    with torch.inference_mode():
+        for x in xs:
+            got.append((model(x), model.dora_stats))
+        runner = next(iter(model._dora.graphs.values()))
+    timm_dora.unwrap(model)
+    _assert_same(got, ref)
+    # the first forward observes (eagerly), the second is the same images: its plan holds
+    assert len(whole_calls) == 3 and runner.plan is not None
+    assert runner.plan_misses <= 1  # (the other images may need more rows or another block)
+    removed = ref[0][1].removed
+    assert runner.plan.controls == tuple(bool(g) for g in ref[0][1].gate.any(0)) or runner.plan_misses
+    if kind == "closed":
+        assert removed.sum() == 0 and runner.plan.rows == (5 * runner.seq,) * (len(model.blocks) + 1)
+    else:
+        assert removed.sum() > 0
+
+
+def test_a_plan_that_does_not_hold_runs_again_eagerly_and_grows(whole_calls, monkeypatch):
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = kind_actor(model, "forced")  # forced open at blocks 1, 4 and 7
+    x = images(model, 4, seed=1)
+    ref = _forwards(model, [x], actor=actor, cuda_graphs=False)
+    opened = tuple(bool(g) for g in ref[0][1].gate.any(0))
+    assert opened[1] and opened[4] and sum(opened) >= 2
+    rows_seen = 4 * 17 - ref[0][1].removed.sum(0).cumsum(0)  # [12] rows left after each block
+    monkeypatch.setattr(whole, "PLANNED", True)
+    timm_dora.wrap(model, actor=actor, cuda_graphs=True)
+    with torch.inference_mode():
+        model(x)
+        runner = next(iter(model._dora.graphs.values()))
+        assert runner.plan.controls == opened
+        assert all(b >= int(n) for b, n in zip(runner.plan.rows[1:], rows_seen))
+        for tight in (whole.Plan(runner.plan.rows, (False,) * 12),  # the gate opens outside the plan
+                      whole.Plan((68,) * 5 + (int(rows_seen[4]) - 1,) * 8, runner.plan.controls)):  # too few rows
+            runner.plan = tight
+            got = [(model(x), model.dora_stats)]
+            _assert_same(got, ref)
+            assert runner.plan.controls == opened
+            assert runner.plan.rows[5] >= int(rows_seen[4])
+        assert runner.plan_misses == 2
+        got = [(model(x), model.dora_stats)]  # the grown plan holds
+    timm_dora.unwrap(model)
+    _assert_same(got, ref)
+    assert runner.plan_misses == 2 and len(whole_calls) == 3
+
+
+def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatch):
+    monkeypatch.setattr(whole, "MARGIN_SD", 1.0)
+    # two images of 10 rows; block 1 removes 2 and 4: 14 rows left, lengths 8 and 6 (sd 1): the
+    # bound is 14 + ceil(1 * sqrt(2) * 1) = 16
+    plan = whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=1)
+    assert plan == whole.Plan((20, 20, 16, 16), (False, True, False))
+    assert whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=6).rows == (20, 20, 18, 18)
+    grown = whole.plan_from([False, False, True], [[0, 0, 1], [0, 0, 1]], seq=10, bucket=1, old=plan)
+    assert grown == whole.Plan((20, 20, 20, 18), (False, True, True))  # larger bounds, both controls
+    monkeypatch.setattr(whole, "MARGIN_SD", 4.0)  # 14 + ceil(5.66) = 20: never above the block before
+    assert whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=1).rows == (20, 20, 20, 20)
+
+
+def test_planned_runs_by_default_for_captured_batches_above_the_whole_ones(monkeypatch):
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    timm_dora.wrap(model, actor=kind_actor(model, "biased"))
+    runner = graphs_module.GraphRunner(model, model._dora.policy, images(model, 3), "sdpa_loop", "model")
+    assert not whole.plans(runner)  # uncaptured (the CPU): only with PLANNED = True
+    runner.capture = True
+    assert not whole.plans(runner) and whole.runs_whole(runner)  # small: whole, unplanned
+    monkeypatch.setattr(whole, "MAX_BATCH", 2)
+    assert whole.plans(runner) and not whole.runs_whole(runner)
+    monkeypatch.setattr(whole, "PLANNED", False)
+    assert not whole.plans(runner)
+    timm_dora.unwrap(model)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
@@ -132,3 +229,27 @@ def test_whole_graph_on_cuda_is_one_replay_without_host_reads(kind, batch, monke
         torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=3e-2)
         assert torch.equal(sa.tokens, 16 - sa.removed.cumsum(1))
         assert torch.allclose(sa.gflops, sb.gflops)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
+@pytest.mark.parametrize("kind", ["biased", "forced"])
+def test_planned_graph_on_cuda_replays_one_graph_with_the_per_block_decisions(kind, monkeypatch):
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
+    xs = [images(model, 24, seed=s).to("cuda", torch.bfloat16) for s in (1, 1, 1)]
+    monkeypatch.setattr(whole, "PLANNED", False)
+    ref = _forwards(model, xs, actor=actor)
+    monkeypatch.setattr(whole, "PLANNED", None)  # the default: planned above whole.MAX_BATCH
+    timm_dora.wrap(model, actor=actor)
+    with torch.inference_mode():
+        got = [(model(x), model.dora_stats) for x in xs]  # observed eagerly, captured, replayed
+        runner = next(iter(model._dora.graphs.values()))
+    timm_dora.unwrap(model)
+    assert [k[0] for k in runner.graphs if k[0] != "reserve"] == ["whole"] and runner.plan_misses == 0
+    assert runner.graphs.keys() >= {("whole", runner.triton_gate, runner.plan)}
+    for (oa, sa), (ob, sb) in zip(got[1:], ref[1:]):
+        same = (sa.removed == sb.removed).all(1) & (sa.gate == sb.gate).all(1)
+        assert same.float().mean() >= 0.9  # (bf16 near-ties may decide differently)
+        torch.testing.assert_close(oa[same].float(), ob[same].float(), rtol=0, atol=3e-2)
+        assert torch.equal(sa.tokens, 16 - sa.removed.cumsum(1))

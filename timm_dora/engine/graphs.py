@@ -206,8 +206,7 @@ class GraphRunner(Segments):
             self.ahead_ready = torch.cuda.Event(external=True)  # a run-ahead graph's gate vectors
         # run ahead (RUN_AHEAD): the dense blocks 0 .. end-1 in one graph (see _launch_ahead)
         self.run_ahead = self.probing and RUN_AHEAD
-        self._ahead_now = False  # this forward may run ahead (start)
-        self._ahead = 0  # this forward's run ahead: its blocks 0 .. _ahead-1 (0: none)
+        self._ahead_now, self._ahead = False, 0  # this forward may run ahead; its blocks 0 .. _ahead-1
         self._ahead_unread = False  # their gates not read yet
         self._ahead_logits = False  # it ended with the readout
         # speculation (the actor): block l's graph runs the MLP of all rows before the gate is read
@@ -220,6 +219,7 @@ class GraphRunner(Segments):
         # other blocks, NoPrune's every block) run as chains of whole blocks: one segment each
         skips = getattr(policy, "prunes_nothing_at", None)
         self.skips: Optional[Callable[[int], bool]] = None if self.probing else skips
+        self.plan, self.plan_misses = None, 0  # the planned whole forward's (engine.whole)
         self.buffer_bytes = torch.cuda.memory_allocated(dev) - allocated if self.capture else 0
 
     def release(self) -> None:

@@ -42,7 +42,7 @@ from . import graphs
 from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all
 from .packing import BACKENDS, rows_where, segment_ids, select_backend
 from .protocol import ForwardConstants, Policy
-from .whole import forward_whole, runs_whole
+from .whole import forward_whole, plan_from, plans, runs_whole
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check_supported", "DoraStats", "run",
            "READOUTS", "SUPPORTED_POOLS"]
@@ -318,6 +318,8 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout)
         if runs_whole(runner):
             out = _whole(model, runner, padded, keep=batch)
+        elif plans(runner):
+            out = _planned(model, runner, padded, keep=batch)
         else:
             out = _forward(model, padded, policy, runner, keep=batch)
     except Exception as error:  # a failed capture: eagerly, and for good if that works
@@ -333,13 +335,13 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
 
 
 def _forward(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[GraphRunner],
-             keep: Optional[int] = None) -> Tuple[torch.Tensor, DoraStats]:
+             keep: Optional[int] = None, decisions: Optional[list] = None) -> Tuple[torch.Tensor, DoraStats]:
     """The block program, eager (``runner`` None) or replayed by ``runner``."""
     try:
-        return _run(model, x, policy, runner, run_ahead=True, keep=keep)
+        return _run(model, x, policy, runner, run_ahead=True, keep=keep, decisions=decisions)
     except RunAheadMissed:  # (CUDA graphs: a gate opened inside the dense blocks run ahead) once more,
         # block by block
-        return _run(model, x, policy, runner, run_ahead=False, keep=keep)
+        return _run(model, x, policy, runner, run_ahead=False, keep=keep, decisions=decisions)
 
 
 def _cost_at(state: "_DoraState", model: nn.Module, num_patches: int) -> BackboneCost:
@@ -399,10 +401,32 @@ def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed
                 policy_gflops=own[:real] / 1e9, backend=backend, removed_patches=patches)
 
 
-def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) -> Tuple[torch.Tensor, DoraStats]:
-    """The forward as one graph (:mod:`~timm_dora.engine.whole`); ``keep`` as for :func:`_run`."""
+def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) -> Tuple[torch.Tensor, DoraStats]:
+    """The forward as one planned graph (:mod:`~timm_dora.engine.whole`) where the runner has a plan
+    and it holds; else eagerly, and the plan made or grown from that forward's decisions."""
+    if runner.plan is not None:
+        out = _whole(model, runner, x, keep, runner.plan)
+        if out is not None:
+            return out
+        runner.plan_misses += 1
+    decisions: list = []
+    out = _forward(model, x, runner.policy, None, keep=keep, decisions=decisions)
+    gates, removed = decisions
+    opened = torch.stack(gates, 1).any(0).tolist()
+    runner.plan = plan_from(opened, torch.stack(removed, 1).tolist(), runner.seq, graphs.rows_bucket(x.shape[0] * runner.seq),
+                            old=runner.plan)
+    return out
+
+
+def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, plan=None
+           ) -> Optional[Tuple[torch.Tensor, DoraStats]]:
+    """The forward as one graph (:mod:`~timm_dora.engine.whole`), planned or not (``None`` where
+    ``plan`` did not hold); ``keep`` as for :func:`_run`."""
     state: _DoraState = model._dora
-    logits, rec = forward_whole(runner, x, graphs.FUSED_INTERVENTIONS)
+    out = forward_whole(runner, x, graphs.FUSED_INTERVENTIONS, plan)
+    if out is None:
+        return None
+    logits, rec = out
     p, n0 = model.num_prefix_tokens, runner.num_patches
     cost = _cost_at(state, model, n0)
 
@@ -418,10 +442,11 @@ def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) ->
 
 
 def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[GraphRunner], run_ahead: bool,
-         keep: Optional[int] = None) -> Tuple[torch.Tensor, DoraStats]:
+         keep: Optional[int] = None, decisions: Optional[list] = None) -> Tuple[torch.Tensor, DoraStats]:
     """One forward, the block program driven through an executor: ``runner`` (captured) or, when
     ``None``, the eager one (:mod:`~timm_dora.engine.eager`: the interface); ``keep``: the real
-    images are the first ``keep`` (the rest pad a captured batch)."""
+    images are the first ``keep`` (the rest pad a captured batch); ``decisions``: a list that gets
+    every image's gates and removals per block (lists of ``[B]`` tensors, padding included)."""
     state: _DoraState = model._dora
     if model.training and any(getattr(m, "drop_prob", 0.0) > 0 for m in model.modules() if type(m).__name__ == "DropPath"):
         raise RuntimeError("stochastic depth is per image and cannot act on packed rows: call model.eval() first")
@@ -482,4 +507,6 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
                            state.skip_dead, backend, real)
 
     real = b if keep is None else keep
+    if decisions is not None:
+        decisions[:] = [gates, removed_all]
     return (logits if real == b else logits[:real]), _LazyStats(statistics)

@@ -111,7 +111,7 @@ class Segments:
             "controller": self._controller_segment,
             "chain": self._chain_segment,
             "attention_packed": self._attention_packed_segment,
-            "whole": lambda key: whole_segment(self, key[1]),  # the whole forward (engine.whole)
+            "whole": lambda key: whole_segment(self, *key[1:]),  # the whole forward, planned or not (engine.whole)
         }.get(key[0])
         if build is None:
             raise KeyError(key)

@@ -1,4 +1,5 @@
-"""The whole forward as one CUDA graph: the captured executor for small batches.
+"""The whole forward as one CUDA graph: the captured executor for small batches, and planned for
+larger ones.
 
 At batch 1 to 8 the per-block executor (:mod:`~timm_dora.engine.graphs`) is bound by the host: it
 waits for each block's gate vector and, after a deletion, for the new lengths (about 13 waits and
@@ -29,17 +30,32 @@ What the statistics need is recorded per block inside the graph (gates, removals
 FLOPs, the rows' ids and the removal mask) and copied once per forward; ``model.dora_stats`` is
 computed from the copies when read. Only for a deterministic :class:`~timm_dora.policy.ActorPolicy`
 of the CLS form (the actor decides inside the graphs) with the CLS-token readout.
+
+**Planned** (larger batches, :data:`PLANNED`): the per-block executor waits for the host after
+every deletion (the new lengths pick the next graph's padded size) and for every gate vector: on
+an H100 at batch 320 ViT-Ti's GPU idled 0.63 of 4.7 ms per forward in those waits
+(``benchmarks/results/default_speed_h100.json``). A :class:`Plan` replaces the waits by bounds:
+each block's rows padded to a bound on the rows that enter it, and the controller only at the
+blocks whose gate opened. The plan comes from an observed forward (the first, by the eager
+executor: :func:`plan_from`, the rows seen plus :data:`MARGIN_SD` standard deviations of a batch's
+total); the forward is then one graph, and one read at its end checks that it held: no gate
+opened outside the plan and no block got more rows than its bound. Where it did not hold, the
+graph's output is discarded, the forward runs again eagerly and the plan grows to cover it (the
+bounds only grow, so a stream of batches settles on a plan after a few misses). Rows past the
+real ones are padding, as in the per-block executor's packed phase.
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .packing import Packed
 
-__all__ = ["MAX_BATCH", "WHOLE", "whole_reason", "runs_whole", "whole_segment", "forward_whole"]
+__all__ = ["MAX_BATCH", "WHOLE", "PLANNED", "MARGIN_SD", "Plan", "whole_reason", "runs_whole", "plans", "plan_from",
+           "whole_segment", "forward_whole"]
 
 # Batches up to this size run as one graph (when captured): the crossover against the per-block
 # executor on an H100 (benchmarks/small_batch.py: one graph faster at 1 and 8, per block from 16)
@@ -47,6 +63,20 @@ MAX_BATCH = 8
 # None: as above; True: every forward the runner can run whole, captured or not (the CPU tests run
 # it uncaptured); False: never
 WHOLE: Optional[bool] = None
+# Larger batches run as one planned graph. None: when captured; True: wherever the runner can run
+# whole (the CPU tests run it uncaptured); False: never (the per-block executor)
+PLANNED: Optional[bool] = None
+# A plan's bound on the rows entering a block: the rows seen there plus this many standard
+# deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
+MARGIN_SD = 4.0
+
+
+class Plan(NamedTuple):
+    """A planned whole forward (a graph per plan): ``rows``, the padded rows each block runs on
+    (``depth + 1`` entries: the last, the survivors after the last block); ``controls``, the blocks
+    whose graph runs the controller and the deletion (elsewhere the gate must stay closed)."""
+    rows: Tuple[int, ...]
+    controls: Tuple[bool, ...]
 
 
 def whole_reason(runner) -> Optional[str]:
@@ -65,6 +95,37 @@ def runs_whole(runner) -> bool:
     return WHOLE is True or (runner.capture and runner.batch <= MAX_BATCH)
 
 
+def plans(runner) -> bool:
+    """Whether this runner's forward runs as a planned graph (:data:`PLANNED`; not where it runs
+    whole unplanned)."""
+    if PLANNED is False or whole_reason(runner) is not None or runs_whole(runner):
+        return False
+    return PLANNED is True or runner.capture
+
+
+def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int, bucket: int,
+              old: Optional[Plan] = None) -> Plan:
+    """The plan that covers an observed forward: ``opened[l]`` whether block ``l``'s gate opened for
+    some image, ``removed[i][l]`` the rows image ``i`` lost there, ``seq`` the rows of an image
+    entering block 0. Each bound is the rows seen plus :data:`MARGIN_SD` standard deviations of the
+    batch's total, padded up to a multiple of ``bucket``, never above the rows of the block before;
+    with ``old``, the larger bounds and the union of the controls (a plan only grows)."""
+    batch, depth = len(removed), len(opened)
+    total = batch * seq
+    lengths, rows = [seq] * batch, [total]
+    for l in range(depth):
+        lengths = [n - r[l] for n, r in zip(lengths, removed)]
+        t = sum(lengths)
+        sd = math.sqrt(sum((n - t / batch) ** 2 for n in lengths) / batch)
+        bound = t + math.ceil(MARGIN_SD * math.sqrt(batch) * sd)
+        rows.append(min(rows[-1], -(-bound // bucket) * bucket))
+    controls = [bool(o) for o in opened]
+    if old is not None:
+        rows = [max(a, b) for a, b in zip(rows, old.rows)]
+        controls = [a or b for a, b in zip(controls, old.controls)]
+    return Plan(tuple(rows), tuple(controls))
+
+
 class _Record:
     """What the statistics need, written by the graph at every block (fixed buffers)."""
 
@@ -74,6 +135,10 @@ class _Record:
             self.flops = torch.zeros(depth, batch, dtype=torch.float64, device=device)  # the actor's
             self.ids = torch.zeros(depth, rows, dtype=torch.long, device=device)  # the rows' ids, before
             self.remove = torch.zeros(depth, rows, dtype=torch.bool, device=device)  # the removed rows
+            # a planned forward's check: gates opened and rows left after each block (and on the host)
+            self.check = torch.zeros(2, depth, dtype=torch.long, device=device)
+        self.check_host = torch.zeros(2, depth, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.checked = torch.cuda.Event(external=True) if device.type == "cuda" else None
 
     def copy(self) -> SimpleNamespace:
         """This forward's record (the buffers are rewritten by the next replay)."""
@@ -83,21 +148,35 @@ class _Record:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.counts, self.flops, self.ids, self.remove))
+        return sum(t.numel() * t.element_size() for t in (self.counts, self.flops, self.ids, self.remove, self.check))
 
 
-def whole_segment(runner, fused: bool) -> Callable[[], None]:
-    """The function the whole-forward graph records: every block's segments at ``B*S`` rows (the
-    controller, the deletion and the history update masked by the gate), then the readout into a
-    fixed buffer. ``fused``: the controller reads the keys in place from the attention's ``qkv``
-    output (the Triton gate)."""
+class _Missed(Exception):
+    """Uncaptured, a block got more rows than its plan's bound (captured, the check says so)."""
+
+
+def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[[], None]:
+    """The function the whole-forward graph records: every block's segments (the controller, the
+    deletion and the history update masked by the gate), then the readout into a fixed buffer.
+    Without ``plan`` every block runs at ``B*S`` rows with the controller; with it at the plan's
+    rows, the controller only where it says, and at the end the check :func:`forward_whole` reads.
+    ``fused``: the controller reads the keys in place from the attention's ``qkv`` output (the
+    Triton gate)."""
     r = runner
-    depth, rows, p = r.depth, r.batch * r.seq, r.model.num_prefix_tokens
+    depth, total, p = r.depth, r.batch * r.seq, r.model.num_prefix_tokens
+    if plan is None:
+        plan = Plan((total,) * (depth + 1), (True,) * depth)
+        checked = False
+    else:
+        checked = True
+    rows, controls = plan.rows, plan.controls
     dense = r.dense_inputs[0]
     rec = r.record
-    attend = [r._segment(("attention_packed", l, rows, False, True, fused)) for l in range(depth)]
-    control = [r._segment(("controller", l, rows, False, "in_place" if fused else False)) for l in range(depth)]
-    mlp = [r._segment(("mlp_compacted", l, rows)) for l in range(depth)]  # the deletion's output -> next input
+    attend = [r._segment(("attention_packed", l, rows[l], False, True, fused and controls[l])) for l in range(depth)]
+    control = [r._segment(("controller", l, rows[l], False, "in_place" if fused else False)) if controls[l] else None
+               for l in range(depth)]
+    # the MLP: of the deletion's output (x[l % 2]) or, with no controller, of the attention's (xa)
+    mlp = [r._segment(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1])) for l in range(depth)]
     read = r._segment(("readout_packed",))
     n_visual, rho, interventions = r.history_in
     gate, (remove, removed, flops) = r.ctrl_in[2], r.ctrl_out
@@ -111,20 +190,28 @@ def whole_segment(runner, fused: bool) -> Callable[[], None]:
         if not r.capture:  # uncaptured, the attention and the controller run on the real rows
             r.cur = dense.with_x(r.x[0])
         for l in range(depth):
+            if not r.capture and r.cur.total > rows[l]:  # (uncaptured the attention needs the real rows)
+                raise _Missed
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
+            rec.counts[0, l].copy_(gate)
+            if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
+                rec.counts[1, l].zero_()
+                rec.flops[l].fill_(r.steps[("packed", l)].gate_flops)  # (the same for every image)
+                rho.zero_()
+                mlp[l]()
+                continue
             rec.ids[l].copy_(r.ids)
             control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu
-            rec.counts[0, l].copy_(gate)
             rec.counts[1, l].copy_(removed)
             rec.flops[l].copy_(flops)
-            rec.remove[l].copy_(remove[:rows])
+            rec.remove[l, :rows[l]].copy_(remove[:rows[l]])
             torch.div(removed, n_visual, out=rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
             n_visual.sub_(removed)
             interventions.add_(gate)
             r._keys_in_place = None  # (a view of this block's qkv output)
             if not r.capture:
-                total = int(r.lengths.sum())
-                r.cur = Packed(r.x[l % 2][:total], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:total].clone())
+                t = int(r.lengths.sum())
+                r.cur = Packed(r.x[l % 2][:t], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:t].clone())
             mlp[l]()
         read()
         out = r.logits.get("whole")
@@ -132,12 +219,21 @@ def whole_segment(runner, fused: bool) -> Callable[[], None]:
             with torch.inference_mode(False):
                 out = r.logits["whole"] = torch.empty_like(r.logits["packed"])
         out.copy_(r.logits["packed"])
+        if checked:  # which gates opened, how many rows each block left: to the host, with an event
+            torch.sum(rec.counts[0], 1, out=rec.check[0])
+            torch.cumsum(rec.counts[1].sum(1), 0, out=rec.check[1])
+            torch.sub(total, rec.check[1], out=rec.check[1])
+            rec.check_host.copy_(rec.check, non_blocking=r.capture)
+            if r.capture:
+                rec.checked.record(torch.cuda.current_stream(r.device))
     return whole
 
 
-def forward_whole(runner, images: torch.Tensor, fused: bool):
+def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan] = None):
     """One forward of ``images`` (the runner's batch shape) as one graph. Returns the logits and
-    the forward's record (:meth:`_Record.copy`). ``fused``: as for :func:`whole_segment`."""
+    the forward's record (:meth:`_Record.copy`), or ``None`` where ``plan`` did not hold (a gate
+    opened outside it, or a block had more rows than its bound: the output is wrong). ``fused``:
+    as for :func:`whole_segment`."""
     r = runner
     if getattr(r, "record", None) is None:
         r.record = _Record(r.depth, r.batch, r.batch * r.seq, r.device)
@@ -145,7 +241,19 @@ def forward_whole(runner, images: torch.Tensor, fused: bool):
     r.host_reads = False  # (decisions stay on the device: no gate or length copies to the host)
     try:
         r.start(images, run_ahead=False)  # the embedding, eagerly, into the first block's input
-        r._run(("whole", bool(r.triton_gate and fused)))
+        r._run(("whole", bool(r.triton_gate and fused)) + ((plan,) if plan is not None else ()))
+    except _Missed:
+        return None
     finally:
         r.host_reads, r.cur = True, None
+    if plan is not None and not held(plan, r.record):
+        return None
     return r.logits["whole"].clone(), r.record.copy()
+
+
+def held(plan: Plan, record: _Record) -> bool:
+    """Whether a planned forward stayed inside its plan (waits for the graph's check)."""
+    if record.checked is not None:
+        record.checked.synchronize()
+    opened, left = record.check_host.tolist()
+    return all((g == 0 or c) and n <= bound for g, c, n, bound in zip(opened, plan.controls, left, plan.rows[1:]))
