@@ -1,13 +1,15 @@
-"""Small batches: the whole-forward graph against the per-block executor and native (not a test).
+"""Small batches: the whole-forward graphs against the per-block executor and native (not a test).
 
 For each configuration of ``default_speed.py`` and each batch size of ``--batches``, in one process
 on one GPU (bf16, the timing protocol of :func:`timm_dora.evaluate.bench.time_forward`):
 ``native_compiled_ips`` and ``native_compiled_ro_ips`` (the timm model under ``torch.compile``,
 default mode and ``mode="reduce-overhead"``, which replays CUDA graphs), and the wrapped model with
-default options run by each captured executor: ``whole_ips`` (the forward as one graph,
-:mod:`timm_dora.engine.whole`) and ``per_block_ips`` (:mod:`timm_dora.engine.graphs`), with
-``same_decisions_pct``, the images whose per-block removals agree between the two. The crossover
-sets :data:`timm_dora.engine.whole.MAX_BATCH`.
+default options run by each captured executor (:mod:`timm_dora.engine.whole`): ``whole_ips`` (the
+forward as one graph at ``B*S`` rows), ``planned_ips`` (one graph per plan, checked after each
+forward) and ``per_block_ips`` (:mod:`timm_dora.engine.graphs`), with ``same_decisions_pct``, the
+images whose per-block removals agree between the whole graph and the per-block executor
+(``planned_same_decisions_pct``: the planned graph and the per-block executor). The crossovers set
+:data:`~timm_dora.engine.whole.MAX_BATCH` and :data:`~timm_dora.engine.whole.PLANNED_MAX_BATCH`.
 
     python benchmarks/small_batch.py --vit-weights W.safetensors --data labels.csv --out <json>
 """
@@ -35,8 +37,8 @@ def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
     torch._dynamo.reset()
     row["native_compiled_ro_ips"] = timed(torch.compile(model, mode="reduce-overhead"), inputs, args)
     removed = {}
-    for name, mode in (("whole", True), ("per_block", False)):
-        whole.WHOLE = mode
+    for name, modes in (("whole", (True, False)), ("planned", (False, True)), ("per_block", (False, False))):
+        whole.WHOLE, whole.PLANNED = modes
         try:
             timm_dora.wrap(model, actor)
             row[f"{name}_ips"] = timed(model, inputs, args)
@@ -45,8 +47,9 @@ def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
             removed[name] = model.dora_stats.removed.clone()
             timm_dora.unwrap(model)
         finally:
-            whole.WHOLE = None
-    row["same_decisions_pct"] = 100.0 * float((removed["whole"] == removed["per_block"]).all(1).float().mean())
+            whole.WHOLE = whole.PLANNED = None
+    same = lambda a: 100.0 * float((removed[a] == removed["per_block"]).all(1).float().mean())
+    row["same_decisions_pct"], row["planned_same_decisions_pct"] = same("whole"), same("planned")
     return row
 
 

@@ -193,6 +193,10 @@ def test_planned_runs_by_default_for_captured_batches_above_the_whole_ones(monke
     assert not whole.plans(runner) and whole.runs_whole(runner)  # small: whole, unplanned
     monkeypatch.setattr(whole, "MAX_BATCH", 2)
     assert whole.plans(runner) and not whole.runs_whole(runner)
+    monkeypatch.setattr(whole, "PLANNED_MAX_BATCH", 2)  # large: the per-block executor
+    assert not whole.plans(runner) and not whole.runs_whole(runner)
+    monkeypatch.setattr(whole, "PLANNED_MAX_BATCH", 3)
+    assert whole.plans(runner)
     monkeypatch.setattr(whole, "PLANNED", False)
     assert not whole.plans(runner)
     timm_dora.unwrap(model)
@@ -207,6 +211,7 @@ def test_whole_graph_on_cuda_is_one_replay_without_host_reads(kind, batch, monke
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
     xs = [images(model, batch, seed=s).to("cuda", torch.bfloat16) for s in (1, 2)]
     monkeypatch.setattr(whole, "WHOLE", False)
+    monkeypatch.setattr(whole, "PLANNED", False)  # the per-block executor
     ref = _forwards(model, xs, actor=actor)
     monkeypatch.setattr(whole, "WHOLE", None)  # the default: whole at these sizes
     timm_dora.wrap(model, actor=actor)

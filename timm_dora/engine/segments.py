@@ -434,7 +434,7 @@ class Segments:
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
-        if key[:2] == ("attention", 0) or key[0] == "run_ahead":
+        if key[:2] == ("attention", 0) or key[0] in ("run_ahead", "whole"):
             # the gate's context (history and block embeddings) is memoised per forward constants:
             # made again inside block 0's capture, so that every replay recomputes it from the
             # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read

@@ -54,7 +54,7 @@ import torch
 
 from .packing import Packed
 
-__all__ = ["MAX_BATCH", "WHOLE", "PLANNED", "MARGIN_SD", "Plan", "whole_reason", "runs_whole", "plans", "plan_from",
+__all__ = ["MAX_BATCH", "WHOLE", "PLANNED", "PLANNED_MAX_BATCH", "MARGIN_SD", "Plan", "whole_reason", "runs_whole", "plans", "plan_from",
            "whole_segment", "forward_whole"]
 
 # Batches up to this size run as one graph (when captured): the crossover against the per-block
@@ -63,9 +63,10 @@ MAX_BATCH = 8
 # None: as above; True: every forward the runner can run whole, captured or not (the CPU tests run
 # it uncaptured); False: never
 WHOLE: Optional[bool] = None
-# Larger batches run as one planned graph. None: when captured; True: wherever the runner can run
-# whole (the CPU tests run it uncaptured); False: never (the per-block executor)
+# Larger batches up to PLANNED_MAX_BATCH run as one planned graph. None: when captured; True:
+# wherever the runner can run whole (the CPU tests run it uncaptured); False: never
 PLANNED: Optional[bool] = None
+PLANNED_MAX_BATCH = 64
 # A plan's bound on the rows entering a block: the rows seen there plus this many standard
 # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
 MARGIN_SD = 4.0
@@ -100,7 +101,7 @@ def plans(runner) -> bool:
     whole unplanned)."""
     if PLANNED is False or whole_reason(runner) is not None or runs_whole(runner):
         return False
-    return PLANNED is True or runner.capture
+    return PLANNED is True or (runner.capture and runner.batch <= PLANNED_MAX_BATCH)
 
 
 def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int, bucket: int,
@@ -170,16 +171,22 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     else:
         checked = True
     rows, controls = plan.rows, plan.controls
-    dense = r.dense_inputs[0]
-    rec = r.record
-    attend = [r._segment(("attention_packed", l, rows[l], False, True, fused and controls[l])) for l in range(depth)]
-    control = [r._segment(("controller", l, rows[l], False, "in_place" if fused else False)) if controls[l] else None
-               for l in range(depth)]
+    # planned, the blocks up to the first controller run dense (cuDNN's attention on equal lengths,
+    # the MLP in the attention's graph where no controller follows); the rest packed
+    n_dense = (controls.index(True) + 1 if True in controls else depth) if checked else 0
+    attend = [r._segment(("attention", l, not controls[l], fused and controls[l], None) if l < n_dense else
+                         ("attention_packed", l, rows[l], False, True, fused and controls[l])) for l in range(depth)]
+    control = [r._segment(("controller", l, rows[l], l < n_dense, "in_place" if fused else False)) if controls[l]
+               else None for l in range(depth)]
     # the MLP: of the deletion's output (x[l % 2]) or, with no controller, of the attention's (xa)
-    mlp = [r._segment(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1])) for l in range(depth)]
+    mlp = [None if l < n_dense and not controls[l] else
+           r._segment(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1])) for l in range(depth)]
     read = r._segment(("readout_packed",))
+    dense, rec = r.dense_inputs[0], r.record
     n_visual, rho, interventions = r.history_in
-    gate, (remove, removed, flops) = r.ctrl_in[2], r.ctrl_out
+    (remove, removed, flops) = r.ctrl_out
+    gates = [r.gate_out[l] if l < n_dense else r.ctrl_in[2] for l in range(depth)]  # where each block's gate goes
+    steps = [l if l < n_dense else ("packed", l) for l in range(depth)]
 
     def whole():
         r.cu.copy_(dense.cu_seqlens)
@@ -193,12 +200,13 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             if not r.capture and r.cur.total > rows[l]:  # (uncaptured the attention needs the real rows)
                 raise _Missed
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
-            rec.counts[0, l].copy_(gate)
+            rec.counts[0, l].copy_(gates[l])
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
                 rec.counts[1, l].zero_()
-                rec.flops[l].fill_(r.steps[("packed", l)].gate_flops)  # (the same for every image)
+                rec.flops[l].fill_(r.steps[steps[l]].gate_flops)  # (the same for every image)
                 rho.zero_()
-                mlp[l]()
+                if mlp[l] is not None:  # (else it ran in the attention's graph)
+                    mlp[l]()
                 continue
             rec.ids[l].copy_(r.ids)
             control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu
@@ -207,7 +215,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             rec.remove[l, :rows[l]].copy_(remove[:rows[l]])
             torch.div(removed, n_visual, out=rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
             n_visual.sub_(removed)
-            interventions.add_(gate)
+            interventions.add_(gates[l])
             r._keys_in_place = None  # (a view of this block's qkv output)
             if not r.capture:
                 t = int(r.lengths.sum())
