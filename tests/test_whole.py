@@ -83,7 +83,7 @@ def test_only_a_deciding_actor_with_the_class_token_head_runs_whole(whole_calls,
     assert "decides on the host" in whole.whole_reason(runner)
 
 
-def test_whole_runs_by_default_only_when_captured_and_small(monkeypatch):
+def test_whole_unplanned_runs_only_when_captured_and_at_most_max_batch(monkeypatch):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     actor = kind_actor(model, "biased")
@@ -92,6 +92,8 @@ def test_whole_runs_by_default_only_when_captured_and_small(monkeypatch):
     assert whole.whole_reason(runner) is None
     assert not whole.runs_whole(runner)  # uncaptured (the CPU): only with WHOLE = True
     runner.capture = True
+    assert not whole.runs_whole(runner)  # (MAX_BATCH = 0: planned instead)
+    monkeypatch.setattr(whole, "MAX_BATCH", 3)
     assert whole.runs_whole(runner)
     monkeypatch.setattr(whole, "MAX_BATCH", 2)
     assert not whole.runs_whole(runner)
@@ -183,14 +185,16 @@ def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatc
     assert whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=1).rows == (20, 20, 20, 20)
 
 
-def test_planned_runs_by_default_for_captured_batches_above_the_whole_ones(monkeypatch):
+def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch(monkeypatch):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     timm_dora.wrap(model, actor=kind_actor(model, "biased"))
     runner = graphs_module.GraphRunner(model, model._dora.policy, images(model, 3), "sdpa_loop", "model")
     assert not whole.plans(runner)  # uncaptured (the CPU): only with PLANNED = True
     runner.capture = True
-    assert not whole.plans(runner) and whole.runs_whole(runner)  # small: whole, unplanned
+    assert whole.plans(runner) and not whole.runs_whole(runner)
+    monkeypatch.setattr(whole, "MAX_BATCH", 3)  # where the unplanned graph runs, not planned
+    assert not whole.plans(runner) and whole.runs_whole(runner)
     monkeypatch.setattr(whole, "MAX_BATCH", 2)
     assert whole.plans(runner) and not whole.runs_whole(runner)
     monkeypatch.setattr(whole, "PLANNED_MAX_BATCH", 2)  # large: the per-block executor
@@ -213,7 +217,7 @@ def test_whole_graph_on_cuda_is_one_replay_without_host_reads(kind, batch, monke
     monkeypatch.setattr(whole, "WHOLE", False)
     monkeypatch.setattr(whole, "PLANNED", False)  # the per-block executor
     ref = _forwards(model, xs, actor=actor)
-    monkeypatch.setattr(whole, "WHOLE", None)  # the default: whole at these sizes
+    monkeypatch.setattr(whole, "WHOLE", True)  # the unplanned whole graph
     timm_dora.wrap(model, actor=actor)
     with torch.inference_mode():
         model(xs[0])  # captures
@@ -242,17 +246,17 @@ def test_planned_graph_on_cuda_replays_one_graph_with_the_per_block_decisions(ki
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
-    xs = [images(model, 24, seed=s).to("cuda", torch.bfloat16) for s in (1, 1, 1)]
+    xs = [images(model, 12, seed=s).to("cuda", torch.bfloat16) for s in (1, 1, 1)]
     monkeypatch.setattr(whole, "PLANNED", False)
     ref = _forwards(model, xs, actor=actor)
-    monkeypatch.setattr(whole, "PLANNED", None)  # the default: planned above whole.MAX_BATCH
+    monkeypatch.setattr(whole, "PLANNED", None)  # the default: planned up to whole.PLANNED_MAX_BATCH
     timm_dora.wrap(model, actor=actor)
     with torch.inference_mode():
         got = [(model(x), model.dora_stats) for x in xs]  # observed eagerly, captured, replayed
         runner = next(iter(model._dora.graphs.values()))
-    timm_dora.unwrap(model)
-    assert [k[0] for k in runner.graphs if k[0] != "reserve"] == ["whole"] and runner.plan_misses == 0
-    assert runner.graphs.keys() >= {("whole", runner.triton_gate, runner.plan)}
+        keys = [k for k in runner.graphs if k[0] != "reserve"]
+    timm_dora.unwrap(model)  # (releases the graphs)
+    assert keys == [("whole", runner.triton_gate, runner.plan)] and runner.plan_misses == 0
     for (oa, sa), (ob, sb) in zip(got[1:], ref[1:]):
         same = (sa.removed == sb.removed).all(1) & (sa.gate == sb.gate).all(1)
         assert same.float().mean() >= 0.9  # (bf16 near-ties may decide differently)

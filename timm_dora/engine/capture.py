@@ -101,7 +101,8 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
     - ``failed``: why capturing was given up for this model, or ``None``;
     - ``batch_shapes``: per cached batch bucket (at most ``max_cached``), ``batch``, ``graphs``,
       ``capture_s`` (warm-ups and captures, device-synchronised) and ``memory_mb`` (its fixed
-      buffers and the segments of its graphs' private memory pool);
+      buffers and the segments of its graphs' private memory pool), ``plan_misses`` (forwards whose
+      plan did not hold and ran again eagerly: :mod:`~timm_dora.engine.whole`);
     - ``graphs``, ``capture_s``, ``memory_mb``: their sums.
 
     Free that memory with :func:`release_graphs` (and ``torch.cuda.empty_cache()`` to return it to
@@ -115,7 +116,8 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
             key = tuple(seg.get("segment_pool_id", ()))
             pools[key] = pools.get(key, 0) + seg["total_size"]
     shapes = [{"batch": r.batch, "graphs": len(r.graphs), "capture_s": round(r.capture_s, 3),
-               "memory_mb": round((r.buffer_bytes + pools.get(tuple(r.pool or ()), 0)) / 2**20, 1)}
+               "memory_mb": round((r.buffer_bytes + pools.get(tuple(r.pool or ()), 0)) / 2**20, 1),
+               "plan_misses": r.plan_misses}
               for r in state.graphs.values()]
     return {"cuda_graphs": state.cuda_graphs, "executor": state.executor, "reason": state.reason,
             "failed": state.failed, "max_cached": MAX_CACHED, "batch_shapes": shapes,

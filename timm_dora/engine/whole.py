@@ -57,16 +57,18 @@ from .packing import Packed
 __all__ = ["MAX_BATCH", "WHOLE", "PLANNED", "PLANNED_MAX_BATCH", "MARGIN_SD", "Plan", "whole_reason", "runs_whole", "plans", "plan_from",
            "whole_segment", "forward_whole"]
 
-# Batches up to this size run as one graph (when captured): the crossover against the per-block
-# executor on an H100 (benchmarks/small_batch.py: one graph faster at 1 and 8, per block from 16)
-MAX_BATCH = 8
+# Batches up to this size run as one unplanned graph (when captured): none by default, the planned
+# graph is faster at every size (benchmarks/small_batch.py on an H100: 8-23 % at batches 1 and 8)
+MAX_BATCH = 0
 # None: as above; True: every forward the runner can run whole, captured or not (the CPU tests run
 # it uncaptured); False: never
 WHOLE: Optional[bool] = None
 # Larger batches up to PLANNED_MAX_BATCH run as one planned graph. None: when captured; True:
 # wherever the runner can run whole (the CPU tests run it uncaptured); False: never
 PLANNED: Optional[bool] = None
-PLANNED_MAX_BATCH = 64
+# the crossover against the per-block executor on an H100 (benchmarks/small_batch.py: the planned
+# graph 3-24 % faster at batches 1, 8 and 16, the per-block executor 2-7 % at 32 and 64)
+PLANNED_MAX_BATCH = 16
 # A plan's bound on the rows entering a block: the rows seen there plus this many standard
 # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
 MARGIN_SD = 4.0
