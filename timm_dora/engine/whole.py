@@ -1,48 +1,39 @@
-"""The whole forward as one CUDA graph: the captured executor for small batches, and planned for
-larger ones.
+"""The whole forward as one CUDA graph: the captured executor for batches up to 16.
 
-At batch 1 to 8 the per-block executor (:mod:`~timm_dora.engine.graphs`) is bound by the host: it
+At small batches the per-block executor (:mod:`~timm_dora.engine.graphs`) is bound by the host: it
 waits for each block's gate vector and, after a deletion, for the new lengths (about 13 waits and
-2.5 ms of Python per DeiT-B forward on an H100), and a native model compiled by Inductor is just as
-host-bound, so the two traded places from run to run (``benchmarks/results/default_speed_h100.json``).
-Here every shape is fixed at the unpruned batch's ``B*S`` rows and every decision stays on the
-device, so the forward is one graph, replayed with no host read:
+2.5 ms of Python per DeiT-B forward on an H100). Here the segments of every block are recorded back
+to back as one graph and every decision stays on the device:
 
-- per block, the same segments as the per-block executor's packed phase, recorded back to back:
-  the attention on the packed rows (``cu_seqlens`` in a fixed buffer, the longest possible
-  sequence as its maximum) with the actor's gate in line; then the controller on every image
-  masked by the gate, the deletion (the survivors gathered to the front of the rows, lengths and
-  ``cu_seqlens`` updated) and the history ``(N_l, rho_l, E_<l)`` updated in place; then the MLP on
-  all ``B*S`` rows: the rows past the survivors are padding that the attention never reads and the
-  deletion never gathers;
+- per block, the attention residual with the actor's gate in line, then, where the graph runs the
+  controller, the controller on every image masked by the gate, the deletion (the survivors
+  gathered to the front of the rows, lengths and ``cu_seqlens`` updated) and the history
+  ``(N_l, rho_l, E_<l)`` updated in place, then the MLP; rows past the survivors are padding that
+  the attention never reads and the deletion never gathers;
 - the CLS-token readout at the final ``cu_seqlens``.
 
-The price is that the dense parts (``qkv``, projection, MLP) run on every row of the unpruned
-batch at every block: only the attention shrinks. At small batches those products are too short
-to fill the GPU anyway; at larger ones the per-block executor, which runs them on the survivors
-only, is faster (the crossover, measured on an H100, sets :data:`MAX_BATCH`). The controller and
-the deletion run at every block, masked by the gate (where no gate opened they change nothing);
-the actor's Triton kernels then see empty sequences and return at once, and the deletion's few
-small kernels run an identity gather. (CUDA-graph conditional nodes, in torch releases after the
-2.11 of the H100 here, could skip them where no gate opened; not built.)
+**Planned** (the default, :data:`PLANNED`, batches up to :data:`PLANNED_MAX_BATCH`): a
+:class:`Plan` bounds the rows each block runs on and names the blocks that run the controller. It
+comes from an observed forward (the first of a batch size, by the eager executor:
+:func:`plan_from`, the rows seen plus :data:`MARGIN_SD` standard deviations of a batch's total,
+the controller where a gate opened). The graph runs the blocks up to the first controller dense
+(as the per-block executor's dense phase), the rest packed at their bounds, and copies at its end
+which gates opened and how many rows each block left; the host reads that once
+(:func:`held`): where a gate opened outside the plan or a block got more rows than its bound, the
+graph's output is discarded, the forward runs again eagerly and the plan grows to cover it (the
+bounds only grow, so a stream of batches settles on a plan after a few misses).
+
+**Unplanned** (:data:`MAX_BATCH`, off by default; :data:`WHOLE`): every block at the unpruned
+batch's ``B*S`` rows with the controller at every block (torch 2.11 has no CUDA-graph conditional
+nodes to skip it where no gate opened; the actor's Triton kernels then see empty sequences and
+return at once), no host read at all. The planned graph was faster at every batch size measured
+(``benchmarks/results/small_batch_h100.json``), since the unplanned one runs the dense parts on
+every row of the unpruned batch and the deletion's small kernels at every block.
 
 What the statistics need is recorded per block inside the graph (gates, removals, the actor's
 FLOPs, the rows' ids and the removal mask) and copied once per forward; ``model.dora_stats`` is
 computed from the copies when read. Only for a deterministic :class:`~timm_dora.policy.ActorPolicy`
 of the CLS form (the actor decides inside the graphs) with the CLS-token readout.
-
-**Planned** (larger batches, :data:`PLANNED`): the per-block executor waits for the host after
-every deletion (the new lengths pick the next graph's padded size) and for every gate vector: on
-an H100 at batch 320 ViT-Ti's GPU idled 0.63 of 4.7 ms per forward in those waits
-(``benchmarks/results/default_speed_h100.json``). A :class:`Plan` replaces the waits by bounds:
-each block's rows padded to a bound on the rows that enter it, and the controller only at the
-blocks whose gate opened. The plan comes from an observed forward (the first, by the eager
-executor: :func:`plan_from`, the rows seen plus :data:`MARGIN_SD` standard deviations of a batch's
-total); the forward is then one graph, and one read at its end checks that it held: no gate
-opened outside the plan and no block got more rows than its bound. Where it did not hold, the
-graph's output is discarded, the forward runs again eagerly and the plan grows to cover it (the
-bounds only grow, so a stream of batches settles on a plan after a few misses). Rows past the
-real ones are padding, as in the per-block executor's packed phase.
 """
 from __future__ import annotations
 
@@ -54,20 +45,20 @@ import torch
 
 from .packing import Packed
 
-__all__ = ["MAX_BATCH", "WHOLE", "PLANNED", "PLANNED_MAX_BATCH", "MARGIN_SD", "Plan", "whole_reason", "runs_whole", "plans", "plan_from",
-           "whole_segment", "forward_whole"]
+__all__ = ["MAX_BATCH", "WHOLE", "PLANNED", "PLANNED_MAX_BATCH", "MARGIN_SD", "Plan", "whole_reason", "runs_whole",
+           "plans", "plan_from", "whole_segment", "forward_whole", "held"]
 
 # Batches up to this size run as one unplanned graph (when captured): none by default, the planned
-# graph is faster at every size (benchmarks/small_batch.py on an H100: 8-23 % at batches 1 and 8)
+# graph is faster at every size (benchmarks/small_batch.py on an H100: 11-25 % at batches 1 and 8)
 MAX_BATCH = 0
 # None: as above; True: every forward the runner can run whole, captured or not (the CPU tests run
 # it uncaptured); False: never
 WHOLE: Optional[bool] = None
-# Larger batches up to PLANNED_MAX_BATCH run as one planned graph. None: when captured; True:
-# wherever the runner can run whole (the CPU tests run it uncaptured); False: never
+# Batches up to PLANNED_MAX_BATCH run as one planned graph. None: when captured; True: wherever
+# the runner can run whole (the CPU tests run it uncaptured); False: never
 PLANNED: Optional[bool] = None
 # the crossover against the per-block executor on an H100 (benchmarks/small_batch.py: the planned
-# graph 3-24 % faster at batches 1, 8 and 16, the per-block executor 2-7 % at 32 and 64)
+# graph 7-56 % faster at batches 1, 8 and 16; at 32 and 64 the two trade places from run to run)
 PLANNED_MAX_BATCH = 16
 # A plan's bound on the rows entering a block: the rows seen there plus this many standard
 # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
