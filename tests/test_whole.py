@@ -43,6 +43,17 @@ def _forwards(model, xs, **wrap_kw):
         timm_dora.unwrap(model)
 
 
+def _assert_same(got, ref):
+    for (oa, sa), (ob, sb) in zip(got, ref, strict=True):
+        torch.testing.assert_close(oa, ob, rtol=0, atol=2e-6)  # (the controller's products over every image)
+        for field in ("tokens", "gate", "removed", "gflops", "policy_gflops"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+        for pa, pb in zip(sa.removed_patches, sb.removed_patches, strict=True):
+            assert (pa is None) == (pb is None)
+            if pa is not None:
+                assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1])
+
+
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
 @pytest.mark.parametrize("family", ["deit", "deit_distilled", "dinov2_registers"])
 def test_whole_forward_equals_the_eager_executor(family, kind, whole_calls, monkeypatch):
@@ -54,14 +65,7 @@ def test_whole_forward_equals_the_eager_executor(family, kind, whole_calls, monk
     monkeypatch.setattr(whole, "WHOLE", True)
     got = _forwards(model, xs, actor=actor, cuda_graphs=True)
     assert len(whole_calls) == len(xs)
-    for (oa, sa), (ob, sb) in zip(got, ref):
-        torch.testing.assert_close(oa, ob, rtol=0, atol=2e-6)  # (the controller's products over every image)
-        for field in ("tokens", "gate", "removed", "gflops", "policy_gflops"):
-            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
-        for pa, pb in zip(sa.removed_patches, sb.removed_patches, strict=True):
-            assert (pa is None) == (pb is None)
-            if pa is not None:
-                assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1])
+    _assert_same(got, ref)
     removed = ref[0][1].removed
     if kind == "closed":
         assert removed.sum() == 0
@@ -101,17 +105,6 @@ def test_whole_unplanned_runs_only_when_captured_and_at_most_max_batch(monkeypat
     runner.batch = 1
     assert not whole.runs_whole(runner)
     timm_dora.unwrap(model)
-
-
-def _assert_same(got, ref):
-    for (oa, sa), (ob, sb) in zip(got, ref, strict=True):
-        torch.testing.assert_close(oa, ob, rtol=0, atol=2e-6)
-        for field in ("tokens", "gate", "removed", "gflops", "policy_gflops"):
-            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
-        for pa, pb in zip(sa.removed_patches, sb.removed_patches, strict=True):
-            assert (pa is None) == (pb is None)
-            if pa is not None:
-                assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1])
 
 
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])

@@ -158,12 +158,8 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     Triton gate)."""
     r = runner
     depth, total, p = r.depth, r.batch * r.seq, r.model.num_prefix_tokens
-    if plan is None:
-        plan = Plan((total,) * (depth + 1), (True,) * depth)
-        checked = False
-    else:
-        checked = True
-    rows, controls = plan.rows, plan.controls
+    checked = plan is not None
+    rows, controls = plan if checked else ((total,) * (depth + 1), (True,) * depth)
     # planned, the blocks up to the first controller run dense (cuDNN's attention on equal lengths,
     # the MLP in the attention's graph where no controller follows); the rest packed
     n_dense = (controls.index(True) + 1 if True in controls else depth) if checked else 0
@@ -177,7 +173,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     read = r._segment(("readout_packed",))
     dense, rec = r.dense_inputs[0], r.record
     n_visual, rho, interventions = r.history_in
-    (remove, removed, flops) = r.ctrl_out
+    remove, removed, flops = r.ctrl_out
     gates = [r.gate_out[l] if l < n_dense else r.ctrl_in[2] for l in range(depth)]  # where each block's gate goes
     steps = [l if l < n_dense else ("packed", l) for l in range(depth)]
 
