@@ -7,6 +7,8 @@
 #   schedules on `test` (benchmarks/results/compare/, H100);
 # tradeoff_vit_tiny: drop against GFLOPs on `test` of DORA's seeds and checkpoints, the static and ToMe
 #   sweeps and the random selector (benchmarks/results/tradeoff_vit_tiny.json, H100);
+# tradeoff_pool_disagreement: the same for the pool-wide label-free feedback (issue #29's third round:
+#   ViT-Ti at 10 % and 7.5 % disagreement, DeiT-Ti at 8 %; benchmarks/results/tradeoff_*_pool_t*.json, H100);
 # training: the published actors' runs (benchmarks/results/train/*_metrics.jsonl.gz);
 # trajectory and policy: the published ViT-Ti actor on the real backbone, dev images (fp32 CPU).
 # Each picture is written with its numbers as JSON next to it.
@@ -21,6 +23,9 @@ timm-dora viz tradeoff --results $R/compare/compare_*.json --format png --out do
     --title "test split (1,300 images), H100 bf16: DORA (published actors), ToMe, static schedules"
 timm-dora viz tradeoff --results $R/tradeoff_vit_tiny.json --format png --out docs --name tradeoff_vit_tiny \
     --title "ViT-Ti, test split: DORA (paper recipe, 3 seeds), static and ToMe sweeps"
+timm-dora viz tradeoff --results $R/tradeoff_vit_tiny_pool_t100.json $R/tradeoff_vit_tiny_pool_t075.json \
+    $R/tradeoff_deit_tiny_pool_t080.json --format png --out docs --name tradeoff_pool_disagreement \
+    --title "test split: DORA with pool-wide disagreement feedback (ViT-Ti 10 %, ViT-Ti 7.5 %, DeiT-Ti 8 %), static, ToMe"
 timm-dora viz training --metrics $R/train/vit_tiny_paper_full_metrics.jsonl.gz --target 0.01 --format png --out docs \
     --name training_vit_tiny_h100_paper --title "vit_tiny: the published actor's run (the paper's recipe, seed 0)"
 timm-dora viz training --metrics $R/train/deit_tiny_t1.0_strong_metrics.jsonl.gz --target 0.01 --format png --out docs \
