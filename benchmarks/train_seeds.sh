@@ -18,6 +18,11 @@ RUNS=${RUNS:-/tmp/runs}
 RECIPE=${RECIPE:-"--feedback-signal disagreement --qc-with-rollout --qc-with-dev --qc-shards 1 --selection fit --checkpoint-every 100"}
 declare -A MODEL=([vit]=vit_tiny_patch16_224.augreg_in21k_ft_in1k [deit]=deit_tiny_patch16_224.fb_in1k)
 declare -A WEIGHTS=([vit]=vit_tiny_patch16_224.augreg_in21k_ft_in1k [deit]=deit_tiny_patch16_224.fb_in1k-approx)
+[ $# -ge 1 ] || { echo "usage: bash benchmarks/train_seeds.sh NAME=BACKBONE:SEED:EXTRA ... (BACKBONE vit or deit)" >&2; exit 2; }
+for spec in "$@"; do
+  bb=${spec#*=}; bb=${bb%%:*}
+  [ -n "${MODEL[$bb]:-}" ] && [ "${spec%%=*}" != "$spec" ] || { echo "train_seeds.sh: bad run '$spec': expected NAME=vit|deit:SEED[:EXTRA]" >&2; exit 2; }
+done
 mkdir -p "$RUNS" "$OUT"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$gpus" -ge 1 ] || gpus=1
