@@ -19,26 +19,26 @@ RECIPE=${RECIPE:-"--feedback-signal disagreement --qc-with-rollout --qc-with-dev
 declare -A MODEL=([vit]=vit_tiny_patch16_224.augreg_in21k_ft_in1k [deit]=deit_tiny_patch16_224.fb_in1k)
 declare -A WEIGHTS=([vit]=vit_tiny_patch16_224.augreg_in21k_ft_in1k [deit]=deit_tiny_patch16_224.fb_in1k-approx)
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/train_seeds.sh NAME=BACKBONE:SEED:EXTRA ... (BACKBONE vit or deit)" >&2; exit 2; }
-for spec in "$@"; do
-  bb=${spec#*=}; bb=${bb%%:*}
+names=(); bbs=(); seeds=(); extras=()
+for spec in "$@"; do  # every run parsed and checked before any starts
+  rest=${spec#*=}; bb=${rest%%:*}; rest=${rest#*:}; seed=${rest%%:*}; extra=${rest#*:}
   [ -n "${MODEL[$bb]:-}" ] && [ "${spec%%=*}" != "$spec" ] || { echo "train_seeds.sh: bad run '$spec': expected NAME=vit|deit:SEED[:EXTRA]" >&2; exit 2; }
+  [ "$extra" = "$seed" ] && extra=""
+  names+=("${spec%%=*}"); bbs+=("$bb"); seeds+=("$seed"); extras+=("$extra")
 done
 mkdir -p "$RUNS" "$OUT"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$gpus" -ge 1 ] || gpus=1
 (nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader -l 15 > "$OUT/gpu_util.csv" 2>/dev/null &)
-pids=(); names=(); i=0
-for spec in "$@"; do
-  name=${spec%%=*}; rest=${spec#*=}
-  bb=${rest%%:*}; rest=${rest#*:}
-  seed=${rest%%:*}; extra=${rest#*:}
-  [ "$extra" = "$seed" ] && extra=""
+pids=()
+for i in "${!names[@]}"; do
+  name=${names[$i]}; bb=${bbs[$i]}
   w="$CARRY/${WEIGHTS[$bb]}.bf16.safetensors"
   [ -f "$w" ] || gunzip -k "$w.gz"
   CUDA_VISIBLE_DEVICES=$((i % gpus)) OMP_NUM_THREADS=4 PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
-    --model "${MODEL[$bb]}" --weights "$w" --data "$CARRY/data/labels.csv" --out "$RUNS/$name" --seed "$seed" \
-    --max-minutes "$MINUTES" --no-progress $RECIPE $extra > "$RUNS/$name.log" 2>&1 &
-  pids+=($!); names+=("$name"); i=$((i + 1))
+    --model "${MODEL[$bb]}" --weights "$w" --data "$CARRY/data/labels.csv" --out "$RUNS/$name" --seed "${seeds[$i]}" \
+    --max-minutes "$MINUTES" --no-progress $RECIPE ${extras[$i]} > "$RUNS/$name.log" 2>&1 &
+  pids+=($!)
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
