@@ -308,3 +308,53 @@ def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
         assert a["top1"] == b["top1"] and b["gflops"] < a["gflops"]
     assert set(res["targets"]) == {"drop_pp_le_1", "gflops_reduction_pct_ge_30", "dominates_static",
                                    "random_selector_1pp_worse", "per_image_spread_ge_5pct"}
+
+
+def test_pool_studies_merge_averages_by_size_into_the_most_similar_survivor():
+    """benchmarks/pool_studies.py's merge: a removed row goes into the kept visual row of its image
+    with the highest cosine similarity, averaged by size (hand-computed), and the sizes follow."""
+    import pool_studies
+    import torch
+
+    from timm_dora.engine.packing import Packed
+
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [0.1, 1.0], [5.0, 0.0]])  # CLS, then 4 patches
+    packed = Packed.from_dense(x[None], 1)
+    remove = torch.tensor([False, False, False, True, False])
+    m = pool_studies.Merging("x", prop=False)
+    m.sizes = torch.tensor([1.0, 1.0, 3.0, 1.0, 1.0])  # the row [0, 1] already holds three patches
+    out = m.delete_rows(packed, remove, torch.tensor([1]), [1])
+    expected = torch.tensor([[1.0, 0.0], [1.0, 0.1], [(0.0 * 3 + 0.1) / 4, 1.0], [5.0, 0.0]])
+    assert torch.allclose(out.x, expected) and out.lengths_host == [4]
+    assert m.sizes.tolist() == [1.0, 1.0, 4.0, 1.0]
+
+
+def test_pool_studies_script_runs_both_studies_on_the_pool(tmp_path):
+    """benchmarks/pool_studies.py on a tiny random backbone: all three pool splits are read, the
+    selector study's DORA row and the merge study's deletion row are the same forward."""
+    import pool_studies
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from timm_dora import Actor
+    from timm_dora.evaluate import load_model
+
+    name = "deit_tiny_patch16_224"
+    model = load_model(name, random_weights=True, img_size=64, num_classes=5)
+    save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    rows = ["path,label,synset,set,split"]
+    for i, split in enumerate(["rollout"] * 4 + ["qc"] * 2 + ["dev"] * 2):
+        Image.fromarray((torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()).save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,{i % 5},n{i % 5:08d},sample1000,{split}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    torch.manual_seed(0)
+    Actor.for_model(model).save_pretrained(tmp_path / "a", backbone=model)
+    res = pool_studies.main(["--model", name, "--weights", str(tmp_path / "w.safetensors"), "--img-size", "64",
+                             "--num-classes", "5", "--data", str(tmp_path / "labels.csv"), "--workers", "0",
+                             "--actors", str(tmp_path / "a"), "--out", str(tmp_path / "s.json")])
+    study = res["actors"][str(tmp_path / "a")]
+    assert res["images"] == 8 and set(study["merge"]) == set(pool_studies.MERGE_MODES)
+    assert study["selectors"]["dora"] == study["merge"]["delete"]
+    assert set(study["selectors"]) == {"dora", "cls_sim", "similarity", "random"}

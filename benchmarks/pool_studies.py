@@ -1,0 +1,199 @@
+"""Two inference-only studies of trained actors on the 1,000 ``sample1000`` pool images (not a test).
+
+Both keep an actor's own decisions of *where* and *how much* to prune and change one thing after
+them, paired against native on the same images (fp32 on the CPU by default; ``test`` is never
+read here, the pool is the training side of the data):
+
+- ``selectors``: which tokens go. DORA's recorded gates and budgets with another token rule
+  (App. F.1's substitution): ``cls_sim`` (the static baseline's rule: the visual tokens whose key
+  is least cosine-similar to the CLS key go first), ``similarity`` (ToMe's metric) and ``random``.
+- ``merge``: what happens to the removed tokens. ``delete`` is DORA (they are gone); ``merge_x``,
+  ``merge_keys`` average each removed token into the surviving visual token of its image that is
+  most cosine-similar to it (by the rows themselves, or by the block's keys: ToMe's metric),
+  weighted by the number of patches each row already holds (its size); ``merge_keys_prop`` adds
+  ToMe's proportional attention (``log(size)`` added to every key's logit). The actor was trained
+  with deletion and sees the merged rows in later blocks. An exploratory extension, not an engine
+  feature: it replaces the eager executor's deletion and the varlen attention in this process only
+  (one image at a time, slow).
+
+    python benchmarks/pool_studies.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
+        --weights W.safetensors --data labels.csv --actors A1 A2 --out study.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import timm_dora  # noqa: E402
+from timm_dora.engine import blocks, eager, run  # noqa: E402
+from timm_dora.evaluate import environment, load_model, loader_for  # noqa: E402
+from timm_dora.evaluate.baselines.selectors import SELECTORS, RecordedSelector  # noqa: E402
+
+POOL = ("rollout", "qc", "dev")  # the default partition of sample1000: all 1,000 images
+MERGE_MODES = ("delete", "merge_x", "merge_keys", "merge_keys_prop")
+
+
+class ClsSimSelector(RecordedSelector):
+    """The static baseline's rule as a substitution: the visual tokens whose key (heads
+    concatenated) is least cosine-similar to the CLS key go first."""
+
+    name = "cls_sim"
+
+    def scores(self, ctx, pad):
+        p = ctx.packed.num_prefix
+        k = F.normalize(pad.pad(ctx.keys.float()), dim=-1)
+        return -(k[:, p:] * k[:, :1]).sum(-1), None
+
+
+class Merging:
+    """Replaces the eager executor's deletion (and the varlen attention, for ``prop``) so that
+    removed rows are averaged into their most similar surviving visual row; ``sizes`` follows
+    the rows (1 per patch at the start of each forward)."""
+
+    def __init__(self, metric: str, prop: bool):
+        self.metric, self.prop = metric, prop
+        self.sizes: Optional[torch.Tensor] = None
+        self.keys: Optional[torch.Tensor] = None
+        self._delete, self._attention, self._attn_res = eager.delete_rows, blocks.varlen_attention, eager.attention_residual
+
+    def __enter__(self):
+        eager.delete_rows, eager.attention_residual = self.delete_rows, self.attention_residual
+        if self.prop:
+            blocks.varlen_attention = self.attention
+        return self
+
+    def __exit__(self, *exc):
+        eager.delete_rows, blocks.varlen_attention, eager.attention_residual = self._delete, self._attention, self._attn_res
+
+    def attention_residual(self, blk, packed, backend, *args, **kw):
+        x, keys = self._attn_res(blk, packed, backend, *args, **kw)
+        if self.sizes is None or self.sizes.shape[0] != packed.total:  # a new forward (all rows)
+            self.sizes = torch.ones(packed.total, dtype=torch.float32, device=x.device)
+        self.keys = keys
+        return x, keys
+
+    def attention(self, q, k, v, packed, scale, backend):
+        out, cu = torch.empty_like(q), packed.cu_seqlens.tolist()
+        for i in range(packed.batch_size):
+            s, e = cu[i], cu[i + 1]
+            qi, ki, vi = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))
+            bias = self.sizes[s:e].log().to(q.dtype)[None, None, None, :]
+            out[s:e] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias, scale=scale)[0].transpose(0, 1)
+        return out
+
+    def delete_rows(self, packed, remove, removed, removed_host=None, out=None):
+        x, seg, pos, size = packed.x, packed.seg, packed.pos, self.sizes
+        metric = F.normalize((x if self.metric == "x" else self.keys).float(), dim=-1)
+        merged, new_size = x.clone(), size.clone()
+        for i in range(packed.batch_size):
+            rows = (seg == i).nonzero().squeeze(1)
+            gone = rows[remove[rows]]
+            if gone.numel() == 0:
+                continue
+            kept = rows[~remove[rows] & (pos[rows] >= packed.num_prefix)]
+            to = torch.searchsorted(kept, kept[(metric[gone] @ metric[kept].T).argmax(1)])
+            acc, weight = x[kept].float() * size[kept, None], size[kept].clone()
+            acc.index_add_(0, to, x[gone].float() * size[gone, None])
+            weight.index_add_(0, to, size[gone])
+            merged[kept], new_size[kept] = (acc / weight[:, None]).to(x.dtype), weight
+        result = self._delete(packed.with_x(merged), remove, removed, removed_host, out)
+        self.sizes = new_size[~remove]
+        return result
+
+
+def paired(pred: torch.Tensor, native: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
+    d = (native == labels).float() - (pred == labels).float()
+    return {"drop_pp": round(d.mean().item() * 100, 2), "drop_se_pp": round(d.std().item() / len(d) ** 0.5 * 100, 2),
+            "agreement": round((pred == native).float().mean().item() * 100, 2)}
+
+
+def study(model, actor: str, xs: List[torch.Tensor], native, labels, what: str) -> Dict[str, object]:
+    timm_dora.wrap(model, actor, cuda_graphs=False)  # (outside inference mode: the actor's own tensors)
+    with torch.inference_mode():
+        preds, gflops = _forwards(model, xs, what)
+    timm_dora.unwrap(model)
+    return {name: {**paired(torch.cat(p), native, labels), "gflops": round(torch.cat(gflops[name]).mean().item(), 4)}
+            for name, p in preds.items()}
+
+
+def _forwards(model, xs: List[torch.Tensor], what: str):
+    """Predictions and GFLOPs per row of the study, batch by batch."""
+    preds: Dict[str, List[torch.Tensor]] = {}
+    gflops: Dict[str, List[torch.Tensor]] = {}
+    if what == "selectors":
+        make = {"cls_sim": lambda st: ClsSimSelector.from_stats(st, model=model),
+                "similarity": lambda st: SELECTORS["similarity"].from_stats(st, model=model),
+                "random": lambda st: SELECTORS["random"].from_stats(st, model=model,
+                                                                    generator=torch.Generator().manual_seed(0))}
+        for x in xs:
+            logits, st = run(model, x, model._dora.policy)
+            preds.setdefault("dora", []).append(logits.argmax(1))
+            gflops.setdefault("dora", []).append(st.gflops.float())
+            for name, selector in make.items():
+                logits2, st2 = run(model, x, selector(st))
+                preds.setdefault(name, []).append(logits2.argmax(1))
+                gflops.setdefault(name, []).append(st2.gflops.float())
+    else:
+        for mode in MERGE_MODES:
+            for x in xs:
+                with (Merging("x" if mode == "merge_x" else "keys", mode == "merge_keys_prop")
+                      if mode != "delete" else _nothing()) as m:
+                    if m is not None:
+                        m.sizes = None
+                    logits, st = run(model, x, model._dora.policy)
+                preds.setdefault(mode, []).append(logits.argmax(1))
+                gflops.setdefault(mode, []).append(st.gflops.float())
+    return preds, gflops
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--weights", required=True)
+    ap.add_argument("--data", required=True, help="labels CSV with the rollout/qc/dev splits of sample1000")
+    ap.add_argument("--actors", nargs="+", required=True)
+    ap.add_argument("--studies", nargs="+", default=["selectors", "merge"], choices=["selectors", "merge"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--img-size", type=int, default=None, help="(smoke tests: a small random backbone)")
+    ap.add_argument("--num-classes", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).eval()
+    xs, ys = [], []
+    for split in POOL:
+        for x, y, *_ in loader_for(model, args.data, split, batch=50, workers=args.workers):
+            xs.append(x)
+            ys.append(y)
+    labels = torch.cat(ys)
+    with torch.inference_mode():
+        native = torch.cat([model(x).argmax(1) for x in xs])
+    res = {**environment(torch.device("cpu"), " ".join(["python benchmarks/pool_studies.py"] + (argv or sys.argv[1:]))),
+           "model": args.model, "images": len(labels), "splits": list(POOL),
+           "native_top1": round((native == labels).float().mean().item() * 100, 2), "actors": {}}
+    for actor in args.actors:
+        res["actors"][actor] = {what: study(model, actor, xs, native, labels, what) for what in args.studies}
+        print(actor, json.dumps(res["actors"][actor]), flush=True)
+    Path(args.out).write_text(json.dumps(res, separators=(",", ":")))
+    return res
+
+
+if __name__ == "__main__":
+    main()
