@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import capture_graph, run_interpreted, triton_version
 from timm_dora import Actor
 from timm_dora.policy.actor_kernels import fused_controller, fused_controller_reason
-from timm_dora.policy import ActorPolicy
+from timm_dora.policy import ActorPolicy, encoder_sizes
 
 pytest.importorskip("triton")
 
@@ -157,6 +157,8 @@ def test_interpreted_kernels_equal_the_module_path():
 
 def test_fused_controller_reasons_and_errors():
     assert fused_controller_reason(Actor(192, 12, 196), torch.bfloat16) is None
+    for width in (32, 64, 256):  # the sizes of --actor-width
+        assert fused_controller_reason(Actor(192, 12, 196, **encoder_sizes(width)), torch.bfloat16) is None
     assert "ffn_dim=96" in fused_controller_reason(Actor(192, 12, 196, ffn_dim=96), torch.bfloat16)
     assert "head dim 16" in fused_controller_reason(Actor(192, 12, 196, num_heads=8), torch.bfloat16)
     assert "dtype" in fused_controller_reason(Actor(192, 12, 196), torch.float64)
@@ -188,12 +190,14 @@ def test_fused_controller_reasons_and_errors():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_fused_controller_matches_modules_and_replays_from_a_graph():
+@pytest.mark.parametrize("width", [128, 64, 32])
+def test_cuda_fused_controller_matches_modules_and_replays_from_a_graph(width):
     """bf16 on the GPU: the fused kernels against the module path (the same removals on all but
-    near-tied tokens) and captured once, replayed after the lengths changed in place."""
+    near-tied tokens) and captured once, replayed after the lengths changed in place; for the
+    paper's actor and the narrower ones of ``--actor-width``."""
     torch.manual_seed(0)
     dev, p, n0 = "cuda", 1, 196
-    actor = Actor(192, 12, n0).to(dev, torch.bfloat16).eval()
+    actor = Actor(192, 12, n0, **encoder_sizes(width)).to(dev, torch.bfloat16).eval()
     with torch.no_grad():
         for prm in actor.parameters():
             prm.add_(0.2 * torch.randn_like(prm))

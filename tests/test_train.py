@@ -488,3 +488,36 @@ def test_label_free_feedback_reads_every_split(data, tmp_path, capsys):
     assert torch.equal(trainer.qc_x[:4], qc_only.qc_x)
     assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--qc-with-dev"]) == 1
     assert "--qc-with-dev reads the dev images" in capsys.readouterr().err
+
+
+def test_actor_width_sizes_the_trained_actor(data, tmp_path, capsys):
+    """``--actor-width 32``: the trained actor has a 32-wide encoder with 1 head, FFN 64 and a
+    32 -> 16 -> 1 selector (encoder_sizes), saves that config, loads and runs on the backbone, and its
+    controller costs what the layer sizes give by hand; an unsupported width is a one-line error."""
+    import timm
+
+    import timm_dora
+    from timm_dora.engine.flops import actor_controller_macs
+    from timm_dora.policy import encoder_sizes
+
+    assert encoder_sizes(128) == {"width": 128, "num_heads": 4, "ffn_dim": 256, "selector_hidden": 64}
+    out = tmp_path / "run"
+    assert main(ARGS + ["--data", str(data), "--out", str(out), "--updates", "2", "--actor-width", "32"]) == 0
+    actor = Actor.from_pretrained(out / "selected")
+    assert (actor.width, actor.encoder.num_heads, actor.ffn_dim, actor.selector_hidden) == (32, 1, 64, 16)
+    assert (actor.gate_hidden, actor.budget_hidden) == (64, 128)  # once per image: the paper's sizes
+    # MACs at N visual tokens (N + 1 rows with the CLS key), key width d = 192, M = 6 budgets (N0 = 16):
+    # per row w_in 192*32, qkv 32*96, proj 32*32, FFN 2*32*64, selector 32*16 + 16; attention 2*32 per
+    # pair of rows; once: w_h 3*32, budget head 32*128 + 128*6, w_k 1*32 (the selector not on CLS)
+    n = 10
+    rows = n + 1
+    by_hand = rows * (192 * 32 + 32 * 96 + 32 * 32 + 2 * 32 * 64) + n * (32 * 16 + 16) + rows * rows * 2 * 32 \
+        + 3 * 32 + 32 * 128 + 128 * 6 + 32
+    assert int(actor_controller_macs(actor, torch.tensor([n]))) == by_hand
+    backbone = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=4).eval()
+    timm_dora.wrap(backbone, str(out / "selected"))
+    with torch.no_grad():
+        assert backbone(torch.randn(2, 3, 64, 64)).shape == (2, 4)
+    rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--actor-width", "48"])
+    assert rc == 1 and capsys.readouterr().err == (
+        "timm-dora-train: error: --actor-width: actor width must be one of 32, 64, 128 (the paper), 256, got 48\n")

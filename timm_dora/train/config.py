@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..policy.actor import encoder_sizes
 from .feedback import SIGNALS
 from .pool import AUGMENT_LEVELS
 from .ppo import PPOConfig
@@ -35,6 +36,7 @@ class TrainConfig:
     dev_data: Optional[str] = None
     augment: str = "none"  # ours, for small pools: "none" | "light" | "strong" (pool.train_transform; True = "light")
     cutmix_prob: float = 0.5  # ours: with --augment strong, the share of rollout images given a patch CutMix from another pool image
+    actor_width: int = 128  # the actor's encoder width (paper: 128); heads, FFN and selector follow it (actor.encoder_sizes; ours: 64 or 32 for Tiny backbones)
     budget_step: int = 2  # the budget grid {s, 2s, ..., N0 - 4} of actor and critic (paper: 2)
     selection: str = "min"  # "min" (paper: lowest dev GFLOPs within the target) or "fit" (ours: on fitted drops)
     skip_dead: bool = False  # ours: the last block's MLP on the prefix tokens only (CLS readouts) and no decision there
@@ -82,6 +84,10 @@ class TrainConfig:
 
     def check(self) -> "TrainConfig":
         """This configuration, after a ``ValueError`` naming the flag of any setting out of range."""
+        try:
+            encoder_sizes(self.actor_width)
+        except ValueError as e:
+            raise ValueError(f"--actor-width: {e}") from None
         if not 0.0 <= self.cutmix_prob <= 1.0:
             raise ValueError(f"--cutmix-prob must be in [0, 1], got {self.cutmix_prob}")
         if self.selection not in RULES:

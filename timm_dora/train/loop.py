@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from .. import data as D
 from ..backbone import create_backbone
 from ..engine import Packed, run, wrap
-from ..policy import Actor, ActorPolicy, NoPrune, RolloutNoise
+from ..policy import Actor, ActorPolicy, NoPrune, RolloutNoise, encoder_sizes
 from . import pool as P
 from .checkpoints import Checkpoints, warm_start
 from .config import TrainConfig
@@ -122,7 +122,7 @@ class Trainer(Checkpoints):
         self.qc_shard_idx = D.fixed_shards(len(self.qc_x), cfg.qc_shards)
 
         # learners
-        self.actor = Actor.for_model(model, budget_step=cfg.budget_step)
+        self.actor = Actor.for_model(model, budget_step=cfg.budget_step, **encoder_sizes(cfg.actor_width))
         if cfg.init_actor:
             self.actor.load_state_dict(warm_start(cfg.init_actor, self.actor, self.model, cfg.readout))
         self.actor = self.actor.to(self.dev)
