@@ -16,6 +16,7 @@ import timm_dora
 import timm_dora.hub as hub
 import timm_dora.hub.published as hub_published
 from timm_dora import Actor
+from timm_dora.policy import encoder_sizes
 from timm_dora.train.selection import select_checkpoint
 
 from helpers import hub_cache, images, make_model, offline  # noqa: F401 (offline: fixture)
@@ -440,7 +441,8 @@ def test_hub_configs_fit_real_backbones():
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False)
         assert config["backbone"] == hub.backbone_info(model)
-        assert config["actor"] == Actor.for_model(model).config()
+        # the paper's actor, or a narrower one of timm-dora-train --actor-width
+        assert config["actor"] == Actor.for_model(model, **encoder_sizes(config["actor"]["width"])).config()
         hub.check_backbone(config, model, "model")
 
 
