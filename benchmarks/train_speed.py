@@ -53,7 +53,7 @@ FULL_RECIPE_UPDATES = 1_171
 
 def trainer_for(name: str, args, out: Path) -> Trainer:
     flags = [f.format(weights=args.weights_dir) for f in CONFIGS[name]]
-    flags += ["--data", args.data, "--out", str(out), "--no-progress", *args.extra]
+    flags += ["--data", args.data, "--out", str(out), "--no-progress", "--recipe", "paper", *args.extra]  # the recipe measured
     if args.device:
         flags += ["--device", args.device]
     cfg = config_from_args(build_parser().parse_args(flags))

@@ -17,7 +17,7 @@ ARGS = [
     "--model", "vit_tiny_patch16_224", "--img-size", "64", "--num-classes", "4", "--device", "cpu",
     "--updates", "4", "--rollout-images", "6", "--checkpoint-every", "2", "--feedback-cadence", "2",
     "--qc-shards", "2", "--gate-minibatch", "16", "--controller-minibatch", "4", "--critic-minibatch", "16",
-    "--actor-epochs", "2", "--critic-epochs", "2", "--no-progress", "--a-init", "5",
+    "--actor-epochs", "2", "--critic-epochs", "2", "--no-progress", "--a-init", "5", "--recipe", "paper",
 ]
 
 
@@ -521,3 +521,33 @@ def test_actor_width_sizes_the_trained_actor(data, tmp_path, capsys):
     rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--actor-width", "48"])
     assert rc == 1 and capsys.readouterr().err == (
         "timm-dora-train: error: --actor-width: actor width must be one of 32, 64, 128 (the paper), 256, got 48\n")
+
+
+def test_recipe_auto_picks_the_small_pool_recipe_and_explicit_flags_win(data, tmp_path, capsys):
+    """``--recipe auto`` (the default) on a 10-image rollout split: the small-pool recipe's settings
+    (label-free feedback on every pool image, one shard, fitted selection), except those given as
+    flags; ``paper`` keeps the paper's; a pool over the limit gets the paper's under ``auto``; the
+    resolved recipe is what ``config.json`` records; an unknown recipe is a one-line error."""
+    from timm_dora.train import RECIPES, SMALL_POOL_MAX_IMAGES, TrainConfig, build_parser, config_from_args
+
+    args = [a for a in ARGS if a not in ("--recipe", "paper")] + ["--data", str(data)]
+    cfg = config_from_args(build_parser().parse_args(args + ["--out", "o", "--target-disagreement", "0.05"]))
+    assert cfg.recipe == "auto" and cfg.feedback_signal is None and cfg.qc_shards == 2  # ARGS gives --qc-shards 2
+    small = cfg.resolved(10)
+    assert small.recipe == "small-pool"
+    assert (small.feedback_signal, small.qc_with_rollout, small.qc_with_dev, small.selection) == ("disagreement", True, True, "fit")
+    assert (small.qc_shards, small.checkpoint_every, small.target_disagreement) == (2, 2, 0.05)  # the flags win
+    large = cfg.resolved(SMALL_POOL_MAX_IMAGES + 1)
+    assert large.recipe == "paper" and (large.feedback_signal, large.qc_with_rollout, large.selection) == ("drop", False, "min")
+    assert TrainConfig(model="m", data="d", out="o", recipe="paper").resolved(10) == TrainConfig(
+        model="m", data="d", out="o", recipe="paper", **RECIPES["paper"])
+    out = tmp_path / "run"
+    assert main(args + ["--out", str(out), "--updates", "2"]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["recipe"], saved["feedback_signal"], saved["qc_with_dev"], saved["selection"]) == (
+        "small-pool", "disagreement", True, "fit")
+    checks = [r for r in read_metrics(out) if "qc_disagreement" in r]
+    assert checks and all("d_u" in r for r in checks)
+    assert main(args + ["--out", str(tmp_path / "bad"), "--recipe", "tiny"]) == 1
+    assert capsys.readouterr().err == (
+        "timm-dora-train: error: --recipe must be one of ('auto', 'paper', 'small-pool'), got 'tiny'\n")

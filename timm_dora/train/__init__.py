@@ -15,7 +15,7 @@
   :mod:`~timm_dora.train.runtime`: data-parallel collectives, phase clock, reproducibility.
 """
 from .cli import main
-from .config import TrainConfig, build_parser, config_from_args
+from .config import RECIPES, SMALL_POOL_MAX_IMAGES, TrainConfig, build_parser, config_from_args
 from .loop import Trainer
 
-__all__ = ["TrainConfig", "Trainer", "build_parser", "config_from_args", "main"]
+__all__ = ["RECIPES", "SMALL_POOL_MAX_IMAGES", "TrainConfig", "Trainer", "build_parser", "config_from_args", "main"]

@@ -61,7 +61,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
             _truncate_log(out / "metrics.jsonl", trainer.u)  # drop lines logged after the checkpoint
         trainer.comm.barrier()
     if trainer.comm.main:
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(trainer.cfg), indent=1))  # the recipe resolved
     summary = trainer.fit()
     if not trainer.comm.main:
         return 0

@@ -1,5 +1,12 @@
 """A training run's configuration (:class:`TrainConfig`: every setting named once, the paper's
-defaults or marked ours) and the ``timm-dora-train`` flags made from it (one flag per field)."""
+defaults or marked ours) and the ``timm-dora-train`` flags made from it (one flag per field).
+
+Seven settings come from a *recipe* unless given (:data:`RECIPES`): the paper's (App. D.4), or ours
+for small image pools (``small-pool``: label-free feedback read on every pool image at each check,
+fitted checkpoint selection; ``docs/training.md``, third and fourth rounds). ``--recipe auto``, the
+default, picks ``small-pool`` for a rollout split of at most :data:`SMALL_POOL_MAX_IMAGES` images
+(the paper's feedback reads 2,048-image QC shards; 150 images cannot measure its 1 pp target) and
+the paper's otherwise; a flag given explicitly always wins."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +22,16 @@ from .pool import AUGMENT_LEVELS
 from .ppo import PPOConfig
 from .selection import RULES
 
-__all__ = ["TrainConfig", "build_parser", "config_from_args"]
+__all__ = ["TrainConfig", "build_parser", "config_from_args", "RECIPES", "SMALL_POOL_MAX_IMAGES"]
+
+# the settings a recipe fills when they are not given (None in TrainConfig)
+RECIPES = {
+    "paper": {"feedback_signal": "drop", "target_disagreement": 0.06, "qc_with_rollout": False, "qc_with_dev": False,
+              "qc_shards": 8, "selection": "min", "checkpoint_every": 50},
+    "small-pool": {"feedback_signal": "disagreement", "target_disagreement": 0.08, "qc_with_rollout": True,
+                   "qc_with_dev": True, "qc_shards": 1, "selection": "fit", "checkpoint_every": 100},
+}
+SMALL_POOL_MAX_IMAGES = 10_000  # --recipe auto: small-pool up to this many rollout images, else paper
 
 
 @dataclass
@@ -38,7 +54,8 @@ class TrainConfig:
     cutmix_prob: float = 0.5  # ours: with --augment strong, the share of rollout images given a patch CutMix from another pool image
     actor_width: int = 128  # the actor's encoder width (paper: 128); heads, FFN and selector follow it (actor.encoder_sizes; ours: 64 or 32 for Tiny backbones)
     budget_step: int = 2  # the budget grid {s, 2s, ..., N0 - 4} of actor and critic (paper: 2)
-    selection: str = "min"  # "min" (paper: lowest dev GFLOPs within the target) or "fit" (ours: on fitted drops)
+    recipe: str = "auto"  # where the None settings below come from: "paper", "small-pool" (ours) or "auto" (by the rollout split's size)
+    selection: Optional[str] = None  # "min" (paper: lowest dev GFLOPs within the target) or "fit" (ours: on fitted drops)
     skip_dead: bool = False  # ours: the last block's MLP on the prefix tokens only (CLS readouts) and no decision there
     init_actor: Optional[str] = None  # warm start from a saved actor (folder or Hub id); critic, optimizers, feedback fresh
     readout: str = "model"
@@ -48,14 +65,14 @@ class TrainConfig:
     fixed_coefficient: bool = False  # ablation
     terminal_only: bool = False  # ablation
     feedback_cadence: int = 8
-    qc_shards: int = 8
-    qc_with_rollout: bool = False  # ours: the feedback checks read the rollout pool's images too (eval preprocessing)
-    qc_with_dev: bool = False  # ours: with --feedback-signal disagreement (label-free), the checks read the dev images too
+    qc_shards: Optional[int] = None  # round-robin QC shards of the feedback checks (paper: 8)
+    qc_with_rollout: Optional[bool] = None  # ours: the feedback checks read the rollout pool's images too (eval preprocessing)
+    qc_with_dev: Optional[bool] = None  # ours: with --feedback-signal disagreement (label-free), the checks read the dev images too
     feedback_ema: float = 0.0  # ours: weight of the past in a moving average of the checks' drops (0: the paper's rule)
-    feedback_signal: str = "drop"  # "drop" (paper: paired top-1 drop on the QC labels) or "disagreement" (ours: share of QC images whose top-1 differs from native's, label-free)
-    target_disagreement: float = 0.06  # ours: the disagreement the feedback holds with --feedback-signal disagreement (its error is normalised by target_disagreement / target_drop x 0.01)
+    feedback_signal: Optional[str] = None  # "drop" (paper: paired top-1 drop on the QC labels) or "disagreement" (ours: share of QC images whose top-1 differs from native's, label-free)
+    target_disagreement: Optional[float] = None  # ours: the disagreement the feedback holds with --feedback-signal disagreement (its error is normalised by target_disagreement / target_drop x 0.01)
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
-    checkpoint_every: int = 50
+    checkpoint_every: Optional[int] = None  # (paper: 50)
     max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit
     data_workers: Optional[int] = None  # ours: processes augmenting rollout batches ahead of the update (None: half the usable cores, at most 8, at least 1; 0: none)
     shadow_chunk: int = 2048  # shadow rows per packed forward (memory only: each row is computed alone)
@@ -82,22 +99,35 @@ class TrainConfig:
             return self.target_drop, 0.01
         return self.target_disagreement, 0.01 * self.target_disagreement / self.target_drop
 
+    def resolved(self, rollout_images: int) -> "TrainConfig":
+        """This configuration with its recipe chosen (``auto``: ``small-pool`` for at most
+        :data:`SMALL_POOL_MAX_IMAGES` rollout images, else ``paper``) and every setting left ``None``
+        taken from it."""
+        name = self.recipe
+        if name == "auto":
+            name = "small-pool" if rollout_images <= SMALL_POOL_MAX_IMAGES else "paper"
+        fill = {k: v for k, v in RECIPES[name].items() if getattr(self, k) is None}
+        return dataclasses.replace(self, recipe=name, **fill)
+
     def check(self) -> "TrainConfig":
-        """This configuration, after a ``ValueError`` naming the flag of any setting out of range."""
+        """This configuration, after a ``ValueError`` naming the flag of any setting out of range
+        (settings still ``None`` wait for :meth:`resolved`)."""
+        if self.recipe not in ("auto", *RECIPES):
+            raise ValueError(f"--recipe must be one of {('auto', *RECIPES)}, got {self.recipe!r}")
         try:
             encoder_sizes(self.actor_width)
         except ValueError as e:
             raise ValueError(f"--actor-width: {e}") from None
         if not 0.0 <= self.cutmix_prob <= 1.0:
             raise ValueError(f"--cutmix-prob must be in [0, 1], got {self.cutmix_prob}")
-        if self.selection not in RULES:
+        if self.selection is not None and self.selection not in RULES:
             raise ValueError(f"--selection must be one of {RULES}, got {self.selection!r}")
-        if self.feedback_signal not in SIGNALS:
+        if self.feedback_signal is not None and self.feedback_signal not in SIGNALS:
             raise ValueError(f"--feedback-signal must be one of {SIGNALS}, got {self.feedback_signal!r}")
-        if not 0.0 < self.target_disagreement < 1.0 or not self.target_drop > 0.0:
+        if (self.target_disagreement is not None and not 0.0 < self.target_disagreement < 1.0) or not self.target_drop > 0.0:
             raise ValueError(f"--target-disagreement must be in (0, 1) and --target-drop above 0, got "
                              f"{self.target_disagreement} and {self.target_drop}")
-        if self.qc_with_dev and self.feedback_signal != "disagreement":
+        if self.qc_with_dev and self.feedback_signal not in (None, "disagreement"):
             raise ValueError("--qc-with-dev reads the dev images at every feedback check: only with --feedback-signal "
                              "disagreement, which reads no labels, so that the dev labels stay for the selection alone")
         if self.data_workers is not None and self.data_workers < 0:

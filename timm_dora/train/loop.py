@@ -94,8 +94,7 @@ class Trainer(Checkpoints):
         self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
         self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout, skip_dead=cfg.skip_dead,
                           cuda_graphs=False)
-        self.num_patches = model.patch_embed.num_patches
-        self.depth = len(model.blocks)
+        self.num_patches, self.depth = model.patch_embed.num_patches, len(model.blocks)
 
         # data: the backbone's own preprocessing (App. E.1); splits must be disjoint
         ev = D.eval_transform(model)
@@ -103,6 +102,7 @@ class Trainer(Checkpoints):
         self.patch = model.patch_embed.patch_size[0]
         tr = P.train_transform(model, cfg.augment)
         self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
+        self.cfg = cfg = cfg.resolved(len(self.rollout_set)).check()  # the recipe's settings, by the pool's size
         qc_set = D.open_split(cfg.qc_data or cfg.data, cfg.qc_split, ev)
         dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
         D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})
