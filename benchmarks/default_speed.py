@@ -21,8 +21,7 @@ loop, median of repeats; ``--warmup/--iters/--repeats``) on GPU-resident batches
   slicing (no selection, no packing), compiled: the ceiling at DORA's per-block removal;
 - references that separate the engine's dense kernels (:mod:`timm_dora.engine.dense_kernels`) from
   pruning: ``dora_default_timm_kernels_ips`` (DORA's default with them off: timm's LayerNorm and
-  convolution), ``dora_default_unfused_mlp_ips`` (the same with only the fused MLP residual off:
-  timm's ``norm2``, ``Mlp`` and residual add), ``native_compiled_gemm_embed_ips`` and ``oracle_compiled_gemm_embed_ips`` (native and
+  convolution), ``native_compiled_gemm_embed_ips`` and ``oracle_compiled_gemm_embed_ips`` (native and
   oracle compiled with the patch embedding as one matrix product, as the engine computes it);
 - ``dora_gflops`` / ``native_gflops`` (App. E.4 accounting, mean over the timed batches).
 
@@ -128,13 +127,6 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args,
             row["dora_default_timm_kernels_ips"] = timed(model, inputs, args)
         finally:
             dense_kernels.ENABLED = True
-        dense_kernels.FUSED_MLP = False  # the same without the fused MLP residual alone
-        try:
-            timm_dora.release_graphs(model)
-            row["dora_default_unfused_mlp_ips"] = timed(model, inputs, args)
-        finally:
-            dense_kernels.FUSED_MLP = True
-            timm_dora.release_graphs(model)
     timm_dora.unwrap(model)
     save()
 
@@ -264,7 +256,6 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device("cuda", "bf16")
     res: Dict[str, Any] = header(dev, "default_speed.py", argv, args, batch=args.batch)
-    res["mlp_launch"] = dict(dense_kernels.MLP_LAUNCH)  # the fused MLP's launch configuration in this run
 
     if "vit_tiny_published" in args.configs:
         model, actor = vit_published(args, dev, dtype)

@@ -1,15 +1,13 @@
 """The dense kernels of the block program on CUDA (``timm_dora.engine.dense_kernels``, #30): the
-Triton LayerNorm against ``torch.nn.functional.layer_norm`` and the fused MLP residual against
-timm's block modules (in Triton's interpreter on the CPU, in bf16 on CUDA), the patch embedding as
-one matrix product against timm's convolution, and the fallback to the modules wherever the fast
-form does not apply."""
+Triton LayerNorm against ``torch.nn.functional.layer_norm`` (in Triton's interpreter on the CPU, in
+bf16 on CUDA), the patch embedding as one matrix product against timm's convolution, and the
+fallback to the module itself wherever the fast form does not apply."""
 import pytest
 import torch
 import torch.nn as nn
 
 from helpers import make_model, run_interpreted
 from timm_dora.engine import dense_kernels
-from timm_dora.engine.blocks import mlp_residual
 from timm_dora.engine.dense_kernels import layer_norm, patch_embed, patch_embed_gemm
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -32,66 +30,6 @@ for rows, n in ((37, 192), (5, 768), (3, 100)):  # several rows per program, the
     out[f"{rows}x{n}"] = [float((layer_norm_triton(t, w, b, 1e-6) - ref).abs().max()) for t in (x, wide)]
 print(json.dumps(out))
 """
-
-
-INTERPRETED_MLP = r"""
-import json
-import torch
-from timm.layers import Mlp
-from timm_dora.engine.dense_kernels import norm_mlp_residual_triton
-
-torch.manual_seed(0)
-out = {}
-for rows, d, hidden in ((70, 192, 768), (9, 48, 200), (3, 256, 64)):  # a partial last tile; a width and
-    # a hidden size that are no powers of two (200: a partial last chunk)
-    norm, mlp = torch.nn.LayerNorm(d), Mlp(d, hidden)
-    with torch.no_grad():
-        for p in list(norm.parameters()) + list(mlp.parameters()):
-            p.add_(0.3 * torch.randn(p.shape))
-        x = torch.randn(rows, d) * 2
-        ref = x + mlp(norm(x))
-        args = (norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
-        got = norm_mlp_residual_triton(x, *args)
-        inplace = x.clone()
-        norm_mlp_residual_triton(inplace, *args, out=inplace)
-    out[f"{rows}x{d}x{hidden}"] = [float((got - ref).abs().max()), float((inplace - ref).abs().max()),
-                                   float(ref.abs().max())]
-print(json.dumps(out))
-"""
-
-
-def test_interpreted_fused_mlp_residual_matches_timms_modules():
-    """``x + fc2(gelu(fc1(LN(x))))`` by the fused kernel (fp32, Triton's interpreter) against
-    timm's ``LayerNorm`` and ``Mlp``: padded widths, a partial chunk of hidden units, a partial
-    last row tile, and in place (``out`` is ``x``)."""
-    pytest.importorskip("triton")
-    res = run_interpreted(INTERPRETED_MLP, timeout=300)
-    assert set(res) == {"70x192x768", "9x48x200", "3x256x64"}
-    for got, inplace, scale in res.values():
-        assert scale > 1 and got < 1e-4 * scale and inplace == got, res
-
-
-def test_the_fused_mlp_applies_to_timms_plain_blocks_only():
-    """The fused MLP replaces exactly ``x + mlp(norm2(x))``: timm's ViT-Ti block, not one with a
-    layer scale, a tanh GELU or a gated MLP; and off CUDA, in fp32, the modules run, bit for bit."""
-    import timm
-
-    model = make_model("vit_tiny_patch16_224", img_size=64)
-    blk = model.blocks[0]
-    assert dense_kernels._mlp_modules(blk) == (blk.norm2, blk.mlp.fc1, blk.mlp.fc2)
-    scaled = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, init_values=1e-5).blocks[0]
-    assert dense_kernels._mlp_modules(scaled) is None
-    tanh = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64,
-                             act_layer=lambda: nn.GELU(approximate="tanh")).blocks[0]
-    assert dense_kernels._mlp_modules(tanh) is None
-    from timm.layers import SwiGLUPacked
-    glu = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, mlp_layer=SwiGLUPacked,
-                            act_layer=nn.SiLU).blocks[0]
-    assert dense_kernels._mlp_modules(glu) is None
-    rows = torch.randn(10, 192)
-    with torch.no_grad():
-        assert dense_kernels.norm_mlp_residual(blk, rows) is None  # the CPU
-        assert torch.equal(mlp_residual(blk, rows), rows + blk.mlp(blk.norm2(rows)))
 
 
 def test_interpreted_layer_norm_matches_torch():
@@ -160,29 +98,3 @@ def test_on_cuda_the_fast_kernels_give_the_modules_values(monkeypatch):
             assert torch.equal(layer_norm(norm, rows), norm(rows))
         finally:
             dense_kernels.ENABLED = old
-
-
-@cuda
-@pytest.mark.parametrize("rows", [1, 197, 44_000])
-def test_on_cuda_the_fused_mlp_gives_the_modules_values(rows):
-    """bf16 on the GPU: the fused kernel against ViT-Ti's block modules within bf16 rounding (each
-    stage rounded where the modules round; the GEMMs accumulate in another order), in place too."""
-    torch.manual_seed(0)
-    model = make_model("vit_tiny_patch16_224", img_size=64).to("cuda", torch.bfloat16)
-    blk = model.blocks[0]
-    x = torch.randn(rows, 192, device="cuda").to(torch.bfloat16) * 3
-    with torch.inference_mode():
-        ref = x + blk.mlp(blk.norm2(x))
-        got = mlp_residual(blk, x)
-        assert got is not None and dense_kernels.norm_mlp_residual(blk, x) is not None
-        torch.testing.assert_close(got, ref, rtol=0.02, atol=0.05)
-        assert (got != ref).float().mean() < 0.05  # most values bit for bit
-        inplace = x.clone()
-        mlp_residual(blk, inplace, out=inplace)
-        assert torch.equal(inplace, got)
-        old = dense_kernels.FUSED_MLP
-        dense_kernels.FUSED_MLP = False
-        try:
-            assert dense_kernels.norm_mlp_residual(blk, x) is None
-        finally:
-            dense_kernels.FUSED_MLP = old

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dense_kernels import layer_norm, norm_mlp_residual, patch_embed
+from .dense_kernels import layer_norm, patch_embed
 from .packing import Packed, bucket_rows, rows_where, varlen_attention
 
 __all__ = ["embed", "attention_keys", "attention_residual", "mlp_residual", "final_norm", "readout"]
@@ -83,11 +83,7 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Option
 
 
 def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows (into ``out`` when given); one fused
-    kernel where :func:`~timm_dora.engine.dense_kernels.norm_mlp_residual` applies."""
-    fused = norm_mlp_residual(blk, x, out)
-    if fused is not None:
-        return fused
+    """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows (into ``out`` when given)."""
     return torch.add(x, blk.drop_path2(blk.ls2(bucket_rows(blk.mlp, layer_norm(blk.norm2, x)))), out=out)
 
 

@@ -1,4 +1,4 @@
-"""Faster kernels for three dense parts of the block program, on CUDA in fp16/bf16.
+"""Faster kernels for two dense parts of the block program, on CUDA in fp16/bf16.
 
 Measured on an H100 (ViT-Ti, batch 320, bf16; ``docs/performance.md``), two of timm's dense
 operations cost far more than the bytes they move:
@@ -11,36 +11,20 @@ operations cost far more than the bytes they move:
   multiplication over the image's non-overlapping patches (a copy that lays the patches out as
   rows, then ``addmm``).
 
-- **The MLP residual of a narrow model** (``x + mlp(norm2(x))``, width up to 256: ViT-Ti's 192).
-  Unfused, its hidden activations (4d per row) go to memory twice: written by ``fc1``, read and
-  written again by GELU (0.55 of 4.1 ms of kernels per batch), read by ``fc2``.
-  :func:`norm_mlp_residual` is one Triton kernel per row tile: LayerNorm, ``fc1`` + bias, GELU
-  (erf, as ``nn.GELU``) and ``fc2`` over the hidden units in chunks that never leave the chip, plus
-  bias and residual; each stage rounded to the activations' dtype where the modules' outputs are.
-
-All give timm's values up to rounding (fp32 accumulation either way) and take the module's own
+Both give timm's values up to rounding (fp32 accumulation either way) and take the module's own
 parameters (``norm.weight``, ``proj.weight``...): nothing of timm's forward is copied. Anywhere
-else (the CPU, fp32, other norms, embeddings or MLPs, autograd) the modules themselves run.
-:data:`ENABLED` switches all off (the A/B of ``benchmarks/default_speed.py``:
-``dora_default_timm_kernels_ips``); :data:`FUSED_MLP` the MLP kernel alone.
+else (the CPU, fp32, other norms or embeddings, autograd) the module itself runs. :data:`ENABLED`
+switches both off (the A/B of ``benchmarks/default_speed.py``: ``dora_default_timm_kernels_ips``).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["layer_norm", "layer_norm_triton", "patch_embed", "patch_embed_gemm", "norm_mlp_residual",
-           "norm_mlp_residual_triton", "ENABLED", "FUSED_MLP", "MLP_LAUNCH"]
+__all__ = ["layer_norm", "layer_norm_triton", "patch_embed", "patch_embed_gemm", "ENABLED"]
 
 ENABLED = True
-FUSED_MLP = True
-# the MLP kernel's launch: rows per program, hidden units per step, warps, Triton stages (fixed, so
-# that a call inside a CUDA-graph capture never autotunes; module constants for benchmarks to sweep)
-MLP_LAUNCH = dict(rows=64, chunk=64, num_warps=8, num_stages=2)
-MLP_MAX_WIDTH = 256  # the fused MLP keeps a [rows, width] fp32 accumulator in registers
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -82,115 +66,6 @@ if triton is not None:
         b = tl.load(B + col, mask=col < n, other=0.0).to(tl.float32)
         y = xc * rstd[:, None] * w[None, :] + b[None, :]
         tl.store(Y + row[:, None].to(tl.int64) * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _round(x, DT: tl.constexpr):
-        """Rounded to the activations' dtype and back to fp32 (where an ``nn`` module's output is)."""
-        return x.to(DT).to(tl.float32)
-
-    @triton.jit
-    def _gelu(x):
-        """GELU with the error function, as ``nn.GELU()`` (fp32)."""
-        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-
-    @triton.jit
-    def _norm_mlp_residual(X, G, BN, W1, B1, W2, B2, OUT, rows, stride_x, stride_o, eps,
-                           D: tl.constexpr, BD: tl.constexpr, F: tl.constexpr, FCH: tl.constexpr,
-                           BLOCK_R: tl.constexpr, PREC: tl.constexpr):
-        """``OUT = X + fc2(gelu(fc1(LN(X))))`` for one tile of ``BLOCK_R`` rows; the width ``D``
-        padded to ``BD`` (a power of two) with zeros, the ``F`` hidden units in chunks of ``FCH``.
-        Each program reads all its rows before it writes any, so ``OUT`` may be ``X``."""
-        DT = OUT.dtype.element_ty
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        live = r < rows
-        r64 = r.to(tl.int64)
-        cols = tl.arange(0, BD)
-        inside = cols < D
-        m2 = live[:, None] & inside[None, :]
-        x = tl.load(X + r64[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        mean = tl.sum(x, 1) / D
-        xc = tl.where(inside[None, :], x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / D + eps)
-        g = tl.load(G + cols, mask=inside, other=0.0).to(tl.float32)
-        bn = tl.load(BN + cols, mask=inside, other=0.0).to(tl.float32)
-        ln = (xc * rstd[:, None] * g[None, :] + bn[None, :]).to(DT)  # norm2's output
-        acc = tl.zeros([BLOCK_R, BD], dtype=tl.float32)
-        for f0 in range(0, F, FCH):
-            fs = f0 + tl.arange(0, FCH)
-            fin = fs < F
-            w1 = tl.load(W1 + fs[:, None] * D + cols[None, :], mask=fin[:, None] & inside[None, :], other=0.0)
-            h = tl.dot(ln, tl.trans(w1), input_precision=PREC) + tl.load(B1 + fs, mask=fin, other=0.0).to(tl.float32)[None, :]
-            h = _round(_gelu(_round(h, DT)), DT).to(DT)  # fc1's output, then GELU's
-            w2 = tl.load(W2 + cols[:, None] * F + fs[None, :], mask=inside[:, None] & fin[None, :], other=0.0)
-            acc = tl.dot(h, tl.trans(w2), acc, input_precision=PREC)
-        mlp = _round(acc + tl.load(B2 + cols, mask=inside, other=0.0).to(tl.float32)[None, :], DT)  # fc2's output
-        tl.store(OUT + r64[:, None] * stride_o + cols[None, :], (x + mlp).to(DT), mask=m2)
-
-
-def _mlp_modules(blk: nn.Module):
-    """``(norm2, fc1, fc2)`` when ``blk``'s MLP residual is exactly ``x + fc2(gelu(fc1(norm2(x))))``
-    in this mode (timm's ``Mlp`` with an erf GELU, no norm inside, dropout and drop path inactive,
-    no layer scale; plain affine LayerNorm; biases on both layers), else ``None``."""
-    try:
-        from timm.layers import Mlp
-    except ImportError:  # pragma: no cover - timm is a dependency
-        return None
-    mlp, norm = getattr(blk, "mlp", None), getattr(blk, "norm2", None)
-    if type(mlp) is not Mlp or norm is None or type(norm).forward not in _PLAIN_LAYER_NORMS:
-        return None
-    act = mlp.act
-    if not (type(act) is nn.GELU and act.approximate == "none" and type(mlp.norm) is nn.Identity):
-        return None
-    if any(type(m) is nn.Dropout and m.training and m.p > 0 for m in (mlp.drop1, mlp.drop2)):
-        return None
-    if type(getattr(blk, "ls2", None)) is not nn.Identity:
-        return None
-    dp = getattr(blk, "drop_path2", None)
-    if dp is None or not (type(dp) is nn.Identity or not dp.training or getattr(dp, "drop_prob", 1.0) == 0.0):
-        return None
-    fc1, fc2 = mlp.fc1, mlp.fc2
-    if not (type(fc1) is nn.Linear and type(fc2) is nn.Linear and fc1.bias is not None and fc2.bias is not None
-            and norm.elementwise_affine and norm.bias is not None and len(norm.normalized_shape) == 1):
-        return None
-    return norm, fc1, fc2
-
-
-def norm_mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``x + mlp(norm2(x))`` by the fused kernel (into ``out`` when given; ``out`` may be ``x``) for
-    ``[rows, d]`` half-precision CUDA rows of a block whose MLP residual it computes exactly
-    (:func:`_mlp_modules`) at ``d <= 256``; ``None`` where it does not apply (the caller runs the
-    modules)."""
-    if not (FUSED_MLP and _fast(x) and x.dim() == 2 and x.shape[1] <= MLP_MAX_WIDTH and x.stride(1) == 1
-            and not torch.compiler.is_compiling()):  # under torch.compile Inductor fuses the modules itself
-        return None
-    mods = _mlp_modules(blk)
-    if mods is None:
-        return None
-    norm, fc1, fc2 = mods
-    if not all(t.dtype == x.dtype and t.is_contiguous() for t in (norm.weight, fc1.weight, fc2.weight)):
-        return None
-    return norm_mlp_residual_triton(x, norm.weight, norm.bias, norm.eps, fc1.weight, fc1.bias, fc2.weight, fc2.bias,
-                                    out)
-
-
-def norm_mlp_residual_triton(x, norm_weight, norm_bias, eps, w1, b1, w2, b2, out=None) -> torch.Tensor:
-    """The fused kernel on ``[rows, d]`` rows ``x`` (any device Triton runs on: the CPU tests use
-    its interpreter, with fp32 rows computed exactly)."""
-    rows, d = x.shape
-    hidden = w1.shape[0]
-    if out is None:
-        out = torch.empty_like(x)
-    if rows:
-        launch = MLP_LAUNCH
-        _norm_mlp_residual[(triton.cdiv(rows, launch["rows"]),)](
-            x, norm_weight, norm_bias, w1, b1, w2, b2, out, rows, x.stride(0), out.stride(0), eps,
-            D=d, BD=triton.next_power_of_2(d), F=hidden, FCH=launch["chunk"], BLOCK_R=launch["rows"],
-            PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=launch["num_warps"],
-            num_stages=launch["num_stages"])
-    return out
 
 
 def _fast(x: torch.Tensor) -> bool:

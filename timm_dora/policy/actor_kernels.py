@@ -53,8 +53,6 @@ __all__ = ["fused_gate", "fused_controller", "fused_controller_reason", "TILE_RO
 if triton is not None:
     import triton.language as tl
 
-    from ..engine.dense_kernels import _gelu, _round  # jit helpers shared with the dense kernels
-
 # rows per program of each row-wise kernel and its warps, fixed (no autotuning inside a capture):
 # 128 rows, 8 warps the fastest of five tiles for all three together on an H100 at every shape of
 # a sweep (10-14 % faster than 64 rows, 4 warps); then, per kernel (docs/speed_notes.md, change
@@ -98,6 +96,11 @@ def fused_controller_reason(actor, dtype: torch.dtype, gate_only: bool = False) 
 
 
 if triton is not None:
+
+    @triton.jit
+    def _round(x, DT: tl.constexpr):
+        """Rounded to the activations' dtype and back to fp32 (where an ``nn`` module's output is)."""
+        return x.to(DT).to(tl.float32)
 
     @triton.jit
     def _layer_norm(x, G, B, offs, W: tl.constexpr, eps):
@@ -145,6 +148,10 @@ if triton is not None:
             lo = tl.where(go, mid, lo)
             hi = tl.where(go, hi, mid)
         return lo, rows - tl.load(CU + lo, mask=live, other=0)
+
+    @triton.jit
+    def _gelu(x):
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
     @triton.jit
     def _gate(CLS, stride_b, stride_h, HD, BIAS, W1, stride_w1, W2, B2, NVIS, GATE, nseq, min_keep, step,
