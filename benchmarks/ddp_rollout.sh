@@ -7,7 +7,7 @@ export PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)" PYTHONUNBU
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 W=$1; DATA=$2; OUT=$3
 common=(--model vit_tiny_patch16_224.augreg_in21k_ft_in1k --weights "$W" --data "$DATA" --updates 6
-        --checkpoint-every 6 --no-progress --recipe paper)
+        --checkpoint-every 6 --no-progress --recipe paper --actor-width 128)
 python3 -m timm_dora.train "${common[@]}" --out "$OUT/gpu1"
 torchrun --standalone --nproc_per_node 2 -m timm_dora.train "${common[@]}" --out "$OUT/gpu2"
 python3 - "$OUT" <<'PY'

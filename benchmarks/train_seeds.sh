@@ -15,7 +15,9 @@ CARRY=${CARRY:-.carry}
 MINUTES=${MINUTES:-8.7}
 OUT=${OUT:-/tmp/train_seeds}
 RUNS=${RUNS:-/tmp/runs}
-RECIPE=${RECIPE:-"--feedback-signal disagreement --qc-with-rollout --qc-with-dev --qc-shards 1 --selection fit --checkpoint-every 100"}
+# the third round's flags (the small-pool recipe's, and the paper's actor width, which the fourth round's
+# EXTRA --actor-width overrides): the documented runs as they ran, whatever the defaults become
+RECIPE=${RECIPE:-"--feedback-signal disagreement --qc-with-rollout --qc-with-dev --qc-shards 1 --selection fit --checkpoint-every 100 --actor-width 128"}
 declare -A MODEL=([vit]=vit_tiny_patch16_224.augreg_in21k_ft_in1k [deit]=deit_tiny_patch16_224.fb_in1k)
 declare -A WEIGHTS=([vit]=vit_tiny_patch16_224.augreg_in21k_ft_in1k [deit]=deit_tiny_patch16_224.fb_in1k-approx)
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/train_seeds.sh NAME=BACKBONE:SEED:EXTRA ... (BACKBONE vit or deit)" >&2; exit 2; }

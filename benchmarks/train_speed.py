@@ -53,7 +53,8 @@ FULL_RECIPE_UPDATES = 1_171
 
 def trainer_for(name: str, args, out: Path) -> Trainer:
     flags = [f.format(weights=args.weights_dir) for f in CONFIGS[name]]
-    flags += ["--data", args.data, "--out", str(out), "--no-progress", "--recipe", "paper", *args.extra]  # the recipe measured
+    flags += ["--data", args.data, "--out", str(out), "--no-progress", "--recipe", "paper", "--actor-width", "128",
+             *args.extra]  # the recipe and actor measured
     if args.device:
         flags += ["--device", args.device]
     cfg = config_from_args(build_parser().parse_args(flags))

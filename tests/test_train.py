@@ -493,7 +493,8 @@ def test_label_free_feedback_reads_every_split(data, tmp_path, capsys):
 def test_actor_width_sizes_the_trained_actor(data, tmp_path, capsys):
     """``--actor-width 32``: the trained actor has a 32-wide encoder with 1 head, FFN 64 and a
     32 -> 16 -> 1 selector (encoder_sizes), saves that config, loads and runs on the backbone, and its
-    controller costs what the layer sizes give by hand; an unsupported width is a one-line error."""
+    controller costs what the layer sizes give by hand; without the flag the width is the warm
+    start's, else ``auto_width``'s (by the 1.5 % rule); an unsupported width is a one-line error."""
     import timm
 
     import timm_dora
@@ -518,6 +519,21 @@ def test_actor_width_sizes_the_trained_actor(data, tmp_path, capsys):
     timm_dora.wrap(backbone, str(out / "selected"))
     with torch.no_grad():
         assert backbone(torch.randn(2, 3, 64, 64)).shape == (2, 4)
+    # no --actor-width: the warm start's width, else auto_width's (here 64: the paper's 128 would cost
+    # more than 1.5 % of this backbone's forward per intervention, 64 does not)
+    from timm_dora.policy import auto_width
+    from timm_dora.engine.flops import native_gflops
+
+    assert auto_width(backbone) == 64
+    for w, over in ((128, True), (64, False)):
+        cost = 2 * float(actor_controller_macs(Actor.for_model(backbone, **encoder_sizes(w)), torch.tensor([16])))
+        assert (cost > 0.015 * native_gflops(backbone) * 1e9) == over
+    assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "auto"), "--updates", "2"]) == 0
+    assert Actor.from_pretrained(tmp_path / "auto" / "selected").width == 64
+    assert json.loads((tmp_path / "auto" / "config.json").read_text())["actor_width"] == 64
+    assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "warm"), "--updates", "2",
+                        "--init-actor", str(out / "selected")]) == 0
+    assert Actor.from_pretrained(tmp_path / "warm" / "selected").width == 32
     rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--actor-width", "48"])
     assert rc == 1 and capsys.readouterr().err == (
         "timm-dora-train: error: --actor-width: actor width must be one of 32, 64, 128 (the paper), 256, got 48\n")
@@ -533,14 +549,15 @@ def test_recipe_auto_picks_the_small_pool_recipe_and_explicit_flags_win(data, tm
     args = [a for a in ARGS if a not in ("--recipe", "paper")] + ["--data", str(data)]
     cfg = config_from_args(build_parser().parse_args(args + ["--out", "o", "--target-disagreement", "0.05"]))
     assert cfg.recipe == "auto" and cfg.feedback_signal is None and cfg.qc_shards == 2  # ARGS gives --qc-shards 2
-    small = cfg.resolved(10)
+    small = cfg.resolved(10, 64)
     assert small.recipe == "small-pool"
     assert (small.feedback_signal, small.qc_with_rollout, small.qc_with_dev, small.selection) == ("disagreement", True, True, "fit")
     assert (small.qc_shards, small.checkpoint_every, small.target_disagreement) == (2, 2, 0.05)  # the flags win
-    large = cfg.resolved(SMALL_POOL_MAX_IMAGES + 1)
+    large = cfg.resolved(SMALL_POOL_MAX_IMAGES + 1, 64)
     assert large.recipe == "paper" and (large.feedback_signal, large.qc_with_rollout, large.selection) == ("drop", False, "min")
-    assert TrainConfig(model="m", data="d", out="o", recipe="paper").resolved(10) == TrainConfig(
-        model="m", data="d", out="o", recipe="paper", **RECIPES["paper"])
+    assert TrainConfig(model="m", data="d", out="o", recipe="paper").resolved(10, 32) == TrainConfig(
+        model="m", data="d", out="o", recipe="paper", actor_width=32, **RECIPES["paper"])
+    assert small.actor_width == 64 and cfg.actor_width is None
     out = tmp_path / "run"
     assert main(args + ["--out", str(out), "--updates", "2"]) == 0
     saved = json.loads((out / "config.json").read_text())

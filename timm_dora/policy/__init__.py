@@ -12,9 +12,9 @@ Every policy implements the engine's protocol (:mod:`timm_dora.engine.protocol`:
 ``policy(ctx: BlockContext) -> Decision``), re-exported here for writing new ones.
 """
 from ..engine.protocol import BlockContext, Decision, ForwardConstants
-from .actor import Actor, encoder_sizes
+from .actor import Actor, auto_width, encoder_sizes
 from .actor_policy import ActorPolicy, RolloutNoise, StepRecord
 from .replay import NoPrune, ReplayPolicy
 
-__all__ = ["Actor", "encoder_sizes", "ActorPolicy", "BlockContext", "Decision", "ForwardConstants", "NoPrune", "ReplayPolicy",
+__all__ = ["Actor", "auto_width", "encoder_sizes", "ActorPolicy", "BlockContext", "Decision", "ForwardConstants", "NoPrune", "ReplayPolicy",
            "RolloutNoise", "StepRecord"]

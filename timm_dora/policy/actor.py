@@ -41,6 +41,8 @@ from ..engine.packing import Packed, PackedTransformerBlock, bucket_rows, lookup
 __all__ = [
     "Actor",
     "encoder_sizes",
+    "auto_width",
+    "AUTO_WIDTH_BUDGET",
     "budget_grid",
     "to_padded",
     "ordered_topk",
@@ -77,6 +79,30 @@ def encoder_sizes(width: int = 128) -> Dict[str, int]:
     if width not in (32, 64, 128, 256):
         raise ValueError(f"actor width must be one of 32, 64, 128 (the paper), 256, got {width}")
     return {"width": width, "num_heads": width // 32, "ffn_dim": 2 * width, "selector_hidden": width // 2}
+
+
+# auto_width: the most one intervention of the actor's controller may cost, as a share of the
+# backbone's forward (at the full token count). 1.5 % keeps the paper's width 128 for ViT-S (1.0 %)
+# and DeiT-B (0.3 %) and gives 64 for Tiny backbones (1.1 %; 128 would cost 3.4 %), where width 64
+# saved 30.7 % of DeiT-Ti's GFLOPs against 24.8 % for 128 at the same drop over three seeds each
+# (docs/training.md, fourth round)
+AUTO_WIDTH_BUDGET = 0.015
+
+
+def auto_width(model: nn.Module, budget: float = AUTO_WIDTH_BUDGET) -> int:
+    """The widest encoder width of 128 (the paper's), 64 and 32 at which one intervention of the
+    controller on all ``N0`` visual tokens costs at most ``budget`` of ``model``'s forward (32 when
+    none does). Ours: ``timm-dora-train`` picks it unless ``--actor-width`` is given."""
+    from ..engine.flops import actor_controller_macs, native_gflops
+
+    with torch.device("meta"):  # sizes only: no memory, no initialisation
+        actors = [(w, Actor.for_model(model, **encoder_sizes(w))) for w in (128, 64)]
+    n0 = torch.tensor([model.patch_embed.num_patches])
+    native = native_gflops(model) * 1e9
+    for w, actor in actors:
+        if 2.0 * float(actor_controller_macs(actor, n0)) <= budget * native:
+            return w
+    return 32
 
 
 class Actor(nn.Module):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
 
-from ..policy import Actor, ActorPolicy
+from ..policy import Actor, ActorPolicy, auto_width
 from .selection import CheckpointRecord, select_checkpoint
 
 __all__ = ["Checkpoints", "warm_start"]
@@ -97,6 +97,16 @@ class Checkpoints:
                               extra={**actor.pretrained_config.get("training", {}), "selection": summary})
         (self.out / "selection.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def actor_width(init_actor: Optional[str], model: nn.Module) -> int:
+    """The encoder width of a run's actor when ``--actor-width`` is not given: the warm start's
+    (``--init-actor``), else :func:`~timm_dora.policy.auto_width` of the backbone."""
+    if init_actor:
+        from ..hub import load_pretrained
+
+        return load_pretrained(init_actor)[0].width
+    return auto_width(model)
 
 
 def warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dict[str, torch.Tensor]:

@@ -52,7 +52,7 @@ class TrainConfig:
     dev_data: Optional[str] = None
     augment: str = "none"  # ours, for small pools: "none" | "light" | "strong" (pool.train_transform; True = "light")
     cutmix_prob: float = 0.5  # ours: with --augment strong, the share of rollout images given a patch CutMix from another pool image
-    actor_width: int = 128  # the actor's encoder width (paper: 128); heads, FFN and selector follow it (actor.encoder_sizes; ours: 64 or 32 for Tiny backbones)
+    actor_width: Optional[int] = None  # the actor's encoder width (paper: 128); heads, FFN and selector follow it (actor.encoder_sizes); None (ours): --init-actor's, else policy.auto_width (64 for Tiny backbones, 128 from ViT-S up)
     budget_step: int = 2  # the budget grid {s, 2s, ..., N0 - 4} of actor and critic (paper: 2)
     recipe: str = "auto"  # where the None settings below come from: "paper", "small-pool" (ours) or "auto" (by the rollout split's size)
     selection: Optional[str] = None  # "min" (paper: lowest dev GFLOPs within the target) or "fit" (ours: on fitted drops)
@@ -99,15 +99,15 @@ class TrainConfig:
             return self.target_drop, 0.01
         return self.target_disagreement, 0.01 * self.target_disagreement / self.target_drop
 
-    def resolved(self, rollout_images: int) -> "TrainConfig":
+    def resolved(self, rollout_images: int, actor_width: int) -> "TrainConfig":
         """This configuration with its recipe chosen (``auto``: ``small-pool`` for at most
-        :data:`SMALL_POOL_MAX_IMAGES` rollout images, else ``paper``) and every setting left ``None``
-        taken from it."""
+        :data:`SMALL_POOL_MAX_IMAGES` rollout images, else ``paper``), every setting left ``None``
+        taken from it, and ``actor_width`` where none was given."""
         name = self.recipe
         if name == "auto":
             name = "small-pool" if rollout_images <= SMALL_POOL_MAX_IMAGES else "paper"
         fill = {k: v for k, v in RECIPES[name].items() if getattr(self, k) is None}
-        return dataclasses.replace(self, recipe=name, **fill)
+        return dataclasses.replace(self, recipe=name, actor_width=self.actor_width or actor_width, **fill)
 
     def check(self) -> "TrainConfig":
         """This configuration, after a ``ValueError`` naming the flag of any setting out of range
@@ -115,7 +115,8 @@ class TrainConfig:
         if self.recipe not in ("auto", *RECIPES):
             raise ValueError(f"--recipe must be one of {('auto', *RECIPES)}, got {self.recipe!r}")
         try:
-            encoder_sizes(self.actor_width)
+            if self.actor_width is not None:
+                encoder_sizes(self.actor_width)
         except ValueError as e:
             raise ValueError(f"--actor-width: {e}") from None
         if not 0.0 <= self.cutmix_prob <= 1.0:

@@ -45,7 +45,7 @@ from ..backbone import create_backbone
 from ..engine import Packed, run, wrap
 from ..policy import Actor, ActorPolicy, NoPrune, RolloutNoise, encoder_sizes
 from . import pool as P
-from .checkpoints import Checkpoints, warm_start
+from .checkpoints import Checkpoints, actor_width, warm_start
 from .config import TrainConfig
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController, disagreement, paired_drop
@@ -102,7 +102,7 @@ class Trainer(Checkpoints):
         self.patch = model.patch_embed.patch_size[0]
         tr = P.train_transform(model, cfg.augment)
         self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
-        self.cfg = cfg = cfg.resolved(len(self.rollout_set)).check()  # the recipe's settings, by the pool's size
+        self.cfg = cfg = cfg.resolved(len(self.rollout_set), actor_width(cfg.init_actor, model)).check()  # recipe, width
         qc_set = D.open_split(cfg.qc_data or cfg.data, cfg.qc_split, ev)
         dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
         D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})
