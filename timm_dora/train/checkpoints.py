@@ -99,9 +99,11 @@ class Checkpoints:
         return summary
 
 
-def actor_width(init_actor: Optional[str], model: nn.Module) -> int:
-    """The encoder width of a run's actor when ``--actor-width`` is not given: the warm start's
+def actor_width(given: Optional[int], init_actor: Optional[str], model: nn.Module) -> int:
+    """The encoder width of a run's actor: ``--actor-width`` when given, else the warm start's
     (``--init-actor``), else :func:`~timm_dora.policy.auto_width` of the backbone."""
+    if given:
+        return given
     if init_actor:
         from ..hub import load_pretrained
 
