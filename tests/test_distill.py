@@ -90,6 +90,8 @@ def test_cli_writes_a_loadable_student_and_refuses_a_split_it_learns_from(data, 
         record = json.loads((tmp_path / "student" / "distill.json").read_text())
         assert record["width"] == 32 and record["dev"]["images"] == 4 and 0 <= record["dev"]["shared_removals_pct"] <= 100
         assert "student_drop_pp" in record["dev"] and "student_drop_pp" not in record["learned_images"]
+        training = json.loads((tmp_path / "student" / "config.json").read_text())["training"]
+        assert training["dev_gflops"] == record["dev"]["student_gflops"] and training["distillation"] == record
         assert cli(args[:-1] + [str(tmp_path / "bad"), "--eval-split", "qc"]) == 1
     assert capsys.readouterr().err.endswith(
         "error: --eval-split qc is one of --splits: the comparison must be held out\n")

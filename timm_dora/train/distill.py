@@ -177,7 +177,10 @@ def main(args: argparse.Namespace) -> int:
     record = {"distilled_from": str(args.teacher), "width": args.width, "splits": args.splits, "epochs": args.epochs,
               "lr": args.lr, "batch": args.batch, "seed": args.seed, args.eval_split: held_out, "learned_images": learned}
     out = Path(args.out)
-    save_pretrained(student.cpu(), out, backbone=model, extra={"distillation": record})
+    # the dev record that benchmarks/tradeoff.py selects seeds by, as timm-dora-train writes it
+    extra = {"model": args.model, "dev_top1": held_out["student_top1"], "dev_native_top1": held_out["native_top1"],
+             "dev_gflops": held_out["student_gflops"], "distillation": record}
+    save_pretrained(student.cpu(), out, backbone=model, extra=extra)
     (out / "distill.json").write_text(json.dumps(record, indent=1))
     print(f"{args.eval_split}: the student shares {held_out['shared_removals_pct']:.1f} % of the teacher's removed "
           f"tokens (the same budget at {held_out['same_budget_pct']:.1f} % of its steps); GFLOPs "
