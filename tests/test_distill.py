@@ -37,6 +37,14 @@ def test_compare_of_an_actor_with_itself_is_exact():
     assert res["native_top1"] - res["teacher_top1"] == pytest.approx(res["teacher_drop_pp"], abs=1e-9)
 
 
+def test_a_teacher_that_never_prunes_is_a_clear_error():
+    model, teacher, x = _setup()
+    with torch.no_grad():
+        teacher.gate_mlp[2].bias.fill_(-100.0)
+    with pytest.raises(ValueError, match="the teacher prunes none of the images"):
+        distill(model, teacher, x[:4], 32, epochs=1)
+
+
 def test_the_student_keeps_the_teachers_gate_and_learns_its_budgets_and_tokens():
     """The student (width 32) has the teacher's gate, so it opens at the same steps; distillation
     raises the likelihood of the teacher's budgets and orders on the learned images, and the

@@ -73,6 +73,8 @@ def distill(model: torch.nn.Module, teacher: Actor, images: torch.Tensor, width:
     student.gate_embed.data.copy_(teacher.gate_embed)  # the gate: the teacher's own
     student.gate_mlp.load_state_dict(teacher.gate_mlp.state_dict())
     trajs = teacher_trajectories(model, teacher, images, collect_batch)
+    if all(t.ctrl_t.numel() == 0 for t in trajs):
+        raise ValueError("the teacher prunes none of the images: there are no decisions to learn")
     data = _controller_batches(trajs, teacher.num_patches)
     n = data["lengths"].numel()
     params = [p for name, p in student.named_parameters() if not name.startswith("gate_")]
