@@ -11,7 +11,7 @@ from timm_dora import Actor
 from timm_dora.cli import main as cli
 from timm_dora.engine import wrap
 from timm_dora.policy import NoPrune
-from timm_dora.train.distill import compare, distill, teacher_trajectories
+from timm_dora.train.distill import compare, distill, teacher_steps
 from timm_dora.train.rollout import evaluate_controller
 
 
@@ -54,10 +54,7 @@ def test_the_student_keeps_the_teachers_gate_and_learns_its_budgets_and_tokens()
     student = distill(model, teacher, x, 32, epochs=40, lr=3e-3, batch=16)
     assert (student.width, student.encoder.num_heads, student.selector_hidden) == (32, 1, 16)
     assert torch.equal(student.gate_embed, teacher.gate_embed)
-    trajs = teacher_trajectories(model, teacher, x, 12)
-    from timm_dora.train.distill import _controller_batches
-
-    d = _controller_batches(trajs, teacher.num_patches)
+    d = teacher_steps(model, teacher, x, 12)
     assert d["lengths"].numel() > 20  # many gate-on steps
 
     def likelihood(actor):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -31,36 +31,37 @@ from ..backbone import create_backbone
 from ..engine import Packed, run, wrap
 from ..hub import load_pretrained, save_pretrained
 from ..policy import Actor, ActorPolicy, NoPrune, encoder_sizes
-from .rollout import Trajectory, collect, evaluate_controller
+from .rollout import evaluate_controller
 
-__all__ = ["distill", "teacher_trajectories", "add_parser"]
+__all__ = ["distill", "teacher_steps", "compare", "add_parser"]
 
 
 @torch.no_grad()
-def teacher_trajectories(model: torch.nn.Module, teacher: Actor, images: torch.Tensor, batch: int) -> List[Trajectory]:
-    """The teacher's deterministic decisions (gate ``logit >= 0``, highest budget, highest scores)
-    on ``images``, with what it observed, in batches of ``batch``."""
-    return [collect(model, teacher, images[i:i + batch], sample=False) for i in range(0, images.shape[0], batch)]
-
-
-def _controller_batches(trajs: List[Trajectory], num_patches: int) -> Dict[str, torch.Tensor]:
-    """Every gate-on step of ``trajs`` as one padded batch (the inputs of ``evaluate_controller``)."""
-    keys, lengths, h, block, budget, order, valid = [], [], [], [], [], [], []
-    width = max((t.order.shape[1] for t in trajs), default=0)
-    for t in trajs:
-        if t.ctrl_t.numel() == 0:
-            continue
-        host = t.ctrl_lengths.tolist()
-        keys.append(Packed(t.ctrl_keys, t.ctrl_lengths, host, 1).padded(1 + num_patches))
-        lengths.append(t.ctrl_lengths)
-        h.append(t.h[t.ctrl_t])
-        block.append(t.block[t.ctrl_t])
-        budget.append(t.budget_index)
-        pad = width - t.order.shape[1]
-        order.append(torch.nn.functional.pad(t.order, (0, pad)))
-        valid.append(torch.nn.functional.pad(t.valid, (0, pad)))
-    return {k: torch.cat(v) for k, v in dict(keys=keys, lengths=lengths, h=h, block=block, budget_index=budget,
-                                             order=order, valid=valid).items()}
+def teacher_steps(model: torch.nn.Module, teacher: Actor, images: torch.Tensor, batch: int) -> Dict[str, torch.Tensor]:
+    """Every gate-on step of the teacher's deterministic decisions (highest budget, highest scores)
+    on ``images``, run in batches of ``batch``, with what it observed: one padded batch of the
+    inputs of :func:`~timm_dora.train.rollout.evaluate_controller` (the policy's own step records;
+    no native forward and no residual tokens, which PPO's ``collect`` keeps for the critic)."""
+    steps: Dict[str, list] = {k: [] for k in ("keys", "lengths", "h", "block", "budget_index", "order", "valid")}
+    for i in range(0, images.shape[0], batch):
+        policy = ActorPolicy(teacher, record=True)
+        run(model, images[i:i + batch], policy)
+        for r in policy.records:
+            if r.order is None:
+                continue
+            steps["keys"].append(Packed(r.ctrl_keys.float(), r.n_visual + 1, r.ctrl_lengths, 1).padded(1 + teacher.num_patches))
+            steps["lengths"].append(r.n_visual + 1)
+            steps["h"].append(r.h[r.active])
+            steps["block"].append(torch.full_like(r.active, r.block))
+            steps["budget_index"].append(r.budget_index)
+            steps["order"].append(r.order)
+            steps["valid"].append(r.valid)
+    if not steps["order"]:
+        raise ValueError("the teacher prunes none of the images: there are no decisions to learn")
+    width = max(t.shape[1] for t in steps["order"])
+    for name in ("order", "valid"):  # every step's selection padded to the widest (valid False there)
+        steps[name] = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in steps[name]]
+    return {k: torch.cat(v) for k, v in steps.items()}
 
 
 def distill(model: torch.nn.Module, teacher: Actor, images: torch.Tensor, width: int, *, epochs: int = 30,
@@ -72,10 +73,7 @@ def distill(model: torch.nn.Module, teacher: Actor, images: torch.Tensor, width:
     student = Actor(**cfg).to(images.device)
     student.gate_embed.data.copy_(teacher.gate_embed)  # the gate: the teacher's own
     student.gate_mlp.load_state_dict(teacher.gate_mlp.state_dict())
-    trajs = teacher_trajectories(model, teacher, images, collect_batch)
-    if all(t.ctrl_t.numel() == 0 for t in trajs):
-        raise ValueError("the teacher prunes none of the images: there are no decisions to learn")
-    data = _controller_batches(trajs, teacher.num_patches)
+    data = teacher_steps(model, teacher, images, collect_batch)
     n = data["lengths"].numel()
     params = [p for name, p in student.named_parameters() if not name.startswith("gate_")]
     opt = torch.optim.Adam(params, lr=lr)

@@ -98,17 +98,15 @@ class _Recording:
 
 @torch.no_grad()
 def collect(model: nn.Module, actor: Actor, images: torch.Tensor, generator: Optional[torch.Generator] = None,
-            z_native: Optional[torch.Tensor] = None, noise: Optional[RolloutNoise] = None,
-            sample: bool = True) -> Trajectory:
+            z_native: Optional[torch.Tensor] = None, noise: Optional[RolloutNoise] = None) -> Trajectory:
     """Sample one rollout on ``images`` with the wrapped ``model`` (see module docstring).
 
     ``z_native``: the Native logits, computed here (unpruned forward) when not given. ``noise``:
     pre-drawn sampling noise for these images (else ``generator`` draws it block by block).
-    ``sample=False``: the actor's deterministic decisions instead (what inference runs; distillation).
     """
     if z_native is None:
         z_native = run(model, images, NoPrune())[0].float()
-    policy = ActorPolicy(actor, sample=sample, generator=generator, record=True, noise=noise)
+    policy = ActorPolicy(actor, sample=True, generator=generator, record=True, noise=noise)
     rec = _Recording(policy)
     logits, stats = run(model, images, rec)
     b, depth = stats.removed.shape
