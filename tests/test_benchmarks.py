@@ -310,6 +310,27 @@ def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
                                    "random_selector_1pp_worse", "per_image_spread_ge_5pct"}
 
 
+def test_tradeoff_publishes_among_the_seeds_with_the_dev_spread(tmp_path):
+    """The dev rule runs among the seeds whose recorded dev spread reaches the minimum (records
+    without one count as qualifying); with none qualifying, among all of them."""
+    import tradeoff
+
+    def seed(name, gflops, spread, top1=72.0):
+        (tmp_path / name).mkdir()
+        training = {"dev_top1": top1, "dev_native_top1": 72.0, "dev_gflops": gflops}
+        if spread is not None:
+            training["dev_spread_pct"] = spread
+        (tmp_path / name / "config.json").write_text(json.dumps({"training": training}))
+        return str(tmp_path / name)
+
+    actors = {"0": seed("a", 1.0, 1.2), "1": seed("b", 1.1, 6.0), "2": seed("c", 1.05, None), "3": seed("d", 0.9, 7.0, 70.0)}
+    choice, spreads = tradeoff.choose_seed(actors, 1.0, 5.0)  # 0 lacks the spread, 3 the accuracy
+    assert choice.record.name == "2" and not choice.violates and spreads == {"0": 1.2, "1": 6.0, "2": None, "3": 7.0}
+    assert tradeoff.choose_seed(actors, 1.0, 0.0)[0].record.name == "0"  # no minimum: the paper's rule alone
+    narrow = {"0": actors["0"], "4": seed("e", 0.95, 2.0)}
+    assert tradeoff.choose_seed(narrow, 1.0, 5.0)[0].record.name == "4"  # none qualifies: all of them
+
+
 def test_pool_studies_merge_averages_by_size_into_the_most_similar_survivor():
     """benchmarks/pool_studies.py's merge: a removed row goes into the kept visual row of its image
     with the highest cosine similarity, averaged by size (hand-computed), and the sizes follow."""

@@ -9,8 +9,8 @@ import torch
 from test_train import data  # noqa: F401  (the `data` fixture: generated images and labels.csv)
 from timm_dora import Actor
 from timm_dora.cli import main as cli
-from timm_dora.engine import wrap
-from timm_dora.policy import NoPrune
+from timm_dora.engine import native_gflops, run, wrap
+from timm_dora.policy import ActorPolicy, NoPrune
 from timm_dora.train.distill import compare, distill, teacher_steps
 from timm_dora.train.rollout import evaluate_controller
 
@@ -34,6 +34,11 @@ def test_compare_of_an_actor_with_itself_is_exact():
     assert res["same_budget_pct"] == 100.0 == res["shared_removals_pct"] and res["images"] == 24 and res["teacher_steps"] > 0
     assert res["teacher_gflops"] == res["student_gflops"] and res["teacher_agreement_pct"] == res["student_agreement_pct"]
     assert res["teacher_drop_pp"] == res["student_drop_pp"]
+    # the per-image spread: the quantiles of one unbatched run's per-image GFLOPs
+    _, stats = run(model, x, ActorPolicy(teacher))
+    p10, p90 = stats.gflops.float().quantile(torch.tensor([0.1, 0.9])).tolist()
+    assert res["teacher_gflops_p10"] == pytest.approx(p10) == res["student_gflops_p10"]
+    assert res["teacher_gflops_p90"] == pytest.approx(p90) == res["student_gflops_p90"] and p90 > p10
     assert res["native_top1"] - res["teacher_top1"] == pytest.approx(res["teacher_drop_pp"], abs=1e-9)
 
 
@@ -81,7 +86,7 @@ def test_the_student_keeps_the_teachers_gate_and_learns_its_budgets_and_tokens()
 
 def test_cli_writes_a_loadable_student_and_refuses_a_split_it_learns_from(data, tmp_path, capsys):  # noqa: F811
     model, teacher, _ = _setup()
-    teacher.save_pretrained(tmp_path / "teacher", backbone=model)
+    teacher.save_pretrained(tmp_path / "teacher", backbone=model, extra={"target_drop": 0.01, "updates": 7})
     args = ["distill", "--model", "vit_tiny_patch16_224", "--data", str(data), "--teacher", str(tmp_path / "teacher"),
             "--width", "32", "--epochs", "2", "--device", "cpu", "--out", str(tmp_path / "student")]
     with pytest.MonkeyPatch.context() as mp:  # the tiny model of the fixture's images
@@ -97,6 +102,9 @@ def test_cli_writes_a_loadable_student_and_refuses_a_split_it_learns_from(data, 
         assert "student_drop_pp" in record["dev"] and "student_drop_pp" not in record["learned_images"]
         training = json.loads((tmp_path / "student" / "config.json").read_text())["training"]
         assert training["dev_gflops"] == record["dev"]["student_gflops"] and training["distillation"] == record
+        spread = record["dev"]["student_gflops_p90"] - record["dev"]["student_gflops_p10"]
+        assert training["dev_spread_pct"] == pytest.approx(100.0 * spread / native_gflops(model))
+        assert training["teacher"] == {"target_drop": 0.01, "updates": 7}  # the teacher's provenance travels
         assert cli(args[:-1] + [str(tmp_path / "bad"), "--eval-split", "qc"]) == 1
     assert capsys.readouterr().err.endswith(
         "error: --eval-split qc is one of --splits: the comparison must be held out\n")

@@ -430,9 +430,14 @@ def test_hub_configs_fit_real_backbones():
     for name, entry in hub.registry().items():
         config = json.loads((REPO / "timm_dora" / "hub" / "actors" / entry["folder"] / "config.json").read_text())
         hub.validate_config(config)
-        assert config["training"]["target_drop"] == 0.01 and config["training"]["model"] == name
-        record = config["training"]["selection"]
-        assert record["selected"]["name"] == f"u{config['training']['updates']:05d}"
+        training = config["training"]
+        assert training["model"] == name
+        if "distillation" in training:  # timm-dora distill: a narrower student of a timm-dora-train actor
+            assert training["distillation"]["width"] == config["actor"]["width"] and "dev_spread_pct" in training
+            training = training["teacher"]  # the teacher's own record
+        assert training["target_drop"] == 0.01 and training["model"] == name
+        record = training["selection"]
+        assert record["selected"]["name"] == f"u{training['updates']:05d}"
         # the recorded dev numbers, selected again at the recorded target, give the published checkpoint
         again = select_checkpoint(record["checkpoints"], record["target_pp"])
         assert (again.record.name, again.violates) == (record["selected"]["name"], record["violates"])

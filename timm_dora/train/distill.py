@@ -28,7 +28,7 @@ import torch
 
 from .. import data as D
 from ..backbone import create_backbone
-from ..engine import Packed, run, wrap
+from ..engine import Packed, native_gflops, run, wrap
 from ..hub import load_pretrained, save_pretrained
 from ..policy import Actor, ActorPolicy, NoPrune, encoder_sizes
 from .rollout import evaluate_controller
@@ -97,10 +97,11 @@ def compare(model: torch.nn.Module, teacher: Actor, student: Actor, images: torc
             labels: Optional[torch.Tensor] = None, batch: int = 64) -> Dict:
     """Teacher and student on ``images``: the share of the teacher's gate-on steps where the
     student removes the same number of tokens, and the share of the teacher's removed tokens it
-    removes too; each actor's mean GFLOPs, top-1 agreement with the native model and, with
+    removes too; each actor's mean GFLOPs and its 10th/90th percentiles over the images
+    (``*_gflops_p10`` / ``*_gflops_p90``: the per-image spread), top-1 agreement with the native model and, with
     ``labels``, top-1 and paired drop (pp)."""
     acc = {"steps": 0, "same_k": 0, "removed": 0, "shared": 0}
-    out = {name: {"gflops": 0.0, "agree": 0, "correct": 0} for name in ("teacher", "student")}
+    out = {name: {"gflops": [], "agree": 0, "correct": 0} for name in ("teacher", "student")}
     native_correct = 0
     for i in range(0, images.shape[0], batch):
         x = images[i:i + batch]
@@ -112,7 +113,7 @@ def compare(model: torch.nn.Module, teacher: Actor, student: Actor, images: torc
             policy = ActorPolicy(actor, record=True)
             logits, stats = run(model, x, policy)
             pred = logits.argmax(1)
-            out[name]["gflops"] += float(stats.gflops.sum())
+            out[name]["gflops"].append(stats.gflops.float().cpu())
             out[name]["agree"] += int((pred == native).sum())
             if labels is not None:
                 out[name]["correct"] += int((pred == labels[i:i + batch]).sum())
@@ -129,7 +130,9 @@ def compare(model: torch.nn.Module, teacher: Actor, student: Actor, images: torc
            "same_budget_pct": 100.0 * acc["same_k"] / max(acc["steps"], 1),
            "shared_removals_pct": 100.0 * acc["shared"] / max(acc["removed"], 1)}
     for name, o in out.items():
-        res[f"{name}_gflops"] = o["gflops"] / n
+        g = torch.cat(o["gflops"])
+        res[f"{name}_gflops"] = float(g.sum()) / n
+        res[f"{name}_gflops_p10"], res[f"{name}_gflops_p90"] = (float(q) for q in g.quantile(torch.tensor([0.1, 0.9])))
         res[f"{name}_agreement_pct"] = 100.0 * o["agree"] / n
         if labels is not None:
             res[f"{name}_top1"] = 100.0 * o["correct"] / n
@@ -163,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
     if args.eval_split in args.splits:
         raise ValueError(f"--eval-split {args.eval_split} is one of --splits: the comparison must be held out")
     model = create_backbone(args.model, args.weights).to(dev).eval()
-    teacher, _ = load_pretrained(args.teacher)
+    teacher, teacher_config = load_pretrained(args.teacher)
     teacher = teacher.to(dev).eval()
     encoder_sizes(args.width)  # a clear error for a width it cannot build
     ev = D.eval_transform(model)
@@ -177,9 +180,12 @@ def main(args: argparse.Namespace) -> int:
     record = {"distilled_from": str(args.teacher), "width": args.width, "splits": args.splits, "epochs": args.epochs,
               "lr": args.lr, "batch": args.batch, "seed": args.seed, args.eval_split: held_out, "learned_images": learned}
     out = Path(args.out)
-    # the dev record that benchmarks/tradeoff.py selects seeds by, as timm-dora-train writes it
+    # the dev record that benchmarks/tradeoff.py selects seeds by, as timm-dora-train writes it, and
+    # the per-image spread (p90 - p10 GFLOPs, % of native) that it requires where a record has it
+    spread = 100.0 * (held_out["student_gflops_p90"] - held_out["student_gflops_p10"]) / native_gflops(model)
     extra = {"model": args.model, "dev_top1": held_out["student_top1"], "dev_native_top1": held_out["native_top1"],
-             "dev_gflops": held_out["student_gflops"], "distillation": record}
+             "dev_gflops": held_out["student_gflops"], "dev_spread_pct": spread, "distillation": record,
+             "teacher": teacher_config.get("training")}  # the teacher's own training record (its provenance)
     save_pretrained(student.cpu(), out, backbone=model, extra=extra)
     (out / "distill.json").write_text(json.dumps(record, indent=1))
     print(f"{args.eval_split}: the student shares {held_out['shared_removals_pct']:.1f} % of the teacher's removed "
