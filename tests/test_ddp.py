@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from timm_dora import Actor
 from timm_dora.train import main
+from timm_dora.train.ppo import PPOConfig
 
 from test_train import ARGS, data, read_metrics  # noqa: F401  (the `data` fixture)
 
@@ -55,10 +56,13 @@ def test_two_processes_equal_one_and_resume_with_another_world_size(data, tmp_pa
     _close(m2, m1)
     a1 = Actor.from_pretrained(one / "checkpoints" / "u00004").state_dict()
     a2 = Actor.from_pretrained(two / "checkpoints" / "u00004").state_dict()
-    # Parameters whose true gradient is exactly zero (the selector's and budget head's output
-    # biases: PL and softmax are shift-invariant) receive float noise that Adam scales to +-lr per
-    # step, so weights agree to a few learning-rate steps, not to rounding.
-    assert all(torch.allclose(a1[k], a2[k], rtol=1e-4, atol=2e-4) for k in a1)
+    # The selector's output bias has an exactly zero true gradient (Plackett-Luce is shift-invariant):
+    # it receives only float noise, which Adam scales to steps of about lr each, and it changes no
+    # decision. It is held to 50 learning-rate steps (the two runs differed by 9 on the CI host and
+    # by more on an H100 host's CPU); every other weight agrees to rounding.
+    shift = "selector.2.bias"
+    assert all(torch.allclose(a1[k], a2[k], rtol=1e-4, atol=2e-4) for k in a1 if k != shift)
+    assert float((a1[shift] - a2[shift]).abs().max()) <= 50 * PPOConfig.lr_selector
     assert json.loads((two / "selection.json").read_text())["selected"]["name"] == json.loads((one / "selection.json").read_text())["selected"]["name"]
 
     # two processes up to the checkpoint at u=2, then resumed by one process
