@@ -15,7 +15,10 @@ maximum likelihood of the teacher's budget index (cross-entropy) and of its remo
 
 The held-out split (``--eval-split``, default ``dev``) reports how closely the student follows the
 teacher on images it did not learn from (:func:`compare`: the same budget, the shared removed
-tokens), and both actors' GFLOPs, agreement with the native model, top-1 and paired drop.
+tokens), and both actors' GFLOPs (mean, p10 and p90), agreement with the native model, top-1 and
+paired drop. The student's config carries that dev record (``dev_top1``, ``dev_gflops``,
+``dev_spread_pct``: p90 - p10 GFLOPs in % of native) and its teacher's training record
+(``teacher``), so ``benchmarks/tradeoff.py`` can choose among distillation seeds on dev.
 """
 from __future__ import annotations
 
