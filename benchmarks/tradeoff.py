@@ -91,28 +91,25 @@ def interpolate(points: Sequence[Tuple[float, float]], at: float) -> Optional[fl
     return None
 
 
-def _dev_record(actor_dir: str, name: str) -> CheckpointRecord:
-    cfg = json.loads((Path(actor_dir) / "config.json").read_text())
-    t = cfg.get("training") or {}
+def _dev_record(actor_dir: str, name: str) -> Tuple[CheckpointRecord, Optional[float]]:
+    """The actor's dev record and its per-image spread on dev (p90 - p10 GFLOPs, % of native) where
+    the record has it (``timm-dora distill`` writes it; ``None`` otherwise)."""
+    t = json.loads((Path(actor_dir) / "config.json").read_text()).get("training") or {}
     if "dev_top1" not in t:
         raise ValueError(f"{actor_dir}: its config has no dev record (training.dev_top1): not a timm-dora-train actor")
-    return CheckpointRecord(name, float(t["dev_top1"]), float(t["dev_native_top1"]), float(t["dev_gflops"]))
-
-
-def _dev_spread(actor_dir: str) -> Optional[float]:
-    """The actor's per-image spread on dev (p90 - p10 GFLOPs, % of native), where its record has it
-    (``timm-dora distill`` writes it; ``None`` otherwise)."""
-    t = json.loads((Path(actor_dir) / "config.json").read_text()).get("training") or {}
-    return None if t.get("dev_spread_pct") is None else float(t["dev_spread_pct"])
+    spread = None if t.get("dev_spread_pct") is None else float(t["dev_spread_pct"])
+    return CheckpointRecord(name, float(t["dev_top1"]), float(t["dev_native_top1"]), float(t["dev_gflops"])), spread
 
 
 def choose_seed(actors: Dict[str, str], target_pp: float, min_spread: float):
     """The seed to publish, on dev records only: the paper's rule (lowest dev GFLOPs within
     ``target_pp``) among the seeds whose recorded dev spread is at least ``min_spread`` % of native
-    (or unrecorded); among all seeds when none is. Returns ``(Selection, {seed: spread or None})``."""
-    spreads = {s: _dev_spread(p) for s, p in actors.items()}
-    per_image = [s for s in actors if spreads[s] is None or spreads[s] >= min_spread]
-    return select_checkpoint([_dev_record(actors[s], s) for s in per_image or actors], target_pp=target_pp), spreads
+    (or unrecorded); among all seeds when none is. Returns ``(Selection, {seed: its dev record with
+    spread_pct})``, each actor's config read once."""
+    dev = {s: _dev_record(p, s) for s, p in actors.items()}
+    per_image = [s for s, (_, spread) in dev.items() if spread is None or spread >= min_spread]
+    choice = select_checkpoint([dev[s][0] for s in per_image or actors], target_pp=target_pp)
+    return choice, {s: {**vars(record), "spread_pct": spread} for s, (record, spread) in dev.items()}
 
 
 def _table(model, batches, labels, args, actors: Dict[str, str], published: str, skip_dead: bool,
@@ -212,7 +209,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device(args.device)  # bf16 on CUDA (TF32 off), fp32 on the CPU
     actors = dict(a.split("=", 1) for a in args.seed_actors)
-    choice, spreads = choose_seed(actors, args.target_pp, args.min_dev_spread)
+    choice, dev_records = choose_seed(actors, args.target_pp, args.min_dev_spread)
     published = choice.record.name
 
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
@@ -224,8 +221,7 @@ def main(argv=None) -> dict:
                            "published_seed": {"seed": int(published), "rule": "lowest dev GFLOPs within the target, among seeds with the dev spread",
                                               "target_pp": args.target_pp, "violates": choice.violates,
                                               "min_dev_spread_pct": args.min_dev_spread,
-                                              "dev": {s: {**vars(_dev_record(p, s)), "spread_pct": spreads[s]}
-                                                      for s, p in actors.items()}}}
+                                              "dev": dev_records}}
     res.update(_table(model, batches, labels, args, actors, published, False, args.checkpoints))
     res["targets"] = _targets(res, args.min_reduction)
     res["skip_dead"] = _table(model, batches, labels, args, actors, published, True, [])

@@ -324,8 +324,10 @@ def test_tradeoff_publishes_among_the_seeds_with_the_dev_spread(tmp_path):
         return str(tmp_path / name)
 
     actors = {"0": seed("a", 1.0, 1.2), "1": seed("b", 1.1, 6.0), "2": seed("c", 1.05, None), "3": seed("d", 0.9, 7.0, 70.0)}
-    choice, spreads = tradeoff.choose_seed(actors, 1.0, 5.0)  # 0 lacks the spread, 3 the accuracy
-    assert choice.record.name == "2" and not choice.violates and spreads == {"0": 1.2, "1": 6.0, "2": None, "3": 7.0}
+    choice, dev = tradeoff.choose_seed(actors, 1.0, 5.0)  # 0 lacks the spread, 3 the accuracy
+    assert choice.record.name == "2" and not choice.violates
+    assert {s: d["spread_pct"] for s, d in dev.items()} == {"0": 1.2, "1": 6.0, "2": None, "3": 7.0}
+    assert dev["3"] == {"name": "3", "top1": 70.0, "native_top1": 72.0, "gflops": 0.9, "disagreement": None, "spread_pct": 7.0}
     assert tradeoff.choose_seed(actors, 1.0, 0.0)[0].record.name == "0"  # no minimum: the paper's rule alone
     narrow = {"0": actors["0"], "4": seed("e", 0.95, 2.0)}
     assert tradeoff.choose_seed(narrow, 1.0, 5.0)[0].record.name == "4"  # none qualifies: all of them

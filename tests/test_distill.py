@@ -75,9 +75,6 @@ def test_the_student_keeps_the_teachers_gate_and_learns_its_budgets_and_tokens()
     assert res_after["same_budget_pct"] >= res_before["same_budget_pct"]
     # the gate is the teacher's: the steps at which each removes anything are the same on every image
     for actor in (untrained, student):
-        from timm_dora.engine.patch import run
-        from timm_dora.policy import ActorPolicy
-
         with torch.no_grad():
             k_t = run(model, x[:8], ActorPolicy(teacher))[1].removed > 0
             k_s = run(model, x[:8], ActorPolicy(actor))[1].removed > 0
