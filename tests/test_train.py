@@ -534,6 +534,10 @@ def test_actor_width_sizes_the_trained_actor(data, tmp_path, capsys):
     assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "warm"), "--updates", "2",
                         "--init-actor", str(out / "selected")]) == 0
     assert Actor.from_pretrained(tmp_path / "warm" / "selected").width == 32
+    # a continued run's checkpoints name their warm start and carry its training record (provenance)
+    first, warm = (json.loads((d / "selected" / "config.json").read_text())["training"] for d in (out, tmp_path / "warm"))
+    assert warm["init_actor"] == str(out / "selected") and warm["init_training"] == first and warm["updates"] == 2
+    assert "init_actor" not in first
     rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--actor-width", "48"])
     assert rc == 1 and capsys.readouterr().err == (
         "timm-dora-train: error: --actor-width: actor width must be one of 32, 64, 128 (the paper), 256, got 48\n")

@@ -82,6 +82,7 @@ class Checkpoints:
             "updates": self.u, "target_drop": self.cfg.target_drop, "a_u": self.feedback.coefficient,
             "dev_top1": rec.top1, "dev_native_top1": rec.native_top1, "dev_gflops": rec.gflops,
             "model": self.cfg.model, "data": self.cfg.data, **({"skip_dead": True} if self.cfg.skip_dead else {}),
+            **({"init_actor": self.cfg.init_actor, "init_training": self.init_training} if self.cfg.init_actor else {}),
         }
 
     def select(self) -> Dict:
@@ -111,9 +112,10 @@ def actor_width(given: Optional[int], init_actor: Optional[str], model: nn.Modul
     return auto_width(model)
 
 
-def warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dict[str, torch.Tensor]:
-    """The weights of the saved actor at ``source`` (``--init-actor``), checked against the
-    backbone and against the actor this run would make (same sizes), or a ``ValueError``."""
+def warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dict:
+    """Load the saved actor at ``source`` (``--init-actor``) into ``actor``, checked against the
+    backbone and against ``actor`` (same sizes), or a ``ValueError``. Returns the saved actor's own
+    training record (``{}`` if none), which the run's checkpoints carry as ``init_training``."""
     from ..hub import check_backbone, load_pretrained
 
     loaded, config = load_pretrained(source)
@@ -122,4 +124,5 @@ def warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dic
         here = actor.config()
         diff = {k: (v, here.get(k)) for k, v in loaded.config().items() if here.get(k) != v}
         raise ValueError(f"--init-actor {source}: its sizes differ from this run's actor (saved, here): {diff}")
-    return loaded.state_dict()
+    actor.load_state_dict(loaded.state_dict())
+    return dict(config.get("training") or {})

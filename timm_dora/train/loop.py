@@ -123,8 +123,7 @@ class Trainer(Checkpoints):
 
         # learners
         self.actor = Actor.for_model(model, budget_step=cfg.budget_step, **encoder_sizes(cfg.actor_width))
-        if cfg.init_actor:
-            self.actor.load_state_dict(warm_start(cfg.init_actor, self.actor, self.model, cfg.readout))
+        self.init_training = warm_start(cfg.init_actor, self.actor, self.model, cfg.readout) if cfg.init_actor else {}
         self.actor = self.actor.to(self.dev)
         self.critic = Critic.for_model(model, budget_step=cfg.budget_step, backend="padded").to(self.dev)
         self.graphs = cfg.cuda_graphs and self.dev.type == "cuda" and self.comm.world == 1
