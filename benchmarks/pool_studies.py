@@ -1,6 +1,6 @@
-"""Two inference-only studies of trained actors on the 1,000 ``sample1000`` pool images (not a test).
+"""Three inference-only studies of trained actors on the 1,000 ``sample1000`` pool images (not a test).
 
-Both keep an actor's own decisions of *where* and *how much* to prune and change one thing after
+Each keeps an actor's own decisions of *where* and *how much* to prune and change one thing after
 them, paired against native on the same images (fp32 on the CPU by default; ``test`` is never
 read here, the pool is the training side of the data):
 
@@ -15,6 +15,10 @@ read here, the pool is the training side of the data):
   with deletion and sees the merged rows in later blocks. An exploratory extension, not an engine
   feature: it replaces the eager executor's deletion and the varlen attention in this process only
   (one image at a time, slow).
+- ``fuse``: EViT's inattentive-token fusion instead of deletion: each image keeps one *fused* row,
+  the size-weighted mean of every row the actor has removed so far (``fuse_prop``: with ToMe's
+  proportional attention on it); it counts as a kept token in the engine's token counts, the
+  actor's observations and the GFLOPs.
 
     python benchmarks/pool_studies.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
         --weights W.safetensors --data labels.csv --actors A1 A2 --out study.json
@@ -40,6 +44,7 @@ from timm_dora.evaluate.baselines.selectors import SELECTORS, RecordedSelector  
 
 POOL = ("rollout", "qc", "dev")  # the default partition of sample1000: all 1,000 images
 MERGE_MODES = ("delete", "merge_x", "merge_keys", "merge_keys_prop")
+FUSE_MODES = ("delete", "fuse", "fuse_prop")
 
 
 class ClsSimSelector(RecordedSelector):
@@ -110,6 +115,63 @@ class Merging:
         return result
 
 
+class Fusion(Merging):
+    """EViT's inattentive-token fusion as a substitution for deletion: each image keeps one *fused*
+    row, the size-weighted mean of every row it has removed so far (the first removal revives one
+    removed row to hold it; later removals are averaged into it, and if the actor removes the fused
+    row itself it is averaged into the new one). So at most one row per image more than DORA's
+    decisions keep; the revived row is taken off the decision's removal counts in place, so the
+    engine's token counts, the actor's observations and the GFLOPs statistics all include it."""
+
+    def __init__(self, prop: bool):
+        super().__init__("x", prop)
+        self.fused: Optional[torch.Tensor] = None  # [T] bool: the fused row of its image
+        self._exec_delete, self.n_visual = eager.EagerExecutor.delete, None
+
+    def __enter__(self):
+        fusion = self
+
+        def delete(ex, l, dec, history=None):
+            fusion.n_visual = history[0]  # the engine's per-image token count after this decision
+            return fusion._exec_delete(ex, l, dec, history)
+        eager.EagerExecutor.delete = delete
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        eager.EagerExecutor.delete = self._exec_delete
+        return super().__exit__(*exc)
+
+    def attention_residual(self, blk, packed, backend, *args, **kw):
+        x, keys = self._attn_res(blk, packed, backend, *args, **kw)
+        if self.sizes is None or self.sizes.shape[0] != packed.total:  # a new forward (all rows)
+            self.sizes = torch.ones(packed.total, dtype=torch.float32, device=x.device)
+            self.fused = torch.zeros(packed.total, dtype=torch.bool, device=x.device)
+        self.keys = keys
+        return x, keys
+
+    def delete_rows(self, packed, remove, removed, removed_host=None, out=None):
+        x, seg, size = packed.x, packed.seg, self.sizes
+        fused_x, new_size, remove, fused = x.clone(), size.clone(), remove.clone(), self.fused.clone()
+        for i in range(packed.batch_size):
+            rows = (seg == i).nonzero().squeeze(1)
+            gone = rows[remove[rows]]
+            if gone.numel() == 0:
+                continue
+            own = rows[fused[rows]]
+            target = own[0] if own.numel() else gone[0]
+            group = torch.unique(torch.cat([gone, target[None]]))
+            w = size[group]
+            fused_x[target] = ((x[group].float() * w[:, None]).sum(0) / w.sum()).to(x.dtype)
+            new_size[target], fused[target] = w.sum(), True
+            if bool(remove[target]):  # revived: one removal fewer (in place: the engine's records)
+                remove[target] = False
+                removed[i] -= 1
+                self.n_visual[i] += 1
+        result = self._delete(packed.with_x(fused_x), remove, removed, None, out)
+        self.sizes, self.fused = new_size[~remove], fused[~remove]
+        return result
+
+
 def paired(pred: torch.Tensor, native: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
     d = (native == labels).float() - (pred == labels).float()
     return {"drop_pp": round(d.mean().item() * 100, 2), "drop_se_pp": round(d.std().item() / len(d) ** 0.5 * 100, 2),
@@ -142,6 +204,13 @@ def _forwards(model, xs: List[torch.Tensor], what: str):
                 logits2, st2 = run(model, x, selector(st))
                 preds.setdefault(name, []).append(logits2.argmax(1))
                 gflops.setdefault(name, []).append(st2.gflops.float())
+    elif what == "fuse":
+        for mode in FUSE_MODES:
+            for x in xs:
+                with Fusion(mode == "fuse_prop") if mode != "delete" else contextlib.nullcontext():
+                    logits, st = run(model, x, model._dora.policy)
+                preds.setdefault(mode, []).append(logits.argmax(1))
+                gflops.setdefault(mode, []).append(st.gflops.float())
     else:
         for mode in MERGE_MODES:
             for x in xs:
@@ -159,7 +228,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--weights", required=True)
     ap.add_argument("--data", required=True, help="labels CSV with the rollout/qc/dev splits of sample1000")
     ap.add_argument("--actors", nargs="+", required=True)
-    ap.add_argument("--studies", nargs="+", default=["selectors", "merge"], choices=["selectors", "merge"])
+    ap.add_argument("--studies", nargs="+", default=["selectors", "merge"], choices=["selectors", "merge", "fuse"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--img-size", type=int, default=None, help="(smoke tests: a small random backbone)")
     ap.add_argument("--num-classes", type=int, default=None)

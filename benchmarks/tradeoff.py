@@ -18,7 +18,10 @@ teacher's 10 %, which collapses the p10-p90 spread to about 1 % at the same mean
 
 Rows per method: ``top1``, ``drop_pp`` (native's top-1 minus the method's, on the same images),
 ``drop_se_pp`` (its paired standard error), ``gflops`` (mean per image, App. E.4 accounting) and
-``gflops_reduction_pct``; DORA rows add the per-image ``gflops_p10`` / ``gflops_p90``. The static
+``gflops_reduction_pct``; DORA rows add the per-image ``gflops_p10`` / ``gflops_p90``, and the
+published seed is paired with every ToMe row image by image (``dora.vs_tome``: ``drop_gap_pp``,
+its drop minus ToMe's, with the paired ``drop_gap_se_pp``), each seed with the ToMe row nearest
+in GFLOPs (``vs_tome_nearest``). The static
 sweep covers reductions of ``--static-reductions`` (percent of native GFLOPs) for each block family
 of ``--static-blocks`` with the ``cls_sim`` rule; ``static_at_dora`` is the static drop linearly
 interpolated at DORA's GFLOPs. The top-level tables are the plain models; ``skip_dead`` holds the
@@ -81,6 +84,15 @@ def _row(pred: torch.Tensor, gfl: torch.Tensor, native_pred: torch.Tensor, label
     return row
 
 
+def paired_gap(pred: torch.Tensor, other: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
+    """How much more ``pred`` drops than ``other`` on the same images (``other``'s top-1 minus
+    ``pred``'s, pp; equal to the difference of their ``drop_pp``) and the standard error of that
+    per-image difference: the comparison of two methods with the images' shared noise taken out."""
+    diff = (other == labels).double() - (pred == labels).double()  # per image in {-1, 0, 1}
+    n = diff.numel()
+    return {"drop_gap_pp": 100.0 * float(diff.mean()), "drop_gap_se_pp": 100.0 * float(diff.std(unbiased=False)) / n ** 0.5}
+
+
 def interpolate(points: Sequence[Tuple[float, float]], at: float) -> Optional[float]:
     """The drop of a sweep ``[(gflops, drop), ...]`` linearly interpolated at ``at`` GFLOPs
     (``None`` outside the sweep's range)."""
@@ -119,11 +131,11 @@ def _table(model, batches, labels, args, actors: Dict[str, str], published: str,
     row = lambda p, g, **kw: _row(p, g, nat_p, labels, ng, **kw)  # noqa: E731
     t: Dict[str, Any] = {"native": {"top1": 100.0 * float((nat_p == labels).double().mean()), "gflops": ng}}
 
-    seeds, by_seed = [], {}
+    seeds, by_seed, seed_preds = [], {}, {}
     for seed, path in actors.items():
         rows = _predict(build_method(model, "random" if seed == published else "dora", actor=path, seed=args.random_seed,
                                      skip_dead=skip_dead), batches)
-        by_seed[seed] = row(*rows["dora"], spread=True)
+        by_seed[seed], seed_preds[seed] = row(*rows["dora"], spread=True), rows["dora"][0]
         seeds.append({"seed": int(seed), "actor": path, **by_seed[seed]})
         if seed == published:
             t["random_selector"] = {"seed": args.random_seed, **row(*rows["random"])}
@@ -154,10 +166,17 @@ def _table(model, batches, labels, args, actors: Dict[str, str], published: str,
         pts = [(s["gflops"], s["drop_pp"]) for s in t["static"] if s["family"] == fam]
         t["static_at_dora"][fam] = interpolate(pts, d["gflops"])
 
-    t["tome"] = []
+    t["tome"], tome_preds = [], {}
     for r in range(args.tome_r[0], args.tome_r[1] + 1):
         p, g = next(iter(_predict(build_method(model, "tome", r=r, skip_dead=skip_dead), batches).values()))
         t["tome"].append({"r": r, **row(p, g)})
+        tome_preds[r] = p
+    # DORA against ToMe image by image: every r for the published seed, the r nearest in GFLOPs for each seed
+    t["dora"]["vs_tome"] = [{"r": tm["r"], "gflops": tm["gflops"], **paired_gap(seed_preds[published], tome_preds[tm["r"]], labels)}
+                            for tm in t["tome"]]
+    for s in seeds:
+        near = min(t["tome"], key=lambda tm: abs(tm["gflops"] - s["gflops"]))
+        s["vs_tome_nearest"] = {"r": near["r"], **paired_gap(seed_preds[str(s["seed"])], tome_preds[near["r"]], labels)}
 
     t["checkpoints"] = []
     for path in checkpoints:

@@ -249,6 +249,19 @@ def test_tradeoff_interpolates_a_sweep_by_hand():
     assert tradeoff.interpolate(pts, 0.9) is None and tradeoff.interpolate(pts, 2.6) is None
 
 
+def test_paired_gap_by_hand():
+    """Correct per image: the method [1, 1, 0, 0], the other [1, 0, 1, 1]: the other's top-1 minus
+    the method's is (0 - 1 + 1 + 1) / 4 = 25 pp; the per-image differences' population sd is
+    sqrt(2.75 / 4), so the standard error is 100 * sqrt(0.6875) / 2 pp."""
+    import tradeoff
+    import torch
+
+    labels = torch.tensor([1, 2, 0, 0])
+    gap = tradeoff.paired_gap(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 0, 0, 0]), labels)
+    assert gap["drop_gap_pp"] == pytest.approx(25.0)
+    assert gap["drop_gap_se_pp"] == pytest.approx(100 * 0.6875 ** 0.5 / 2)
+
+
 def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
     """benchmarks/tradeoff.py on a tiny random backbone (CPU): the seed published is the dev rule's
     (never the test split's), every row is paired against the same native predictions, GFLOPs are
@@ -300,6 +313,14 @@ def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
         assert s["gflops"] == pytest.approx(static_gflops(model, sched), rel=1e-12)
     assert [t["r"] for t in res["tome"]] == [1, 2]
     d = res["dora"]
+    # the pairing with ToMe: the gap is the difference of the two drops, on the same images
+    assert [v["r"] for v in d["vs_tome"]] == [1, 2]
+    for v, tm in zip(d["vs_tome"], res["tome"]):
+        assert v["drop_gap_pp"] == pytest.approx(d["drop_pp"] - tm["drop_pp"], abs=1e-9) and v["gflops"] == tm["gflops"]
+    for s in d["seeds"]:
+        near = min(res["tome"], key=lambda tm: abs(tm["gflops"] - s["gflops"]))
+        assert s["vs_tome_nearest"]["r"] == near["r"]
+        assert s["vs_tome_nearest"]["drop_gap_pp"] == pytest.approx(s["drop_pp"] - near["drop_pp"], abs=1e-9)
     assert d["gflops_p10"] <= d["gflops_p90"]
     assert d["spread_pct_of_native"] == pytest.approx(100 * (d["gflops_p90"] - d["gflops_p10"]) / res["native"]["gflops"])
     # skip_dead: identical predictions (the CLS readout never reads the rows it leaves out), fewer GFLOPs
@@ -352,9 +373,34 @@ def test_pool_studies_merge_averages_by_size_into_the_most_similar_survivor():
     assert m.sizes.tolist() == [1.0, 1.0, 4.0, 1.0]
 
 
+def test_pool_studies_fusion_keeps_one_size_weighted_row_per_image():
+    """benchmarks/pool_studies.py's fuse: the first removal revives the image's first removed row
+    as the size-weighted mean of all it removes (one removal fewer, in the engine's counts too); a
+    later removal is averaged into that row (hand-computed)."""
+    import pool_studies
+    import torch
+
+    from timm_dora.engine.packing import Packed
+
+    x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [2.0, 2.0]],    # CLS, a, b, c
+                      [[0.0, 0.0], [4.0, 0.0], [0.0, 4.0], [1.0, 1.0]]])   # CLS, d, e, f
+    f = pool_studies.Fusion(prop=False)
+    f.sizes, f.fused, f.n_visual = torch.ones(8), torch.zeros(8, dtype=torch.bool), torch.tensor([1, 2])
+    removed = torch.tensor([2, 1])
+    out = f.delete_rows(Packed.from_dense(x, 1), torch.tensor([0, 0, 1, 1, 0, 0, 1, 0], dtype=torch.bool), removed)
+    assert out.lengths_host == [3, 4] and removed.tolist() == [1, 0] and f.n_visual.tolist() == [2, 3]
+    assert torch.equal(out.x, torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.5], [0.0, 0.0], [4.0, 0.0], [0.0, 4.0], [1.0, 1.0]]))
+    assert f.sizes.tolist() == [1, 1, 2, 1, 1, 1, 1] and f.fused.tolist() == [False, False, True, False, False, True, False]
+    removed = torch.tensor([1, 0])  # image 0 removes a: averaged into its fused row (size 2)
+    out = f.delete_rows(out, torch.tensor([0, 1, 0, 0, 0, 0, 0], dtype=torch.bool), removed)
+    assert out.lengths_host == [2, 4] and removed.tolist() == [1, 0] and f.n_visual.tolist() == [2, 3]
+    assert torch.allclose(out.x[1], torch.tensor([1.0, 1.0])) and f.sizes[:2].tolist() == [1, 3]
+
+
 def test_pool_studies_script_runs_both_studies_on_the_pool(tmp_path):
     """benchmarks/pool_studies.py on a tiny random backbone: all three pool splits are read, the
-    selector study's DORA row and the merge study's deletion row are the same forward."""
+    selector study's DORA row and the merge and fuse studies' deletion rows are the same forward;
+    a fused row costs GFLOPs."""
     import pool_studies
     import torch
     from PIL import Image
@@ -376,8 +422,11 @@ def test_pool_studies_script_runs_both_studies_on_the_pool(tmp_path):
     Actor.for_model(model).save_pretrained(tmp_path / "a", backbone=model)
     res = pool_studies.main(["--model", name, "--weights", str(tmp_path / "w.safetensors"), "--img-size", "64",
                              "--num-classes", "5", "--data", str(tmp_path / "labels.csv"), "--workers", "0",
-                             "--actors", str(tmp_path / "a"), "--out", str(tmp_path / "s.json")])
+                             "--actors", str(tmp_path / "a"), "--studies", "selectors", "merge", "fuse",
+                             "--out", str(tmp_path / "s.json")])
     study = res["actors"][str(tmp_path / "a")]
     assert res["images"] == 8 and set(study["merge"]) == set(pool_studies.MERGE_MODES)
-    assert study["selectors"]["dora"] == study["merge"]["delete"]
+    assert study["selectors"]["dora"] == study["merge"]["delete"] == study["fuse"]["delete"]
+    assert set(study["fuse"]) == set(pool_studies.FUSE_MODES)
+    assert study["fuse"]["fuse"]["gflops"] > study["fuse"]["delete"]["gflops"]
     assert set(study["selectors"]) == {"dora", "cls_sim", "similarity", "random"}
