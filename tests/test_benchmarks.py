@@ -430,3 +430,57 @@ def test_pool_studies_script_runs_both_studies_on_the_pool(tmp_path):
     assert set(study["fuse"]) == set(pool_studies.FUSE_MODES)
     assert study["fuse"]["fuse"]["gflops"] > study["fuse"]["delete"]["gflops"]
     assert set(study["selectors"]) == {"dora", "cls_sim", "similarity", "random"}
+
+
+
+def test_tome_merge_group_sums_by_hand_and_the_fixed_order_merge_equals_the_port():
+    """Rows 0, 2 and 4 go to target 2, row 1 to 0, row 3 to 1, none to 3; on random data the
+    fixed-order sums equal ``scatter_add``'s, and the fixed-order merge the port's (fp64)."""
+    import tome_merge
+    import torch
+
+    index = torch.tensor([[2, 0, 2, 1, 2]])
+    src = torch.tensor([[[1.0], [2.0], [3.0], [4.0], [5.0]]])
+    assert tome_merge.group_sums(index, src, 4).flatten().tolist() == [2.0, 4.0, 9.0, 0.0]
+    g = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 7, (3, 11), generator=g)
+    src = torch.randn(3, 11, 5, generator=g, dtype=torch.float64)
+    expected = torch.zeros(3, 7, 5, dtype=torch.float64).scatter_add(1, index[..., None].expand_as(src), src)
+    assert torch.allclose(tome_merge.group_sums(index, src, 7), expected, atol=1e-12)
+    x, metric = torch.randn(2, 17, 6, generator=g, dtype=torch.float64), torch.randn(2, 17, 4, generator=g, dtype=torch.float64)
+    size = torch.randint(1, 4, (2, 17), generator=g).double()
+    (a, sa), (b, sb) = tome_merge.PORT(x, metric, size, 5, 1), tome_merge.fixed_order_merge(x, metric, size, 5, 1)
+    assert torch.allclose(a, b.double(), atol=1e-6) and torch.equal(sa, sb)
+
+
+def test_tome_merge_script_compares_the_two_forms_on_cpu(tmp_path):
+    """benchmarks/tome_merge.py on a small random model (CPU, fp32): both forms repeat bit for bit
+    (CPU scatter_add is sequential) and agree to rounding; the accuracy part reads the pool splits
+    and gives the same drop in both runs; every field is there."""
+    import tome_merge
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from timm_dora.evaluate import load_model
+
+    name = "deit_tiny_patch16_224"
+    save_file(load_model(name, random_weights=True, img_size=64, num_classes=5).state_dict(), str(tmp_path / "w.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    rows = ["path,label,synset,set,split"]
+    for i, split in enumerate(["rollout", "rollout", "qc", "dev", "test"]):
+        Image.fromarray((torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()).save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,{i % 5},n{i % 5:08d},sample1000,{split}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    res = tome_merge.main(["--models", name, "--img-size", "64", "--r", "2", "--batch", "3",
+                           "--runs", "2", "--warmup", "1", "--iters", "1", "--repeats", "1", "--device", "cpu",
+                           "--accuracy-models", f"{name}={tmp_path / 'w.safetensors'}", "--num-classes", "5",
+                           "--data", str(tmp_path / "labels.csv"), "--accuracy-r", "1", "2", "--workers", "0"])
+    (acc,) = res["accuracy"]
+    assert acc["images"] == 4 and [r["r"] for r in acc["rows"]] == [1, 2]
+    for r in acc["rows"]:
+        assert r["scatter_add"][0] == r["scatter_add"][1] and r["fixed_order_fp32"][0] == r["fixed_order_fp32"][1]
+    (row,) = res["rows"]
+    assert row["fixed_order_fp32"]["identical_runs"] and row["scatter_add"]["identical_runs"]
+    assert row["forms_max_abs_diff"] < 1e-4
+    assert row["time_ratio"] == row["fixed_order_fp32"]["ms_per_batch"] / row["scatter_add"]["ms_per_batch"]
