@@ -17,8 +17,8 @@ read here, the pool is the training side of the data):
   (one image at a time, slow).
 - ``fuse``: EViT's inattentive-token fusion instead of deletion: each image keeps one *fused* row,
   the size-weighted mean of every row the actor has removed so far (``fuse_prop``: with ToMe's
-  proportional attention on it); it counts as a kept token in the engine's token counts, the
-  actor's observations and the GFLOPs.
+  proportional attention on it); it counts as a kept token in the engine's token counts and the
+  GFLOPs.
 
     python benchmarks/pool_studies.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
         --weights W.safetensors --data labels.csv --actors A1 A2 --out study.json
@@ -121,7 +121,8 @@ class Fusion(Merging):
     removed row to hold it; later removals are averaged into it, and if the actor removes the fused
     row itself it is averaged into the new one). So at most one row per image more than DORA's
     decisions keep; the revived row is taken off the decision's removal counts in place, so the
-    engine's token counts, the actor's observations and the GFLOPs statistics all include it."""
+    engine's token counts (the actor's ``N_l`` from the next block on) and the GFLOPs statistics
+    include it (the removal fraction ``rho`` the actor reads next is computed before, without it)."""
 
     def __init__(self, prop: bool):
         super().__init__("x", prop)
