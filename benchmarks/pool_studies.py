@@ -143,11 +143,9 @@ class Fusion(Merging):
         return super().__exit__(*exc)
 
     def attention_residual(self, blk, packed, backend, *args, **kw):
-        x, keys = self._attn_res(blk, packed, backend, *args, **kw)
-        if self.sizes is None or self.sizes.shape[0] != packed.total:  # a new forward (all rows)
-            self.sizes = torch.ones(packed.total, dtype=torch.float32, device=x.device)
+        x, keys = super().attention_residual(blk, packed, backend, *args, **kw)
+        if self.fused is None or self.fused.shape[0] != packed.total:  # a new forward (all rows)
             self.fused = torch.zeros(packed.total, dtype=torch.bool, device=x.device)
-        self.keys = keys
         return x, keys
 
     def delete_rows(self, packed, remove, removed, removed_host=None, out=None):

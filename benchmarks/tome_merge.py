@@ -56,21 +56,18 @@ def group_sums(index: torch.Tensor, src: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def fixed_order_merge(x, metric, size, r, num_prefix):
-    """The port's matching, with each group's size-weighted average summed by :func:`group_sums` in
-    float32 (the port: ``scatter_add`` in the model's dtype)."""
+    """The port's matching (:func:`~timm_dora.evaluate.baselines.tome.bipartite_edges`), with each
+    group's size-weighted average summed by :func:`group_sums` in float32 (the port: ``scatter_add``
+    in the model's dtype)."""
     if r <= 0:
         return x, size
     p, (b, n, c) = num_prefix, x.shape
+    src, dst, unm = tome.bipartite_edges(metric, r, p)
     xv, sv = x[:, p:], size[:, p:]
-    mv = metric[:, p:].float()
-    mv = mv / mv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    best, dst = (mv[:, 0::2] @ mv[:, 1::2].transpose(1, 2)).max(dim=-1)
-    order = torch.sort(best, dim=-1, descending=True, stable=True).indices
-    src, unm = order[:, :r], order[:, r:].sort(dim=-1).values
     xa, xb, sa, sb = xv[:, 0::2], xv[:, 1::2], sv[:, 0::2], sv[:, 1::2]
     s_src = sa.gather(1, src).float()
     rows = xa.gather(1, src[..., None].expand(b, r, c)).float() * s_src[..., None]
-    sums = group_sums(dst.gather(1, src), torch.cat([rows, s_src[..., None]], dim=-1), xb.shape[1])
+    sums = group_sums(dst, torch.cat([rows, s_src[..., None]], dim=-1), xb.shape[1])
     sb_new = sb.float() + sums[..., c]
     xb_new = ((xb.float() * sb.float()[..., None] + sums[..., :c]) / sb_new[..., None]).to(x.dtype)
     x_unm = xa.gather(1, unm[..., None].expand(b, xa.shape[1] - r, c))

@@ -68,22 +68,6 @@ def _predict(method, batches) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     return {k: (torch.cat(p), torch.cat(g)) for k, (p, g) in out.items()}
 
 
-def _row(pred: torch.Tensor, gfl: torch.Tensor, native_pred: torch.Tensor, labels: torch.Tensor,
-         native_gflops: float, spread: bool = False) -> Dict[str, Any]:
-    ok, native_ok = (pred == labels).double(), (native_pred == labels).double()
-    diff = native_ok - ok  # per image in {-1, 0, 1}
-    n = diff.numel()
-    row = {"top1": 100.0 * float(ok.mean()), "drop_pp": 100.0 * float(diff.mean()),
-           "drop_se_pp": 100.0 * float(diff.std(unbiased=False)) / n ** 0.5,
-           "agreement": 100.0 * float((pred == native_pred).double().mean()),
-           "gflops": float(gfl.mean()), "gflops_reduction_pct": 100.0 * (1.0 - float(gfl.mean()) / native_gflops)}
-    if spread:
-        q = torch.quantile(gfl.float().cpu(), torch.tensor([0.1, 0.9]))
-        row.update(gflops_p10=float(q[0]), gflops_p90=float(q[1]),
-                   spread_pct_of_native=100.0 * float(q[1] - q[0]) / native_gflops)
-    return row
-
-
 def paired_gap(pred: torch.Tensor, other: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
     """How much more ``pred`` drops than ``other`` on the same images (``other``'s top-1 minus
     ``pred``'s, pp; equal to the difference of their ``drop_pp``) and the standard error of that
@@ -91,6 +75,20 @@ def paired_gap(pred: torch.Tensor, other: torch.Tensor, labels: torch.Tensor) ->
     diff = (other == labels).double() - (pred == labels).double()  # per image in {-1, 0, 1}
     n = diff.numel()
     return {"drop_gap_pp": 100.0 * float(diff.mean()), "drop_gap_se_pp": 100.0 * float(diff.std(unbiased=False)) / n ** 0.5}
+
+
+def _row(pred: torch.Tensor, gfl: torch.Tensor, native_pred: torch.Tensor, labels: torch.Tensor,
+         native_gflops: float, spread: bool = False) -> Dict[str, Any]:
+    gap = paired_gap(pred, native_pred, labels)  # the drop is the gap to native
+    row = {"top1": 100.0 * float((pred == labels).double().mean()), "drop_pp": gap["drop_gap_pp"],
+           "drop_se_pp": gap["drop_gap_se_pp"],
+           "agreement": 100.0 * float((pred == native_pred).double().mean()),
+           "gflops": float(gfl.mean()), "gflops_reduction_pct": 100.0 * (1.0 - float(gfl.mean()) / native_gflops)}
+    if spread:
+        q = torch.quantile(gfl.float().cpu(), torch.tensor([0.1, 0.9]))
+        row.update(gflops_p10=float(q[0]), gflops_p90=float(q[1]),
+                   spread_pct_of_native=100.0 * float(q[1] - q[0]) / native_gflops)
+    return row
 
 
 def interpolate(points: Sequence[Tuple[float, float]], at: float) -> Optional[float]:

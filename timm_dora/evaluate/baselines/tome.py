@@ -60,6 +60,7 @@ from ...engine.patch import check_skip_dead, check_supported
 __all__ = [
     "ToMe",
     "attention_with_keys",
+    "bipartite_edges",
     "bipartite_soft_matching",
     "head",
     "proportional_attention",
@@ -118,6 +119,24 @@ def attention_with_keys(
 # bipartite soft matching
 
 
+def bipartite_edges(metric: torch.Tensor, r: int, num_prefix: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The matching step of :func:`bipartite_soft_matching` (``r > 0``): ``(src [B, r], dst [B, r],
+    unm [B, |A| - r])``, the ``A`` indices merged (most similar edge first), the ``B`` index each
+    goes into, and the ``A`` indices kept, in their original order. ``metric``: ``[B, N, c]``."""
+    p, n = num_prefix, metric.shape[1]
+    mv = metric[:, p:].float()
+    mv = mv / mv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    ma, mb = mv[:, 0::2], mv[:, 1::2]
+    na, nb = ma.shape[1], mb.shape[1]
+    if nb == 0 or r > na:
+        raise ValueError(f"cannot merge r={r} tokens from {n - p} visual tokens (|A|={na}, |B|={nb})")
+    scores = ma @ mb.transpose(1, 2)  # [B, |A|, |B|] cosine similarities (the counted matmul)
+    best, dst = scores.max(dim=-1)  # each A token's edge: its most similar B token
+    order = torch.sort(best, dim=-1, descending=True, stable=True).indices
+    src, unm = order[:, :r], order[:, r:].sort(dim=-1).values
+    return src, dst.gather(1, src), unm
+
+
 def bipartite_soft_matching(
     x: torch.Tensor, metric: torch.Tensor, size: torch.Tensor, r: int, num_prefix: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -138,27 +157,17 @@ def bipartite_soft_matching(
         return x, size
     p = num_prefix
     b, n, c = x.shape
+    src, dst_of_src, unm = bipartite_edges(metric, r, p)
     xv, sv = x[:, p:], size[:, p:]
-    mv = metric[:, p:].float()
-    mv = mv / mv.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    ma, mb = mv[:, 0::2], mv[:, 1::2]
-    na, nb = ma.shape[1], mb.shape[1]
-    if nb == 0 or r > na:
-        raise ValueError(f"cannot merge r={r} tokens from {n - p} visual tokens (|A|={na}, |B|={nb})")
-    scores = ma @ mb.transpose(1, 2)  # [B, |A|, |B|] cosine similarities (the counted matmul)
-    best, dst = scores.max(dim=-1)  # each A token's edge: its most similar B token
-    order = torch.sort(best, dim=-1, descending=True, stable=True).indices
-    src, unm = order[:, :r], order[:, r:].sort(dim=-1).values
     xa, xb = xv[:, 0::2], xv[:, 1::2]
     sa, sb = sv[:, 0::2], sv[:, 1::2]
-    dst_of_src = dst.gather(1, src)  # [B, r]
     # size-weighted average: sum of s*x over each merged group, divided by the summed size
     sb_new = sb.scatter_add(1, dst_of_src, sa.gather(1, src))
     wb = (xb * sb[..., None]).scatter_add(
         1, dst_of_src[..., None].expand(b, r, c), xa.gather(1, src[..., None].expand(b, r, c)) * sa.gather(1, src)[..., None]
     )
     xb_new = wb / sb_new[..., None]
-    x_unm = xa.gather(1, unm[..., None].expand(b, na - r, c))
+    x_unm = xa.gather(1, unm[..., None].expand(b, unm.shape[1], c))
     s_unm = sa.gather(1, unm)
     return torch.cat([x[:, :p], x_unm, xb_new], dim=1), torch.cat([size[:, :p], s_unm, sb_new], dim=1)
 
