@@ -10,7 +10,8 @@ dead compute of a CLS readout (``skip_dead``).
 
 Which seed's actor is published is chosen on the development split, never on ``--split``: each
 seed's selected actor carries its dev record (``training`` in its config) and the paper's selection
-rule (lowest dev GFLOPs within the target drop, App. E.2) is applied across the seeds. Where the
+rule (lowest dev GFLOPs within the target drop, App. E.2) is applied across the seeds; or, with
+``--choice``, the seed ``benchmarks/choose_seed.py`` chose on the whole labelled pool. Where the
 records carry the dev per-image spread (``dev_spread_pct``, written by ``timm-dora distill``), seeds
 below ``--min-dev-spread`` (the per-image target, 5 % of native GFLOPs) are left out first: on ViT-Ti
 one distillation seed took the teacher's rarer block-5 budget for 6 % of dev images instead of the
@@ -122,6 +123,17 @@ def choose_seed(actors: Dict[str, str], target_pp: float, min_spread: float):
     return choice, {s: {**vars(record), "spread_pct": spread} for s, (record, spread) in dev.items()}
 
 
+def read_choice(path: str, seeds) -> Tuple[str, Dict[str, Any]]:
+    """The seed a ``benchmarks/choose_seed.py`` record chose and the record, after checking that it chose among
+    exactly ``seeds`` (``ValueError`` otherwise)."""
+    with open(path) as f:
+        rec = json.load(f)
+    had = sorted(str(s["seed"]) for s in rec["seeds"])
+    if had != sorted(seeds):
+        raise ValueError(f"--choice {path} chose among seeds {had}, but --seed-actors gives {sorted(seeds)}")
+    return str(rec["chosen"]["seed"]), rec
+
+
 def _table(model, batches, labels, args, actors: Dict[str, str], published: str, skip_dead: bool,
            checkpoints: Sequence[str]) -> Dict[str, Any]:
     nat_p, nat_g = _predict(build_method(model, "native", skip_dead=skip_dead), batches)["native"]
@@ -207,6 +219,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--min-dev-spread", type=float, default=5.0,
                     help="only seeds whose dev record shows this per-image spread (p90 - p10 GFLOPs, %% of native) "
                          "are selected, where records carry it (all seeds when none qualifies)")
+    ap.add_argument("--choice", default=None, help="a benchmarks/choose_seed.py record: publish the seed it chose on the "
+                    "pool (among exactly --seed-actors) instead of applying the dev rule")
     ap.add_argument("--publish-as", default=None, help="the hub folder the chosen seed's actor is published to")
     ap.add_argument("--checkpoints", nargs="*", default=[], help="more actors to place on the picture (run checkpoints)")
     ap.add_argument("--static-blocks", nargs="+", default=["3,6,9", "1,2,3,4,5,6,7,8,9,10,11"],
@@ -226,8 +240,17 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device(args.device)  # bf16 on CUDA (TF32 off), fp32 on the CPU
     actors = dict(a.split("=", 1) for a in args.seed_actors)
-    choice, dev_records = choose_seed(actors, args.target_pp, args.min_dev_spread)
-    published = choice.record.name
+    if args.choice:
+        published, rec = read_choice(args.choice, actors)
+        published_seed = {"seed": int(published), "rule": rec["rule"]["text"], "choice": args.choice,
+                          **{k: rec["rule"][k] for k in ("min_reduction_pct", "min_spread_pct")},
+                          "violates": rec["chosen"]["violates"], "splits": rec["splits"], "n_images": rec["n_images"]}
+    else:
+        choice, dev_records = choose_seed(actors, args.target_pp, args.min_dev_spread)
+        published = choice.record.name
+        published_seed = {"seed": int(published), "rule": "lowest dev GFLOPs within the target, among seeds with the dev spread",
+                          "target_pp": args.target_pp, "violates": choice.violates,
+                          "min_dev_spread_pct": args.min_dev_spread, "dev": dev_records}
 
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
     batches = _batches(model, args, dev, dtype)
@@ -235,10 +258,7 @@ def main(argv=None) -> dict:
     cmd = " ".join(["python benchmarks/tradeoff.py"] + (argv if argv is not None else sys.argv[1:]))
     res: Dict[str, Any] = {**environment(dev, cmd), "model": args.model, "split": args.split,
                            "n_images": int(labels.numel()), "dtype": str(dtype).replace("torch.", ""),
-                           "published_seed": {"seed": int(published), "rule": "lowest dev GFLOPs within the target, among seeds with the dev spread",
-                                              "target_pp": args.target_pp, "violates": choice.violates,
-                                              "min_dev_spread_pct": args.min_dev_spread,
-                                              "dev": dev_records}}
+                           "published_seed": published_seed}
     res.update(_table(model, batches, labels, args, actors, published, False, args.checkpoints))
     res["targets"] = _targets(res, args.min_reduction)
     res["skip_dead"] = _table(model, batches, labels, args, actors, published, True, [])

@@ -262,28 +262,38 @@ def test_paired_gap_by_hand():
     assert gap["drop_gap_se_pp"] == pytest.approx(100 * 0.6875 ** 0.5 / 2)
 
 
+def _tiny_backbone_and_images(tmp_path, splits):
+    """A random DeiT-Ti at 64 px with 5 classes (``tmp_path/w.safetensors``) and one random image per
+    entry of ``splits`` in ``tmp_path/labels.csv``; returns the model."""
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from timm_dora.evaluate import load_model
+
+    model = load_model("deit_tiny_patch16_224", random_weights=True, img_size=64, num_classes=5)
+    save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    rows = ["path,label,synset,set,split"]
+    for i, split in enumerate(splits):
+        Image.fromarray((torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()).save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,{i % 5},n{i % 5:08d},x,{split}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    return model
+
+
 def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
     """benchmarks/tradeoff.py on a tiny random backbone (CPU): the seed published is the dev rule's
     (never the test split's), every row is paired against the same native predictions, GFLOPs are
     the accounting's own, and the skip_dead tables change GFLOPs only."""
     import tradeoff
     import torch
-    from PIL import Image
-    from safetensors.torch import save_file
 
     from timm_dora import Actor, native_gflops
-    from timm_dora.evaluate import load_model
     from timm_dora.evaluate.baselines.static import static_gflops
 
     name = "deit_tiny_patch16_224"
-    model = load_model(name, random_weights=True, img_size=64, num_classes=5)
-    save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    rows = ["path,label,synset,set,split"]
-    for i in range(12):
-        Image.fromarray((torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()).save(tmp_path / f"{i}.png")
-        rows.append(f"{i}.png,{i % 5},n{i % 5:08d},x,test")
-    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    model = _tiny_backbone_and_images(tmp_path, ["test"] * 12)
     # seed 0: fewest dev GFLOPs but 2 pp over the target; seed 1: within it; seed 2: within, more GFLOPs
     dev = {0: (70.0, 72.0, 1.0), 1: (72.0, 72.0, 1.2), 2: (73.0, 72.0, 1.3)}
     actors = []
@@ -329,6 +339,62 @@ def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
         assert a["top1"] == b["top1"] and b["gflops"] < a["gflops"]
     assert set(res["targets"]) == {"drop_pp_le_1", "gflops_reduction_pct_ge_30", "dominates_static",
                                    "random_selector_1pp_worse", "per_image_spread_ge_5pct"}
+
+
+def test_choose_seed_rule_by_hand():
+    """benchmarks/choose_seed.py's rule: the lowest pool drop among the seeds with the spread and the
+    reduction (ties: fewer GFLOPs); else the largest reduction among those with the spread (violates);
+    else among all."""
+    import choose_seed
+
+    def row(drop, red, spread, gflops=1.6):
+        return {"drop_pp": drop, "gflops_reduction_pct": red, "spread_pct_of_native": spread, "gflops": gflops}
+
+    rows = {"a": row(0.5, 36.0, 6.0), "b": row(0.3, 34.0, 7.0), "c": row(0.2, 40.0, 2.0), "d": row(0.5, 37.0, 8.0, 1.58)}
+    assert choose_seed.choose(rows, 35.5, 5.0) == ("d", False)  # b lacks the reduction, c the spread; d ties a, fewer GFLOPs
+    assert choose_seed.choose(rows, 35.5, 0.0) == ("c", False)
+    short = {"a": row(0.1, 30.0, 6.0), "b": row(0.5, 33.0, 2.0), "c": row(0.9, 32.0, 5.0)}
+    assert choose_seed.choose(short, 35.0, 5.0) == ("c", True)
+    assert choose_seed.choose({"a": row(0.1, 30.0, 1.0), "b": row(0.5, 31.0, 2.0)}, 35.0, 5.0) == ("b", True)
+    with pytest.raises(ValueError, match="no seeds"):
+        choose_seed.choose({}, 35.0, 5.0)
+
+
+def test_choose_seed_script_chooses_on_the_pool_and_tradeoff_publishes_its_choice(tmp_path):
+    """benchmarks/choose_seed.py on a tiny random backbone (CPU) reads the pool splits only, pairs
+    every seed against native on them and records the rule's choice; tradeoff.py --choice publishes
+    that seed on test, and refuses a record made for other seeds or a pool with test in it."""
+    import choose_seed
+    import tradeoff
+    import torch
+
+    from timm_dora import Actor
+
+    name = "deit_tiny_patch16_224"
+    model = _tiny_backbone_and_images(tmp_path, ["rollout"] * 6 + ["dev"] * 4 + ["test"] * 5)
+    actors = []
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        Actor.for_model(model).save_pretrained(tmp_path / f"s{seed}", backbone=model, extra={
+            "dev_top1": 70.0, "dev_native_top1": 70.0, "dev_gflops": 1.0})
+        actors.append(f"{seed}={tmp_path / f's{seed}'}")
+    common = ["--model", name, "--weights", str(tmp_path / "w.safetensors"), "--img-size", "64", "--num-classes", "5",
+              "--data", str(tmp_path / "labels.csv"), "--device", "cpu", "--workers", "0", "--batch", "4"]
+    rec = choose_seed.main([*common, "--splits", "rollout", "dev", "--seed-actors", *actors, "--min-reduction", "0",
+                            "--min-spread", "0", "--out", str(tmp_path / "c.json")])
+    assert rec["n_images"] == 10 and [s["seed"] for s in rec["seeds"]] == [0, 1, 2]
+    for s in rec["seeds"]:
+        assert s["drop_pp"] == pytest.approx(rec["native"]["top1"] - s["top1"], abs=1e-9)
+    best = min(rec["seeds"], key=lambda s: (s["drop_pp"], s["gflops"]))
+    assert rec["chosen"] == {"seed": best["seed"], "violates": False}
+    res = tradeoff.main([*common, "--seed-actors", *actors, "--choice", str(tmp_path / "c.json"), "--static-blocks", "3,6,9",
+                         "--static-reductions", "20", "--tome-r", "1", "1"])
+    assert res["dora"]["seed"] == best["seed"] and res["published_seed"]["choice"] == str(tmp_path / "c.json")
+    assert res["n_images"] == 5 and res["published_seed"]["n_images"] == 10
+    with pytest.raises(ValueError, match="chose among seeds"):
+        tradeoff.main([*common, "--seed-actors", *actors[:2], "--choice", str(tmp_path / "c.json")])
+    with pytest.raises(ValueError, match="must not include test"):
+        choose_seed.main([*common, "--splits", "dev", "test", "--seed-actors", *actors, "--min-reduction", "0"])
 
 
 def test_tradeoff_publishes_among_the_seeds_with_the_dev_spread(tmp_path):
