@@ -28,7 +28,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from timm_dora.evaluate import build_method, environment, inference_device, load_model, loader_for, write_json
-from tradeoff import _predict, _row
+from tradeoff import _predict, _row, rounded
 
 RULE = ("lowest paired drop on the pool among the seeds with the per-image spread and the GFLOPs reduction; "
         "else the largest reduction among those with the spread (violates)")
@@ -82,7 +82,7 @@ def main(argv=None) -> Dict[str, Any]:
            "seeds": [{"seed": int(s), "actor": actors[s], **r} for s, r in rows.items()],
            "rule": {"text": RULE, "min_reduction_pct": args.min_reduction, "min_spread_pct": args.min_spread},
            "chosen": {"seed": int(seed), "violates": violates}}
-    write_json(args.out, res)
+    write_json(args.out, rounded(res))
     for s, r in rows.items():
         print(f"seed {s}: drop {r['drop_pp']:.2f} +- {r['drop_se_pp']:.2f} pp, -{r['gflops_reduction_pct']:.1f} % "
               f"GFLOPs, spread {r['spread_pct_of_native']:.1f} %", flush=True)

@@ -92,6 +92,18 @@ def _row(pred: torch.Tensor, gfl: torch.Tensor, native_pred: torch.Tensor, label
     return row
 
 
+def rounded(obj: Any, digits: int = 6) -> Any:
+    """``obj`` with every float rounded to ``digits`` significant digits (the JSON records: a drop's
+    standard error is 0.5 pp, so the digits past the sixth are noise that only takes space)."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}")
+    if isinstance(obj, (list, tuple)):
+        return [rounded(v, digits) for v in obj]
+    if isinstance(obj, dict):
+        return {k: rounded(v, digits) for k, v in obj.items()}
+    return obj
+
+
 def interpolate(points: Sequence[Tuple[float, float]], at: float) -> Optional[float]:
     """The drop of a sweep ``[(gflops, drop), ...]`` linearly interpolated at ``at`` GFLOPs
     (``None`` outside the sweep's range)."""
@@ -262,7 +274,7 @@ def main(argv=None) -> dict:
     res.update(_table(model, batches, labels, args, actors, published, False, args.checkpoints))
     res["targets"] = _targets(res, args.min_reduction)
     res["skip_dead"] = _table(model, batches, labels, args, actors, published, True, [])
-    write_json(args.out, res)
+    write_json(args.out, rounded(res))
     d = res["dora"]
     print(f"native {res['native']['top1']:.2f} %, {res['native']['gflops']:.3f} GFLOPs; DORA seed {published}: "
           f"drop {d['drop_pp']:.2f} +- {d['drop_se_pp']:.2f} pp at -{d['gflops_reduction_pct']:.1f} % "

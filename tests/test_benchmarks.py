@@ -282,6 +282,13 @@ def _tiny_backbone_and_images(tmp_path, splits):
     return model
 
 
+def test_tradeoff_rounds_records_to_six_significant_digits():
+    import tradeoff
+
+    rec = {"a": 79.84615384615384, "b": [0.0012345678, 3, "x", (1.0, 2.5e-12)], "c": {"d": 123456789.0, "e": True}}
+    assert tradeoff.rounded(rec) == {"a": 79.8462, "b": [0.00123457, 3, "x", [1.0, 2.5e-12]], "c": {"d": 123457000.0, "e": True}}
+
+
 def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
     """benchmarks/tradeoff.py on a tiny random backbone (CPU): the seed published is the dev rule's
     (never the test split's), every row is paired against the same native predictions, GFLOPs are
