@@ -438,8 +438,8 @@ def test_hub_configs_fit_real_backbones():
         assert training["target_drop"] == 0.01 and training["model"] == name
         record = training["selection"]
         assert record["selected"]["name"] == f"u{training['updates']:05d}"
-        # the recorded dev numbers, selected again at the recorded target, give the published checkpoint
-        again = select_checkpoint(record["checkpoints"], record["target_pp"])
+        # the recorded dev numbers, selected again at the recorded target by the recorded rule, give the published checkpoint
+        again = select_checkpoint(record["checkpoints"], record["target_pp"], record.get("rule", "min"))
         assert (again.record.name, again.violates) == (record["selected"]["name"], record["violates"])
         actor, loaded = hub.load_pretrained(REPO / "timm_dora" / "hub" / "actors" / entry["folder"])  # weights fit the config
         assert loaded == config and isinstance(actor, Actor)

@@ -338,6 +338,14 @@ def test_sweep_from_tradeoff_benchmark_json(tmp_path):
     rnd = by_gid(fig, "m|random selector")
     assert (rnd.get_xdata()[0], rnd.get_ydata()[0]) == (1.7, 4.0)
     assert rnd.axes.get_ylim()[1] >= 4.5  # the random selector is on the panel
+    def labelled(f, gid):  # the chosen seed's error bar: several artists share its gid
+        return len(f.findobj(lambda a: a.get_gid() == gid))
+
+    assert data["chosen_on"] == "dev" and labelled(fig, "m|DORA (seed chosen on dev)") > 0
+    pooled = viz.sweep_data({**_sweep_doc(), "published_seed": {"seed": 0, "choice": "c.json"}})  # tradeoff.py --choice
+    pooled_fig = viz.plot_sweep([pooled])
+    assert pooled["chosen_on"] == "pool" and labelled(pooled_fig, "m|DORA (seed chosen on the pool)") > 0
+    assert labelled(pooled_fig, "m|DORA (seed chosen on dev)") == 0
 
     with pytest.raises(ValueError, match="not a trade-off sweep"):
         viz.sweep_data({"native": {}})

@@ -430,8 +430,9 @@ def sweep_data(doc: Mapping[str, Any]) -> Dict[str, Any]:
     """Points of a trade-off sweep (``benchmarks/tradeoff.py``), drop against GFLOPs, every number as
     the document has it: ``series`` maps a name to its ``(gflops, drop_pp, drop_se_pp)`` points
     (``static <blocks>`` per block family and ``ToMe`` in order of GFLOPs, ``DORA checkpoints``,
-    ``DORA seeds``), ``dora`` is the point of the seed chosen on dev (the published actor where the
-    sweep published one), ``random_selector`` DORA's gates and budgets with random tokens;
+    ``DORA seeds``), ``dora`` is the point of the seed chosen on dev, or on the pool where the sweep
+    says so (``chosen_on``: ``"dev"`` or ``"pool"``; the published actor where the sweep published
+    one), ``random_selector`` DORA's gates and budgets with random tokens;
     ``native_gflops`` is native's (drop 0)."""
     if not is_sweep(doc):
         raise ValueError("not a trade-off sweep (benchmarks/tradeoff.py): it needs native, dora, static and tome")
@@ -450,5 +451,6 @@ def sweep_data(doc: Mapping[str, Any]) -> Dict[str, Any]:
         "n_images": doc.get("n_images"), "native_gflops": float(doc["native"]["gflops"]),
         "native_top1": float(doc["native"]["top1"]), "series": series, "dora": _pt(doc["dora"]),
         "dora_seed": doc["dora"].get("seed"),
+        "chosen_on": "pool" if (doc.get("published_seed") or {}).get("choice") else "dev",
         "random_selector": _pt(doc["random_selector"]) if doc.get("random_selector") else None,
     }

@@ -410,7 +410,7 @@ def plot_sweep(datas: Sequence[Mapping[str, Any]], title: Optional[str] = None, 
                     g, y, _ = zip(*pts)
                     handles.setdefault(name, ax.plot(g, y, ls="none", marker="*", ms=ms, color=col, gid=f"{m}|{name}")[0])
             g, y, se = d["dora"]
-            chosen = "DORA (seed chosen on dev)"
+            chosen = f"DORA (seed chosen on {'the pool' if d.get('chosen_on') == 'pool' else 'dev'})"
             handles.setdefault(chosen, ax.errorbar([g], [y], yerr=[se], fmt="*", ms=16, color="tab:red", mec="k", mew=0.6,
                                                    capsize=3, gid=f"{m}|{chosen}"))
             if d.get("random_selector"):
