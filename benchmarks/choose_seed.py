@@ -13,8 +13,8 @@ Each seed's actor runs on every image of ``--splits`` (the 1,000 ``sample1000`` 
 lowest paired drop (ties: fewer GFLOPs); when no seed reaches the reduction, the largest reduction
 among those with the spread, marked ``violates``; when none has the spread, the same among all.
 
-Why: the paired drop's standard error is about 2.5 pp on the 150 dev images and about 0.9 pp on
-1,000, and between two seeds, paired on the same images, less. The pool holds the images the
+Why: the paired drop's standard error is about 2.5 pp on the 150 dev images and 0.65-0.8 pp on
+the 1,000 (the sixth round's students), and between two seeds, paired on the same images, less. The pool holds the images the
 actors were trained (rollout) and distilled on (rollout, qc), so the drop it reads is optimistic
 for every seed alike: a ranking of the seeds, not an estimate of their drop. bf16 on CUDA, fp32
 on the CPU.
