@@ -27,8 +27,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from timm_dora.evaluate import build_method, environment, inference_device, load_model, loader_for, write_json
-from tradeoff import _predict, _row, rounded
+from timm_dora.evaluate import build_method, environment, inference_device, load_model, write_json
+from tradeoff import _batches, _predict, _row, native_row, rounded
 
 RULE = ("lowest paired drop on the pool among the seeds with the per-image spread and the GFLOPs reduction; "
         "else the largest reduction among those with the spread (violates)")
@@ -67,18 +67,16 @@ def main(argv=None) -> Dict[str, Any]:
     actors = dict(a.split("=", 1) for a in args.seed_actors)
     dev, dtype, _ = inference_device(args.device)
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
-    batches = [(x.to(dev, dtype), torch.as_tensor(y).to(dev)) for split in args.splits
-               for x, y, *_ in loader_for(model, args.data, split, batch=args.batch, workers=args.workers)]
+    batches = _batches(model, args.data, args.splits, dev, dtype, args.batch, args.workers)
     labels = torch.cat([y for _, y in batches])
-    nat_p, nat_g = _predict(build_method(model, "native"), batches)["native"]
-    ng = float(nat_g.mean())
-    rows = {s: _row(*_predict(build_method(model, "dora", actor=p), batches)["dora"], nat_p, labels, ng, spread=True)
+    nat_p, native = native_row(model, batches, labels)
+    rows = {s: _row(*_predict(build_method(model, "dora", actor=p), batches)["dora"], nat_p, labels, native["gflops"], spread=True)
             for s, p in actors.items()}
     seed, violates = choose(rows, args.min_reduction, args.min_spread)
     cmd = " ".join(["python benchmarks/choose_seed.py"] + (argv if argv is not None else sys.argv[1:]))
     res = {**environment(dev, cmd), "model": args.model, "splits": args.splits, "n_images": int(labels.numel()),
            "dtype": str(dtype).replace("torch.", ""),
-           "native": {"top1": 100.0 * float((nat_p == labels).double().mean()), "gflops": ng},
+           "native": native,
            "seeds": [{"seed": int(s), "actor": actors[s], **r} for s, r in rows.items()],
            "rule": {"text": RULE, "min_reduction_pct": args.min_reduction, "min_spread_pct": args.min_spread},
            "chosen": {"seed": int(seed), "violates": violates}}

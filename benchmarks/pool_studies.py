@@ -47,18 +47,6 @@ MERGE_MODES = ("delete", "merge_x", "merge_keys", "merge_keys_prop")
 FUSE_MODES = ("delete", "fuse", "fuse_prop")
 
 
-class ClsSimSelector(RecordedSelector):
-    """The static baseline's rule as a substitution: the visual tokens whose key (heads
-    concatenated) is least cosine-similar to the CLS key go first."""
-
-    name = "cls_sim"
-
-    def scores(self, ctx, pad):
-        p = ctx.packed.num_prefix
-        k = F.normalize(pad.pad(ctx.keys.float()), dim=-1)
-        return -(k[:, p:] * k[:, :1]).sum(-1), None
-
-
 class Merging:
     """Replaces the eager executor's deletion (and the varlen attention, for ``prop``) so that
     removed rows are averaged into their most similar surviving visual row; ``sizes`` follows
@@ -171,6 +159,28 @@ class Fusion(Merging):
         return result
 
 
+def _substitution(mode: str):
+    """The context that replaces deletion for one ``merge`` or ``fuse`` mode (``delete``: none); a
+    fresh one per batch, so sizes start at 1."""
+    if mode == "delete":
+        return contextlib.nullcontext()
+    if mode.startswith("fuse"):
+        return Fusion(mode == "fuse_prop")
+    return Merging("x" if mode == "merge_x" else "keys", mode == "merge_keys_prop")
+
+
+class ClsSimSelector(RecordedSelector):
+    """The static baseline's rule as a substitution: the visual tokens whose key (heads
+    concatenated) is least cosine-similar to the CLS key go first."""
+
+    name = "cls_sim"
+
+    def scores(self, ctx, pad):
+        p = ctx.packed.num_prefix
+        k = F.normalize(pad.pad(ctx.keys.float()), dim=-1)
+        return -(k[:, p:] * k[:, :1]).sum(-1), None
+
+
 def paired(pred: torch.Tensor, native: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
     d = (native == labels).float() - (pred == labels).float()
     return {"drop_pp": round(d.mean().item() * 100, 2), "drop_se_pp": round(d.std().item() / len(d) ** 0.5 * 100, 2),
@@ -203,18 +213,10 @@ def _forwards(model, xs: List[torch.Tensor], what: str):
                 logits2, st2 = run(model, x, selector(st))
                 preds.setdefault(name, []).append(logits2.argmax(1))
                 gflops.setdefault(name, []).append(st2.gflops.float())
-    elif what == "fuse":
-        for mode in FUSE_MODES:
-            for x in xs:
-                with Fusion(mode == "fuse_prop") if mode != "delete" else contextlib.nullcontext():
-                    logits, st = run(model, x, model._dora.policy)
-                preds.setdefault(mode, []).append(logits.argmax(1))
-                gflops.setdefault(mode, []).append(st.gflops.float())
     else:
-        for mode in MERGE_MODES:
+        for mode in FUSE_MODES if what == "fuse" else MERGE_MODES:
             for x in xs:
-                with (Merging("x" if mode == "merge_x" else "keys", mode == "merge_keys_prop")
-                      if mode != "delete" else contextlib.nullcontext()):  # (a fresh Merging per batch: sizes start at 1)
+                with _substitution(mode):
                     logits, st = run(model, x, model._dora.policy)
                 preds.setdefault(mode, []).append(logits.argmax(1))
                 gflops.setdefault(mode, []).append(st.gflops.float())

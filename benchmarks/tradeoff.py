@@ -48,10 +48,12 @@ from timm_dora.train.selection import CheckpointRecord, select_checkpoint
 MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 
 
-def _batches(model, args, dev, dtype) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """The split's images, preprocessed once and kept on the device."""
-    loader = loader_for(model, args.data, args.split, batch=args.batch, workers=args.workers, limit=args.limit)
-    return [(x.to(dev, dtype), torch.as_tensor(y).to(dev)) for x, y, *_ in loader]
+def _batches(model, data: str, splits: Sequence[str], dev, dtype, batch: int, workers: int,
+             limit: Optional[int] = None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """The images of ``splits`` (in that order; the first ``limit`` of each), preprocessed once and
+    kept on the device."""
+    return [(x.to(dev, dtype), torch.as_tensor(y).to(dev)) for split in splits
+            for x, y, *_ in loader_for(model, data, split, batch=batch, workers=workers, limit=limit)]
 
 
 @torch.inference_mode()
@@ -146,12 +148,18 @@ def read_choice(path: str, seeds) -> Tuple[str, Dict[str, Any]]:
     return str(rec["chosen"]["seed"]), rec
 
 
+def native_row(model, batches, labels: torch.Tensor, skip_dead: bool = False) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Native's top-1 predictions over ``batches`` and its row (``top1``, mean ``gflops``)."""
+    nat_p, nat_g = _predict(build_method(model, "native", skip_dead=skip_dead), batches)["native"]
+    return nat_p, {"top1": 100.0 * float((nat_p == labels).double().mean()), "gflops": float(nat_g.mean())}
+
+
 def _table(model, batches, labels, args, actors: Dict[str, str], published: str, skip_dead: bool,
            checkpoints: Sequence[str]) -> Dict[str, Any]:
-    nat_p, nat_g = _predict(build_method(model, "native", skip_dead=skip_dead), batches)["native"]
-    ng = float(nat_g.mean())
+    nat_p, nat = native_row(model, batches, labels, skip_dead)
+    ng = nat["gflops"]
     row = lambda p, g, **kw: _row(p, g, nat_p, labels, ng, **kw)  # noqa: E731
-    t: Dict[str, Any] = {"native": {"top1": 100.0 * float((nat_p == labels).double().mean()), "gflops": ng}}
+    t: Dict[str, Any] = {"native": nat}
 
     seeds, by_seed, seed_preds = [], {}, {}
     for seed, path in actors.items():
@@ -265,7 +273,7 @@ def main(argv=None) -> dict:
                           "min_dev_spread_pct": args.min_dev_spread, "dev": dev_records}
 
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
-    batches = _batches(model, args, dev, dtype)
+    batches = _batches(model, args.data, [args.split], dev, dtype, args.batch, args.workers, args.limit)
     labels = torch.cat([y for _, y in batches])
     cmd = " ".join(["python benchmarks/tradeoff.py"] + (argv if argv is not None else sys.argv[1:]))
     res: Dict[str, Any] = {**environment(dev, cmd), "model": args.model, "split": args.split,
