@@ -404,6 +404,43 @@ def test_choose_seed_script_chooses_on_the_pool_and_tradeoff_publishes_its_choic
         choose_seed.main([*common, "--splits", "dev", "test", "--seed-actors", *actors, "--min-reduction", "0"])
 
 
+def test_seen_unseen_compares_each_split_with_the_static_rule_at_the_same_gflops(tmp_path):
+    """benchmarks/seen_unseen.py on a tiny random backbone (CPU): every split and the unseen group
+    (qc + dev) paired against native; the unseen agreement is the image-weighted mean of qc's and
+    dev's; the advantage is the actor's agreement minus the static sweep's, interpolated at the
+    actor's GFLOPs from the recorded rows; the seen-minus-unseen gap is the difference of two."""
+    import seen_unseen
+    import torch
+
+    from timm_dora import Actor
+
+    from timm_dora.policy.actor import encoder_sizes
+
+    model = _tiny_backbone_and_images(tmp_path, ["rollout"] * 5 + ["qc"] * 3 + ["dev"] * 2 + ["test"] * 2)
+    torch.manual_seed(0)
+    actor = Actor.for_model(model, **encoder_sizes(32))
+    with torch.no_grad():  # a gate that opens for some images, two tokens at a time: inside the static sweep
+        actor.gate_mlp[2].bias.fill_(-0.05)
+        actor.budget_head[-1].bias[0] += 10.0
+    actor.save_pretrained(tmp_path / "a", backbone=model)
+    rec = seen_unseen.main(["--model", "deit_tiny_patch16_224", "--weights", str(tmp_path / "w.safetensors"),
+                            "--img-size", "64", "--num-classes", "5", "--data", str(tmp_path / "labels.csv"),
+                            "--device", "cpu", "--workers", "0", "--batch", "4", "--static-k", "0", "1",
+                            "--actors", f"a={tmp_path / 'a'}", "--out", str(tmp_path / "s.json")])
+    assert rec["n_images"] == {"rollout": 5, "qc": 3, "dev": 2}
+    a = rec["actors"]["a"]
+    assert [a[g]["n_images"] for g in ("rollout", "qc", "dev", "unseen")] == [5, 3, 2, 5]
+    assert a["unseen"]["agreement"] == pytest.approx((3 * a["qc"]["agreement"] + 2 * a["dev"]["agreement"]) / 5)
+    assert rec["static"]["rollout"][0]["agreement"] == 100.0 and rec["static"]["rollout"][0]["gflops"] == rec["native_gflops"]
+    for g in ("rollout", "unseen"):
+        pts = sorted((r["gflops"], r["agreement"]) for r in rec["static"][g])
+        at = next(d0 + (d1 - d0) * (a[g]["gflops"] - g0) / (g1 - g0) for (g0, d0), (g1, d1) in zip(pts, pts[1:])
+                  if g0 <= a[g]["gflops"] <= g1)
+        assert a[g]["static_agreement"] == pytest.approx(at, abs=1e-4)
+        assert a[g]["advantage_pp"] == pytest.approx(a[g]["agreement"] - at, abs=1e-4)
+    assert a["seen_minus_unseen_pp"] == pytest.approx(a["rollout"]["advantage_pp"] - a["unseen"]["advantage_pp"], abs=1e-4)
+
+
 def test_tradeoff_publishes_among_the_seeds_with_the_dev_spread(tmp_path):
     """The dev rule runs among the seeds whose recorded dev spread reaches the minimum (records
     without one count as qualifying); with none qualifying, among all of them."""

@@ -1,0 +1,100 @@
+"""Do trained actors do better on the images their policy was trained on? (ours; inference only,
+on the 1,000 ``sample1000`` pool images, never ``test``)
+
+    python benchmarks/seen_unseen.py --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
+        --data labels.csv --actors c3=RUN/selected st3=STUDENT ... --out seen_unseen.json
+
+PPO trains on the ``rollout`` split only (700 images, about 400 visits each over two 1,171-update
+stages of 256 images); ``qc`` and ``dev`` (300) are read by the label-free feedback checks and the
+selection, never by a gradient (``timm-dora distill`` imitates the teacher's decisions on
+``rollout`` and ``qc``). For each actor and each group of images (``rollout``, ``qc``, ``dev`` and
+``unseen`` = ``qc`` + ``dev``), paired against native on the same images: its agreement with
+native, its paired drop and its GFLOPs, and the agreement of the static every-block ``cls_sim``
+rule (the baseline of the ``test`` tables) at the same GFLOPs, interpolated over a sweep run on the
+same images. ``advantage_pp`` is the actor's agreement minus that static agreement; an actor that
+generalises has the same advantage on ``rollout`` as on ``unseen`` (``seen_minus_unseen_pp`` near
+0): images differ in difficulty from split to split, the advantage over a rule that learned nothing
+cancels that. Agreement moves in finer steps than the drop (every changed prediction counts).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Dict
+
+import torch
+
+from timm_dora.evaluate import build_method, environment, inference_device, load_model, write_json
+from tradeoff import _batches, _predict, _row, interpolate, rounded
+
+SPLITS = ("rollout", "qc", "dev")
+GROUPS = {"rollout": ("rollout",), "qc": ("qc",), "dev": ("dev",), "unseen": ("qc", "dev")}
+STATIC_K = (7, 9, 11, 13, 15, 17, 19)  # tokens removed at each of blocks 1-11: 2.02 to 1.26 GFLOPs on DeiT-Ti
+
+
+def every_block(k: int, depth: int) -> str:
+    return ",".join(f"{b}:{k}" for b in range(1, depth))
+
+
+def main(argv=None) -> Dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--weights", required=True, help="the backbone's .safetensors")
+    ap.add_argument("--data", required=True, help="labels CSV with the rollout, qc and dev splits")
+    ap.add_argument("--actors", nargs="+", required=True, metavar="NAME=FOLDER")
+    ap.add_argument("--static-k", type=int, nargs="+", default=list(STATIC_K),
+                    help="the static sweep: tokens removed at each block after the first")
+    ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=None, help="the first LIMIT images of each split (smoke tests)")
+    ap.add_argument("--img-size", type=int, default=None, help="build the model for this input size (smoke tests)")
+    ap.add_argument("--num-classes", type=int, default=None, help="classifier size (smoke tests)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    actors = dict(a.split("=", 1) for a in args.actors)
+    dev, dtype, _ = inference_device(args.device)
+    model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
+    depth = len(model.blocks)
+    batches = {s: _batches(model, args.data, [s], dev, dtype, args.batch, args.workers, args.limit) for s in SPLITS}
+    labels = {s: torch.cat([y for _, y in b]) for s, b in batches.items()}
+
+    def run(kind: str, **kw):  # per split: (predictions, per-image GFLOPs)
+        return {s: next(iter(_predict(build_method(model, kind, **kw), b).values())) for s, b in batches.items()}
+
+    def group(res, g):  # the rows of a group of splits, concatenated
+        return tuple(torch.cat([res[s][i] for s in GROUPS[g]]) for i in (0, 1))
+
+    native = run("native")
+    nat_g = float(native["rollout"][1].mean())
+    static = {k: run("static", schedule=every_block(k, depth), rule="cls_sim") for k in args.static_k}
+    res: Dict[str, Any] = {"static": {}, "actors": {}}
+    sweep = {}
+    for g in GROUPS:
+        nat_p, y = group(native, g)[0], torch.cat([labels[s] for s in GROUPS[g]])
+        rows = {k: _row(*group(static[k], g), nat_p, y, nat_g) for k in args.static_k}
+        res["static"][g] = [{"schedule": every_block(k, depth), **r} for k, r in rows.items()]
+        sweep[g] = [(r["gflops"], r["agreement"]) for r in rows.values()]
+    for name, folder in actors.items():
+        out = run("dora", actor=folder)
+        per: Dict[str, Any] = {"actor": folder}
+        for g in GROUPS:
+            nat_p, y = group(native, g)[0], torch.cat([labels[s] for s in GROUPS[g]])
+            row = _row(*group(out, g), nat_p, y, nat_g)
+            at = interpolate(sweep[g], row["gflops"])
+            per[g] = {**row, "n_images": int(y.numel()), "static_agreement": at,
+                      "advantage_pp": None if at is None else row["agreement"] - at}
+        a, b = per["rollout"]["advantage_pp"], per["unseen"]["advantage_pp"]
+        per["seen_minus_unseen_pp"] = None if a is None or b is None else a - b
+        res["actors"][name] = per
+        print(f"{name}: advantage over static {a if a is None else round(a, 2)} pp (rollout), "
+              f"{b if b is None else round(b, 2)} pp (qc + dev) at {per['unseen']['gflops']:.3f} GFLOPs", flush=True)
+    cmd = " ".join(["python benchmarks/seen_unseen.py"] + (argv if argv is not None else sys.argv[1:]))
+    res = {**environment(dev, cmd), "model": args.model, "dtype": str(dtype).replace("torch.", ""),
+           "n_images": {s: int(labels[s].numel()) for s in SPLITS}, "native_gflops": nat_g, **res}
+    write_json(args.out, rounded(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
