@@ -67,22 +67,21 @@ def main(argv=None) -> Dict[str, Any]:
 
     native = run("native")
     nat_g = float(native["rollout"][1].mean())
+    ref = {g: (group(native, g)[0], torch.cat([labels[s] for s in GROUPS[g]])) for g in GROUPS}  # native's top-1, labels
     static = {k: run("static", schedule=every_block(k, depth), rule="cls_sim") for k in args.static_k}
     res: Dict[str, Any] = {"static": {}, "actors": {}}
     sweep = {}
     for g in GROUPS:
-        nat_p, y = group(native, g)[0], torch.cat([labels[s] for s in GROUPS[g]])
-        rows = {k: _row(*group(static[k], g), nat_p, y, nat_g) for k in args.static_k}
+        rows = {k: _row(*group(static[k], g), *ref[g], nat_g) for k in args.static_k}
         res["static"][g] = [{"schedule": every_block(k, depth), **r} for k, r in rows.items()]
         sweep[g] = [(r["gflops"], r["agreement"]) for r in rows.values()]
     for name, folder in actors.items():
         out = run("dora", actor=folder)
         per: Dict[str, Any] = {"actor": folder}
         for g in GROUPS:
-            nat_p, y = group(native, g)[0], torch.cat([labels[s] for s in GROUPS[g]])
-            row = _row(*group(out, g), nat_p, y, nat_g)
+            row = _row(*group(out, g), *ref[g], nat_g)
             at = interpolate(sweep[g], row["gflops"])
-            per[g] = {**row, "n_images": int(y.numel()), "static_agreement": at,
+            per[g] = {**row, "n_images": int(ref[g][1].numel()), "static_agreement": at,
                       "advantage_pp": None if at is None else row["agreement"] - at}
         a, b = per["rollout"]["advantage_pp"], per["unseen"]["advantage_pp"]
         per["seen_minus_unseen_pp"] = None if a is None or b is None else a - b
