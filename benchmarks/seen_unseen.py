@@ -19,6 +19,7 @@ cancels that. Agreement moves in finer steps than the drop (every changed predic
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from typing import Any, Dict
 
@@ -56,18 +57,22 @@ def main(argv=None) -> Dict[str, Any]:
     dev, dtype, _ = inference_device(args.device)
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
     depth = len(model.blocks)
-    batches = {s: _batches(model, args.data, [s], dev, dtype, args.batch, args.workers, args.limit) for s in SPLITS}
-    labels = {s: torch.cat([y for _, y in b]) for s, b in batches.items()}
+    per_split = {s: _batches(model, args.data, [s], dev, dtype, args.batch, args.workers, args.limit) for s in SPLITS}
+    batches = [b for s in SPLITS for b in per_split[s]]  # one pass of each method over all splits
+    n_images = {s: sum(len(y) for _, y in per_split[s]) for s in SPLITS}
+    starts = dict(zip(SPLITS, [0, *itertools.accumulate(n_images[s] for s in SPLITS)]))
+    rows_of = {g: torch.cat([torch.arange(starts[s], starts[s] + n_images[s]) for s in GROUPS[g]]) for g in GROUPS}
+    labels = torch.cat([y for _, y in batches])
 
-    def run(kind: str, **kw):  # per split: (predictions, per-image GFLOPs)
-        return {s: next(iter(_predict(build_method(model, kind, **kw), b).values())) for s, b in batches.items()}
+    def run(kind: str, **kw):  # (predictions, per-image GFLOPs) over all splits
+        return next(iter(_predict(build_method(model, kind, **kw), batches).values()))
 
-    def group(res, g):  # the rows of a group of splits, concatenated
-        return tuple(torch.cat([res[s][i] for s in GROUPS[g]]) for i in (0, 1))
+    def group(res, g):  # the rows of a group of splits
+        return tuple(t[rows_of[g].to(t.device)] for t in res)
 
     native = run("native")
-    nat_g = float(native["rollout"][1].mean())
-    ref = {g: (group(native, g)[0], torch.cat([labels[s] for s in GROUPS[g]])) for g in GROUPS}  # native's top-1, labels
+    nat_g = float(native[1].mean())
+    ref = {g: (group(native, g)[0], labels[rows_of[g].to(labels.device)]) for g in GROUPS}  # native's top-1, labels
     static = {k: run("static", schedule=every_block(k, depth), rule="cls_sim") for k in args.static_k}
     res: Dict[str, Any] = {"static": {}, "actors": {}}
     sweep = {}
@@ -90,7 +95,7 @@ def main(argv=None) -> Dict[str, Any]:
               f"{b if b is None else round(b, 2)} pp (qc + dev) at {per['unseen']['gflops']:.3f} GFLOPs", flush=True)
     cmd = " ".join(["python benchmarks/seen_unseen.py"] + (argv if argv is not None else sys.argv[1:]))
     res = {**environment(dev, cmd), "model": args.model, "dtype": str(dtype).replace("torch.", ""),
-           "n_images": {s: int(labels[s].numel()) for s in SPLITS}, "native_gflops": nat_g, **res}
+           "n_images": n_images, "native_gflops": nat_g, **res}
     write_json(args.out, rounded(res))
     return res
 
