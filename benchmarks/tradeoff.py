@@ -26,7 +26,9 @@ in GFLOPs (``vs_tome_nearest``). The static
 sweep covers reductions of ``--static-reductions`` (percent of native GFLOPs) for each block family
 of ``--static-blocks`` with the ``cls_sim`` rule; ``static_at_dora`` is the static drop linearly
 interpolated at DORA's GFLOPs. The top-level tables are the plain models; ``skip_dead`` holds the
-same tables with the last block's MLP on the CLS row only (identical logits, fewer GFLOPs).
+same tables with the last block's MLP on the CLS row only (identical logits, fewer GFLOPs). Every
+DORA row runs on the executor ``timm_dora.wrap`` picks by default (``dora_cuda_graphs``: ``None``,
+captured wherever it can be).
 
 bf16 on CUDA, fp32 on the CPU.
 """
@@ -46,6 +48,12 @@ from timm_dora.evaluate.baselines.static import schedule_for_reduction
 from timm_dora.train.selection import CheckpointRecord, select_checkpoint
 
 MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+# every DORA row (seeds, the published seed beside its random selector, checkpoints) runs as
+# timm_dora.wrap(model) does by default: captured on CUDA wherever it can be (eager on the CPU and
+# with skip_dead). The eager and captured executors run different kernels, so in bf16 a few near-tie
+# decisions differ between them (a DeiT-Ti actor's `test` drop read 1.08 pp captured, 0.92 eager):
+# one executor for all rows keeps the seeds comparable.
+CUDA_GRAPHS = None
 
 
 def _batches(model, data: str, splits: Sequence[str], dev, dtype, batch: int, workers: int,
@@ -164,7 +172,7 @@ def _table(model, batches, labels, args, actors: Dict[str, str], published: str,
     seeds, by_seed, seed_preds = [], {}, {}
     for seed, path in actors.items():
         rows = _predict(build_method(model, "random" if seed == published else "dora", actor=path, seed=args.random_seed,
-                                     skip_dead=skip_dead), batches)
+                                     cuda_graphs=CUDA_GRAPHS, skip_dead=skip_dead), batches)
         by_seed[seed], seed_preds[seed] = row(*rows["dora"], spread=True), rows["dora"][0]
         seeds.append({"seed": int(seed), "actor": path, **by_seed[seed]})
         if seed == published:
@@ -210,7 +218,7 @@ def _table(model, batches, labels, args, actors: Dict[str, str], published: str,
 
     t["checkpoints"] = []
     for path in checkpoints:
-        p, g = _predict(build_method(model, "dora", actor=path, skip_dead=skip_dead), batches)["dora"]
+        p, g = _predict(build_method(model, "dora", actor=path, cuda_graphs=CUDA_GRAPHS, skip_dead=skip_dead), batches)["dora"]
         t["checkpoints"].append({"actor": path, **row(p, g)})
     return t
 
@@ -278,7 +286,7 @@ def main(argv=None) -> dict:
     cmd = " ".join(["python benchmarks/tradeoff.py"] + (argv if argv is not None else sys.argv[1:]))
     res: Dict[str, Any] = {**environment(dev, cmd), "model": args.model, "split": args.split,
                            "n_images": int(labels.numel()), "dtype": str(dtype).replace("torch.", ""),
-                           "published_seed": published_seed}
+                           "dora_cuda_graphs": CUDA_GRAPHS, "published_seed": published_seed}
     res.update(_table(model, batches, labels, args, actors, published, False, args.checkpoints))
     res["targets"] = _targets(res, args.min_reduction)
     res["skip_dead"] = _table(model, batches, labels, args, actors, published, True, [])

@@ -289,7 +289,7 @@ def test_tradeoff_rounds_records_to_six_significant_digits():
     assert tradeoff.rounded(rec) == {"a": 79.8462, "b": [0.00123457, 3, "x", [1.0, 2.5e-12]], "c": {"d": 123457000.0, "e": True}}
 
 
-def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
+def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path, monkeypatch):
     """benchmarks/tradeoff.py on a tiny random backbone (CPU): the seed published is the dev rule's
     (never the test split's), every row is paired against the same native predictions, GFLOPs are
     the accounting's own, and the skip_dead tables change GFLOPs only."""
@@ -309,12 +309,21 @@ def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path):
         Actor.for_model(model).save_pretrained(tmp_path / f"s{seed}", backbone=model, extra={
             "dev_top1": top1, "dev_native_top1": native, "dev_gflops": gfl})
         actors.append(f"{seed}={tmp_path / f's{seed}'}")
+    built, build = [], tradeoff.build_method  # every DORA method's executor option: one for all rows
+
+    def recording_build(model, method, **kw):
+        if method in ("dora", "random"):
+            built.append((method, kw["cuda_graphs"]))
+        return build(model, method, **kw)
+
+    monkeypatch.setattr(tradeoff, "build_method", recording_build)
     res = tradeoff.main(["--model", name, "--weights", str(tmp_path / "w.safetensors"), "--img-size", "64",
                          "--num-classes", "5", "--data", str(tmp_path / "labels.csv"), "--device", "cpu", "--workers", "0",
                          "--batch", "5", "--seed-actors", *actors, "--checkpoints", str(tmp_path / "s2"),
                          "--static-blocks", "3,6,9", "--static-reductions", "20", "40", "--tome-r", "1", "2",
                          "--out", str(tmp_path / "t.json")])
     assert res["published_seed"]["seed"] == 1 and res["dora"]["seed"] == 1
+    assert sorted(built) == [("dora", None)] * 5 + [("random", None)] * 2 and res["dora_cuda_graphs"] is None
     assert res["n_images"] == 12 and json.loads((tmp_path / "t.json").read_text())["dora"]["seed"] == 1
     assert res["native"]["gflops"] == pytest.approx(native_gflops(model), rel=1e-12)
     assert res["skip_dead"]["native"]["gflops"] == pytest.approx(native_gflops(model, skip_dead=True), rel=1e-12)

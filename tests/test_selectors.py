@@ -149,3 +149,31 @@ def test_recorded_run_is_checked():
         SimilaritySelector(bad, torch.zeros(2, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match="model="):
         AttentionWPRSelector(bad)
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_selector_substitution_runs_dora_on_the_executor_asked_for(cuda_graphs):
+    """``build_method(..., cuda_graphs=...)`` reaches the substitution's DORA run as it reaches the
+    ``dora`` method's, so their DORA rows come from the same executor (on the CPU ``True`` runs the
+    captured executor's segments uncaptured): a table never mixes the two."""
+    from timm_dora.evaluate import build_method
+
+    from helpers import kind_actor
+
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    x = images(model, 3)
+    actor = kind_actor(model, "forced")
+    rows, executors = {}, {}
+    for method in ("dora", "random"):
+        m = build_method(model, method, actor=actor, cuda_graphs=cuda_graphs)
+        try:
+            with torch.inference_mode():
+                rows[method] = m.outputs(x)["dora"]
+            executors[method] = timm_dora.engine_info(model)["executor"]
+        finally:
+            m.close()
+    expected = "captured" if cuda_graphs else "eager"
+    assert executors == {"dora": expected, "random": expected}
+    assert torch.equal(rows["dora"].logits, rows["random"].logits)
+    assert torch.equal(rows["dora"].removed, rows["random"].removed)

@@ -221,11 +221,15 @@ def build_method(
     seed: int = 0,
     wpr_iters: int = 30,
     attn_backend: str = "auto",
-    cuda_graphs: bool = False,
+    cuda_graphs: Optional[bool] = False,
     skip_dead: bool = False,
 ) -> Method:
     """A :class:`Method` by name (see :data:`METHODS`). ``skip_dead``: every method leaves out the
-    last block's MLP on the tokens a CLS-token readout never reads (and counts what runs)."""
+    last block's MLP on the tokens a CLS-token readout never reads (and counts what runs).
+    ``cuda_graphs``: how ``dora`` and the selector substitutions run DORA (``wrap``'s option: ``False``
+    eager, ``None`` captured wherever it can be, as ``timm_dora.wrap`` does by default). The two
+    executors run different kernels, so in bf16 a few near-tie decisions can differ between them:
+    rows to be compared must use the same one."""
     if method == "native":
         return NativeMethod(model, skip_dead)
     if method == "dora":
@@ -238,5 +242,5 @@ def build_method(
         return StaticMethod(model, schedule, rule, skip_dead)
     if method in ("random", "similarity", "attention-wpr"):
         return SelectorMethod(model, method, actor, seed=seed, wpr_iters=wpr_iters, attn_backend=attn_backend,
-                              skip_dead=skip_dead)
+                              cuda_graphs=cuda_graphs, skip_dead=skip_dead)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
