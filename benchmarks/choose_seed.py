@@ -30,7 +30,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from timm_dora.evaluate import build_method, environment, inference_device, load_model, write_json
-from tradeoff import _batches, _predict, _row, native_row, rounded
+from tradeoff import CUDA_GRAPHS, _batches, _predict, _row, native_row, rounded
 
 RULE = ("lowest paired drop on the pool among the seeds with the per-image spread and the GFLOPs reduction; "
         "else the largest reduction among those with the spread (violates)")
@@ -72,7 +72,8 @@ def main(argv=None) -> Dict[str, Any]:
     batches = _batches(model, args.data, args.splits, dev, dtype, args.batch, args.workers)
     labels = torch.cat([y for _, y in batches])
     nat_p, native = native_row(model, batches, labels)
-    rows = {s: _row(*_predict(build_method(model, "dora", actor=p), batches)["dora"], nat_p, labels, native["gflops"], spread=True)
+    rows = {s: _row(*_predict(build_method(model, "dora", actor=p, cuda_graphs=CUDA_GRAPHS), batches)["dora"], nat_p, labels,
+                    native["gflops"], spread=True)
             for s, p in actors.items()}
     seed, violates = choose(rows, args.min_reduction, args.min_spread)
     cmd = " ".join(["python benchmarks/choose_seed.py"] + (argv if argv is not None else sys.argv[1:]))

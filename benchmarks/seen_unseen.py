@@ -4,8 +4,8 @@ on the 1,000 ``sample1000`` pool images, never ``test``)
     python benchmarks/seen_unseen.py --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
         --data labels.csv --actors c3=RUN/selected st3=STUDENT ... --out seen_unseen.json
 
-PPO trains on the ``rollout`` split only (700 images, about 400 visits each over two 1,171-update
-stages of 256 images); ``qc`` and ``dev`` (300) are read by the label-free feedback checks and the
+PPO trains on the ``rollout`` split only (700 images, about 430 visits each in a 1,171-update stage
+of 256 images, 860 over two stages); ``qc`` and ``dev`` (300) are read by the label-free feedback checks and the
 selection, never by a gradient (``timm-dora distill`` imitates the teacher's decisions on
 ``rollout`` and ``qc``). For each actor and each group of images (``rollout``, ``qc``, ``dev`` and
 ``unseen`` = ``qc`` + ``dev``), paired against native on the same images: its agreement with
@@ -26,7 +26,7 @@ from typing import Any, Dict
 import torch
 
 from timm_dora.evaluate import build_method, environment, inference_device, load_model, write_json
-from tradeoff import _batches, _predict, _row, interpolate, rounded
+from tradeoff import CUDA_GRAPHS, _batches, _predict, _row, interpolate, rounded
 
 SPLITS = ("rollout", "qc", "dev")
 GROUPS = {"rollout": ("rollout",), "qc": ("qc",), "dev": ("dev",), "unseen": ("qc", "dev")}
@@ -81,7 +81,7 @@ def main(argv=None) -> Dict[str, Any]:
         res["static"][g] = [{"schedule": every_block(k, depth), **r} for k, r in rows.items()]
         sweep[g] = [(r["gflops"], r["agreement"]) for r in rows.values()]
     for name, folder in actors.items():
-        out = run("dora", actor=folder)
+        out = run("dora", actor=folder, cuda_graphs=CUDA_GRAPHS)  # the test tables' executor
         per: Dict[str, Any] = {"actor": folder}
         for g in GROUPS:
             row = _row(*group(out, g), *ref[g], nat_g)

@@ -52,7 +52,7 @@ MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 # timm_dora.wrap(model) does by default: captured on CUDA wherever it can be (eager on the CPU and
 # with skip_dead). The eager and captured executors run different kernels, so in bf16 a few near-tie
 # decisions differ between them (a DeiT-Ti actor's `test` drop read 1.08 pp captured, 0.92 eager):
-# one executor for all rows keeps the seeds comparable.
+# one executor for all rows keeps the seeds comparable (choose_seed.py and seen_unseen.py use it too).
 CUDA_GRAPHS = None
 
 
