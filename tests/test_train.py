@@ -490,6 +490,28 @@ def test_label_free_feedback_reads_every_split(data, tmp_path, capsys):
     assert "--qc-with-dev reads the dev images" in capsys.readouterr().err
 
 
+def test_rollouts_with_the_check_images(data, tmp_path, capsys):
+    """``--rollout-with-checks``: the rollout pool is the 10 rollout images, then the 4 qc and the 4
+    dev images (their files and labels in that order), the checks and dev split stay as they were,
+    and a run trains on it; with the paper's labelled feedback it is refused in one line."""
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    base = ARGS + ["--data", str(data), "--qc-shards", "1", "--feedback-signal", "disagreement"]
+    plain = Trainer(config_from_args(build_parser().parse_args(base + ["--out", str(tmp_path / "p")])))
+    trainer = Trainer(config_from_args(build_parser().parse_args(base + ["--out", str(tmp_path / "t"), "--rollout-with-checks"])))
+    rows = [line.split(",") for line in data.read_text().splitlines()[1:]]
+    order = [r for s in ("rollout", "qc", "dev") for r in rows if r[4] == s]
+    assert [os.path.basename(p) for p in trainer.rollout_set.paths] == [r[0] for r in order]
+    assert trainer.rollout_set.labels == [int(r[1]) for r in order]
+    assert len(plain.rollout_set) == 10 and trainer.sampler.n == 18
+    assert torch.equal(trainer.qc_x, plain.qc_x) and torch.equal(trainer.dev_x, plain.dev_x)
+    out = tmp_path / "run"
+    assert main(base + ["--out", str(out), "--rollout-with-checks", "--updates", "2"]) == 0
+    assert json.loads((out / "config.json").read_text())["rollout_with_checks"] is True
+    assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--rollout-with-checks"]) == 1
+    assert "--rollout-with-checks trains on the qc images" in capsys.readouterr().err
+
+
 def test_actor_width_sizes_the_trained_actor(data, tmp_path, capsys):
     """``--actor-width 32``: the trained actor has a 32-wide encoder with 1 head, FFN 64 and a
     32 -> 16 -> 1 selector (encoder_sizes), saves that config, loads and runs on the backbone, and its

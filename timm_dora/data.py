@@ -32,7 +32,7 @@ from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
 __all__ = ["ImageFolderDataset", "LabelsCSVDataset", "check_disjoint", "data_config", "eval_transform", "fixed_shards",
-           "open_split", "preload", "worker_count"]
+           "joined", "open_split", "preload", "worker_count"]
 
 PathLike = Union[str, os.PathLike]
 CSV_REQUIRED_COLUMNS = ("path", "label", "split")  # ``synset`` and ``set`` are optional
@@ -263,6 +263,12 @@ class ImageFolderDataset(_ImageList):
         self.root = str(root.resolve())
         self.classes = classes
         self.class_to_idx = class_to_idx
+
+
+def joined(datasets: Sequence[_ImageList], transform: Optional[Callable] = None) -> _ImageList:
+    """One dataset of every image of ``datasets``, in their order, with their labels, read through
+    ``transform`` (e.g. a training pool made of several splits)."""
+    return _ImageList([p for ds in datasets for p in ds.paths], [y for ds in datasets for y in ds.labels], transform)
 
 
 def open_split(

@@ -68,6 +68,7 @@ class TrainConfig:
     qc_shards: Optional[int] = None  # round-robin QC shards of the feedback checks (paper: 8)
     qc_with_rollout: Optional[bool] = None  # ours: the feedback checks read the rollout pool's images too (eval preprocessing)
     qc_with_dev: Optional[bool] = None  # ours: with --feedback-signal disagreement (label-free), the checks read the dev images too
+    rollout_with_checks: bool = False  # ours: the rollouts draw from the qc and dev images too (rewards read no labels); only with --feedback-signal disagreement; the dev selection then reads images the actor trained on
     feedback_ema: float = 0.0  # ours: weight of the past in a moving average of the checks' drops (0: the paper's rule)
     feedback_signal: Optional[str] = None  # "drop" (paper: paired top-1 drop on the QC labels) or "disagreement" (ours: share of QC images whose top-1 differs from native's, label-free)
     target_disagreement: Optional[float] = None  # ours: the disagreement the feedback holds with --feedback-signal disagreement (its error is normalised by target_disagreement / target_drop x 0.01)
@@ -131,6 +132,9 @@ class TrainConfig:
         if self.qc_with_dev and self.feedback_signal not in (None, "disagreement"):
             raise ValueError("--qc-with-dev reads the dev images at every feedback check: only with --feedback-signal "
                              "disagreement, which reads no labels, so that the dev labels stay for the selection alone")
+        if self.rollout_with_checks and self.feedback_signal not in (None, "disagreement"):
+            raise ValueError("--rollout-with-checks trains on the qc images: only with --feedback-signal disagreement, "
+                             "whose checks read no labels (the paper's drop signal reads the qc labels)")
         if self.data_workers is not None and self.data_workers < 0:
             raise ValueError(f"--data-workers must be 0 or more, got {self.data_workers}")
         return self
