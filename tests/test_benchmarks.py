@@ -374,6 +374,9 @@ def test_choose_seed_rule_by_hand():
     assert choose_seed.choose({"a": row(0.1, 30.0, 1.0), "b": row(0.5, 31.0, 2.0)}, 35.0, 5.0) == ("b", True)
     with pytest.raises(ValueError, match="no seeds"):
         choose_seed.choose({}, 35.0, 5.0)
+    # the incumbent is replaced only by a choice within the rule that drops no more on the same images
+    assert choose_seed.replaces(False, 0.0) and choose_seed.replaces(False, -0.5)
+    assert not choose_seed.replaces(False, 0.1) and not choose_seed.replaces(True, -1.0)
 
 
 def test_choose_seed_script_chooses_on_the_pool_and_tradeoff_publishes_its_choice(tmp_path):
@@ -402,7 +405,14 @@ def test_choose_seed_script_chooses_on_the_pool_and_tradeoff_publishes_its_choic
     for s in rec["seeds"]:
         assert s["drop_pp"] == pytest.approx(rec["native"]["top1"] - s["top1"], abs=1e-9)
     best = min(rec["seeds"], key=lambda s: (s["drop_pp"], s["gflops"]))
-    assert rec["chosen"] == {"seed": best["seed"], "violates": False}
+    assert rec["chosen"] == {"seed": best["seed"], "violates": False} and "incumbent" not in rec
+    worst = max(rec["seeds"], key=lambda s: (s["drop_pp"], s["gflops"]))
+    for inc in (best, worst):  # the incumbent on the same images: its own row, the paired gap, the verdict
+        r = choose_seed.main([*common, "--splits", "rollout", "dev", "--seed-actors", *actors, "--min-reduction", "0",
+                              "--min-spread", "0", "--incumbent", inc["actor"]])["incumbent"]
+        assert {k: r[k] for k in ("top1", "drop_pp", "gflops")} == {k: inc[k] for k in ("top1", "drop_pp", "gflops")}
+        assert r["gap"]["drop_gap_pp"] == pytest.approx(best["drop_pp"] - inc["drop_pp"], abs=1e-9)
+        assert r["replace"] == (r["gap"]["drop_gap_pp"] <= 0.0)
     res = tradeoff.main([*common, "--seed-actors", *actors, "--choice", str(tmp_path / "c.json"), "--static-blocks", "3,6,9",
                          "--static-reductions", "20", "--tome-r", "1", "1"])
     assert res["dora"]["seed"] == best["seed"] and res["published_seed"]["choice"] == str(tmp_path / "c.json")
