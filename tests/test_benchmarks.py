@@ -282,6 +282,44 @@ def _tiny_backbone_and_images(tmp_path, splits):
     return model
 
 
+def test_average_checkpoints_saves_the_mean_of_the_weights(tmp_path):
+    """benchmarks/average_checkpoints.py: the saved actor's every tensor is the element-wise mean of
+    the inputs' (three random actors of one configuration), it loads and runs, its record names the
+    folders; actors of another width, or a single actor, are refused in one line."""
+    import average_checkpoints
+    import torch
+
+    from timm_dora import Actor
+    from timm_dora.evaluate import load_model
+    from timm_dora.hub import load_pretrained
+    from timm_dora.policy.actor import encoder_sizes
+
+    model = load_model("deit_tiny_patch16_224", random_weights=True, img_size=64, num_classes=5)
+    folders = []
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        Actor.for_model(model, **encoder_sizes(32)).save_pretrained(tmp_path / f"u{seed}", backbone=model,
+                                                                     extra={"update": seed})
+        folders.append(str(tmp_path / f"u{seed}"))
+    record = average_checkpoints.main([*folders, "--out", str(tmp_path / "avg")])
+    assert record == {"update": 2, "weight_average_of": folders}
+    avg, cfg = load_pretrained(tmp_path / "avg")
+    inputs = [load_pretrained(f)[0].state_dict() for f in folders]
+    for k, v in avg.state_dict().items():
+        torch.testing.assert_close(v, (inputs[0][k] + inputs[1][k] + inputs[2][k]) / 3, rtol=0, atol=1e-6)
+    assert cfg["training"]["weight_average_of"] == folders and cfg["actor"] == load_pretrained(folders[0])[1]["actor"]
+    import timm_dora
+    timm_dora.wrap(model.eval(), avg, cuda_graphs=False)
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 64, 64)).shape == (2, 5) and model.dora_stats.gflops.shape == (2,)
+    torch.manual_seed(3)
+    Actor.for_model(model, **encoder_sizes(64)).save_pretrained(tmp_path / "w64", backbone=model)
+    with pytest.raises(ValueError, match="differs from .* in its 'actor' configuration"):
+        average_checkpoints.main([folders[0], str(tmp_path / "w64"), "--out", str(tmp_path / "bad")])
+    with pytest.raises(ValueError, match="at least two actors"):
+        average_checkpoints.main([folders[0], "--out", str(tmp_path / "bad")])
+
+
 def test_tradeoff_rounds_records_to_six_significant_digits():
     import tradeoff
 
