@@ -97,9 +97,7 @@ class Trainer(Checkpoints):
         self.num_patches, self.depth = model.patch_embed.num_patches, len(model.blocks)
 
         # data: the backbone's own preprocessing (App. E.1); splits must be disjoint
-        ev = D.eval_transform(model)
-        cfg.augment = P.augment_level(cfg.augment)
-        self.patch = model.patch_embed.patch_size[0]
+        ev, cfg.augment, self.patch = D.eval_transform(model), P.augment_level(cfg.augment), model.patch_embed.patch_size[0]
         tr = P.train_transform(model, cfg.augment)
         self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
         qc_set = D.open_split(cfg.qc_data or cfg.data, cfg.qc_split, ev)
