@@ -78,6 +78,21 @@ def test_actor_flops_equal_hand_count_and_flop_counter():
     assert_counter_agrees(fc, gate + shared, 0)
 
 
+def test_controller_terms_under_compile_do_not_touch_the_weak_cache():
+    """The controller's MAC terms by hand (width 128, as above); eagerly they are cached per actor,
+    under ``torch.compile`` read off the modules with the cache untouched (Dynamo guards on what it
+    reads, and a weak dictionary's length changes whenever the garbage collector runs)."""
+    from timm_dora.engine import flops
+
+    a = Actor(16, 4, 12)
+    by_hand = (16 * 128 + 128 * 3 * 128 + 128 * 128 + 128 * 256 + 256 * 128,
+               3 * 128 + (128 * 128 + 128 * 4) + 1 * 128, 128 * 64 + 64 * 1, 128)
+    before = len(flops._CONTROLLER_TERMS)
+    terms = torch.compile(lambda: torch.tensor(flops.controller_macs_terms(a)), backend="eager", fullgraph=True)()
+    assert tuple(terms.tolist()) == by_hand and len(flops._CONTROLLER_TERMS) == before and a not in flops._CONTROLLER_TERMS
+    assert flops.controller_macs_terms(a) == by_hand and flops._CONTROLLER_TERMS[a] == by_hand
+
+
 def test_map_head_and_other_input_sizes_by_hand():
     """A MAP (attention-pool) head: its latent query's projection, key/value projections of the
     tokens reaching it, attention, output projection and MLP; a dynamic_img_size model at 48 and

@@ -158,11 +158,19 @@ _CONTROLLER_TERMS: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, int, int, in
 def controller_macs_terms(actor) -> Tuple[int, int, int, int]:
     """``(per_token, fixed, selector, width)`` MACs of an actor's controller, read off its modules
     once: the terms of :func:`actor_controller_macs` (which the fused controller's budget kernel
-    evaluates on the GPU, :mod:`timm_dora.policy.actor_kernels`)."""
+    evaluates on the GPU, :mod:`timm_dora.policy.actor_kernels`). Under ``torch.compile`` they are
+    read off the modules without the cache: Dynamo would guard on the weak dictionary's length,
+    which the garbage collector changes at any time (a flaky "guard failed on the same frame")."""
+    if torch.compiler.is_compiling():
+        return _controller_terms(actor)
     terms = _CONTROLLER_TERMS.get(actor)
     if terms is None:
-        w = actor.width
-        per_token = actor.w_in.in_features * w + _linear_macs_per_row(actor.encoder)
-        fixed = actor.w_h.in_features * w + _linear_macs_per_row(actor.budget_head) + actor.w_k.in_features * w
-        terms = _CONTROLLER_TERMS[actor] = (per_token, fixed, _linear_macs_per_row(actor.selector), w)
+        terms = _CONTROLLER_TERMS[actor] = _controller_terms(actor)
     return terms
+
+
+def _controller_terms(actor) -> Tuple[int, int, int, int]:
+    w = actor.width
+    per_token = actor.w_in.in_features * w + _linear_macs_per_row(actor.encoder)
+    fixed = actor.w_h.in_features * w + _linear_macs_per_row(actor.budget_head) + actor.w_k.in_features * w
+    return per_token, fixed, _linear_macs_per_row(actor.selector), w
