@@ -87,14 +87,17 @@ def main(argv=None) -> Dict[str, Any]:
     batches = _batches(model, args.data, args.splits, dev, dtype, args.batch, args.workers)
     labels = torch.cat([y for _, y in batches])
     nat_p, native = native_row(model, batches, labels)
-    runs = {s: _predict(build_method(model, "dora", actor=p, cuda_graphs=CUDA_GRAPHS), batches)["dora"]
-            for s, p in ({**actors, "incumbent": args.incumbent} if args.incumbent else actors).items()}
+    def dora(folder: str):  # (predictions, per-image GFLOPs) of an actor over the pool
+        return _predict(build_method(model, "dora", actor=folder, cuda_graphs=CUDA_GRAPHS), batches)["dora"]
+
+    runs = {s: dora(p) for s, p in actors.items()}
     rows = {s: _row(*runs[s], nat_p, labels, native["gflops"], spread=True) for s in actors}
     seed, violates = choose(rows, args.min_reduction, args.min_spread)
     incumbent = None
     if args.incumbent:
-        gap = paired_gap(runs[seed][0], runs["incumbent"][0], labels)
-        incumbent = {"actor": args.incumbent, **_row(*runs["incumbent"], nat_p, labels, native["gflops"], spread=True),
+        inc = dora(args.incumbent)
+        gap = paired_gap(runs[seed][0], inc[0], labels)
+        incumbent = {"actor": args.incumbent, **_row(*inc, nat_p, labels, native["gflops"], spread=True),
                      "gap": gap, "replace": replaces(violates, gap["drop_gap_pp"])}
     cmd = " ".join(["python benchmarks/choose_seed.py"] + (argv if argv is not None else sys.argv[1:]))
     res = {**environment(dev, cmd), "model": args.model, "splits": args.splits, "n_images": int(labels.numel()),

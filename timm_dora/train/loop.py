@@ -102,10 +102,11 @@ class Trainer(Checkpoints):
         self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
         qc_set = D.open_split(cfg.qc_data or cfg.data, cfg.qc_split, ev)
         dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
-        D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})
-        if cfg.rollout_with_checks:  # (ours) label-free rollouts on every image: rollout, then qc, then dev
-            self.rollout_set = D.joined([self.rollout_set, qc_set, dev_set], tr)
-        self.cfg = cfg = cfg.resolved(len(self.rollout_set), actor_width(cfg.actor_width, cfg.init_actor, model)).check()
+        pool = [self.rollout_set, qc_set, dev_set] if cfg.rollout_with_checks else [self.rollout_set]  # (ours) all three
+        self.cfg = cfg = cfg.resolved(sum(map(len, pool)), actor_width(cfg.actor_width, cfg.init_actor, model)).check()
+        D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})  # (reads every file: after the flags)
+        if cfg.rollout_with_checks:
+            self.rollout_set = D.joined(pool, tr)
         self.rollout_pool = None if cfg.augment != "none" else D.preload(self.rollout_set, self.dev)
         self.augmented, self.prefetch = None, None
         if cfg.augment != "none":
