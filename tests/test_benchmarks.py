@@ -320,6 +320,49 @@ def test_average_checkpoints_saves_the_mean_of_the_weights(tmp_path):
         average_checkpoints.main([folders[0], "--out", str(tmp_path / "bad")])
 
 
+def test_static_init_imitates_the_static_schedule(tmp_path):
+    """benchmarks/static_init.py: its recording policy removes what the static baseline's cls_sim rule
+    removes (the same logits as ``static_forward``); the fitted actor's deterministic gate and budget
+    follow the schedule on held-out images; bad schedules and flags are refused in one line."""
+    import static_init
+    import torch
+
+    from timm_dora import Actor, run, wrap
+    from timm_dora.evaluate.baselines.static import static_forward
+    from timm_dora.hub import load_pretrained
+    from timm_dora.policy import NoPrune
+    from timm_dora.policy.actor import encoder_sizes
+
+    model = _tiny_backbone_and_images(tmp_path, ["rollout"] * 24 + ["qc"] * 8 + ["dev"] * 8)
+    x = torch.randn(3, 3, 64, 64)
+    schedule = {1: 2, 2: 2, 3: 2}
+    with torch.no_grad():
+        reference = static_forward(model, x, schedule, "cls_sim")
+        wrap(model, policy=NoPrune(), cuda_graphs=False)
+        actor = Actor.for_model(model, **encoder_sizes(32))
+        removed = torch.zeros(1, actor.depth, dtype=torch.long)
+        removed[0, list(schedule)] = 2
+        policy = static_init.ClsSimSchedule(removed.expand(3, -1), actor)
+        logits, stats = run(model, x, policy)
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+    assert stats.removed[:, 1:4].eq(2).all() and stats.removed[:, 4:].eq(0).all() and stats.removed[:, 0].eq(0).all()
+    assert len(policy.gate_rows["open"]) == actor.depth and torch.cat(policy.steps["k"]).eq(2).all()
+
+    common = ["--model", "deit_tiny_patch16_224", "--weights", str(tmp_path / "w.safetensors"), "--img-size", "64",
+              "--num-classes", "5", "--data", str(tmp_path / "labels.csv"), "--width", "32"]
+    record = static_init.main(common + ["--schedule", "1:2,2:2,3:2", "--epochs", "60", "--out", str(tmp_path / "init")])
+    assert record["dev"]["images"] == 8
+    assert record["dev"]["same_gate_pct"] == 100.0 and record["dev"]["same_budget_pct"] == 100.0
+    loaded, cfg = load_pretrained(tmp_path / "init")
+    assert cfg["training"]["static_init"]["schedule"] == "1:2,2:2,3:2" and loaded.width == 32
+    for bad, message in ((["--schedule", "1:2,2:4"], "every block must remove the same count"),
+                         (["--schedule", "1:3"], "3 tokens is not on the actor's budget grid"),
+                         (["--schedule", "1:2", "--open", "0.4"], "--open must lie in"),
+                         (["--schedule", "1:2", "--eval-split", "qc"], "is one of --splits")):
+        with pytest.raises(ValueError, match=message):
+            static_init.main(common + bad + ["--out", str(tmp_path / "bad")])
+
+
 def test_tradeoff_rounds_records_to_six_significant_digits():
     import tradeoff
 
