@@ -65,8 +65,7 @@ class ClsSimSchedule(RecordedSelector):
         self.gate_rows["cls_key"].append(ctx.keys[packed.starts].float())
         self.gate_rows["h"].append(self._history(ctx))
         self.gate_rows["block"].append(torch.full((b,), ctx.block, dtype=torch.long))
-        self.gate_rows["open"].append(self.gate[:, ctx.block].clone() if ctx.block < self.gate.shape[1]
-                                      else torch.zeros(b, dtype=torch.bool))
+        self.gate_rows["open"].append(self.gate[:, ctx.block].clone())  # (removed covers every block)
         return super().__call__(ctx)
 
     def scores(self, ctx, pad):
