@@ -357,6 +357,7 @@ def test_static_init_imitates_the_static_schedule(tmp_path):
     assert cfg["training"]["static_init"]["schedule"] == "1:2,2:2,3:2" and loaded.width == 32
     for bad, message in ((["--schedule", "1:2,2:4"], "every block must remove the same count"),
                          (["--schedule", "1:3"], "3 tokens is not on the actor's budget grid"),
+                         (["--schedule", "12:2"], r"a block outside 0\.\.11"),
                          (["--schedule", "1:2", "--open", "0.4"], "--open must lie in"),
                          (["--schedule", "1:2", "--eval-split", "qc"], "is one of --splits")):
         with pytest.raises(ValueError, match=message):
