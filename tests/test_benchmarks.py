@@ -364,6 +364,29 @@ def test_static_init_imitates_the_static_schedule(tmp_path):
             static_init.main(common + bad + ["--out", str(tmp_path / "bad")])
 
 
+def test_merge_or_prune_pairs_three_forms_of_tome_at_equal_gflops(tmp_path):
+    """benchmarks/merge_or_prune.py on a tiny random backbone: r = 0 is native in every form, each r's
+    three rows cost the same GFLOPs (tome_gflops) and are paired on the same images; the test split
+    is refused in one line."""
+    import merge_or_prune
+
+    from timm_dora.evaluate.baselines import tome_gflops
+
+    model = _tiny_backbone_and_images(tmp_path, ["rollout"] * 6 + ["qc"] * 3 + ["dev"] * 3)
+    common = ["--model", "deit_tiny_patch16_224", "--weights", str(tmp_path / "w.safetensors"), "--img-size", "64",
+              "--num-classes", "5", "--data", str(tmp_path / "labels.csv")]
+    res = merge_or_prune.main(common + ["--r", "0", "3", "--out", str(tmp_path / "mop.json")])
+    assert res["images"] == 12 and [(row["r"], row["mode"]) for row in res["rows"]] == [
+        (r, m) for r in (0, 3) for m in ("merge", "merge_no_prop", "prune")]
+    for row in res["rows"]:
+        assert row["gflops"] == round(tome_gflops(model, row["r"]).gflops, 4)
+        if row["r"] == 0:
+            assert row["agreement"] == 100.0 and row["drop_pp"] == 0.0
+    assert json.loads((tmp_path / "mop.json").read_text())["rows"] == res["rows"]
+    with pytest.raises(ValueError, match="never reads the test split"):
+        merge_or_prune.main(common + ["--splits", "dev", "test", "--r", "1", "--out", str(tmp_path / "bad.json")])
+
+
 def test_tradeoff_rounds_records_to_six_significant_digits():
     import tradeoff
 

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import timm_dora
 from timm_dora.evaluate.baselines import (
     ToMe,
+    bipartite_prune,
     bipartite_soft_matching,
     proportional_attention,
     static_forward,
@@ -62,6 +63,14 @@ def test_bipartite_two_sources_into_one_destination():
     assert sy[0].tolist() == [1.0, 4.0, 3.0]
 
 
+def test_bipartite_prune_deletes_the_matched_tokens_hand_worked():
+    # the same edges as test_bipartite_matching_hand_worked: v0 -> v1 (.995), v2 -> v3 (.707)
+    x, m, _ = _five_tokens([0.0, 1.0])
+    assert torch.equal(bipartite_prune(x, m, 1, num_prefix=1)[0], x[0, [0, 3, 2, 4]])  # v0 gone; v1 unchanged
+    assert torch.equal(bipartite_prune(x, m, 2, num_prefix=1)[0], x[0, [0, 2, 4]])  # v0, v2 gone
+    assert torch.equal(bipartite_prune(x, m, 0, num_prefix=1), x)
+
+
 def test_cls_and_prefix_tokens_never_merge():
     # a CLS identical to every visual token still stays, and is never a destination
     x = torch.randn(1, 7, 4)
@@ -105,8 +114,9 @@ def test_r0_equals_native(family):
         assert (static_forward(model, x, {}) - ref).abs().max() <= 1e-5
 
 
-def _reference_tome(model, img, r_list):
-    """One image, python-loop matching and timm's own Attention with a float attn_mask."""
+def _reference_tome(model, img, r_list, prune=False):
+    """One image, python-loop matching and timm's own Attention with a float attn_mask; ``prune``:
+    the matched A tokens are dropped and the B tokens left as they are."""
     p = model.num_prefix_tokens
     x = embed(model, img)
     size = [1.0] * x.shape[1]
@@ -131,7 +141,7 @@ def _reference_tome(model, img, r_list):
                 rows.append(x[0, t])
                 sizes.append(size[t])
             for j in B:
-                group = [j] + [i for i, d in merged.items() if d == j]
+                group = [j] + ([] if prune else [i for i, d in merged.items() if d == j])
                 s = sum(size[t] for t in group)
                 rows.append(sum(size[t] * x[0, t] for t in group) / s)
                 sizes.append(s)
@@ -151,6 +161,21 @@ def test_tome_matches_per_image_reference(family, r):
         for i in range(3):
             ref = _reference_tome(model, x[i:i + 1], eff)
             assert (out[i] - ref[0]).abs().max() < 1e-4, i
+
+
+@pytest.mark.parametrize("family,r", [("deit", 3), ("dinov2_registers", [2, 0, 3, 1, 0, 0, 2, 0, 0, 1, 0, 0])])
+def test_tome_prune_matches_per_image_reference(family, r):
+    name, kw = SMALL_FAMILIES[family]
+    model = make_model(name, **kw)
+    x = images(model, 3)
+    eff, _ = tome_schedule(model, r)
+    with torch.no_grad():
+        out = ToMe(model, r, prune=True)(x)
+        assert not torch.allclose(out, tome_forward(model, x, r), atol=1e-3)  # not the merge
+        for i in range(3):
+            ref = _reference_tome(model, x[i:i + 1], eff, prune=True)
+            assert (out[i] - ref[0]).abs().max() < 1e-4, i
+    assert ToMe(model, 3, prune=True).name == "tome-prune(r=3)"
 
 
 def test_schedule_caps_at_half_the_visual_tokens():

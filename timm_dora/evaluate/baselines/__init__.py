@@ -12,7 +12,7 @@ Every baseline reports GFLOPs per image under the same App. E.4 accounting as DO
 """
 from .selectors import SELECTORS, AttentionWPRSelector, RandomSelector, RecordedSelector, SimilaritySelector
 from .static import StaticPrune, parse_schedule, schedule_for_reduction, static_forward, static_gflops
-from .tome import ToMe, bipartite_soft_matching, proportional_attention, tome_forward, tome_gflops, tome_schedule
+from .tome import ToMe, bipartite_prune, bipartite_soft_matching, proportional_attention, tome_forward, tome_gflops, tome_schedule
 
 __all__ = [
     "SELECTORS",
@@ -22,6 +22,7 @@ __all__ = [
     "SimilaritySelector",
     "StaticPrune",
     "ToMe",
+    "bipartite_prune",
     "bipartite_soft_matching",
     "parse_schedule",
     "proportional_attention",

@@ -32,6 +32,10 @@ Choices where the ToMe paper is silent or leaves options (documented, tested):
   ``attn_mask`` of shape ``[B, 1, 1, N]``, which on CUDA rules out FlashAttention (no bias) and
   selects the memory-efficient SDPA kernel (additive bias): the fastest path whose semantics
   allow proportional attention. ``prop_attn=False`` runs ToMe without it (flash throughout).
+- ``prune=True`` (ours, the ToMe paper's prune-versus-merge ablation): the same matching, but the
+  ``r_l`` matched ``A`` tokens are deleted instead of folded into their ``B`` token (no sizes, no
+  proportional attention): it separates what ToMe gains by choosing redundant tokens from what it
+  gains by keeping their content (:func:`bipartite_prune`; ``docs/training.md``).
 - The readout is the model's own head (CLS token; ``avg`` pooling averages merged tokens
   without size weights, as timm's head does).
 
@@ -61,6 +65,7 @@ __all__ = [
     "ToMe",
     "attention_with_keys",
     "bipartite_edges",
+    "bipartite_prune",
     "bipartite_soft_matching",
     "head",
     "proportional_attention",
@@ -172,6 +177,20 @@ def bipartite_soft_matching(
     return torch.cat([x[:, :p], x_unm, xb_new], dim=1), torch.cat([size[:, :p], s_unm, sb_new], dim=1)
 
 
+def bipartite_prune(x: torch.Tensor, metric: torch.Tensor, r: int, num_prefix: int) -> torch.Tensor:
+    """:func:`bipartite_soft_matching`'s matching with the ``r`` matched ``A`` tokens deleted instead
+    of merged: ``[B, N - r, C]`` in the same order (prefix, unmatched ``A`` tokens, ``B`` tokens
+    unchanged)."""
+    if r <= 0:
+        return x
+    p = num_prefix
+    _, _, unm = bipartite_edges(metric, r, p)
+    xv = x[:, p:]
+    xa = xv[:, 0::2]
+    x_unm = xa.gather(1, unm[..., None].expand(-1, unm.shape[1], x.shape[-1]))
+    return torch.cat([x[:, :p], x_unm, xv[:, 1::2]], dim=1)
+
+
 # --------------------------------------------------------------------------------------------
 # schedule, forward, GFLOPs
 
@@ -229,10 +248,11 @@ def tome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> ToMe
 
 
 def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: bool = True,
-                 skip_dead: bool = False) -> torch.Tensor:
+                 skip_dead: bool = False, prune: bool = False) -> torch.Tensor:
     """Logits of ``model`` (a timm ViT, not wrapped) on images ``x`` with ToMe merging ``r`` tokens
     per block (an int, or one value per block). ``r = 0`` is the native forward. ``skip_dead``: the
-    last block's MLP on the prefix tokens only (all a CLS-token readout reads)."""
+    last block's MLP on the prefix tokens only (all a CLS-token readout reads). ``prune``: delete
+    the matched tokens instead of merging them (:func:`bipartite_prune`; sizes stay 1)."""
     eff, _ = tome_schedule(model, r)
     p = model.num_prefix_tokens
     x = embed(model, x)
@@ -240,7 +260,9 @@ def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: boo
     for l, (blk, rl) in enumerate(zip(model.blocks, eff)):
         log_size = size.log() if (size is not None and prop_attn) else None
         x, k = attention_with_keys(blk, x, log_size)
-        if rl > 0:
+        if rl > 0 and prune:
+            x = bipartite_prune(x, k.mean(1), rl, p)
+        elif rl > 0:
             if size is None:
                 size = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
             x, size = bipartite_soft_matching(x, k.mean(1), size, rl, p)
@@ -257,16 +279,19 @@ class ToMe:
     and the effective schedule.
     """
 
-    def __init__(self, model: nn.Module, r: RSchedule, prop_attn: bool = True, skip_dead: bool = False):
+    def __init__(self, model: nn.Module, r: RSchedule, prop_attn: bool = True, skip_dead: bool = False,
+                 prune: bool = False):
         check_supported(model)
         check_skip_dead(model, "model", skip_dead, False)
-        self.model, self.r, self.prop_attn, self.skip_dead = model, r, prop_attn, skip_dead
+        self.model, self.r, self.prop_attn, self.skip_dead, self.prune = model, r, prop_attn, skip_dead, prune
         self.cost = tome_gflops(model, r, skip_dead)
 
     @property
     def name(self) -> str:
         r = self.r if isinstance(self.r, int) else ",".join(str(v) for v in self.r)
+        if self.prune:
+            return f"tome-prune(r={r})"
         return f"tome(r={r}{'' if self.prop_attn else ', no prop-attn'})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return tome_forward(self.model, x, self.r, self.prop_attn, self.skip_dead)
+        return tome_forward(self.model, x, self.r, self.prop_attn, self.skip_dead, self.prune)
