@@ -426,6 +426,28 @@ def test_cli_skip_dead_trains_and_records_it(data, tmp_path):
     assert config["training"]["skip_dead"] is True and len(read_metrics(out)) == 2
 
 
+def test_cli_merge_trains_merging_actors_and_warm_starts_from_a_deleting_one(data, tmp_path):
+    """``--merge`` (ours): the rollouts fold the removed tokens into their survivors (the trainer's
+    model is wrapped with merge=True), the saved actors say so and ``wrap`` runs them that way; a
+    deletion-trained actor of the same sizes may start such a run."""
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    out = tmp_path / "run"
+    assert main(ARGS + ["--data", str(data), "--out", str(out), "--updates", "2", "--checkpoint-every", "2", "--merge"]) == 0
+    config = json.loads((out / "selected" / "config.json").read_text())
+    assert config["actor"]["merge"] is True and len(read_metrics(out)) == 2
+    args = ARGS + ["--data", str(data), "--out", str(tmp_path / "warm"), "--merge", "--init-actor", str(out / "selected")]
+    trainer = Trainer(config_from_args(build_parser().parse_args(args)))
+    assert trainer.model._dora.merge and trainer.actor.merge
+    plain = Actor.for_model(trainer.model, **{k: v for k, v in trainer.actor.config().items()
+                                              if k not in ("embed_dim", "depth", "num_patches", "merge")})
+    plain.save_pretrained(tmp_path / "deleting")
+    args[args.index("--init-actor") + 1] = str(tmp_path / "deleting")
+    args[args.index("--out") + 1] = str(tmp_path / "warm2")
+    warm = Trainer(config_from_args(build_parser().parse_args(args)))
+    assert warm.actor.merge and torch.equal(warm.actor.gate_embed, plain.gate_embed)
+
+
 def test_label_free_disagreement_feedback(data, tmp_path):
     """``--feedback-signal disagreement``: each check's ``d_u`` is the share of the 4 QC images whose
     top-1 differs from native's, and the coefficient follows the paper's rule with the error

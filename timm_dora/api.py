@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
-from .engine.patch import check_skip_dead, check_supported, is_wrapped, is_wrapped_as
+from .engine.patch import check_merge, check_skip_dead, check_supported, is_wrapped, is_wrapped_as
 from .engine.patch import wrap as engine_wrap
 from .engine.protocol import Policy
 from .hub import resolve_actor
@@ -31,6 +31,7 @@ def wrap(
     speculate: bool = False,
     cuda_graphs: Optional[bool] = None,
     skip_dead: bool = False,
+    merge: Optional[bool] = None,
     **hub_kwargs,
 ) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes tokens with DORA.
@@ -77,6 +78,11 @@ def wrap(
             tokens): the other rows never reach the logits, so the logits are the same (up to
             rounding) for less compute, and the GFLOPs count what runs. Only where the readout is
             the class token (``global_pool="token"``); eager only for now (not with ``cuda_graphs=True``).
+        merge: (ours) fold each removed token into its most similar surviving token (size-weighted,
+            keys averaged over heads as ToMe matches) and give merged tokens ToMe's proportional
+            attention, instead of deleting them (:func:`~timm_dora.engine.packing.merge_removed`;
+            the GFLOPs count the matching). ``None`` (the default): as the actor was trained
+            (``Actor.merge``), else deletion. Eager only for now (not with ``cuda_graphs=True``).
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
@@ -86,7 +92,8 @@ def wrap(
     """
     if actor is not None and policy is not None:
         raise ValueError("pass an actor or a policy, not both")
-    options = dict(readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead)
+    options = dict(readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead,
+                   merge=bool(merge) if merge is not None else getattr(actor, "merge", False))
     if policy is not None:
         if speculate and not getattr(policy, "speculate", False):
             raise ValueError(
@@ -100,8 +107,11 @@ def wrap(
         return model
     check_supported(model, readout, attn_backend)  # before any download
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
+    check_merge(bool(merge), cuda_graphs)
     actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
     _check_actor(model, actor)
+    if merge is None:
+        options["merge"] = actor.merge  # as it was trained
     return engine_wrap(model, ActorPolicy(actor, speculate=speculate), actor=actor, **options)
 
 

@@ -31,11 +31,17 @@ def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return model.norm_pre(model.patch_drop(model._pos_embed(patch_embed(model.patch_embed, images))))
 
 
+def _dense(packed: Packed) -> bool:
+    """The dense ``[B, H, S, hd]`` layout and timm's fused attention: a uniform batch of unmerged rows
+    (merged rows attend with their sizes, :func:`~timm_dora.engine.packing.varlen_attention`)."""
+    return packed.uniform and getattr(packed, "sizes", None) is None
+
+
 def _qk_v(attn: nn.Module, y: torch.Tensor, packed: Packed):
     """``(q, k, v)`` after ``q_norm``/``k_norm``: dense ``[B, H, S, hd]`` views on a uniform
     batch (as timm's Attention), else ``[T, H, hd]``."""
     qkv = bucket_rows(attn.qkv, y)
-    if packed.uniform:  # no per-tensor view ops
+    if _dense(packed):  # no per-tensor view ops
         q, k, v = qkv.view(packed.batch_size, packed.max_len, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     else:
         q, k, v = qkv.view(packed.total, 3, attn.num_heads, attn.head_dim).unbind(1)
@@ -44,7 +50,7 @@ def _qk_v(attn: nn.Module, y: torch.Tensor, packed: Packed):
 
 def _keys_rows(k: torch.Tensor, packed: Packed) -> torch.Tensor:
     """Keys as ``[T, d]`` rows (heads concatenated) from :func:`_qk_v`'s layout."""
-    return (k.transpose(1, 2) if packed.uniform else k).reshape(packed.total, -1)
+    return (k.transpose(1, 2) if _dense(packed) else k).reshape(packed.total, -1)
 
 
 def attention_keys(blk: nn.Module, packed: Packed) -> torch.Tensor:
@@ -70,7 +76,7 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Option
     q, k, v = _qk_v(attn, y, packed)
     if on_keys is not None:
         on_keys(k)
-    if packed.uniform:
+    if _dense(packed):
         o = F.scaled_dot_product_attention(q, k, v, scale=attn.scale).transpose(1, 2).reshape(t, -1)
     else:
         o = (varlen_attention(q, k, v, packed, attn.scale, backend) if attend is None else attend(q, k, v)).reshape(t, -1)

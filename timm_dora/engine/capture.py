@@ -59,6 +59,8 @@ def capture_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Opti
         return f"the model is on {images.device.type}, not CUDA"
     if state.skip_dead:
         return "skip_dead=True is not captured yet"
+    if state.merge:
+        return "merge=True is not captured yet"
     if not (getattr(model.patch_embed, "dynamic_img_size", False)
             or tuple(images.shape[-2:]) == tuple(model.patch_embed.img_size)):
         return "the input size is not the model's img_size"
@@ -72,6 +74,7 @@ def captures_under_compile(model: nn.Module, images: torch.Tensor) -> bool:
     state = model._dora
     return (images.device.type == "cuda" and images.dtype in (torch.float16, torch.bfloat16)
             and state.cuda_graphs is not False and state.failed is None and not state.skip_dead
+            and not state.merge
             and not model.training and not torch.is_grad_enabled())
 
 

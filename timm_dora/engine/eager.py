@@ -17,7 +17,9 @@ own (its gate vector). With a speculating policy (``ActorPolicy(actor, speculate
 policy enqueues its gate and an asynchronous copy of the gate vector to the host, the MLP of the
 unpruned batch is enqueued, and only then does the host wait (for the gate copy, not the MLP):
 that MLP is the block's output where nothing is removed, else it is discarded. With ``skip_dead``
-the last block's MLP runs on the prefix rows only (the CLS-token readout reads nothing else).
+the last block's MLP runs on the prefix rows only (the CLS-token readout reads nothing else). With
+``merge`` each removed row is folded into its most similar survivor before the deletion
+(:func:`~timm_dora.engine.packing.merge_removed`), which keeps the block's keys until then.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from .blocks import attention_residual, embed, final_norm, mlp_residual
-from .packing import Packed, delete_rows, select_backend
+from .packing import Packed, delete_rows, merge_removed, select_backend
 from .protocol import BlockContext, Decision, ForwardConstants, Policy
 
 __all__ = ["EagerExecutor", "scope"]
@@ -43,8 +45,10 @@ def scope(name: str):
 class EagerExecutor:
     """One eager forward of a wrapped ``model`` with ``policy`` (see the module)."""
 
-    def __init__(self, model: nn.Module, policy: Policy, attn_backend: str, skip_dead: bool):
+    def __init__(self, model: nn.Module, policy: Policy, attn_backend: str, skip_dead: bool, merge: bool = False):
         self.model, self.policy, self.attn_backend, self.skip_dead = model, policy, attn_backend, skip_dead
+        self.merge = merge
+        self.keys: Optional[torch.Tensor] = None  # (merge) the block's keys, until its deletion
         self.speculate = bool(getattr(policy, "speculate", False))
         self.depth = len(model.blocks)
         self.packed: Optional[Packed] = None  # the current rows
@@ -74,6 +78,7 @@ class EagerExecutor:
             x_attn, keys = attention_residual(blk, self.packed, self.backend)
         ctx = BlockContext(l, keys, self.packed, n_visual, rho, interventions, self.depth, self.num_patches,
                            self.backend, consts, releasable=True, dead=dead)
+        self.keys = keys if self.merge else None
         del keys
         if self.speculate and not dead:
             with scope("dora.policy"):
@@ -95,6 +100,7 @@ class EagerExecutor:
         return dec, False
 
     def mlp(self, l: int, done: bool) -> None:
+        self.keys = None
         self._mlp(l, self.attended)
 
     def _mlp(self, l: int, attended: Packed) -> None:
@@ -115,6 +121,10 @@ class EagerExecutor:
         self._speculative = None  # some gate opened: the speculative MLP is discarded
         attended, self.attended = self.attended, None
         with scope("dora.compact"):
+            if self.merge:
+                attended = merge_removed(attended, self.keys, dec.remove, self.model.blocks[l].attn.num_heads,
+                                         dec.removed_host)
+                self.keys = None
             self.packed = delete_rows(attended, dec.remove, dec.removed, dec.removed_host)
         del attended  # the pre-deletion rows: freed before the survivors' MLP
         total = self.packed.total

@@ -55,6 +55,7 @@ __all__ = [
     "select_backend",
     "varlen_attention",
     "delete_rows",
+    "merge_removed",
     "gather_survivors",
     "rows_where",
     "segment_ids",
@@ -88,6 +89,9 @@ class Packed:
         num_prefix: prefix tokens at the start of every sequence; they are never removed.
         ids: optional ``[T]`` int64 original position of each row in its image's unpruned
             sequence (carried through deletions; used to report which patches were removed).
+        sizes: optional ``[T]`` float32 patches each row stands for, once rows have been merged
+            (:func:`merge_removed`; ``None`` while every row is one token): the attention adds
+            ``log(size)`` to each key's logits (ToMe's proportional attention).
     """
 
     x: torch.Tensor
@@ -95,6 +99,7 @@ class Packed:
     lengths_host: List[int]
     num_prefix: int
     ids: Optional[torch.Tensor] = None
+    sizes: Optional[torch.Tensor] = None
 
     @classmethod
     def from_dense(cls, x: torch.Tensor, num_prefix: int, track_ids: bool = False) -> "Packed":
@@ -151,7 +156,7 @@ class Packed:
 
     def with_x(self, x: torch.Tensor) -> "Packed":
         """Same layout, new row values (cached layout values and index tensors are shared)."""
-        new = Packed(x, self.lengths, self.lengths_host, self.num_prefix, self.ids)
+        new = Packed(x, self.lengths, self.lengths_host, self.num_prefix, self.ids, self.sizes)
         for name in _LAYOUT_CACHE:
             if name in self.__dict__:
                 new.__dict__[name] = self.__dict__[name]
@@ -276,7 +281,7 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
         GPU works while the host waits.
     """
     lengths = packed.lengths - removed
-    early = removed_host is None and out is not None and hasattr(torch, "nonzero_static")
+    early = removed_host is None and out is not None and hasattr(torch, "nonzero_static") and packed.sizes is None
     if early:  # survivors first, then copies of row 0 (cut off below)
         ids = gather_survivors(packed.x, remove, out, packed.ids)
     if removed_host is None:
@@ -288,8 +293,39 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
         return Packed(out[:total], lengths, lengths_host, packed.num_prefix, None if ids is None else ids[:total])
     index = rows_where(~remove, total)
     ids = None if packed.ids is None else packed.ids.index_select(0, index)
+    sizes = None if packed.sizes is None else packed.sizes.index_select(0, index)
     x = packed.x.index_select(0, index) if out is None else torch.index_select(packed.x, 0, index, out=out[:total])
-    return Packed(x, lengths, lengths_host, packed.num_prefix, ids)
+    return Packed(x, lengths, lengths_host, packed.num_prefix, ids, sizes)
+
+
+def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_heads: int,
+                  removed_host: Optional[List[int]] = None) -> Packed:
+    """Fold every row marked in ``remove`` into the surviving visual row of its image whose key is most
+    cosine-similar to its own (keys averaged over the ``num_heads`` heads, ToMe's metric), by
+    size-weighted average; the sizes add up. The layout is unchanged: :func:`delete_rows` then
+    deletes the folded rows (ours; ``wrap(..., merge=True)``: the removed tokens' content stays, as
+    ToMe keeps it). ``keys``: ``[T, d]`` the block's keys (heads concatenated); ``remove``: ``[T]``
+    bool, never a prefix row, with a surviving visual row in every image that removes one;
+    ``removed_host``: the per-image counts when the host has them (else one synchronisation)."""
+    b, s, dev = packed.batch_size, packed.max_len, packed.x.device
+    metric = keys.float().view(keys.shape[0], num_heads, -1).mean(1)
+    metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    seg, pos = packed.seg, packed.pos
+    dense = metric.new_zeros(b, s, metric.shape[1]).index_put_((seg, pos), metric)
+    survivor = torch.zeros(b, s, dtype=torch.bool, device=dev).index_put_((seg, pos), ~remove & (pos >= packed.num_prefix))
+    counts = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, seg, remove.long())
+    kmax = max(removed_host) if removed_host is not None else int(counts.max())
+    rows = rows_where(remove, sum(removed_host)) if removed_host is not None else torch.nonzero(remove).squeeze(1)
+    rank = torch.arange(rows.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg[rows]]
+    folded = metric.new_zeros(b, kmax, metric.shape[1]).index_put_((seg[rows], rank), metric[rows])
+    sim = torch.bmm(folded, dense.transpose(1, 2)).masked_fill(~survivor[:, None], float("-inf"))  # [B, kmax, S]
+    target = packed.starts[seg[rows]] + sim[seg[rows], rank].argmax(1)
+    size = torch.ones(packed.total, device=dev) if packed.sizes is None else packed.sizes
+    mass = size.index_add(0, target, size[rows])
+    x = (packed.x.float() * size[:, None]).index_add(0, target, packed.x[rows].float() * size[rows][:, None])
+    new = packed.with_x((x / mass[:, None]).to(packed.x.dtype))
+    new.sizes = mass
+    return new
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,8 +433,12 @@ def varlen_attention(
     """Softmax attention within each sequence of a packed batch.
 
     ``q, k, v``: ``[T, H, hd]``. Returns ``[T, H, hd]``. Sequences never attend to each other.
-    A uniform batch takes the dense fused SDPA path regardless of ``backend``.
+    A uniform batch takes the dense fused SDPA path regardless of ``backend``. Merged rows
+    (``packed.sizes``) add ``log(size)`` to their keys' logits; the kernels without a bias
+    (``triton``, ``flash``, ``torch_varlen``) give way to ``padded`` then.
     """
+    if getattr(packed, "sizes", None) is not None:  # (other layouts, e.g. the captured controller's, have none)
+        return _biased_attention(q, k, v, packed, scale, backend)
     if packed.uniform:
         qd, kd, vd = (packed.dense(t).transpose(1, 2) for t in (q, k, v))  # [B, H, S, hd]
         out = F.scaled_dot_product_attention(qd, kd, vd, scale=scale)
@@ -444,6 +484,29 @@ def varlen_attention(
     outs = [F.scaled_dot_product_attention(qi, ki, vi, scale=scale)
             for qi, ki, vi in zip(*(t.transpose(0, 1)[None].split(packed.lengths_host, 2) for t in (q, k, v)))]
     return torch.cat(outs, 2)[0].transpose(0, 1)
+
+
+def _biased_attention(q, k, v, packed: Packed, scale: float, backend: str) -> torch.Tensor:
+    """:func:`varlen_attention` with ``log(packed.sizes)`` added to every key's logits (SDPA with a
+    float mask: dense on a uniform batch, per sequence for ``sdpa_loop``, else padded)."""
+    bias = packed.sizes.log().to(q.dtype)
+    if packed.uniform:
+        b, n = packed.batch_size, packed.max_len
+        qd, kd, vd = (packed.dense(t).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=bias.view(b, 1, 1, n), scale=scale)
+        return out.transpose(1, 2).reshape(q.shape)
+    if backend == "sdpa_loop":
+        outs = [F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bi.view(1, 1, 1, -1), scale=scale)
+                for qi, ki, vi, bi in zip(*(t.transpose(0, 1)[None].split(packed.lengths_host, 2) for t in (q, k, v)),
+                                          bias.split(packed.lengths_host))]
+        return torch.cat(outs, 2)[0].transpose(0, 1)
+    b, n = packed.batch_size, packed.max_len
+    seg, pos = packed.seg, packed.pos
+    qp, kp, vp = (t.new_zeros(b, n, *t.shape[1:]).index_put_((seg, pos), t) for t in (q, k, v))
+    mask = bias.new_full((b, n), float("-inf")).index_put_((seg, pos), bias)  # padded keys: -inf
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], scale=scale)
+    return out.transpose(1, 2)[seg, pos]
 
 
 class PackedTransformerBlock(nn.Module):

@@ -117,6 +117,7 @@ class _DoraState:
     reason: Optional[str] = None  # why the last forward ran eagerly
     costs: Dict[int, BackboneCost] = field(default_factory=dict)  # at other input sizes, by patch count
     skip_dead: bool = False  # the last block's MLP on the rows the readout reads only (the prefix rows)
+    merge: bool = False  # removed rows folded into their most similar survivor (engine.packing.merge_removed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,6 +167,13 @@ def check_supported(model: nn.Module, readout: str = "model", attn_backend: str 
             raise TypeError(f"block {i} attention is {type(blk.attn).__name__}; only timm.layers.Attention is supported")
 
 
+def check_merge(merge: bool, cuda_graphs: Optional[bool]) -> None:
+    """``merge`` runs eagerly (``cuda_graphs=True`` is refused with it; by default such a model is not
+    captured)."""
+    if merge and cuda_graphs is True:
+        raise ValueError("merge=True is not captured in CUDA graphs yet: leave cuda_graphs unset or False with it")
+
+
 def check_skip_dead(model: nn.Module, readout: str, skip_dead: bool, cuda_graphs: Optional[bool]) -> None:
     """``skip_dead`` needs a readout that reads the prefix rows only (the CLS token), and runs eagerly
     (``cuda_graphs=True`` is refused with it; by default such a model is not captured)."""
@@ -209,15 +217,15 @@ def is_wrapped(model: nn.Module) -> bool:
 
 
 def is_wrapped_as(model: nn.Module, policy: Optional[Policy], *, readout: str = "model", attn_backend: str = "auto",
-                  cuda_graphs: Optional[bool] = None, skip_dead: bool = False) -> bool:
+                  cuda_graphs: Optional[bool] = None, skip_dead: bool = False, merge: bool = False) -> bool:
     """Whether ``model`` is already wrapped with exactly this policy and options (wrapping again is
     then a no-op). ``False`` if it is not wrapped; ``ValueError`` if it is wrapped otherwise (or
     ``policy`` is ``None``): :func:`unwrap` must come first."""
     if not is_wrapped(model):
         return False
     state = model._dora
-    options = (state.readout, state.attn_backend, state.cuda_graphs, state.skip_dead)
-    if state.policy is policy and options == (readout, attn_backend, _option(cuda_graphs), bool(skip_dead)):
+    options = (state.readout, state.attn_backend, state.cuda_graphs, state.skip_dead, state.merge)
+    if state.policy is policy and options == (readout, attn_backend, _option(cuda_graphs), bool(skip_dead), bool(merge)):
         return True
     raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
 
@@ -227,7 +235,8 @@ def _option(cuda_graphs: Optional[bool]) -> Optional[bool]:
 
 
 def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backend: str = "auto",
-         cuda_graphs: Optional[bool] = None, skip_dead: bool = False, actor: Optional[nn.Module] = None) -> nn.Module:
+         cuda_graphs: Optional[bool] = None, skip_dead: bool = False, merge: bool = False,
+         actor: Optional[nn.Module] = None) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes with ``policy``.
 
     The engine's wrap: :func:`timm_dora.wrap` (the public one) documents the options and builds
@@ -237,13 +246,14 @@ def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backe
     """
     _check_policy(policy)
     if is_wrapped_as(model, policy, readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs,
-                     skip_dead=skip_dead):
+                     skip_dead=skip_dead, merge=merge):
         return model
     check_supported(model, readout, attn_backend)
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
+    check_merge(merge, cuda_graphs)
     original = type(model)
     model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, _option(cuda_graphs),
-                             skip_dead=bool(skip_dead))
+                             skip_dead=bool(skip_dead), merge=bool(merge))
     if actor is not None:
         p = next(model.parameters())
         model.add_module("dora_actor", actor.to(device=p.device, dtype=p.dtype))
@@ -373,11 +383,14 @@ def _empty_batch(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, DoraS
 
 
 def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed: torch.Tensor, own: torch.Tensor,
-                removed_patches: list, skip_dead: bool, backend: str, real: int) -> Dict[str, object]:
+                removed_patches: list, skip_dead: bool, backend: str, real: int,
+                merge_dims: Optional[torch.Tensor] = None) -> Dict[str, object]:
     """A forward's :class:`DoraStats` fields from its decisions: ``gate``, ``removed`` ``[B, L]``;
     ``own`` ``[B]`` the policy's FLOPs; per block ``None`` (no gate opened) or ``(lengths, total,
     ids, remove, count)`` of the rows before the deletion (``total``, ``count``: ints or 0-d
-    tensors). Only the first ``real`` images are reported (the rest pad a captured batch)."""
+    tensors). Only the first ``real`` images are reported (the rest pad a captured batch).
+    ``merge_dims``: ``[L]`` head widths when removed rows were merged: each removed row's match
+    against the image's surviving visual rows, ``k_l (N_l - k_l) d_h`` MACs (ToMe's count)."""
     # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
     tokens = n0 - removed.cumsum(1)
     n_attn = tokens + removed + p  # the rows entering each block's attention
@@ -385,6 +398,8 @@ def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed
     if skip_dead:
         n_mlp[:, -1] = p
     macs = cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_mlp).sum(1) + cost.pool_macs(n_mlp[:, -1])
+    if merge_dims is not None:
+        macs = macs + (removed * tokens * merge_dims.to(removed.device)).sum(1)
     flops = 2.0 * macs + own
     patches = []
     for entry in removed_patches:
@@ -455,7 +470,7 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
         if model.training:
             raise RuntimeError("speculate=True is an inference option (a discarded MLP would draw dropout noise): call model.eval()")
     p, dev = model.num_prefix_tokens, x.device
-    ex = runner if runner is not None else EagerExecutor(model, policy, state.attn_backend, state.skip_dead)
+    ex = runner if runner is not None else EagerExecutor(model, policy, state.attn_backend, state.skip_dead, state.merge)
     ex.start(x, run_ahead)
     del x  # (eager: the packed rows are the only reference, freed once block 0 replaces them)
     b, n0, backend = ex.batch, ex.num_patches, ex.backend
@@ -503,8 +518,9 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
         own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
         if scalar_flops:
             own = own + scalar_flops  # integer-valued float64 sums: exact in any order
+        dims = torch.tensor([blk.attn.head_dim for blk in model.blocks]) if state.merge else None
         return _statistics(cost, p, n0, torch.stack(gates, 1), torch.stack(removed_all, 1), own, removed_patches,
-                           state.skip_dead, backend, real)
+                           state.skip_dead, backend, real, dims)
 
     real = b if keep is None else keep
     if decisions is not None:

@@ -114,6 +114,10 @@ def validate_config(config: Any) -> Dict[str, Any]:
             if value not in Actor.SUMMARIES:
                 raise _fail("actor.summary", f"must be one of {Actor.SUMMARIES}, got {value!r}")
             continue
+        if name == "merge":
+            if not isinstance(value, bool):
+                raise _fail("actor.merge", f"must be true or false, got {value!r}")
+            continue
         _positive_int(f"actor.{name}", value)
     if kwargs["width"] % kwargs["num_heads"]:
         raise _fail("actor.num_heads", f"{kwargs['num_heads']} does not divide actor.width={kwargs['width']}")

@@ -119,6 +119,9 @@ class Actor(nn.Module):
             rule ``k <= N_l - min_keep`` (2 and 4 in the paper).
         summary: what stands for the CLS token: ``"cls"`` (the paper: its key) or ``"mean"`` (ours,
             for models without a class token: the mean key of the block's tokens).
+        merge: (ours) the tokens it removes are merged into their most similar survivors rather
+            than deleted: how it was trained and how :func:`timm_dora.wrap` runs it
+            (``wrap(..., merge=True)``; :func:`~timm_dora.engine.packing.merge_removed`).
     """
 
     SUMMARIES = ("cls", "mean")
@@ -139,8 +142,10 @@ class Actor(nn.Module):
         budget_step: int = 2,
         min_keep: int = 4,
         summary: str = "cls",
+        merge: bool = False,
     ) -> None:
         super().__init__()
+        self.merge = bool(merge)
         for name, value in (("embed_dim", embed_dim), ("depth", depth), ("num_patches", num_patches)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -194,7 +199,8 @@ class Actor(nn.Module):
 
     def config(self) -> Dict[str, Union[int, str]]:
         """Constructor arguments: everything needed to rebuild this actor (``summary`` only where it
-        is not the paper's CLS key, so a paper actor's config is the same as before it existed)."""
+        is not the paper's CLS key and ``merge`` only where true, so a paper actor's config is the
+        same as before they existed)."""
         keys = (
             "embed_dim", "depth", "num_patches", "width", "num_heads", "ffn_dim", "gate_hidden",
             "gate_embed_dim", "budget_hidden", "selector_hidden", "budget_step", "min_keep",
@@ -202,6 +208,8 @@ class Actor(nn.Module):
         out: Dict[str, Union[int, str]] = {k: getattr(self, k) for k in keys}
         if self.summary != "cls":
             out["summary"] = self.summary
+        if self.merge:
+            out["merge"] = True
         return out
 
     def extra_repr(self) -> str:

@@ -120,9 +120,11 @@ def warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dic
 
     loaded, config = load_pretrained(source)
     check_backbone(config, model, readout)
-    if loaded.config() != actor.config():
+    sizes = lambda a: {k: v for k, v in a.config().items() if k != "merge"}  # noqa: E731 (merging is the engine's
+    # treatment of the removals, not a size: a deletion-trained actor may start a merging run)
+    if sizes(loaded) != sizes(actor):
         here = actor.config()
-        diff = {k: (v, here.get(k)) for k, v in loaded.config().items() if here.get(k) != v}
+        diff = {k: (v, here.get(k)) for k, v in sizes(loaded).items() if here.get(k) != v}
         raise ValueError(f"--init-actor {source}: its sizes differ from this run's actor (saved, here): {diff}")
     actor.load_state_dict(loaded.state_dict())
     return dict(config.get("training") or {})

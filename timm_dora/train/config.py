@@ -57,6 +57,7 @@ class TrainConfig:
     recipe: str = "auto"  # where the None settings below come from: "paper", "small-pool" (ours) or "auto" (by the rollout split's size)
     selection: Optional[str] = None  # "min" (paper: lowest dev GFLOPs within the target) or "fit" (ours: on fitted drops)
     skip_dead: bool = False  # ours: the last block's MLP on the prefix tokens only (CLS readouts) and no decision there
+    merge: bool = False  # ours: the removed tokens merged into their most similar survivors (ToMe's proportional attention), not deleted
     init_actor: Optional[str] = None  # warm start from a saved actor (folder or Hub id); critic, optimizers, feedback fresh
     readout: str = "model"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"

@@ -173,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
     teacher = teacher.to(dev).eval()
     encoder_sizes(args.width)  # a clear error for a width it cannot build
     ev = D.eval_transform(model)
-    wrap(model, policy=NoPrune(), cuda_graphs=False)
+    wrap(model, policy=NoPrune(), cuda_graphs=False, merge=teacher.merge)  # (the teacher's removals, as it trained)
     train_x = torch.cat([D.preload(D.open_split(args.data, s, ev), dev)[0] for s in args.splits])
     eval_x, eval_y = D.preload(D.open_split(args.data, args.eval_split, ev), dev)
     student = distill(model, teacher, train_x, args.width, epochs=args.epochs, lr=args.lr, batch=args.batch,

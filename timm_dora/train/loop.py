@@ -93,7 +93,7 @@ class Trainer(Checkpoints):
         model = create_backbone(cfg.model, cfg.weights, pretrained=cfg.pretrained, **kw)
         self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
         self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout, skip_dead=cfg.skip_dead,
-                          cuda_graphs=False)
+                          merge=cfg.merge, cuda_graphs=False)
         self.num_patches, self.depth = model.patch_embed.num_patches, len(model.blocks)
 
         # data: the backbone's own preprocessing (App. E.1); splits must be disjoint
@@ -123,7 +123,7 @@ class Trainer(Checkpoints):
         self.qc_shard_idx = D.fixed_shards(len(self.qc_x), cfg.qc_shards)
 
         # learners
-        self.actor = Actor.for_model(model, budget_step=cfg.budget_step, **encoder_sizes(cfg.actor_width))
+        self.actor = Actor.for_model(model, budget_step=cfg.budget_step, merge=cfg.merge, **encoder_sizes(cfg.actor_width))
         self.init_training = warm_start(cfg.init_actor, self.actor, self.model, cfg.readout) if cfg.init_actor else {}
         self.actor = self.actor.to(self.dev)
         self.critic = Critic.for_model(model, budget_step=cfg.budget_step, backend="padded").to(self.dev)
