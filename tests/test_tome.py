@@ -150,30 +150,21 @@ def _reference_tome(model, img, r_list, prune=False):
     return model.forward_head(model.norm(x))
 
 
-@pytest.mark.parametrize("family,r", [("deit", 3), ("deit_distilled", [4, 0, 2, 1, 0, 3, 0, 0, 1, 0, 0, 0]), ("dinov2_registers", 2)])
-def test_tome_matches_per_image_reference(family, r):
+@pytest.mark.parametrize("family,r,prune", [("deit", 3, False), ("deit_distilled", [4, 0, 2, 1, 0, 3, 0, 0, 1, 0, 0, 0], False),
+                                            ("dinov2_registers", 2, False), ("deit", 3, True),
+                                            ("dinov2_registers", [2, 0, 3, 1, 0, 0, 2, 0, 0, 1, 0, 0], True)])
+def test_tome_matches_per_image_reference(family, r, prune):
+    """ToMe, and its prune form (the matched tokens deleted), against the per-image reference."""
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     x = images(model, 3)
     eff, _ = tome_schedule(model, r)
     with torch.no_grad():
-        out = tome_forward(model, x, r)
+        out = ToMe(model, r, prune=prune)(x)
+        if prune:
+            assert not torch.allclose(out, tome_forward(model, x, r), atol=1e-3)  # not the merge
         for i in range(3):
-            ref = _reference_tome(model, x[i:i + 1], eff)
-            assert (out[i] - ref[0]).abs().max() < 1e-4, i
-
-
-@pytest.mark.parametrize("family,r", [("deit", 3), ("dinov2_registers", [2, 0, 3, 1, 0, 0, 2, 0, 0, 1, 0, 0])])
-def test_tome_prune_matches_per_image_reference(family, r):
-    name, kw = SMALL_FAMILIES[family]
-    model = make_model(name, **kw)
-    x = images(model, 3)
-    eff, _ = tome_schedule(model, r)
-    with torch.no_grad():
-        out = ToMe(model, r, prune=True)(x)
-        assert not torch.allclose(out, tome_forward(model, x, r), atol=1e-3)  # not the merge
-        for i in range(3):
-            ref = _reference_tome(model, x[i:i + 1], eff, prune=True)
+            ref = _reference_tome(model, x[i:i + 1], eff, prune=prune)
             assert (out[i] - ref[0]).abs().max() < 1e-4, i
     assert ToMe(model, 3, prune=True).name == "tome-prune(r=3)"
 

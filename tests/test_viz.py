@@ -347,6 +347,10 @@ def test_sweep_from_tradeoff_benchmark_json(tmp_path):
     assert pooled["chosen_on"] == "pool" and labelled(pooled_fig, "m|DORA (seed chosen on the pool)") > 0
     assert labelled(pooled_fig, "m|DORA (seed chosen on dev)") == 0
 
+    trimmed = viz.sweep_data({**_sweep_doc(), "static": "left out: the same sweep as the main table"})
+    assert not [k for k in trimmed["series"] if k.startswith("static")] and trimmed["dora"] == data["dora"]
+    viz.plot_sweep([trimmed])  # a trimmed ablation table still plots (DORA, ToMe)
+
     with pytest.raises(ValueError, match="not a trade-off sweep"):
         viz.sweep_data({"native": {}})
     (tmp_path / "a.json").write_text(json.dumps(_sweep_doc("a")))

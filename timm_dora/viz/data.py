@@ -437,7 +437,8 @@ def sweep_data(doc: Mapping[str, Any]) -> Dict[str, Any]:
     if not is_sweep(doc):
         raise ValueError("not a trade-off sweep (benchmarks/tradeoff.py): it needs native, dora, static and tome")
     series: Dict[str, List[Tuple[float, float, float]]] = {}
-    for s in doc["static"]:
+    # (a trimmed ablation table keeps a note instead of a sweep it shares with its backbone's main table)
+    for s in doc["static"] if isinstance(doc["static"], list) else []:
         name = " ".join(w for w in ("static", s.get("rule"), "blocks", s.get("family", "?")) if w)
         series.setdefault(name, []).append(_pt(s))
     series["ToMe r=" + "..".join(str(r["r"]) for r in (doc["tome"][0], doc["tome"][-1]))] = [_pt(r) for r in doc["tome"]]
