@@ -189,7 +189,8 @@ def _shape_fields() -> Dict[str, Tuple[str, ...]]:
     ref = _meta_shapes(base)
     deps: Dict[str, List[str]] = {k: [] for k in ref}
     for field in base:
-        if not isinstance(base[field], int):  # (summary: a choice, no shape depends on it)
+        if not isinstance(base[field], int) or isinstance(base[field], bool):  # (summary, merge: choices,
+            # no shape depends on them)
             continue
         changed = _meta_shapes({**base, field: 2 * base[field]})
         for k in ref:
