@@ -28,16 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timm_dora.evaluate import environment, load_model, loader_for  # noqa: E402
 from timm_dora.evaluate.baselines import ToMe, tome_gflops  # noqa: E402
+from pool_studies import POOL, paired  # noqa: E402  (the pool and the paired row of the other pool studies)
 
-POOL = ("rollout", "qc", "dev")
 MODES = {"merge": dict(prop_attn=True), "merge_no_prop": dict(prop_attn=False), "prune": dict(prune=True)}
-
-
-def paired(pred: torch.Tensor, native: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
-    """Paired drop (pp) against native, its standard error, and agreement with native (%)."""
-    d = (native == labels).float() - (pred == labels).float()
-    return {"drop_pp": round(d.mean().item() * 100, 2), "drop_se_pp": round(d.std().item() / len(d) ** 0.5 * 100, 2),
-            "agreement": round((pred == native).float().mean().item() * 100, 2)}
 
 
 def main(argv=None) -> Dict:

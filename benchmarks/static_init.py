@@ -39,16 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timm_dora import data as D  # noqa: E402
 from timm_dora.engine import run, wrap  # noqa: E402
 from timm_dora.evaluate import load_model  # noqa: E402
-from timm_dora.evaluate.baselines.selectors import RecordedSelector  # noqa: E402
 from timm_dora.evaluate.baselines.static import parse_schedule  # noqa: E402
 from timm_dora.hub import save_pretrained  # noqa: E402
 from timm_dora.policy import Actor, ActorPolicy, NoPrune, encoder_sizes  # noqa: E402
+from timm_dora.train.distill import removal_sets  # noqa: E402
 from timm_dora.train.rollout import evaluate_controller  # noqa: E402
+from pool_studies import ClsSimSelector  # noqa: E402  (benchmarks/: the static rule's scores)
 
 
-class ClsSimSchedule(RecordedSelector):
-    """The static ``cls_sim`` rule as a policy (the same removals as the static baseline's), recording
-    what an actor would observe at every block (``gate``) and at every removal (``steps``)."""
+class ClsSimSchedule(ClsSimSelector):
+    """The static ``cls_sim`` rule as a policy (:class:`pool_studies.ClsSimSelector`'s scores: the same
+    removals as the static baseline's), recording what an actor would observe at every block
+    (``gate``) and at every removal (``steps``)."""
 
     def __init__(self, removed: torch.Tensor, actor: Actor):
         super().__init__(removed)
@@ -69,11 +71,10 @@ class ClsSimSchedule(RecordedSelector):
         return super().__call__(ctx)
 
     def scores(self, ctx, pad):
+        s, _ = super().scores(ctx, pad)  # least similar to the CLS key first
         p = ctx.packed.num_prefix
         keys = pad.pad(ctx.keys.float())
         keys = torch.cat([keys[:, :1], keys[:, p:]], 1)  # the controller's input: CLS key, then visual keys
-        k = F.normalize(keys, dim=-1)
-        s = -(k[:, 1:] * k[:, :1]).sum(-1)  # least similar to the CLS key first
         valid = pad.valid[:, p:]
         k_rm = self.removed[pad.active, ctx.block]
         order = s.masked_fill(~valid, float("-inf")).argsort(dim=1, descending=True, stable=True)[:, : int(k_rm.max())]
@@ -163,8 +164,7 @@ def follows(model, actor: Actor, removed: torch.Tensor, images: torch.Tensor, ba
         gflops["schedule"] += float(st_s.gflops.sum())
         n["gates"] += st.gate.numel()
         n["same_gate"] += int((st.gate == static.gate[:, : st.gate.shape[1]].expand_as(st.gate)).sum())
-        mine = {(r.block, img): set(r.order[row][r.valid[row]].tolist())
-                for r in policy.records if r.order is not None for row, img in enumerate(r.active.tolist())}
+        mine = removal_sets(policy.records)
         for j, o in enumerate(static.steps["order"]):
             blk = int(static.steps["block"][j][0])
             active = torch.nonzero(static.removed[:, blk] > 0).squeeze(1).tolist()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -310,16 +311,16 @@ def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_
     b, s, dev = packed.batch_size, packed.max_len, packed.x.device
     metric = keys.float().view(keys.shape[0], num_heads, -1).mean(1)
     metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    seg, pos = packed.seg, packed.pos
-    dense = metric.new_zeros(b, s, metric.shape[1]).index_put_((seg, pos), metric)
-    survivor = torch.zeros(b, s, dtype=torch.bool, device=dev).index_put_((seg, pos), ~remove & (pos >= packed.num_prefix))
-    counts = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, seg, remove.long())
+    dense = packed.padded(s, metric)
+    survivor = packed.padded(s, ~remove & (packed.pos >= packed.num_prefix))  # [B, S] surviving visual rows
+    counts = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, packed.seg, remove.long())
     kmax = max(removed_host) if removed_host is not None else int(counts.max())
     rows = rows_where(remove, sum(removed_host)) if removed_host is not None else torch.nonzero(remove).squeeze(1)
-    rank = torch.arange(rows.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg[rows]]
-    folded = metric.new_zeros(b, kmax, metric.shape[1]).index_put_((seg[rows], rank), metric[rows])
+    image = packed.seg[rows]
+    rank = torch.arange(rows.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[image]  # among its image's
+    folded = metric.new_zeros(b, kmax, metric.shape[1]).index_put_((image, rank), metric[rows])
     sim = torch.bmm(folded, dense.transpose(1, 2)).masked_fill(~survivor[:, None], float("-inf"))  # [B, kmax, S]
-    target = packed.starts[seg[rows]] + sim[seg[rows], rank].argmax(1)
+    target = packed.starts[image] + sim[image, rank].argmax(1)
     size = torch.ones(packed.total, device=dev) if packed.sizes is None else packed.sizes
     mass = size.index_add(0, target, size[rows])
     x = (packed.x.float() * size[:, None]).index_add(0, target, packed.x[rows].float() * size[rows][:, None])
@@ -437,12 +438,15 @@ def varlen_attention(
     (``packed.sizes``) add ``log(size)`` to their keys' logits; the kernels without a bias
     (``triton``, ``flash``, ``torch_varlen``) give way to ``padded`` then.
     """
-    if getattr(packed, "sizes", None) is not None:  # (other layouts, e.g. the captured controller's, have none)
-        return _biased_attention(q, k, v, packed, scale, backend)
+    sizes = getattr(packed, "sizes", None)  # (other layouts, e.g. the captured controller's, have none)
+    bias = None if sizes is None else sizes.log().to(q.dtype)  # ToMe's proportional attention, per key
     if packed.uniform:
         qd, kd, vd = (packed.dense(t).transpose(1, 2) for t in (q, k, v))  # [B, H, S, hd]
-        out = F.scaled_dot_product_attention(qd, kd, vd, scale=scale)
+        mask = None if bias is None else bias.view(packed.batch_size, 1, 1, packed.max_len)
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         return out.transpose(1, 2).reshape(q.shape)
+    if bias is not None and backend in ("triton", "flash", "torch_varlen"):
+        backend = "padded"  # (kernels without a key bias)
     cu, n = packed.cu_seqlens, packed.max_len
     if backend == "triton":
         from .varlen_kernel import TILE, varlen_attention_triton
@@ -473,40 +477,21 @@ def varlen_attention(
         b, n = packed.batch_size, packed.max_len
         seg, pos = packed.seg, packed.pos
         qp, kp, vp = (t.new_zeros(b, n, *t.shape[1:]).index_put_((seg, pos), t) for t in (q, k, v))
-        valid = torch.arange(n, device=q.device)[None, :] < packed.lengths[:, None]  # [B, S] keys
+        if bias is None:
+            mask = torch.arange(n, device=q.device)[None, :] < packed.lengths[:, None]  # [B, S] keys
+        else:  # the bias on real keys, -inf on the padding
+            mask = bias.new_full((b, n), float("-inf")).index_put_((seg, pos), bias)
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
         )
         return out.transpose(1, 2)[seg, pos]
     if backend != "sdpa_loop":
         raise ValueError(f"unknown attention backend {backend!r}")
     # one [1, H, T, hd] view per tensor, split into the sequences' [1, H, n, hd] views
-    outs = [F.scaled_dot_product_attention(qi, ki, vi, scale=scale)
-            for qi, ki, vi in zip(*(t.transpose(0, 1)[None].split(packed.lengths_host, 2) for t in (q, k, v)))]
+    masks = itertools.repeat(None) if bias is None else [m.view(1, 1, 1, -1) for m in bias.split(packed.lengths_host)]
+    outs = [F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mi, scale=scale)
+            for qi, ki, vi, mi in zip(*(t.transpose(0, 1)[None].split(packed.lengths_host, 2) for t in (q, k, v)), masks)]
     return torch.cat(outs, 2)[0].transpose(0, 1)
-
-
-def _biased_attention(q, k, v, packed: Packed, scale: float, backend: str) -> torch.Tensor:
-    """:func:`varlen_attention` with ``log(packed.sizes)`` added to every key's logits (SDPA with a
-    float mask: dense on a uniform batch, per sequence for ``sdpa_loop``, else padded)."""
-    bias = packed.sizes.log().to(q.dtype)
-    if packed.uniform:
-        b, n = packed.batch_size, packed.max_len
-        qd, kd, vd = (packed.dense(t).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=bias.view(b, 1, 1, n), scale=scale)
-        return out.transpose(1, 2).reshape(q.shape)
-    if backend == "sdpa_loop":
-        outs = [F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bi.view(1, 1, 1, -1), scale=scale)
-                for qi, ki, vi, bi in zip(*(t.transpose(0, 1)[None].split(packed.lengths_host, 2) for t in (q, k, v)),
-                                          bias.split(packed.lengths_host))]
-        return torch.cat(outs, 2)[0].transpose(0, 1)
-    b, n = packed.batch_size, packed.max_len
-    seg, pos = packed.seg, packed.pos
-    qp, kp, vp = (t.new_zeros(b, n, *t.shape[1:]).index_put_((seg, pos), t) for t in (q, k, v))
-    mask = bias.new_full((b, n), float("-inf")).index_put_((seg, pos), bias)  # padded keys: -inf
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-                                         attn_mask=mask[:, None, None, :], scale=scale)
-    return out.transpose(1, 2)[seg, pos]
 
 
 class PackedTransformerBlock(nn.Module):

@@ -120,8 +120,9 @@ def warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dic
 
     loaded, config = load_pretrained(source)
     check_backbone(config, model, readout)
-    sizes = lambda a: {k: v for k, v in a.config().items() if k != "merge"}  # noqa: E731 (merging is the engine's
-    # treatment of the removals, not a size: a deletion-trained actor may start a merging run)
+    def sizes(a: Actor) -> Dict:  # merging is the engine's treatment of the removals, not a size:
+        return {k: v for k, v in a.config().items() if k != "merge"}  # a deleting actor may start a merging run
+
     if sizes(loaded) != sizes(actor):
         here = actor.config()
         diff = {k: (v, here.get(k)) for k, v in sizes(loaded).items() if here.get(k) != v}

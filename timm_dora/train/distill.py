@@ -36,7 +36,7 @@ from ..hub import load_pretrained, save_pretrained
 from ..policy import Actor, ActorPolicy, NoPrune, encoder_sizes
 from .rollout import evaluate_controller
 
-__all__ = ["distill", "teacher_steps", "compare", "add_parser"]
+__all__ = ["distill", "teacher_steps", "compare", "removal_sets", "add_parser"]
 
 
 @torch.no_grad()
@@ -95,6 +95,13 @@ def distill(model: torch.nn.Module, teacher: Actor, images: torch.Tensor, width:
     return student.eval()
 
 
+def removal_sets(records) -> Dict[tuple, set]:
+    """``{(block, image): the visual columns removed there}`` from an ``ActorPolicy(record=True)``
+    forward's step records (columns among the image's visual tokens entering the block)."""
+    return {(r.block, image): set(r.order[row][r.valid[row]].tolist())
+            for r in records if r.order is not None for row, image in enumerate(r.active.tolist())}
+
+
 @torch.no_grad()
 def compare(model: torch.nn.Module, teacher: Actor, student: Actor, images: torch.Tensor,
             labels: Optional[torch.Tensor] = None, batch: int = 64) -> Dict:
@@ -120,8 +127,7 @@ def compare(model: torch.nn.Module, teacher: Actor, student: Actor, images: torc
             out[name]["agree"] += int((pred == native).sum())
             if labels is not None:
                 out[name]["correct"] += int((pred == labels[i:i + batch]).sum())
-            removed[name] = {(r.block, image): set(r.order[row][r.valid[row]].tolist())
-                             for r in policy.records if r.order is not None for row, image in enumerate(r.active.tolist())}
+            removed[name] = removal_sets(policy.records)
         for step, t in removed["teacher"].items():
             s = removed["student"].get(step, set())
             acc["steps"] += 1
