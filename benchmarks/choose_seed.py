@@ -19,7 +19,10 @@ But the pool holds the 700 ``rollout`` images PPO trains on, and a policy learns
 more than others (``benchmarks/seen_unseen.py``: the sixth round's lead over the static rule 2.2-6.0
 points larger there than on ``qc`` + ``dev``), so the whole pool favours the seed that learned its
 images best. The seventh round chose on ``--splits qc dev``, the 300 images no policy trained on
-(standard error about 1.4 pp). bf16 on CUDA, fp32 on the CPU.
+(standard error about 1.4 pp). bf16 on CUDA, fp32 on the CPU, unless ``--precision``: the readings
+move with the dtype (the eleventh round's merging students read 1.93 pp on average over the pool in
+fp32 on the CPU, 1.65 in bf16 there; ``docs/training.md``), so a choice reads the actors in the
+dtype the ``test`` table and users run them in (bf16 on the GPU) where it can.
 
 ``--incumbent FOLDER`` (the actor published now) runs on the same images, and the record says
 whether the chosen seed should replace it (:func:`replaces`): only a choice that does not violate
@@ -36,7 +39,7 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from timm_dora.evaluate import build_method, environment, inference_device, load_model, write_json
+from timm_dora.evaluate import PRECISIONS, build_method, environment, inference_device, load_model, write_json
 from tradeoff import CUDA_GRAPHS, _batches, _predict, _row, native_row, paired_gap, rounded
 
 RULE = ("lowest paired drop on the pool among the seeds with the per-image spread and the GFLOPs reduction; "
@@ -77,12 +80,14 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--img-size", type=int, default=None, help="build the model for this input size (smoke tests)")
     ap.add_argument("--num-classes", type=int, default=None, help="classifier size (smoke tests)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--precision", default="auto", choices=[p for p in PRECISIONS if p != "bf16-autocast"],
+                    help="auto: bf16 on CUDA, fp32 on the CPU")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if "test" in args.splits:
         raise ValueError("choose_seed.py: --splits must not include test (it is for the final report only)")
     actors = dict(a.split("=", 1) for a in args.seed_actors)
-    dev, dtype, _ = inference_device(args.device)
+    dev, dtype, _ = inference_device(args.device, args.precision)
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
     batches = _batches(model, args.data, args.splits, dev, dtype, args.batch, args.workers)
     labels = torch.cat([y for _, y in batches])

@@ -511,6 +511,10 @@ def test_choose_seed_script_chooses_on_the_pool_and_tradeoff_publishes_its_choic
         assert s["drop_pp"] == pytest.approx(rec["native"]["top1"] - s["top1"], abs=1e-9)
     best = min(rec["seeds"], key=lambda s: (s["drop_pp"], s["gflops"]))
     assert rec["chosen"] == {"seed": best["seed"], "violates": False} and "incumbent" not in rec
+    assert rec["dtype"] == "float32"  # --precision auto on the CPU; bf16 where asked (the test table's dtype)
+    half = choose_seed.main([*common, "--splits", "dev", "--seed-actors", *actors[:1], "--min-reduction", "0",
+                             "--min-spread", "0", "--precision", "bf16"])
+    assert half["dtype"] == "bfloat16" and half["n_images"] == 4
     worst = max(rec["seeds"], key=lambda s: (s["drop_pp"], s["gflops"]))
     for inc in (best, worst):  # the incumbent on the same images: its own row, the paired gap, the verdict
         r = choose_seed.main([*common, "--splits", "rollout", "dev", "--seed-actors", *actors, "--min-reduction", "0",
