@@ -446,8 +446,9 @@ def test_hub_configs_fit_real_backbones():
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False)
         assert config["backbone"] == hub.backbone_info(model)
-        # the paper's actor, or a narrower one of timm-dora-train --actor-width
-        assert config["actor"] == Actor.for_model(model, **encoder_sizes(config["actor"]["width"])).config()
+        # the paper's actor, or a narrower one of timm-dora-train --actor-width, deleting or (--merge) merging
+        merge = config["actor"].get("merge", False)
+        assert config["actor"] == Actor.for_model(model, merge=merge, **encoder_sizes(config["actor"]["width"])).config()
         hub.check_backbone(config, model, "model")
 
 
