@@ -90,6 +90,9 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="DORA: wrap(..., cuda_graphs=True), the forward replayed from CUDA graphs (timm_dora.engine.graphs); "
                          "without it the eager executor runs, the reference")
+    ap.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
+                    help="DORA: fold the removed tokens into their most similar survivor (--merge, eager only) or delete "
+                         "them (--no-merge); default: as the actor was trained (its config's merge)")
     ap.add_argument("--r", type=int, nargs="+", default=None, help="ToMe merges per block: one value, or one per block")
     ap.add_argument("--no-prop-attn", action="store_true", help="ToMe without proportional attention")
     ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40")
@@ -111,7 +114,7 @@ def method_from_args(model: nn.Module, args) -> Method:
     return build_method(model, args.method, actor=args.actor, r=args.r, prop_attn=not args.no_prop_attn,
                         schedule=args.schedule, rule=args.rule, seed=args.seed, wpr_iters=args.wpr_iters,
                         attn_backend=args.attn_backend, cuda_graphs=getattr(args, "cuda_graphs", False),
-                        skip_dead=getattr(args, "skip_dead", False))
+                        skip_dead=getattr(args, "skip_dead", False), merge=getattr(args, "merge", None))
 
 
 def run_header(args, device: torch.device, dtype: torch.dtype, autocast: bool) -> Dict[str, Any]:

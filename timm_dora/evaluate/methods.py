@@ -124,6 +124,8 @@ class DoraMethod(Method):
         self.config = {"actor": actor if isinstance(actor, (str, type(None))) else type(actor).__name__}
         if wrap_kwargs.get("skip_dead"):
             self.config["skip_dead"] = True
+        if wrap_kwargs.get("merge") is not None:
+            self.config["merge"] = bool(wrap_kwargs["merge"])
 
     def _output(self, logits, s) -> Output:
         return Output(logits, s.gflops, s.gate, s.removed, s.tokens, s.backend)
@@ -223,17 +225,19 @@ def build_method(
     attn_backend: str = "auto",
     cuda_graphs: Optional[bool] = False,
     skip_dead: bool = False,
+    merge: Optional[bool] = None,
 ) -> Method:
     """A :class:`Method` by name (see :data:`METHODS`). ``skip_dead``: every method leaves out the
     last block's MLP on the tokens a CLS-token readout never reads (and counts what runs).
     ``cuda_graphs``: how ``dora`` and the selector substitutions run DORA (``wrap``'s option: ``False``
     eager, ``None`` captured wherever it can be, as ``timm_dora.wrap`` does by default). The two
     executors run different kernels, so in bf16 a few near-tie decisions can differ between them:
-    rows to be compared must use the same one."""
+    rows to be compared must use the same one. ``merge``: ``dora`` folds (``True``) or deletes
+    (``False``) the removed tokens; ``None``: as the actor was trained (``wrap``'s default)."""
     if method == "native":
         return NativeMethod(model, skip_dead)
     if method == "dora":
-        return DoraMethod(model, actor, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead)
+        return DoraMethod(model, actor, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead, merge=merge)
     if method == "tome":
         return ToMeMethod(model, _parse_r(r), prop_attn, skip_dead)
     if method == "static":
