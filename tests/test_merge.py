@@ -154,3 +154,26 @@ def test_merge_follows_the_actor_and_is_refused_with_cuda_graphs(tmp_path):
     (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="actor.merge"):
         timm_dora.wrap(model, str(tmp_path / "a"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the captured default exists on CUDA only")
+def test_merge_says_once_that_it_runs_eagerly_on_cuda():
+    """On CUDA a merging model gives up the captured default: one warning says so (and none with
+    cuda_graphs=False, where the user asked for eager), and the forward ran eagerly."""
+    import warnings
+
+    model = make_model("deit_tiny_patch16_224", img_size=64).cuda().to(torch.bfloat16)
+    actor = Actor.for_model(model, merge=True, **encoder_sizes(32)).cuda()
+    x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16)
+    timm_dora.wrap(model, actor)
+    with pytest.warns(UserWarning, match="merge=True is not captured in CUDA graphs yet, so this model runs eagerly"):
+        model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)  # once only
+    assert timm_dora.engine_info(model)["executor"] == "eager"
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, actor, cuda_graphs=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)

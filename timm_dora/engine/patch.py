@@ -111,7 +111,7 @@ class _DoraState:
     original_class: type
     cuda_graphs: Optional[bool] = None  # None: captured wherever possible (engine.capture)
     graphs: "OrderedDict" = field(default_factory=OrderedDict)  # graphs.GraphRunner per batch bucket
-    warned: bool = False  # the one warning that cuda_graphs=True could not be used
+    warned: bool = False  # the one warning that cuda_graphs=True (or, by default, merge=True) runs eagerly
     failed: Optional[str] = None  # why capturing was given up (a captured forward raised)
     executor: Optional[str] = None  # what ran the last forward: "captured" or "eager"
     reason: Optional[str] = None  # why the last forward ran eagerly
@@ -321,6 +321,10 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             state.warned = True
             # (pointing at the caller of model(x): run, forward and two frames of nn.Module's call between)
             warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=5)
+        elif state.merge and x.is_cuda and state.cuda_graphs is None and not state.warned and not torch.compiler.is_compiling():
+            state.warned = True  # the default (captured) given up for merging: say so once, it costs most of the speed
+            warnings.warn("timm_dora: merge=True is not captured in CUDA graphs yet, so this model runs eagerly, several "
+                          "times slower than a captured forward (docs/performance.md)", stacklevel=5)
         return _forward(model, x, policy, None)
     batch = x.shape[0]
     padded = pad_batch(x, batch_bucket(batch))
