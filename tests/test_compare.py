@@ -57,3 +57,23 @@ def test_compare_smoke(tmp_path):
     assert sorted(subs) == ["attention-wpr", "random", "similarity"]
     for r in subs.values():
         assert r["images"] == 6 and r["per_block"] == dora["per_block"]
+
+
+def test_compare_leaves_out_the_graph_row_of_a_merging_actor(tmp_path):
+    """A merging actor is not captured (``wrap(..., merge=True, cuda_graphs=True)`` is refused):
+    with ``--cuda-graphs`` its ``dora`` row runs as trained and the graph row is a note."""
+    csv_path = make_dataset(tmp_path, n_test=4, n_dev=1)
+    model = load_model("vit_tiny_patch16_224", random_weights=True, img_size=64)
+    torch.manual_seed(0)
+    actor = Actor.for_model(model, merge=True)
+    with torch.no_grad():
+        actor.gate_mlp[2].bias.fill_(0.0)
+    actor.save_pretrained(tmp_path / "actor", backbone=model)
+    (res,) = _load().main([
+        "--models", "vit_tiny_patch16_224", "--random-weights", "--img-size", "64", "--device", "cpu",
+        "--data", str(csv_path), "--r", "1", "--static-reductions", "0.3", "--static-blocks", "2", "--selectors",
+        "--batch", "4", "--warmup", "1", "--iters", "1", "--repeats", "1", "--workers", "0",
+        "--actor", str(tmp_path / "actor"), "--out", str(tmp_path / "out"), "--cuda-graphs",
+    ])
+    assert [r["method"] for r in res["rows"]][-1] == "dora" and "dora-cuda-graphs" not in [r["method"] for r in res["rows"]]
+    assert res["dora_cuda_graphs"].startswith("not run: the actor merges")
