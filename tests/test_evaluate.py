@@ -123,17 +123,27 @@ def test_eval_dora_per_block_statistics(setup_files):
 
 
 def test_eval_merge_flag_overrides_the_actors_mode(setup_files, capsys):
-    """``--merge`` folds a deleting actor's removals (same decisions per block; the matching adds
-    its MACs), ``--no-merge`` deletes them, as the actor's default does here; each run's row says
-    which; ``--merge`` with ``--cuda-graphs`` is refused in one line."""
+    """``--merge`` folds a deleting actor's removals (as ``wrap(..., merge=True)`` does),
+    ``--no-merge`` deletes them, as the actor's default does here; each run's row says which;
+    ``--merge`` with ``--cuda-graphs`` is refused in one line."""
+    from timm_dora.evaluate import DoraMethod, evaluate
+
     root, csv_path, weights, actor = setup_files
     plain = _eval(root, csv_path, weights, "--method", "dora", "--actor", str(actor))["rows"][1]
     off = _eval(root, csv_path, weights, "--method", "dora", "--actor", str(actor), "--no-merge")["rows"][1]
     on = _eval(root, csv_path, weights, "--method", "dora", "--actor", str(actor), "--merge")["rows"][1]
     assert "merge" not in plain["config"] and off["config"]["merge"] is False and on["config"]["merge"] is True
-    assert {k: off[k] for k in ("top1", "gflops", "per_block")} == {k: plain[k] for k in ("top1", "gflops", "per_block")}
-    assert on["per_block"][0] == plain["per_block"][0]  # block 0 sees the same rows either way
-    assert on["gflops"] > plain["gflops"]  # the matching's MACs, where a gate opened
+    keys = ("top1", "gflops", "gflops_min", "gflops_max", "per_block")
+    assert {k: off[k] for k in keys} == {k: plain[k] for k in keys}
+    model = load_model(MODEL, str(weights), img_size=IMG, num_classes=CLASSES)
+    batch = preload(open_split(csv_path, "test", eval_transform(model)))
+    _, ref = evaluate(model, [DoraMethod(model, str(actor), merge=True)], [batch])  # merging, by wrap's option
+    assert on["top1"] == ref["top1"]  # (one batch here, batches of 4 there: sums in another order)
+    assert [on[k] for k in keys[1:4]] == pytest.approx([ref[k] for k in keys[1:4]], rel=1e-9)
+    for got, want in zip(on["per_block"], ref["per_block"], strict=True):
+        assert got.keys() == want.keys()
+        assert all(got[k] == want[k] if want[k] is None else got[k] == pytest.approx(want[k], rel=1e-9) for k in want)
+    assert on["gflops"] != plain["gflops"]  # the flag changed what ran (the matching's MACs at least)
     rc = main(["eval", "--model", MODEL, "--weights", str(weights), "--img-size", str(IMG), "--num-classes", str(CLASSES),
                "--data", str(csv_path), "--device", "cpu", "--workers", "0", "--quiet", "--actor", str(actor),
                "--merge", "--cuda-graphs"])
