@@ -82,7 +82,9 @@ def wrap(
             keys averaged over heads as ToMe matches) and give merged tokens ToMe's proportional
             attention, instead of deleting them (:func:`~timm_dora.engine.packing.merge_removed`;
             the GFLOPs count the matching). ``None`` (the default): as the actor was trained
-            (``Actor.merge``), else deletion. Eager only for now (not with ``cuda_graphs=True``).
+            (``Actor.merge``), else deletion. Eager only for now (not with ``cuda_graphs=True``; on
+            CUDA by default, one warning: the eager forward is several times slower, e.g. the
+            published DeiT-Ti actor at 0.17x native timm on an H100, ``docs/performance.md``).
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
