@@ -47,6 +47,7 @@ class BackboneCost:
     pool_kv_macs: int = 0  # MAP head: key/value projections per token reaching the pool
     pool_attn: int = 0  # MAP head: latent queries x their width (attention matmuls per pooled token)
     pool_include_prefix: bool = False  # MAP head: the prefix tokens reach the pool too
+    head_dim: List[int] = field(default_factory=list)  # per block: one head's width (merging's matching)
     _per_device: Dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def block_macs(self, block: int, n_attn: torch.Tensor, n_mlp: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,15 @@ class BackboneCost:
         linear, attn_dim, mlp = self._per_device[key]
         n_attn = n_attn.double()
         return n_attn * linear + 2 * n_attn * n_attn * attn_dim + n_mlp.double() * mlp
+
+    def match_macs(self, removed: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """MACs of merging's matching (``wrap(..., merge=True)``, ours) per image: at each block every
+        removed row against the image's surviving visual rows, ``k_l (N_l - k_l) d_h`` (ToMe's
+        count). ``removed``: ``[B, L]`` rows removed; ``tokens``: ``[B, L]`` visual rows left."""
+        key = f"head_dim:{removed.device}"
+        if key not in self._per_device:  # copied to the device once
+            self._per_device[key] = torch.tensor(self.head_dim, dtype=torch.float64, device=removed.device)
+        return (removed.double() * tokens.double() * self._per_device[key]).sum(1)
 
     def pool_macs(self, n_final: torch.Tensor) -> torch.Tensor:
         """MACs of a MAP head's per-token part for ``n_final`` tokens leaving the last block
@@ -123,6 +133,7 @@ def backbone_cost(model: nn.Module, num_patches: Optional[int] = None) -> Backbo
         num_prefix=model.num_prefix_tokens,
         num_patches=n0,
         **pool_terms,
+        head_dim=[b.attn.head_dim for b in blocks],
     )
 
 

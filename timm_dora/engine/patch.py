@@ -387,14 +387,13 @@ def _empty_batch(model: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, DoraS
 
 
 def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed: torch.Tensor, own: torch.Tensor,
-                removed_patches: list, skip_dead: bool, backend: str, real: int,
-                merge_dims: Optional[torch.Tensor] = None) -> Dict[str, object]:
+                removed_patches: list, skip_dead: bool, backend: str, real: int, merge: bool = False) -> Dict[str, object]:
     """A forward's :class:`DoraStats` fields from its decisions: ``gate``, ``removed`` ``[B, L]``;
     ``own`` ``[B]`` the policy's FLOPs; per block ``None`` (no gate opened) or ``(lengths, total,
     ids, remove, count)`` of the rows before the deletion (``total``, ``count``: ints or 0-d
     tensors). Only the first ``real`` images are reported (the rest pad a captured batch).
-    ``merge_dims``: ``[L]`` head widths when removed rows were merged: each removed row's match
-    against the image's surviving visual rows, ``k_l (N_l - k_l) d_h`` MACs (ToMe's count)."""
+    ``merge``: the removed rows were merged, and the matching counts
+    (:meth:`~timm_dora.engine.flops.BackboneCost.match_macs`)."""
     # GFLOPs of every image along its trajectory, once for all blocks (App. E.4)
     tokens = n0 - removed.cumsum(1)
     n_attn = tokens + removed + p  # the rows entering each block's attention
@@ -402,8 +401,8 @@ def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed
     if skip_dead:
         n_mlp[:, -1] = p
     macs = cost.patch_macs + cost.head_macs + cost.blocks_macs(n_attn, n_mlp).sum(1) + cost.pool_macs(n_mlp[:, -1])
-    if merge_dims is not None:
-        macs = macs + (removed * tokens * merge_dims.to(removed.device)).sum(1)
+    if merge:
+        macs = macs + cost.match_macs(removed, tokens)
     flops = 2.0 * macs + own
     patches = []
     for entry in removed_patches:
@@ -522,9 +521,8 @@ def _run(model: nn.Module, x: torch.Tensor, policy: Policy, runner: Optional[Gra
         own = torch.stack(policy_flops).sum(0) if policy_flops else torch.zeros(b, dtype=torch.float64, device=dev)
         if scalar_flops:
             own = own + scalar_flops  # integer-valued float64 sums: exact in any order
-        dims = torch.tensor([blk.attn.head_dim for blk in model.blocks]) if state.merge else None
         return _statistics(cost, p, n0, torch.stack(gates, 1), torch.stack(removed_all, 1), own, removed_patches,
-                           state.skip_dead, backend, real, dims)
+                           state.skip_dead, backend, real, state.merge)
 
     real = b if keep is None else keep
     if decisions is not None:
