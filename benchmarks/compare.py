@@ -109,12 +109,9 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
         row.update({k: res[k] for k in ("images_per_s", "ms_per_batch", "repeats_images_per_s", "attention_ops")})
         log(f"{name}: {row['method']:32s} top-1 {row['top1']:6.2f}  {row['gflops']:6.3f} GFLOPs  "
             f"{row['images_per_s']:9.0f} img/s  {', '.join(res['attention_ops'])}", t0)
-    merges = dora is not None and model.dora_actor.merge  # (a merging actor runs eagerly: no graph row)
     if dora is not None:
         dora.close()
-    if merges and args.cuda_graphs:
-        log(f"{name}: no dora-cuda-graphs row: the actor merges, and merge=True is not captured in CUDA graphs yet", t0)
-    if dora is not None and args.cuda_graphs and not merges:
+    if dora is not None and args.cuda_graphs:
         # the same actor replayed from CUDA graphs (timm_dora.engine.graphs): accuracy, GFLOPs and speed
         g = DoraMethod(model, actor, cuda_graphs=True)
         g.name = "dora-cuda-graphs"
@@ -149,8 +146,6 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
         "rows": rows,
         "selector_substitution": selector_rows,
     }
-    if merges and args.cuda_graphs:
-        payload["dora_cuda_graphs"] = "not run: the actor merges, and merge=True is not captured in CUDA graphs yet"
     print(format_rows(rows, per_block=dora is not None))
     if dora is not None:
         matched = table_from_results(payload, backbone=name, exclude=("static-slice", "dora-cuda-graphs"))
@@ -175,8 +170,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--selectors", nargs="*", default=["random", "similarity", "attention-wpr"],
                     help="App. F.1 selector substitutions run with the DORA actor (accuracy only)")
     ap.add_argument("--cuda-graphs", action="store_true",
-                    help="also evaluate and time DORA with wrap(..., cuda_graphs=True) (row dora-cuda-graphs; "
-                         "left out, with a note, for a merging actor, which is not captured yet)")
+                    help="also evaluate and time DORA with wrap(..., cuda_graphs=True) (row dora-cuda-graphs)")
     ap.add_argument("--batch", type=int, default=320)
     ap.add_argument("--batches", type=int, default=25, help="at most this many timing batches (full batches of the split)")
     ap.add_argument("--warmup", type=int, default=200)

@@ -26,7 +26,8 @@ loop, median of repeats; ``--warmup/--iters/--repeats``) on GPU-resident batches
 - ``dora_gflops`` / ``native_gflops`` (App. E.4 accounting, mean over the timed batches).
 
 Configurations: ``vit_tiny_published`` (ViT-Ti with ``--vit-weights``, the actor in hub/, the
-first ``--images`` `test` images of ``--data``) and ``deit_base_forced_369`` (DeiT-B with random
+first ``--images`` `test` images of ``--data``), ``deit_tiny_published`` (the same for DeiT-Ti with
+``--deit-weights``: its actor merges; no reference or compiled-DORA rows) and ``deit_base_forced_369`` (DeiT-B with random
 weights and random images, a random actor whose gate is forced open at blocks 3, 6 and 9), which
 adds ``gate_off_default_ips`` (``NoPrune``, defaults) and ``by_batch`` (the rows at batch sizes
 ``--by-batch``, every field but the references; the one at ``--batch`` is the top-level row).
@@ -57,6 +58,7 @@ from timm_dora.hub.published import resolve_actor  # noqa: E402
 from throughput import gate_forced_actor, oracle_forward  # noqa: E402
 
 VIT = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+DEIT_TI = "deit_tiny_patch16_224.fb_in1k"
 DEIT_B = "deit_base_patch16_224"
 
 
@@ -227,9 +229,9 @@ def header(dev, script: str, argv, args, **protocol) -> Dict[str, Any]:
                          **protocol}}
 
 
-def vit_published(args, dev, dtype):
-    """``vit_tiny_published``: ViT-Ti with ``--vit-weights`` and the actor in hub/."""
-    model = load_model(VIT, args.vit_weights).to(dev, dtype).eval()
+def vit_published(args, dev, dtype, name: str = VIT, weights: Optional[str] = None):
+    """``vit_tiny_published``: ViT-Ti with ``--vit-weights`` and the actor in hub/ (or ``name``'s)."""
+    model = load_model(name, weights or args.vit_weights).to(dev, dtype).eval()
     return model, resolve_actor(model).to(dev, dtype)
 
 
@@ -247,7 +249,9 @@ def deit_forced(dev, dtype):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
-    ap.add_argument("--configs", nargs="+", default=["vit_tiny_published", "deit_base_forced_369"])
+    ap.add_argument("--configs", nargs="+", default=["vit_tiny_published", "deit_base_forced_369"],
+                    choices=["vit_tiny_published", "deit_tiny_published", "deit_base_forced_369"])
+    ap.add_argument("--deit-weights", default=None, help="DeiT-Ti weights (deit_tiny_published)")
     ap.add_argument("--batch", type=int, default=320)
     ap.add_argument("--images", type=int, default=1280, help="test images for ViT-Ti (whole batches)")
     ap.add_argument("--by-batch", type=int, nargs="*", default=[1, 8, 64, 257, 320])
@@ -266,6 +270,18 @@ def main(argv=None) -> None:
         if not args.compiled_only:
             row.update(native_rows(model, inputs, args))
         dora_rows(model, lambda: actor, inputs, args, row=row, save=lambda: write_json(args.out, res))
+        del model, inputs
+
+    if "deit_tiny_published" in args.configs:
+        if not args.deit_weights:
+            ap.error("deit_tiny_published needs --deit-weights")
+        model, actor = vit_published(args, dev, dtype, DEIT_TI, args.deit_weights)
+        loader = loader_for(model, args.data, "test", batch=args.batch, workers=4, limit=args.images)
+        inputs = [x.to(dev, dtype) for x, *_ in loader if x.shape[0] == args.batch]
+        row = {"actor": f"timm_dora/hub/actors/{DEIT_TI}", "merge": actor.merge, "images": sum(x.shape[0] for x in inputs)}
+        res["deit_tiny_published"] = row
+        row.update(native_rows(model, inputs, args, references=False))
+        dora_rows(model, lambda: actor, inputs, args, row=row, save=lambda: write_json(args.out, res), references=False)
         del model, inputs
 
     if "deit_base_forced_369" in args.configs:
@@ -291,7 +307,7 @@ def main(argv=None) -> None:
             write_json(args.out, res)
     res["targets"] = targets(res)
     write_json(args.out, res)
-    for name in ("vit_tiny_published", "deit_base_forced_369"):
+    for name in ("vit_tiny_published", "deit_tiny_published", "deit_base_forced_369"):
         r = res.get(name)
         if r:
             print(name, {k: (round(v) if isinstance(v, float) and v > 100 else v) for k, v in r.items() if k.endswith("ips")})

@@ -59,9 +59,9 @@ def test_compare_smoke(tmp_path):
         assert r["images"] == 6 and r["per_block"] == dora["per_block"]
 
 
-def test_compare_leaves_out_the_graph_row_of_a_merging_actor(tmp_path):
-    """A merging actor is not captured (``wrap(..., merge=True, cuda_graphs=True)`` is refused):
-    with ``--cuda-graphs`` its ``dora`` row runs as trained and the graph row is a note."""
+def test_compare_graph_row_of_a_merging_actor(tmp_path):
+    """A merging actor runs from the graph runner too: with ``--cuda-graphs`` its graph row (off
+    CUDA the same segments, uncaptured) folds as the ``dora`` row does, with the same decisions."""
     csv_path = make_dataset(tmp_path, n_test=4, n_dev=1)
     model = load_model("vit_tiny_patch16_224", random_weights=True, img_size=64)
     torch.manual_seed(0)
@@ -75,5 +75,8 @@ def test_compare_leaves_out_the_graph_row_of_a_merging_actor(tmp_path):
         "--batch", "4", "--warmup", "1", "--iters", "1", "--repeats", "1", "--workers", "0",
         "--actor", str(tmp_path / "actor"), "--out", str(tmp_path / "out"), "--cuda-graphs",
     ])
-    assert [r["method"] for r in res["rows"]][-1] == "dora" and "dora-cuda-graphs" not in [r["method"] for r in res["rows"]]
-    assert res["dora_cuda_graphs"].startswith("not run: the actor merges")
+    rows = {r["method"]: r for r in res["rows"]}
+    assert list(rows)[-2:] == ["dora", "dora-cuda-graphs"] and "dora_cuda_graphs" not in res
+    dora, graphs = rows["dora"], rows["dora-cuda-graphs"]
+    assert graphs["per_block"] == dora["per_block"] and graphs["gflops"] == dora["gflops"] and graphs["top1"] == dora["top1"]
+    assert any(b["gate_rate"] for b in dora["per_block"])

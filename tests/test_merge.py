@@ -16,7 +16,7 @@ from timm_dora.evaluate.baselines import proportional_attention
 from timm_dora.policy import ReplayPolicy
 from timm_dora.policy.actor import encoder_sizes
 
-from helpers import SMALL_FAMILIES, images, make_model, plan_for_image, random_plan
+from helpers import SMALL_FAMILIES, images, kind_actor, make_model, plan_for_image, random_plan
 
 
 def test_merge_removed_hand_worked():
@@ -43,7 +43,7 @@ def test_merge_removed_matches_heads_averaged_and_stays_in_its_image():
                       [0, 0, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1], [-1, 0, -1, 0]], dtype=torch.float)
     packed = Packed.from_dense(x.view(2, 4, 2), num_prefix=1)
     remove = torch.tensor([False, True, False, False, False, True, False, False])
-    merged = merge_removed(packed, k, remove, num_heads=2, removed_host=[1, 1])
+    merged = merge_removed(packed, k, remove, num_heads=2)
     assert merged.sizes.tolist() == [1, 1, 1, 2, 1, 1, 2, 1]  # image 0: v0 -> v2; image 1: v0 -> v1 (v2 is opposite)
     assert torch.allclose(merged.x[3], (x[1] + x[3]) / 2) and torch.allclose(merged.x[6], (x[5] + x[6]) / 2)
 
@@ -135,7 +135,7 @@ def test_merge_gflops_add_the_matching_by_hand():
         assert math.isclose(float(stats[True].gflops[i] - stats[False].gflops[i]), 2 * extra / 1e9, rel_tol=1e-9)
 
 
-def test_merge_follows_the_actor_and_is_refused_with_cuda_graphs(tmp_path):
+def test_merge_follows_the_actor(tmp_path):
     model = make_model("deit_tiny_patch16_224", img_size=64)
     actor = Actor.for_model(model, merge=True, **encoder_sizes(32))
     assert actor.config()["merge"] is True and "merge" not in Actor.for_model(model).config()
@@ -146,8 +146,6 @@ def test_merge_follows_the_actor_and_is_refused_with_cuda_graphs(tmp_path):
     timm_dora.wrap(model, str(tmp_path / "a"), merge=False)
     assert not model._dora.merge
     timm_dora.unwrap(model)
-    with pytest.raises(ValueError, match="merge=True is not captured in CUDA graphs yet"):
-        timm_dora.wrap(model, actor, cuda_graphs=True)
     import json
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     cfg["actor"]["merge"] = 1
@@ -156,28 +154,82 @@ def test_merge_follows_the_actor_and_is_refused_with_cuda_graphs(tmp_path):
         timm_dora.wrap(model, str(tmp_path / "a"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the captured default exists on CUDA only")
-def test_merge_says_once_that_it_runs_eagerly_on_cuda():
-    """On CUDA a merging model gives up the captured default: one warning says so (none with
-    cuda_graphs=False, where the user asked for eager), and the forward ran eagerly."""
+def _forwards(model, batches, **wrap_kw):
+    """Logits, stats, executor and its reason of consecutive forwards of one wrapped model."""
+    timm_dora.wrap(model, **wrap_kw)
+    try:
+        out = []
+        for x in batches:
+            with torch.inference_mode():
+                logits = model(x)
+            info = timm_dora.engine_info(model)
+            out.append((logits, model.dora_stats, info["executor"], info["reason"]))
+        return out
+    finally:
+        timm_dora.unwrap(model)
+
+
+@pytest.mark.parametrize("bucket", [1, 7])  # 7: the packed rows padded in every block
+@pytest.mark.parametrize("kind", ["biased", "forced"])
+@pytest.mark.parametrize("family", ["deit", "dinov2_registers", "vit_avgpool"])
+def test_merging_graph_runner_equals_the_eager_forward(family, kind, bucket, monkeypatch):
+    """The graph runner folds in the controller's segment (fixed shapes, sizes in a fixed buffer,
+    gathered with the survivors): off CUDA its segments run uncaptured, and every logit, decision
+    and GFLOPs count equals the eager merging forward's, over forwards that reuse its buffers."""
+    from timm_dora.engine import graphs
+
+    monkeypatch.setattr(graphs, "ROWS_BUCKET", bucket)
+    name, kw = SMALL_FAMILIES[family]
+    model = make_model(name, **kw)
+    batches = [images(model, 6, seed=s) for s in (1, 2, 1)]
+    actor = kind_actor(model, kind)
+    eager = _forwards(model, batches, actor=actor, merge=True)
+    runner = _forwards(model, batches, actor=actor, merge=True, cuda_graphs=True)
+    deleting = _forwards(model, batches[:1], actor=actor, cuda_graphs=True)
+    for (a, sa, ea, _), (b, sb, eb, why) in zip(eager, runner):
+        assert (ea, eb, why) == ("eager", "captured", None)
+        assert torch.equal(a, b)
+        for name in ("gate", "removed", "gflops"):
+            assert torch.equal(getattr(sa, name), getattr(sb, name)), name
+    assert eager[0][1].removed.sum() > 0 and (deleting[0][0] - runner[0][0]).abs().max() > 1e-3
+
+
+def test_merging_runs_eagerly_where_the_graphs_cannot_fold():
+    """A policy other than the actor decides on the host: merging then runs eagerly, and with
+    ``cuda_graphs=True`` one warning says why."""
     import warnings
 
-    message = "merge=True is not captured in CUDA graphs yet, so this model runs eagerly"
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    x = images(model, 3)
+    plan = random_plan(3, model.patch_embed.num_patches, len(model.blocks), [2, 6], seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (got, _, executor, why), = _forwards(model, [x], policy=ReplayPolicy(plan), merge=True, cuda_graphs=True)
+    assert executor == "eager" and why == "merge=True is captured for a deterministic CLS actor in the model's dtype only"
+    assert [str(w.message) for w in caught] == [f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}"]
+    (ref, _, _, _), = _forwards(model, [x], policy=ReplayPolicy(plan), merge=True)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture itself)")
+def test_merging_actor_is_captured_on_cuda():
+    """On CUDA (bf16, the Triton backend) a merging actor runs captured by default: its graphs fold
+    and attend with sizes. The captured controller runs on every image, masked, so in bf16 a
+    near-tie may choose another token than the eager forward: the gates agree, and images whose
+    removed tokens all agree get logits within bf16 rounding."""
     model = make_model("deit_tiny_patch16_224", img_size=64).cuda().to(torch.bfloat16)
-    actor = Actor.for_model(model, merge=True, **encoder_sizes(32)).cuda()
-    x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16)
-
-    def ours(wrap_kw):  # the messages of this warning over two forwards
-        timm_dora.wrap(model, actor, **wrap_kw)
-        try:
-            with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
-                warnings.simplefilter("always")
-                model(x)
-                model(x)
-            assert timm_dora.engine_info(model)["executor"] == "eager"
-            return [str(w.message) for w in caught if message in str(w.message)]
-        finally:
-            timm_dora.unwrap(model)
-
-    assert len(ours({})) == 1
-    assert ours({"cuda_graphs": False}) == []
+    actor = kind_actor(model, "forced").cuda().to(torch.bfloat16)
+    batches = [images(model, 6, seed=s).cuda().to(torch.bfloat16) for s in (1, 2, 1)]
+    eager = _forwards(model, batches, actor=actor, merge=True, cuda_graphs=False)
+    captured = _forwards(model, batches, actor=actor, merge=True)
+    same = 0
+    for (a, sa, _, _), (b, sb, executor, why) in zip(eager, captured):
+        assert (executor, why) == ("captured", None) and torch.isfinite(b).all()
+        assert torch.equal(sa.gate, sb.gate) and sa.removed.sum() > 0
+        for i in range(6):
+            agree = all(pa is None or torch.equal(pa[1][pa[0] == i], pb[1][pb[0] == i])
+                        for pa, pb in zip(sa.removed_patches, sb.removed_patches))
+            if agree:
+                same += 1
+                assert (a[i].float() - b[i].float()).abs().max() < 5e-2
+    assert same >= 9  # of 18

@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from timm_dora.engine.varlen_kernel import varlen_attention_triton
 
-def reference(q, k, v, cu, scale):
+def reference(q, k, v, cu, scale, sizes=None):
     b = cu.tolist()
-    return torch.cat([F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)), scale=scale)
-                      .transpose(0, 1) for s, e in zip(b[:-1], b[1:])])
+    mask = [None if sizes is None else sizes[s:e].log() for s, e in zip(b[:-1], b[1:])]
+    return torch.cat([F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)), attn_mask=m,
+                                                     scale=scale).transpose(0, 1)
+                      for s, e, m in zip(b[:-1], b[1:], mask)])
 
 out = {}
 torch.manual_seed(0)
@@ -47,6 +49,11 @@ for name, heads, hd, lengths, tile in (
     cu.copy_(flipped)
     got2 = varlen_attention_triton(q, k, v, cu, 197, scale, tile=tile)[:t]
     out[name]["new_lengths_max_abs_diff"] = float((got2 - reference(q[:t], k[:t], v[:t], cu, scale)).abs().max())
+    # merged keys: log(size) added to their logits (sizes past the rows hold NaN: never read)
+    sizes = torch.cat([torch.randint(1, 6, (t,)).float(), torch.full((7,), float("nan"))])
+    got3 = varlen_attention_triton(q, k, v, cu, 197, scale, tile=tile, sizes=sizes)[:t]
+    out[name]["sizes_max_abs_diff"] = float((got3 - reference(q[:t], k[:t], v[:t], cu, scale, sizes[:t])).abs().max())
+    out[name]["sizes_change_it"] = float((got3 - got2).abs().max())
 print(json.dumps(out))
 """
 
@@ -62,6 +69,7 @@ def test_interpreted_kernel_matches_per_sequence_sdpa():
         assert case["finite"]  # the NaN rows past the last sequence were never read
         assert case["max_abs_diff"] < 1e-5
         assert case["new_lengths_max_abs_diff"] < 1e-5
+        assert case["sizes_max_abs_diff"] < 1e-5 and case["sizes_change_it"] > 1e-2
 
 
 COMPILED_OP = r"""
@@ -75,13 +83,19 @@ lengths = torch.tensor([5, 70, 1, 33])
 t = int(lengths.sum())
 cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
 q, k, v = torch.randn(3, t, 2, 64).unbind(0)
+sizes = torch.arange(t).remainder(3).float() + 1
 direct = varlen_attention_triton(q, k, v, cu, 70, 0.3)
+merged = varlen_attention_triton(q, k, v, cu, 70, 0.3, sizes=sizes)
 # fullgraph: Dynamo must take the op whole (a graph break or a trace into the Triton launch fails)
 compiled = torch.compile(lambda q, k, v, cu: torch.ops.timm_dora.varlen_attention(q, k, v, cu, 70, 0.3) * 2,
                          backend="aot_eager", fullgraph=True)(q, k, v, cu)
-torch.library.opcheck(varlen_attention_op, (q, k, v, cu, 70, 0.3),
-                      test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-print(json.dumps({"max_abs_diff": float((compiled - 2 * direct).abs().max()), "shape": list(compiled.shape)}))
+compiled_sizes = torch.compile(lambda q, k, v, cu, s: torch.ops.timm_dora.varlen_attention(q, k, v, cu, 70, 0.3, s),
+                               backend="aot_eager", fullgraph=True)(q, k, v, cu, sizes)
+for args in ((q, k, v, cu, 70, 0.3), (q, k, v, cu, 70, 0.3, sizes)):
+    torch.library.opcheck(varlen_attention_op, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+print(json.dumps({"max_abs_diff": float((compiled - 2 * direct).abs().max()), "shape": list(compiled.shape),
+                  "sizes_max_abs_diff": float((compiled_sizes - merged).abs().max())}))
 """
 
 
@@ -92,7 +106,7 @@ def test_custom_op_compiles_as_one_opaque_op():
     and its schema and fake implementation pass ``torch.library.opcheck``."""
     res = run_interpreted(COMPILED_OP, timeout=300)
     assert res["shape"] == [109, 2, 64]
-    assert res["max_abs_diff"] == 0.0
+    assert res["max_abs_diff"] == 0.0 and res["sizes_max_abs_diff"] == 0.0
 
 
 def test_kernel_input_errors():
@@ -105,6 +119,8 @@ def test_kernel_input_errors():
         varlen_attention_triton(torch.zeros(4, 2, 64), torch.zeros(4, 2, 64), torch.zeros(5, 2, 64), cu, 4, 1.0)
     with pytest.raises(ValueError, match="unit stride"):
         varlen_attention_triton(*(torch.zeros(4, 64, 2).transpose(1, 2) for _ in range(3)), cu, 4, 1.0)
+    with pytest.raises(ValueError, match="sizes must be a contiguous float32"):
+        varlen_attention_triton(*(torch.zeros(4, 2, 64) for _ in range(3)), cu, 4, 1.0, sizes=torch.ones(3))
 
 
 def test_triton_backend_refused_off_cuda():
@@ -137,6 +153,12 @@ def test_cuda_kernel_matches_reference_and_replays_from_a_graph():
         packed2 = Packed(torch.zeros(t, 1, device=dev), flipped.to(dev), flipped.tolist(), num_prefix=1)
         ref2 = varlen_attention(q[:t].float(), k[:t].float(), v[:t].float(), packed2, hd ** -0.5, "sdpa_loop")
         assert (captured[:t].float() - ref2).abs().max() < 2e-2
+        # merged keys (sizes on the device, read in the kernel) against the padded SDPA with a log-size mask
+        sizes = torch.randint(1, 6, (t + 40,), device=dev).float()
+        packed3 = Packed(torch.zeros(t, 1, device=dev), lengths.to(dev), lengths.tolist(), num_prefix=1, sizes=sizes[:t])
+        ref3 = varlen_attention(q[:t].float(), k[:t].float(), v[:t].float(), packed3, hd ** -0.5, "padded")
+        got3 = varlen_attention(q[:t], k[:t], v[:t], packed3, hd ** -0.5, "triton")
+        assert (got3.float() - ref3).abs().max() < 2e-2 and (ref3 - ref).abs().max() > 0.1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
-from .engine.patch import check_merge, check_skip_dead, check_supported, is_wrapped, is_wrapped_as
+from .engine.patch import check_skip_dead, check_supported, is_wrapped, is_wrapped_as
 from .engine.patch import wrap as engine_wrap
 from .engine.protocol import Policy
 from .hub import resolve_actor
@@ -82,9 +82,9 @@ def wrap(
             keys averaged over heads as ToMe matches) and give merged tokens ToMe's proportional
             attention, instead of deleting them (:func:`~timm_dora.engine.packing.merge_removed`;
             the GFLOPs count the matching). ``None`` (the default): as the actor was trained
-            (``Actor.merge``), else deletion. Eager only for now (not with ``cuda_graphs=True``; on
-            CUDA by default, one warning: the eager forward is several times slower, e.g. the
-            published DeiT-Ti actor at 0.17x native timm on an H100, ``docs/performance.md``).
+            (``Actor.merge``), else deletion. Captured like deletion (the fold runs in the
+            controller's graph, the sizes in the Triton kernel) for an actor on the ``triton``
+            backend; other policies and backends merge eagerly.
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
@@ -109,7 +109,6 @@ def wrap(
         return model
     check_supported(model, readout, attn_backend)  # before any download
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
-    check_merge(bool(merge), cuda_graphs)
     actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
     _check_actor(model, actor)
     if merge is None:

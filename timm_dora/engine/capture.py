@@ -59,12 +59,24 @@ def capture_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Opti
         return f"the model is on {images.device.type}, not CUDA"
     if state.skip_dead:
         return "skip_dead=True is not captured yet"
-    if state.merge:
-        return "merge=True is not captured yet"
     if not (getattr(model.patch_embed, "dynamic_img_size", False)
             or tuple(images.shape[-2:]) == tuple(model.patch_embed.img_size)):
         return "the input size is not the model's img_size"
-    return graph_mode_reason(model, images, backend)
+    return graph_mode_reason(model, images, backend) or (_merge_reason(model, images, backend) if state.merge else None)
+
+
+def _merge_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Optional[str]:
+    """Why a merging forward is not captured (``None``: it is): the fold runs in the actor's
+    controller graph, and on CUDA the proportional attention in the Triton kernel."""
+    if images.is_cuda and backend != "triton":
+        return f"merge=True is captured on the 'triton' attention backend only, not {backend!r}"
+    policy = model._dora.policy
+    actor, probes = getattr(policy, "actor", None), getattr(policy, "probes_in_graphs", None)
+    grid = [n // p for n, p in zip(images.shape[-2:], model.patch_embed.patch_size)]
+    if (probes is None or actor is None or not probes(grid[0] * grid[1])
+            or actor.w_in.weight.dtype != next(model.parameters()).dtype):
+        return "merge=True is captured for a deterministic CLS actor in the model's dtype only"
+    return None
 
 
 def captures_under_compile(model: nn.Module, images: torch.Tensor) -> bool:
@@ -74,7 +86,6 @@ def captures_under_compile(model: nn.Module, images: torch.Tensor) -> bool:
     state = model._dora
     return (images.device.type == "cuda" and images.dtype in (torch.float16, torch.bfloat16)
             and state.cuda_graphs is not False and state.failed is None and not state.skip_dead
-            and not state.merge
             and not model.training and not torch.is_grad_enabled())
 
 

@@ -122,8 +122,7 @@ class EagerExecutor:
         attended, self.attended = self.attended, None
         with scope("dora.compact"):
             if self.merge:
-                attended = merge_removed(attended, self.keys, dec.remove, self.model.blocks[l].attn.num_heads,
-                                         dec.removed_host)
+                attended = merge_removed(attended, self.keys, dec.remove, self.model.blocks[l].attn.num_heads)
                 self.keys = None
             self.packed = delete_rows(attended, dec.remove, dec.removed, dec.removed_host)
         del attended  # the pre-deletion rows: freed before the survivors' MLP

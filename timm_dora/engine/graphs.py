@@ -56,16 +56,6 @@ each) and only the decisions and the deletion run eagerly, between replays:
   qkv output (no key copy, one graph instead of two, no gate read between them); where that guess
   is wrong the controller's work is wasted, and it removes nothing.
 
-Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
-needs one set; an actor on varied images captures new sizes as they come (each capture costs a
-warm-up run and a device synchronisation, once), at most about 256 sizes per block and kind.
-Graphs share one memory pool, so their number costs little memory. Before the first capture one
-segment of that pool is reserved for the largest expected scratch (:data:`~timm_dora.engine.segments.RESERVE_POOL`), and the
-captures carve their intermediates out of it (H100, batch 320: the pool 9.0 ``[B*S, d]`` tensors
-instead of 14.1-14.4, and the steady reserved memory of every graph row below native timm's;
-speed notes, change 39). :data:`~timm_dora.engine.segments.MLP_CHUNKS` runs each graph's MLP in row chunks: a smaller pool, for
-0.6-2 % of throughput.
-
 Fixed buffers (per batch shape): two block inputs ``x[0]``/``x[1]`` (block ``l``
 reads ``x[l % 2]``), for the actor the attention-residual output ``xa`` (its speculative MLP must
 leave the attention output intact; without the actor the attention residual goes into the next
@@ -80,18 +70,12 @@ block input and layout it reads, keeps its warm-up's result instead). All graphs
 pool; since the replay order is not the capture order, nothing a graph allocates is read after
 another replays (scratch space of one graph may be another's).
 
-Keys: in the dense phase the graphs keep them (copied into ``k``) only at the actor's blocks
-whose gate opened in the last forward (no speculation there), for the controller; elsewhere a
-policy that reads ``ctx.keys`` (the controller of a gate that opened unexpectedly) gets them
-recomputed from the block input with the same operations (``norm1``, ``qkv``, ``k_norm``), so the
-same values. In the packed phase they are copied into ``k`` unless the policy says
-``reads_keys = False`` (replay plans, :class:`~timm_dora.policy.NoPrune`). With the actor's Triton
-gate, both phases copy only the rows of the images whose gate just opened
-(:func:`~timm_dora.policy.actor_kernels.copy_open_keys`, after the gate in the same graph; the gate reads
-the CLS keys in place): the controller reads no other rows' keys. With
-:data:`FUSED_INTERVENTIONS` as well (the default) nothing is copied and there is no ``k``: the
-fused controller reads the keys in place, and a controller where the gate opened unexpectedly
-recomputes them from the block input in either phase.
+**Merging** (``wrap(..., merge=True)``, the actor only): the controller's graph folds each removed
+row into its best match (:func:`~timm_dora.engine.packing.fold_removed`, fixed shapes, in ``xa``)
+before the gather, which also gathers the rows' sizes in the fixed buffer ``sizes`` (ones from
+each forward's start); the packed attention graphs pass it to the Triton kernel, which adds
+``log(size)`` to each key's logits. The segments docstring (:mod:`~timm_dora.engine.segments`)
+holds the graph count, the memory pool and where the keys come from.
 
 Off CUDA the same segments run uncaptured (attention on the real rows, padded afterwards): that is
 how the CPU tests check this path against the default forward. Inference only: ``eval()``, no
@@ -160,8 +144,10 @@ class GraphRunner(Segments):
     :func:`timm_dora.engine.patch.run` drives it block by block, as it drives the eager executor
     (:mod:`~timm_dora.engine.eager`: the interface)."""
 
-    def __init__(self, model: nn.Module, policy, images: torch.Tensor, backend: str, readout_mode: str):
+    def __init__(self, model: nn.Module, policy, images: torch.Tensor, backend: str, readout_mode: str,
+                 merge: bool = False):
         self.model, self.policy, self.backend, self.readout_mode = model, policy, backend, readout_mode
+        self.merge = merge  # removed rows folded into survivors (the controller's graph), sizes kept in ``sizes``
         self.copy_keys = bool(getattr(policy, "reads_keys", True))
         dev = self.device = images.device
         self.capture = dev.type == "cuda"
@@ -176,6 +162,8 @@ class GraphRunner(Segments):
         probes = getattr(policy, "probes_in_graphs", None)
         self.probing = (probes is not None and probes(self.num_patches) and actor is not None
                         and actor.w_in.weight.dtype == self.x[0].dtype and self.copy_keys)
+        if merge and not self.probing:
+            raise ValueError("merge=True is captured for a deterministic CLS actor only")
         # the actor's gate runs in line on the graph's stream, right after qkv: the Triton gate
         # (one kernel) where the fused kernels run, else the modules' (about ten small kernels; not
         # on a second stream: speed notes, changes 27, 29, 30)
@@ -253,6 +241,8 @@ class GraphRunner(Segments):
         self.xa: Optional[torch.Tensor] = None  # the actor's attention output (made once probing is known)
         self.k: Optional[torch.Tensor] = None  # the kept keys (made once the gate's kind is known)
         self.cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # cu_seqlens of the packed phase
+        # (merge) the patches each packed row stands for: ones until the first fold (start())
+        self.sizes = torch.ones(b * s, dtype=torch.float32, device=dev) if self.merge else None
         self.prefix = torch.arange(p, device=dev)  # a sequence's prefix rows from its start
         self.dense_inputs = [dense.with_x(t) for t in self.x]  # block l's dense input: [l % 2]
         self.gate_host = torch.zeros((self.depth, b), dtype=torch.bool, pin_memory=self.capture)
@@ -337,6 +327,8 @@ class GraphRunner(Segments):
         batch-sized copy per forward and the memory of that buffer. ``run_ahead=False``: not this
         forward (it runs again after :class:`RunAheadMissed`)."""
         self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
+        if self.merge:
+            self.sizes.fill_(1.0)
         self._ahead_now = self.run_ahead and run_ahead
         self._ahead, self._ahead_unread, self._ahead_logits = 0, False, False
         self.cur = None
@@ -539,6 +531,7 @@ class GraphRunner(Segments):
         attended = self.attended
         if self.probing:  # every deletion of the actor's runner comes from its controller graph
             lengths, ids = self.lengths.clone(), self.ids.clone()
+            sizes = self.sizes.clone() if self.merge else None
             if history is not None:
                 self.set_history(*history)
             if self.capture:
@@ -547,7 +540,8 @@ class GraphRunner(Segments):
             total = sum(lengths_host)
             rows = self._padded(total)
             self._run(("mlp_compacted", l, rows))
-            self.cur = Packed(self.x[(l + 1) % 2][:total], lengths, lengths_host, attended.num_prefix, ids[:total])
+            self.cur = Packed(self.x[(l + 1) % 2][:total], lengths, lengths_host, attended.num_prefix, ids[:total],
+                              None if sizes is None else sizes[:total])
             if history is not None and l + 1 < self.depth:
                 # and the next block's graph right behind it, before the host's bookkeeping: the
                 # survivors' MLP is short (ViT-Ti: shorter than the host's way to the next block)
@@ -575,17 +569,18 @@ class GraphRunner(Segments):
         return None, self.dense_inputs[self.depth % 2] if self.dense else self.cur
 
 
-def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend: str, readout_mode: str) -> GraphRunner:
+def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend: str, readout_mode: str,
+                 merge: bool = False) -> GraphRunner:
     """The :class:`GraphRunner` of ``model`` for this batch shape and policy (made on first use);
     ``cache`` (an ``OrderedDict``) keeps the :data:`MAX_CACHED` most recent."""
     weight = next(model.parameters())
     key = (tuple(images.shape), images.dtype, str(images.device), id(policy), backend, readout_mode,
-           weight.dtype, weight.data_ptr())
+           weight.dtype, weight.data_ptr(), merge)
     entry = cache.get(key)
     if entry is not None and entry.policy is policy:
         cache.move_to_end(key)
         return entry
-    entry = GraphRunner(model, policy, images, backend, readout_mode)
+    entry = GraphRunner(model, policy, images, backend, readout_mode, merge)
     cache[key] = entry
     while len(cache) > MAX_CACHED:
         cache.popitem(last=False)[1].release()

@@ -41,7 +41,7 @@ import functools
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -57,6 +57,7 @@ __all__ = [
     "varlen_attention",
     "delete_rows",
     "merge_removed",
+    "fold_removed",
     "gather_survivors",
     "rows_where",
     "segment_ids",
@@ -249,15 +250,17 @@ def removal_mask(packed: Packed, image: torch.Tensor, col: torch.Tensor, valid: 
 
 
 def gather_survivors(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor,
-                     ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                     ids: Optional[torch.Tensor] = None, sizes: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The rows of ``x`` not in ``remove`` gathered, in order, into the first rows of ``out``, in
     fixed shapes: all ``T = len(x)`` rows of ``out`` are written (survivors first, then copies of
     row 0), so nothing here waits for the survivor count (a CUDA graph can hold it). ``ids``:
-    ``[T]`` per-row ids gathered the same way (returned, ``[T]``; ``None`` without ids). The
-    deletion step of :func:`delete_rows` and of the graph-replayed controller
-    (:mod:`timm_dora.engine.graphs`)."""
+    ``[T]`` per-row ids gathered the same way (returned, ``[T]``; ``None`` without ids); ``sizes``:
+    ``[T]`` merged rows' sizes, gathered the same way in place. The deletion step of
+    :func:`delete_rows` and of the graph-replayed controller (:mod:`timm_dora.engine.graphs`)."""
     index = torch.nonzero_static(~remove, size=x.shape[0], fill_value=0).squeeze(1)
     torch.index_select(x, 0, index, out=out[: x.shape[0]])
+    if sizes is not None:
+        sizes.copy_(sizes.index_select(0, index))
     return None if ids is None else ids.index_select(0, index)
 
 
@@ -299,34 +302,53 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
     return Packed(x, lengths, lengths_host, packed.num_prefix, ids, sizes)
 
 
-def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_heads: int,
-                  removed_host: Optional[List[int]] = None) -> Packed:
+def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_heads: int) -> Packed:
     """Fold every row marked in ``remove`` into the surviving visual row of its image whose key is most
     cosine-similar to its own (keys averaged over the ``num_heads`` heads, ToMe's metric), by
     size-weighted average; the sizes add up. The layout is unchanged: :func:`delete_rows` then
     deletes the folded rows (ours; ``wrap(..., merge=True)``: the removed tokens' content stays, as
     ToMe keeps it). ``keys``: ``[T, d]`` the block's keys (heads concatenated); ``remove``: ``[T]``
-    bool, never a prefix row, with a surviving visual row in every image that removes one;
-    ``removed_host``: the per-image counts when the host has them (else one synchronisation)."""
-    b, s, dev = packed.batch_size, packed.max_len, packed.x.device
-    metric = keys.float().view(keys.shape[0], num_heads, -1).mean(1)
-    metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    dense = packed.padded(s, metric)
-    survivor = packed.padded(s, ~remove & (packed.pos >= packed.num_prefix))  # [B, S] surviving visual rows
-    counts = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, packed.seg, remove.long())
-    kmax = max(removed_host) if removed_host is not None else int(counts.max())
-    rows = rows_where(remove, sum(removed_host)) if removed_host is not None else torch.nonzero(remove).squeeze(1)
-    image = packed.seg[rows]
-    rank = torch.arange(rows.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[image]  # among its image's
-    folded = metric.new_zeros(b, kmax, metric.shape[1]).index_put_((image, rank), metric[rows])
-    sim = torch.bmm(folded, dense.transpose(1, 2)).masked_fill(~survivor[:, None], float("-inf"))  # [B, kmax, S]
-    target = packed.starts[image] + sim[image, rank].argmax(1)
-    size = torch.ones(packed.total, device=dev) if packed.sizes is None else packed.sizes
-    mass = size.index_add(0, target, size[rows])
-    x = (packed.x.float() * size[:, None]).index_add(0, target, packed.x[rows].float() * size[rows][:, None])
-    new = packed.with_x((x / mass[:, None]).to(packed.x.dtype))
+    bool, never a prefix row, with a surviving visual row in every image that removes one. The
+    eager executor's step; the captured controller runs :func:`fold_removed` on its fixed buffers."""
+    size = torch.ones(packed.total, device=packed.x.device) if packed.sizes is None else packed.sizes
+    x, mass = fold_removed(packed.x, keys, remove, size, packed.cu_seqlens, packed.max_len, packed.num_prefix,
+                           num_heads)
+    new = packed.with_x(x)
     new.sizes = mass
     return new
+
+
+def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: torch.Tensor,
+                 cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_removed` in fixed shapes, with no host read (a CUDA graph can hold it): the rows
+    ``x`` ``[T, d]`` with each row in ``remove`` folded into its best match, and the new sizes
+    ``[T]`` float32. ``keys`` ``[T, d]`` (any row stride), ``sizes`` ``[T]`` float32, ``cu_seqlens``
+    ``[B + 1]`` delimit the images (rows past ``cu_seqlens[-1]`` are padding: never folded nor
+    folded into, whatever they hold), ``max_len`` at least the longest image. Every image's
+    similarities are one ``[S, S]`` product (``S = max_len``) over its padded metric rows."""
+    t, dev = x.shape[0], x.device
+    b = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.long()
+    row = torch.arange(t, device=dev)
+    image = torch.searchsorted(cu[1:], row, right=True)  # b past the last image
+    live = image < b
+    image = image.clamp_max(b - 1)
+    pos = row - cu[image]
+    slot = torch.where(live, image * max_len + pos, b * max_len)  # in a padded [B, S] layout; a spare slot
+    metric = keys.float().reshape(t, num_heads, -1).mean(1)
+    metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    dense = metric.new_zeros(b * max_len + 1, metric.shape[1]).index_put_((slot,), metric)[:-1].view(b, max_len, -1)
+    survivor = torch.zeros(b * max_len + 1, dtype=torch.bool, device=dev).index_put_(
+        (slot,), ~remove & live & (pos >= num_prefix))[:-1].view(b, 1, max_len)
+    sim = torch.bmm(dense, dense.transpose(1, 2)).masked_fill_(~survivor, float("-inf"))  # [B, S, S]
+    best = sim.argmax(2).view(-1)[slot.clamp_max(b * max_len - 1)]  # each row's survivor, by position
+    target = (cu[image] + best).clamp_max(t - 1)
+    fold = remove & live
+    mass = sizes.index_add(0, target, torch.where(fold, sizes, 0.0))
+    weighted = x.float() * sizes[:, None]
+    acc = weighted.index_add(0, target, torch.where(fold[:, None], weighted, 0.0))  # (padding may hold anything)
+    return (acc / mass[:, None]).to(x.dtype), mass
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,17 +457,18 @@ def varlen_attention(
 
     ``q, k, v``: ``[T, H, hd]``. Returns ``[T, H, hd]``. Sequences never attend to each other.
     A uniform batch takes the dense fused SDPA path regardless of ``backend``. Merged rows
-    (``packed.sizes``) add ``log(size)`` to their keys' logits; the kernels without a bias
-    (``triton``, ``flash``, ``torch_varlen``) give way to ``padded`` then.
+    (``packed.sizes``) add ``log(size)`` to their keys' logits; ``triton`` reads the sizes in its
+    kernel, the kernels without a key bias (``flash``, ``torch_varlen``) give way to ``padded``.
     """
     sizes = getattr(packed, "sizes", None)  # (other layouts, e.g. the captured controller's, have none)
-    bias = None if sizes is None else sizes.log().to(q.dtype)  # ToMe's proportional attention, per key
+    in_kernel = backend == "triton" and not packed.uniform  # (the kernel reads the sizes itself)
+    bias = None if sizes is None or in_kernel else sizes.log().to(q.dtype)  # ToMe's proportional attention, per key
     if packed.uniform:
         qd, kd, vd = (packed.dense(t).transpose(1, 2) for t in (q, k, v))  # [B, H, S, hd]
         mask = None if bias is None else bias.view(packed.batch_size, 1, 1, packed.max_len)
         out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         return out.transpose(1, 2).reshape(q.shape)
-    if bias is not None and backend in ("triton", "flash", "torch_varlen"):
+    if bias is not None and backend in ("flash", "torch_varlen"):
         backend = "padded"  # (kernels without a key bias)
     cu, n = packed.cu_seqlens, packed.max_len
     if backend == "triton":
@@ -454,11 +477,12 @@ def varlen_attention(
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if q.shape[-1] in TILE and not grad:
             if torch.compiler.is_compiling():  # one opaque op for Dynamo and Inductor
-                return torch.ops.timm_dora.varlen_attention(q, k, v, cu, n, scale)
-            return varlen_attention_triton(q, k, v, cu, n, scale)
+                return torch.ops.timm_dora.varlen_attention(q, k, v, cu, n, scale, sizes)
+            return varlen_attention_triton(q, k, v, cu, n, scale, sizes=sizes)
         # a head dim without tuned tiles, or a gradient to carry (the kernel is forward-only):
-        # the FlashAttention-2 kernel, which has a backward
-        backend = "torch_varlen"
+        # the FlashAttention-2 kernel, which has a backward (padded where keys carry sizes)
+        backend = "torch_varlen" if sizes is None else "padded"
+        bias = None if sizes is None else sizes.log().to(q.dtype)
     if backend == "flash":
         from flash_attn import flash_attn_varlen_func
 

@@ -111,7 +111,7 @@ class _DoraState:
     original_class: type
     cuda_graphs: Optional[bool] = None  # None: captured wherever possible (engine.capture)
     graphs: "OrderedDict" = field(default_factory=OrderedDict)  # graphs.GraphRunner per batch bucket
-    warned: bool = False  # the one warning that cuda_graphs=True (or, by default, merge=True) runs eagerly
+    warned: bool = False  # the one warning that cuda_graphs=True runs eagerly
     failed: Optional[str] = None  # why capturing was given up (a captured forward raised)
     executor: Optional[str] = None  # what ran the last forward: "captured" or "eager"
     reason: Optional[str] = None  # why the last forward ran eagerly
@@ -165,13 +165,6 @@ def check_supported(model: nn.Module, readout: str = "model", attn_backend: str 
             raise TypeError(f"block {i} is {type(blk).__name__}; only timm's standard pre-norm Block is supported")
         if type(blk.attn) is not Attention:
             raise TypeError(f"block {i} attention is {type(blk.attn).__name__}; only timm.layers.Attention is supported")
-
-
-def check_merge(merge: bool, cuda_graphs: Optional[bool]) -> None:
-    """``merge`` runs eagerly (``cuda_graphs=True`` is refused with it; by default such a model is not
-    captured)."""
-    if merge and cuda_graphs is True:
-        raise ValueError("merge=True is not captured in CUDA graphs yet: leave cuda_graphs unset or False with it")
 
 
 def check_skip_dead(model: nn.Module, readout: str, skip_dead: bool, cuda_graphs: Optional[bool]) -> None:
@@ -250,7 +243,6 @@ def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backe
         return model
     check_supported(model, readout, attn_backend)
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
-    check_merge(merge, cuda_graphs)
     original = type(model)
     model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, _option(cuda_graphs),
                              skip_dead=bool(skip_dead), merge=bool(merge))
@@ -321,15 +313,11 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
             state.warned = True
             # (pointing at the caller of model(x): run, forward and two frames of nn.Module's call between)
             warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=5)
-        elif state.merge and x.is_cuda and state.cuda_graphs is None and not state.warned and not torch.compiler.is_compiling():
-            state.warned = True  # the default (captured) given up for merging: say so once, it costs most of the speed
-            warnings.warn("timm_dora: merge=True is not captured in CUDA graphs yet, so this model runs eagerly, several "
-                          "times slower than a captured forward (docs/performance.md)", stacklevel=5)
         return _forward(model, x, policy, None)
     batch = x.shape[0]
     padded = pad_batch(x, batch_bucket(batch))
     try:
-        runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout)
+        runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout, state.merge)
         if runs_whole(runner):
             out = _whole(model, runner, padded, keep=batch)
         elif plans(runner):

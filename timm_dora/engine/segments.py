@@ -7,6 +7,29 @@ the actor's controller with the deletion, chains of whole blocks, the run ahead,
 :meth:`Segments._run` runs it, captured on its first use and replayed afterwards (off CUDA: run
 directly). Every segment reads and writes only the runner's fixed buffers and its own scratch space;
 the module docstring of :mod:`~timm_dora.engine.graphs` tells the whole story.
+
+Graph count: one per segment kind, block and padded size that actually occurs. A fixed policy
+needs one set; an actor on varied images captures new sizes as they come (each capture costs a
+warm-up run and a device synchronisation, once), at most about 256 sizes per block and kind.
+Graphs share one memory pool, so their number costs little memory. Before the first capture one
+segment of that pool is reserved for the largest expected scratch (:data:`~timm_dora.engine.segments.RESERVE_POOL`), and the
+captures carve their intermediates out of it (H100, batch 320: the pool 9.0 ``[B*S, d]`` tensors
+instead of 14.1-14.4, and the steady reserved memory of every graph row below native timm's;
+speed notes, change 39). :data:`~timm_dora.engine.segments.MLP_CHUNKS` runs each graph's MLP in row chunks: a smaller pool, for
+0.6-2 % of throughput.
+
+Keys: in the dense phase the graphs keep them (copied into ``k``) only at the actor's blocks
+whose gate opened in the last forward (no speculation there), for the controller; elsewhere a
+policy that reads ``ctx.keys`` (the controller of a gate that opened unexpectedly) gets them
+recomputed from the block input with the same operations (``norm1``, ``qkv``, ``k_norm``), so the
+same values. In the packed phase they are copied into ``k`` unless the policy says
+``reads_keys = False`` (replay plans, :class:`~timm_dora.policy.NoPrune`). With the actor's Triton
+gate, both phases copy only the rows of the images whose gate just opened
+(:func:`~timm_dora.policy.actor_kernels.copy_open_keys`, after the gate in the same graph; the gate reads
+the CLS keys in place): the controller reads no other rows' keys. With
+:data:`~timm_dora.engine.graphs.FUSED_INTERVENTIONS` as well (the default) nothing is copied and there is no ``k``: the
+fused controller reads the keys in place, and a controller where the gate opened unexpectedly
+recomputes them from the block input in either phase.
 """
 from __future__ import annotations
 
@@ -22,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
-from .packing import gather_survivors, varlen_attention
+from .packing import fold_removed, gather_survivors, varlen_attention
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
 from .whole import whole_segment
@@ -294,15 +317,22 @@ class Segments:
                 keys, cu, self.seq, p, h, n_visual, gate, l, self.backend, None if self.capture else lengths,
                 out=self.ctrl_out)
             remove = self.ctrl_out[0][:rows]
+            if self.merge:  # the removed rows folded into their survivors first (in place, in xa)
+                n = keys.shape[0]
+                merged, mass = fold_removed(self.xa[:n], keys, remove[:n], self.sizes[:n], cu, self.seq, p,
+                                            blk.attn.num_heads)
+                self.xa[:n].copy_(merged)
+                self.sizes[:n].copy_(mass)
             # the deletion in the same graph (the rows padded past the last sequence are never
             # removed: they follow the survivors), the new layout, and the new lengths to the
             # host, the only value it waits for before the survivors' MLP
+            sizes = self.sizes[:rows] if self.merge else None
             if dense:
                 src, before = self.dense_inputs[l % 2], self.seq
-                ids = gather_survivors(self.xa, remove, self.x[l % 2], src.ids)
+                ids = gather_survivors(self.xa, remove, self.x[l % 2], src.ids, sizes)
             else:
                 before = self.cu[1:] - self.cu[:-1]
-                ids = gather_survivors(self.xa[:rows], remove, self.x[l % 2], self.ids[:rows])
+                ids = gather_survivors(self.xa[:rows], remove, self.x[l % 2], self.ids[:rows], sizes)
             self.ids[:rows].copy_(ids)
             self.lengths.copy_(before - removed)
             torch.cumsum(self.lengths, 0, dtype=self.cu.dtype, out=self.cu[1:])
@@ -393,7 +423,7 @@ class Segments:
         """Block ``l``'s attention ``(q, k, v) -> o`` on ``rows`` packed rows (padded past the last
         sequence): captured, the kernel reads ``cu_seqlens`` from the fixed buffer; uncaptured,
         attention on the real rows, padded afterwards."""
-        static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq)
+        static = SimpleNamespace(uniform=False, cu_seqlens=self.cu, max_len=self.seq, sizes=self.sizes)
         scale = self.scale[l]
 
         def attend(q, k, v):

@@ -14,7 +14,8 @@ Layout as FlashAttention's varlen API: ``q, k, v`` are ``[T, H, hd]`` (any strid
 ``cu_seqlens`` (``[B + 1]`` int32, on the device) delimits the sequences; rows past ``cu_seqlens[-1]``
 are neither read nor written. No shape depends on ``cu_seqlens``' values, and no value is read on
 the host, so a call can be captured in a CUDA graph and replayed with new sequence lengths (up to
-the ``max_len`` it was captured with).
+the ``max_len`` it was captured with). Merged rows (``wrap(..., merge=True)``) pass their sizes, read
+on the device the same way: each key's logits get ``log(size)`` (ToMe's proportional attention).
 
 Off CUDA the same kernel runs in Triton's interpreter (``TRITON_INTERPRET=1`` set before this module
 is imported), which is how the CPU tests check it against a reference.
@@ -45,8 +46,8 @@ TILE = {32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}
 if triton is not None:
 
     @triton.jit
-    def _varlen_fwd(Q, K, V, O, CU, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _varlen_fwd(Q, K, V, O, CU, SIZES, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SIZES: tl.constexpr):
         tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(CU + seq)
         length = tl.load(CU + seq + 1) - start
@@ -66,6 +67,9 @@ if triton is not None:
                 k = tl.load(K + rows_n[None, :] * sk_t + head * sk_h + offs_d[:, None],
                             mask=valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
                 s = tl.dot(q, k) * qk_scale  # log2 domain: qk_scale = scale / ln 2
+                if HAS_SIZES:  # merged keys: + log(size), in the log2 domain log2(size)
+                    sizes = tl.load(SIZES + rows_n, mask=valid, other=1.0)
+                    s = s + tl.log2(sizes)[None, :]
                 s = tl.where(valid[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.exp2(s - m_new[:, None])
@@ -106,12 +110,16 @@ def _strides(t: torch.Tensor) -> Tuple[int, int]:
 
 
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_len: int, scale: float, tile: Optional[Tuple[int, int, int, int]] = None) -> torch.Tensor:
+                            max_len: int, scale: float, tile: Optional[Tuple[int, int, int, int]] = None,
+                            sizes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax attention within each sequence: ``[T, H, hd]`` in, ``[T, H, hd]`` out (contiguous).
 
     ``max_len`` must be at least the longest sequence (it sets the number of query tiles; a larger
     value only launches programs that return at once). ``tile`` overrides :data:`TILE` (benchmarks).
-    Rows past ``cu_seqlens[-1]`` of the output are left uninitialised.
+    ``sizes``: optional ``[>= T]`` float32, the patches each key row stands for (merged rows,
+    ``wrap(..., merge=True)``): ``log(size)`` is added to that key's logits (ToMe's proportional
+    attention), read on the device like ``cu_seqlens``. Rows past ``cu_seqlens[-1]`` of the output
+    are left uninitialised.
     """
     if triton is None:
         raise RuntimeError("the 'triton' attention backend needs the triton package")
@@ -122,28 +130,31 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
+    if sizes is not None and (sizes.dtype != torch.float32 or sizes.dim() != 1 or sizes.shape[0] < t
+                              or sizes.stride(0) != 1):
+        raise ValueError(f"sizes must be a contiguous float32 [>= {t}] vector, got {sizes.dtype} {tuple(sizes.shape)}")
     block_m, block_n, warps, stages = tile or TILE[d]
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     batch = cu_seqlens.numel() - 1
     grid = (-(-max_len // block_m), h, batch)
-    _varlen_fwd[grid](q, k, v, out, cu_seqlens, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-                      scale * 1.4426950408889634, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                      num_warps=warps, num_stages=stages)
+    _varlen_fwd[grid](q, k, v, out, cu_seqlens, cu_seqlens if sizes is None else sizes, *_strides(q), *_strides(k),
+                      *_strides(v), *_strides(out), scale * 1.4426950408889634, HEAD_DIM=d, BLOCK_M=block_m,
+                      BLOCK_N=block_n, HAS_SIZES=sizes is not None, num_warps=warps, num_stages=stages)
     return out
 
 
 @torch.library.custom_op("timm_dora::varlen_attention", mutates_args=())
 def varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                        max_len: int, scale: float) -> torch.Tensor:
+                        max_len: int, scale: float, sizes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`varlen_attention_triton` as the custom op ``torch.ops.timm_dora.varlen_attention``, for
     ``torch.compile``: Dynamo and Inductor see one opaque op with a fake implementation (the output
     is a new contiguous ``[T, H, hd]`` like ``q``) instead of tracing into the Triton launch. Eager
     code calls :func:`varlen_attention_triton` directly (a custom op's dispatch costs host time)."""
-    return varlen_attention_triton(q, k, v, cu_seqlens, max_len, scale)
+    return varlen_attention_triton(q, k, v, cu_seqlens, max_len, scale, sizes=sizes)
 
 
 @varlen_attention_op.register_fake
-def _varlen_attention_fake(q, k, v, cu_seqlens, max_len, scale):
+def _varlen_attention_fake(q, k, v, cu_seqlens, max_len, scale, sizes=None):
     return q.new_empty(q.shape)
 
 

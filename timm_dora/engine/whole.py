@@ -79,6 +79,8 @@ def whole_reason(runner) -> Optional[str]:
         return "the policy decides on the host (not a deterministic CLS actor at its own input size)"
     if not runner._captured_readout:
         return "the readout pools over tokens (captured only for the CLS-token head)"
+    if runner.merge:
+        return "merge=True runs block by block (the whole graph does not fold yet)"
     return None
 
 

@@ -91,7 +91,7 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
                     help="DORA: wrap(..., cuda_graphs=True), the forward replayed from CUDA graphs (timm_dora.engine.graphs); "
                          "without it the eager executor runs, the reference")
     ap.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
-                    help="DORA: fold the removed tokens into their most similar survivor (--merge, eager only) or delete "
+                    help="DORA: fold the removed tokens into their most similar survivor (--merge) or delete "
                          "them (--no-merge); default: as the actor was trained (its config's merge)")
     ap.add_argument("--r", type=int, nargs="+", default=None, help="ToMe merges per block: one value, or one per block")
     ap.add_argument("--no-prop-attn", action="store_true", help="ToMe without proportional attention")
