@@ -722,3 +722,14 @@ def test_tome_merge_script_compares_the_two_forms_on_cpu(tmp_path):
     assert row["fixed_order_fp32"]["identical_runs"] and row["scatter_add"]["identical_runs"]
     assert row["forms_max_abs_diff"] < 1e-4
     assert row["time_ratio"] == row["fixed_order_fp32"]["ms_per_batch"] / row["scatter_add"]["ms_per_batch"]
+
+
+def test_fold_profile_script_times_the_fold_on_cpu(tmp_path):
+    """``fold_profile.py`` (the cost of merging's fold) runs off CUDA: the eager time only, at the shape asked."""
+    import fold_profile
+
+    res = fold_profile.main(["--batch", "3", "--tokens", "9", "--dim", "8", "--heads", "2", "--iters", "1", "--repeats", "1",
+                    "--device", "cpu", "--out", str(tmp_path / "f.json")])
+    assert json.loads((tmp_path / "f.json").read_text()) == res
+    assert res["shape"] == {"batch": 3, "tokens": 9, "dim": 8, "heads": 2, "removed_rows": res["shape"]["removed_rows"]}
+    assert 0 < res["shape"]["removed_rows"] < 24 and res["eager_ms"] > 0 and "graph_ms" not in res

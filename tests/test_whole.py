@@ -255,3 +255,30 @@ def test_planned_graph_on_cuda_replays_one_graph_with_the_per_block_decisions(ki
         assert same.float().mean() >= 0.9  # (bf16 near-ties may decide differently)
         torch.testing.assert_close(oa[same].float(), ob[same].float(), rtol=0, atol=3e-2)
         assert torch.equal(sa.tokens, 16 - sa.removed.cumsum(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
+def test_a_plan_with_too_few_rows_on_cuda_is_discarded_without_a_fault(monkeypatch):
+    """Captured, a block that leaves more rows than the plan's bound runs on inside the graph (the
+    host learns it from the check at the end): its layout is clamped to the bound, so no kernel
+    reads past its rows (a device-side assert would end the process), and the forward runs again
+    eagerly with the same decisions as the eager executor."""
+    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", 1)
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    actor = kind_actor(model, "forced").to("cuda", torch.bfloat16)  # forced open at blocks 1, 4 and 7
+    x = images(model, 4, seed=1).to("cuda", torch.bfloat16)
+    ref = _forwards(model, [x], actor=actor, cuda_graphs=False)
+    rows_seen = 4 * 17 - ref[0][1].removed.sum(0).cumsum(0)
+    timm_dora.wrap(model, actor=actor)
+    with torch.inference_mode():
+        model(x)  # observed eagerly: the plan
+        runner = next(iter(model._dora.graphs.values()))
+        runner.plan = whole.Plan((68,) * 3 + (int(rows_seen[1]) - 3,) * 10, runner.plan.controls)
+        got = model(x)
+        stats = model.dora_stats
+        torch.cuda.synchronize()
+    timm_dora.unwrap(model)
+    assert runner.plan_misses == 1 and runner.plan.rows[2] >= int(rows_seen[1])
+    assert torch.equal(stats.removed, ref[0][1].removed)
+    torch.testing.assert_close(got.float(), ref[0][0].float(), rtol=0, atol=3e-2)

@@ -319,14 +319,16 @@ def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_
 
 
 def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: torch.Tensor,
-                 cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+                 cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int,
+                 out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_removed` in fixed shapes, with no host read (a CUDA graph can hold it): the rows
-    ``x`` ``[T, d]`` with each row in ``remove`` folded into its best match, and the new sizes
-    ``[T]`` float32. ``keys`` ``[T, d]`` (any row stride), ``sizes`` ``[T]`` float32, ``cu_seqlens``
-    ``[B + 1]`` delimit the images (rows past ``cu_seqlens[-1]`` are padding: never folded nor
-    folded into, whatever they hold), ``max_len`` at least the longest image. Every image's
-    similarities are one ``[S, S]`` product (``S = max_len``) over its padded metric rows."""
+    ``x`` ``[T, d]`` with each row in ``remove`` folded into its best match (into ``out`` when
+    given, which may be ``x``), and the new sizes ``[T]`` float32. ``keys`` ``[T, d]`` (any row
+    stride), ``sizes`` ``[T]`` float32, ``cu_seqlens`` ``[B + 1]`` delimit the images (rows past
+    ``cu_seqlens[-1]`` are padding: never folded nor folded into, whatever they hold), ``max_len``
+    at least the longest image. Every image's similarities are one ``[S, S]`` product (``S =
+    max_len``) over its padded metric rows, the non-survivors' columns at ``-inf``; the sums in
+    float32."""
     t, dev = x.shape[0], x.device
     b = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.long()
@@ -341,14 +343,15 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     dense = metric.new_zeros(b * max_len + 1, metric.shape[1]).index_put_((slot,), metric)[:-1].view(b, max_len, -1)
     survivor = torch.zeros(b * max_len + 1, dtype=torch.bool, device=dev).index_put_(
         (slot,), ~remove & live & (pos >= num_prefix))[:-1].view(b, 1, max_len)
-    sim = torch.bmm(dense, dense.transpose(1, 2)).masked_fill_(~survivor, float("-inf"))  # [B, S, S]
-    best = sim.argmax(2).view(-1)[slot.clamp_max(b * max_len - 1)]  # each row's survivor, by position
-    target = (cu[image] + best).clamp_max(t - 1)
+    columns = torch.zeros(survivor.shape, device=dev).masked_fill_(~survivor, float("-inf"))  # [B, 1, S]
+    best = torch.baddbmm(columns, dense, dense.transpose(1, 2)).argmax(2).view(-1)  # [B*S] each slot's survivor
+    target = (cu[image] + best[slot.clamp_max(b * max_len - 1)]).clamp_max(t - 1)
     fold = remove & live
-    mass = sizes.index_add(0, target, torch.where(fold, sizes, 0.0))
-    weighted = x.float() * sizes[:, None]
-    acc = weighted.index_add(0, target, torch.where(fold[:, None], weighted, 0.0))  # (padding may hold anything)
-    return (acc / mass[:, None]).to(x.dtype), mass
+    weight = torch.where(fold, sizes, 0.0)
+    mass = sizes.index_add(0, target, weight)
+    acc = torch.mul(x, sizes[:, None])  # float32
+    acc.index_add_(0, target, torch.where(fold[:, None], acc, 0.0))  # (padding may hold anything)
+    return torch.div(acc, mass[:, None], out=out if out is not None else torch.empty_like(x)), mass
 
 
 # --------------------------------------------------------------------------------------------

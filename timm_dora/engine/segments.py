@@ -319,9 +319,8 @@ class Segments:
             remove = self.ctrl_out[0][:rows]
             if self.merge:  # the removed rows folded into their survivors first (in place, in xa)
                 n = keys.shape[0]
-                merged, mass = fold_removed(self.xa[:n], keys, remove[:n], self.sizes[:n], cu, self.seq, p,
-                                            blk.attn.num_heads)
-                self.xa[:n].copy_(merged)
+                _, mass = fold_removed(self.xa[:n], keys, remove[:n], self.sizes[:n], cu, self.seq, p,
+                                       blk.attn.num_heads, out=self.xa[:n])
                 self.sizes[:n].copy_(mass)
             # the deletion in the same graph (the rows padded past the last sequence are never
             # removed: they follow the survivors), the new layout, and the new lengths to the

@@ -201,6 +201,10 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                 continue
             rec.ids[l].copy_(r.ids)
             control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu
+            if checked and r.capture:  # more survivors than the plan's bound (a miss: the output is
+                # discarded) must not make the later blocks' kernels index past their rows
+                bound = rows[l + 1]
+                r.cu.copy_(torch.where(r.cu[-1] > bound, r.cu.clamp(max=bound - 1), r.cu))
             rec.counts[1, l].copy_(removed)
             rec.flops[l].copy_(flops)
             rec.remove[l, :rows[l]].copy_(remove[:rows[l]])
