@@ -1,10 +1,12 @@
 """What merging's fold costs: :func:`timm_dora.engine.packing.fold_removed` alone (not a test).
 
 On random rows of one block at a backbone's shape (default DeiT-Ti at batch 320: 197 rows of width
-192, 3 heads per image, 30 % of the visual rows removed, bf16 on CUDA), the time per call eagerly
-and replayed from a CUDA graph (the captured controller's form; synchronised timed loops, median
-of ``--repeats``) and the kernels that take it (``torch.profiler``, per call, the largest first).
-Off CUDA only the eager time (the smoke test).
+192, 3 heads per image, 30 % of the visual rows removed, bf16 on CUDA), for each form (``ops``: the
+PyTorch ops, ``packing.FOLD_KERNEL = False``; ``kernels``: the Triton kernels of
+``engine.fold_kernel``, CUDA only) the time per call eagerly and replayed from a CUDA graph (the
+captured controller's form; synchronised timed loops, median of ``--repeats``) and the kernels that
+take it (``torch.profiler``, per call, the largest first). Off CUDA only the ops' eager time (the
+smoke test).
 
     python benchmarks/fold_profile.py --out benchmarks/results/merge_modes/fold_profile_h100.json
 """
@@ -19,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timm_dora.engine.packing import fold_removed  # noqa: E402
+from timm_dora.engine import packing  # noqa: E402
 from timm_dora.evaluate import environment, write_json  # noqa: E402
 
 
@@ -65,31 +67,35 @@ def main(argv=None):
     out = torch.empty_like(x)
 
     def fold():
-        return fold_removed(x, keys, remove, sizes, cu, s, 1, args.heads, out=out)
+        return packing.fold_removed(x, keys, remove, sizes, cu, s, 1, args.heads, out=out)
 
-    for _ in range(3):
-        fold()
     res = {**environment(dev), "dtype": str(dtype).replace("torch.", ""),
            "shape": {"batch": b, "tokens": s, "dim": d, "heads": args.heads, "removed_rows": int(remove.sum())},
-           "protocol": {"iters": args.iters, "repeats": args.repeats, "statistic": "median over repeats"},
-           "eager_ms": _timed(fold, args.iters, args.repeats, cuda)}
-    if cuda:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+           "protocol": {"iters": args.iters, "repeats": args.repeats, "statistic": "median over repeats"}}
+    for form, kernels in (("ops", False), ("kernels", True)) if cuda else (("ops", False),):
+        packing.FOLD_KERNEL = kernels
+        for _ in range(3):
             fold()
-        res["graph_ms"] = _timed(graph.replay, args.iters, args.repeats, cuda)
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
+        row = res[form] = {"eager_ms": _timed(fold, args.iters, args.repeats, cuda)}
+        if cuda:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 fold()
-            torch.cuda.synchronize()
-        kernels = sorted(((e.key, e.device_time_total / 10) for e in prof.key_averages() if e.device_time_total > 0),
+            row["graph_ms"] = _timed(graph.replay, args.iters, args.repeats, cuda)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fold()
+                torch.cuda.synchronize()
+            top = sorted(((e.key, e.device_time_total / 10) for e in prof.key_averages() if e.device_time_total > 0),
                          key=lambda r: -r[1])
-        res["kernels_us_per_call"] = [{"kernel": k.replace("void ", "").replace("at::native::", "")[:90], "us": round(v, 1)}
-                                      for k, v in kernels[:12]]
+            row["kernels_us_per_call"] = [{"kernel": k.replace("void ", "").replace("at::native::", "")[:90],
+                                           "us": round(v, 1)} for k, v in top[:10]]
+    packing.FOLD_KERNEL = True
     write_json(args.out, res)
-    print({k: v for k, v in res.items() if k.endswith("_ms")})
+    print({form: {k: v for k, v in row.items() if k.endswith("_ms")} for form, row in res.items()
+           if form in ("ops", "kernels")})
     return res
 
 

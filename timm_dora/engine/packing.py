@@ -58,6 +58,7 @@ __all__ = [
     "delete_rows",
     "merge_removed",
     "fold_removed",
+    "FOLD_KERNEL",
     "gather_survivors",
     "rows_where",
     "segment_ids",
@@ -302,6 +303,11 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
     return Packed(x, lengths, lengths_host, packed.num_prefix, ids, sizes)
 
 
+# On CUDA merging's fold runs in the Triton kernels of engine.fold_kernel (0.63 ms per DeiT-Ti block
+# at batch 320 in PyTorch ops on an H100, benchmarks/results/merge_modes/fold_profile_h100.json); False: the ops
+FOLD_KERNEL = True
+
+
 def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_heads: int) -> Packed:
     """Fold every row marked in ``remove`` into the surviving visual row of its image whose key is most
     cosine-similar to its own (keys averaged over the ``num_heads`` heads, ToMe's metric), by
@@ -328,7 +334,13 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     ``cu_seqlens[-1]`` are padding: never folded nor folded into, whatever they hold), ``max_len``
     at least the longest image. Every image's similarities are one ``[S, S]`` product (``S =
     max_len``) over its padded metric rows, the non-survivors' columns at ``-inf``; the sums in
-    float32."""
+    float32. On CUDA (:data:`FOLD_KERNEL`) the same in the Triton kernels of
+    :mod:`~timm_dora.engine.fold_kernel`, where they take the head dim."""
+    if x.is_cuda and FOLD_KERNEL:
+        from .fold_kernel import fold_kernel_reason, fold_rows
+
+        if fold_kernel_reason(x, keys, num_heads) is None:
+            return fold_rows(x, keys, remove, sizes, cu_seqlens, max_len, num_prefix, num_heads, out=out)
     t, dev = x.shape[0], x.device
     b = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.long()

@@ -1,0 +1,93 @@
+"""Merging's fold in Triton (``timm_dora.engine.fold_kernel``), against the PyTorch ops of
+``packing.fold_removed``: in Triton's interpreter on the CPU (float32: the same targets, values
+within rounding, sizes exact, padding rows never read, in place or not), and compiled on CUDA,
+also replayed from a CUDA graph."""
+import pytest
+import torch
+
+from helpers import capture_graph, run_interpreted, triton_version
+from timm_dora.engine import packing
+
+pytest.importorskip("triton")
+
+CASES = r"""
+import json, torch
+from timm_dora.engine.fold_kernel import fold_rows
+from timm_dora.engine.packing import fold_removed
+
+def case(heads, hd, lengths, pad, p, seed, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    t, d = sum(lengths), heads * hd
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(t + pad, d, generator=g)
+    keys = torch.randn(t + pad, 3 * d, generator=g)[:, d:2 * d]  # a view of a qkv output
+    remove = torch.rand(t + pad, generator=g) < 0.35
+    for s0, n in zip(cu[:-1].tolist(), lengths):
+        remove[s0:s0 + p] = False  # never a prefix row
+        if remove[s0 + p:s0 + n].all():
+            remove[s0 + n - 1] = False  # a survivor in every image that removes
+    remove[t:] = False
+    x[t:] = float("nan")  # padding: never read
+    sizes = torch.randint(1, 5, (t + pad,), generator=g).float()
+    return [a.to(device) for a in (x.to(dtype), keys.to(dtype), remove, sizes, cu)], t
+
+out = {}
+for name, heads, hd, lengths, pad, p in (("one_tile", 3, 16, [5, 1, 33, 64], 7, 1), ("tiles", 2, 32, [17, 9, 130], 0, 2)):
+    (x, keys, remove, sizes, cu), t = case(heads, hd, lengths, pad, p, 0)
+    ref_x, ref_s = fold_removed(x, keys, remove, sizes, cu, max(lengths), p, heads)
+    got_x, got_s = fold_rows(x, keys, remove, sizes, cu, max(lengths), p, heads)
+    inplace = x.clone()
+    fold_rows(inplace, keys, remove, sizes, cu, max(lengths), p, heads, out=inplace)
+    out[name] = {"max_abs_diff": float((got_x[:t] - ref_x[:t]).abs().max()),
+                 "inplace_max_abs_diff": float((inplace[:t] - ref_x[:t]).abs().max()),
+                 "sizes_equal": torch.equal(got_s[:t], ref_s[:t]), "padding_sizes_kept": torch.equal(got_s[t:], sizes[t:]),
+                 "padding_untouched": bool(torch.isnan(inplace[t:]).all()), "folded": int(remove.sum()),
+                 "received": int((ref_s[:t] > sizes[:t]).sum())}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run these kernels")
+def test_interpreted_fold_equals_the_pytorch_ops():
+    res = run_interpreted(CASES, timeout=300)
+    for case in res.values():
+        assert case["folded"] > 10 and case["received"] > 5
+        assert case["max_abs_diff"] < 1e-5 and case["inplace_max_abs_diff"] < 1e-5
+        assert case["sizes_equal"] and case["padding_sizes_kept"] and case["padding_untouched"]
+
+
+def test_fold_kernel_says_what_it_cannot_fold():
+    from timm_dora.engine.fold_kernel import fold_kernel_reason, fold_rows
+
+    x = torch.zeros(4, 64)
+    assert fold_kernel_reason(x, torch.zeros(4, 64), 2) is None  # head dim 32
+    assert fold_kernel_reason(x, torch.zeros(4, 64), 4) is None  # head dim 16
+    assert "got 8" in fold_kernel_reason(x, torch.zeros(4, 64), 8)
+    assert "got 24" in fold_kernel_reason(torch.zeros(4, 48), torch.zeros(4, 48), 2)
+    assert "unit channel stride" in fold_kernel_reason(x, torch.zeros(64, 4).t(), 2)
+    with pytest.raises(ValueError, match="fold_rows: the kernels take a power-of-two head dim of at least 16, got 8"):
+        fold_rows(torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(4, dtype=torch.bool), torch.ones(4),
+                  torch.tensor([0, 4], dtype=torch.int32), 4, 1, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fold_kernel_matches_the_ops_and_replays_from_a_graph(monkeypatch):
+    """bf16 on CUDA: the kernels' targets come from a float32-accurate product (tf32x3), the ops'
+    from a float32 one, so near-ties aside the same rows change the same way; captured once, the
+    graph gives the same result."""
+    scope = {}
+    exec(CASES.split("out = {}")[0], scope)
+    (x, keys, remove, sizes, cu), t = scope["case"](3, 64, [197, 1, 90, 142, 64, 65, 128, 129], 5, 1, 0,
+                                                     device="cuda", dtype=torch.bfloat16)
+    args = (keys, remove, sizes, cu, 197, 1, 3)
+    monkeypatch.setattr(packing, "FOLD_KERNEL", False)
+    ref_x, ref_s = packing.fold_removed(x, *args)
+    monkeypatch.setattr(packing, "FOLD_KERNEL", True)
+    got_x, got_s = packing.fold_removed(x, *args)
+    rows = (got_x[:t].float() - ref_x[:t].float()).abs().amax(1) <= 1e-2 * ref_x[:t].float().abs().amax(1)
+    assert rows.float().mean() > 0.99 and (got_s[:t] == ref_s[:t]).float().mean() > 0.99
+    out = torch.empty_like(x)
+    graph, _ = capture_graph(lambda: packing.fold_removed(x, *args, out=out))
+    out.zero_()
+    graph.replay()
+    torch.testing.assert_close(out[:t].float(), got_x[:t].float(), rtol=1e-2, atol=1e-2)  # (atomics: any order)

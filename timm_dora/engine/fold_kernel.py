@@ -1,0 +1,163 @@
+"""Merging's fold in two Triton kernels (``wrap(..., merge=True)`` on CUDA, half precision).
+
+:func:`~timm_dora.engine.packing.fold_removed` written in PyTorch ops makes about twenty passes
+over ``[T, d]`` and ``[B, S, S]`` float32 tensors: 0.63 ms per block for DeiT-Ti at batch 320 on an
+H100, replayed from a CUDA graph (``benchmarks/results/merge_modes/fold_profile_h100.json``), half
+the published merging actor's forward. Here:
+
+- :func:`_match`, one program per (query tile, image) that holds a removed row: each row's metric
+  (its key averaged over the heads, normalised, in float32) against every surviving visual row of
+  its image, tile by tile (``tl.dot`` in ``tf32x3``: float32 accuracy on tensor cores), a running
+  arg-max (the first of equal maxima, as ``torch.argmax``), the best row's index stored for the
+  removed rows only;
+- :func:`_scatter`, each removed row's size-weighted values added (float32 atomics) to its target's
+  accumulator and its size to the target's received mass;
+- :func:`_finish`: for every row that received something, ``(x * size + received) / (size +
+  mass)`` into ``out``, the new sizes for all rows (rows that received nothing keep their values:
+  what the float32 round trip of the ops gives after rounding to half precision).
+
+No shape or launch depends on the values (the grid is fixed by the rows, the batch and
+``max_len``), so the kernels are captured in the controller's graph like the rest; rows past
+``cu_seqlens[-1]`` are neither read nor written. Off CUDA the kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1``), which is how the CPU tests check them against the PyTorch ops.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["fold_rows", "fold_kernel_reason"]
+
+try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the installation
+    triton = None
+
+BLOCK_M, BLOCK_N = 64, 64  # query rows and key rows per tile (images of up to a few hundred rows)
+BLOCK_R = 32  # rows per program of the scatter and the finish
+
+
+if triton is not None:
+
+    @triton.jit
+    def _metric(K, rows, inside, sk_t, HEADS: tl.constexpr, HD: tl.constexpr):
+        """The rows' keys averaged over the heads and normalised (float32, ``[rows, HD]``)."""
+        d = tl.arange(0, HD)
+        m = tl.zeros([rows.shape[0], HD], dtype=tl.float32)
+        for h in tl.static_range(HEADS):
+            m += tl.load(K + rows[:, None] * sk_t + h * HD + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+        m = m / HEADS
+        return m / tl.maximum(tl.sqrt(tl.sum(m * m, 1)), 1e-12)[:, None]
+
+    @triton.jit
+    def _match(K, REMOVE, CU, TARGET, sk_t, HEADS: tl.constexpr, HD: tl.constexpr, NUM_PREFIX: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        tile, seq = tl.program_id(0), tl.program_id(1)
+        start = tl.load(CU + seq)
+        length = tl.load(CU + seq + 1) - start
+        if tile * BLOCK_M < length:
+            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows_m = (start + offs_m).to(tl.int64)
+            removed = (offs_m < length) & (tl.load(REMOVE + rows_m, mask=offs_m < length, other=0) != 0)
+            if tl.max(removed.to(tl.int32), 0) > 0:
+                q = _metric(K, rows_m, removed, sk_t, HEADS, HD)
+                best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                at = tl.zeros([BLOCK_M], dtype=tl.int32)
+                for n0 in range(0, length, BLOCK_N):
+                    offs_n = n0 + tl.arange(0, BLOCK_N)
+                    rows_n = (start + offs_n).to(tl.int64)
+                    inside = offs_n < length
+                    gone = tl.load(REMOVE + rows_n, mask=inside, other=1) != 0
+                    survivor = inside & (offs_n >= NUM_PREFIX) & ~gone
+                    k = _metric(K, rows_n, survivor, sk_t, HEADS, HD)
+                    s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+                    s = tl.where(survivor[None, :], s, float("-inf"))
+                    tile_best = tl.max(s, 1)
+                    tile_at = tl.argmax(s, 1)
+                    better = tile_best > best  # (strict: the first tile keeps a tie, as torch.argmax)
+                    at = tl.where(better, n0 + tile_at, at)
+                    best = tl.where(better, tile_best, best)
+                tl.store(TARGET + rows_m, start + at.to(tl.int64), mask=removed)
+
+    @triton.jit
+    def _scatter(X, SIZES, REMOVE, TARGET, CU, ACC, MASS, sx_t, batch, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        real = r < tl.load(CU + batch)
+        fold = real & (tl.load(REMOVE + r, mask=real, other=0) != 0)
+        target = tl.load(TARGET + r, mask=fold, other=0)
+        size = tl.load(SIZES + r, mask=fold, other=0.0)
+        tl.atomic_add(MASS + target, size, mask=fold)
+        for c0 in tl.static_range(0, D, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            both = fold[:, None] & (c < D)[None, :]
+            v = tl.load(X + r[:, None] * sx_t + c[None, :], mask=both, other=0.0).to(tl.float32)
+            tl.atomic_add(ACC + target[:, None] * D + c[None, :], v * size[:, None], mask=both)
+
+    @triton.jit
+    def _finish(X, SIZES, CU, ACC, MASS, OUT, NEW_SIZES, sx_t, so_t, batch, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr, COPY: tl.constexpr):
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        real = r < tl.load(CU + batch)
+        size = tl.load(SIZES + r, mask=real, other=1.0)
+        extra = tl.load(MASS + r, mask=real, other=0.0)
+        tl.store(NEW_SIZES + r, size + extra, mask=real)
+        got = real & (extra > 0)
+        for c0 in tl.static_range(0, D, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            inside = (c < D)[None, :]
+            x = tl.load(X + r[:, None] * sx_t + c[None, :], mask=real[:, None] & inside, other=0.0)
+            acc = tl.load(ACC + r[:, None] * D + c[None, :], mask=got[:, None] & inside, other=0.0)
+            y = (x.to(tl.float32) * size[:, None] + acc) / (size + extra)[:, None]
+            y = tl.where(got[:, None], y.to(x.dtype), x)
+            if COPY:
+                tl.store(OUT + r[:, None] * so_t + c[None, :], y, mask=real[:, None] & inside)
+            else:  # in place: only the rows that change
+                tl.store(OUT + r[:, None] * so_t + c[None, :], y, mask=got[:, None] & inside)
+
+
+def fold_kernel_reason(x: torch.Tensor, keys: torch.Tensor, num_heads: int) -> Optional[str]:
+    """Why :func:`fold_rows` cannot fold these rows (``None``: it can)."""
+    if triton is None:
+        return "the triton package is not installed"
+    t, d = x.shape
+    hd = keys.shape[1] // num_heads
+    if keys.shape != (t, d) or keys.stride(1) != 1 or x.stride(1) != 1:
+        return f"x and keys must be [T, d] with unit channel stride, got {tuple(x.shape)} and {tuple(keys.shape)}"
+    if hd < 16 or hd & (hd - 1) or hd * num_heads != d:
+        return f"the kernels take a power-of-two head dim of at least 16, got {hd}"
+    return None
+
+
+def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: torch.Tensor,
+              cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int,
+              out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~timm_dora.engine.packing.fold_removed` in the three kernels of this module (the same
+    arguments and results; ``out`` may be ``x``). Raises ``ValueError`` where
+    :func:`fold_kernel_reason` says why not."""
+    why = fold_kernel_reason(x, keys, num_heads)
+    if why is not None:
+        raise ValueError(f"fold_rows: {why}")
+    t, d = x.shape
+    b = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    remove = remove.contiguous()
+    sizes = sizes.contiguous()
+    target = torch.empty(t, dtype=torch.int64, device=x.device)
+    acc = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    mass = torch.zeros(t, dtype=torch.float32, device=x.device)
+    new_sizes = sizes.clone()  # (rows past the real ones keep theirs)
+    copy = out is None or out.data_ptr() != x.data_ptr()
+    out = torch.empty_like(x) if out is None else out
+    _match[(-(-max_len // BLOCK_M), b)](keys, remove, cu, target, keys.stride(0), HEADS=num_heads,
+                                         HD=d // num_heads, NUM_PREFIX=num_prefix, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                         num_warps=4)
+    rows = (-(-t // BLOCK_R),)
+    block_d = min(256, triton.next_power_of_2(d))
+    _scatter[rows](x, sizes, remove, target, cu, acc, mass, x.stride(0), b, D=d, BLOCK_R=BLOCK_R, BLOCK_D=block_d,
+                   num_warps=4)
+    _finish[rows](x, sizes, cu, acc, mass, out, new_sizes, x.stride(0), out.stride(0), b, D=d, BLOCK_R=BLOCK_R,
+                  BLOCK_D=block_d, COPY=copy, num_warps=4)
+    return out, new_sizes
