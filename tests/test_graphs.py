@@ -21,6 +21,7 @@ import timm_dora  # noqa: E402
 from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
 from timm_dora.engine import graphs as graphs_module  # noqa: E402
 from timm_dora.engine import segments as segments_module  # noqa: E402
+from timm_dora.engine import whole as whole_module  # noqa: E402
 from timm_dora.engine.graphs import MAX_CACHED, GraphRunner  # noqa: E402
 from timm_dora.policy import Decision  # noqa: E402
 
@@ -419,10 +420,12 @@ def test_captured_graphs_match_the_default_forward_on_cuda(kind, bucket, monkeyp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton gate and the capture)")
-def test_no_reference_to_a_captured_qkv_output_outlives_its_graph():
+def test_no_reference_to_a_captured_qkv_output_outlives_its_graph(monkeypatch):
     """A fused intervention graph's controller reads the keys as a view of the same graph's qkv
     output; after the capture no reference to it may remain (it would pin that output's memory in
-    the graphs' pool, where later captures reuse freed memory)."""
+    the graphs' pool, where later captures reuse freed memory). (The per-block executor: a batch
+    this small would otherwise run as one planned graph.)"""
+    monkeypatch.setattr(whole_module, "PLANNED", False)
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     timm_dora.wrap(model, actor=kind_actor(model, "forced").to("cuda", torch.bfloat16), cuda_graphs=True)
@@ -540,9 +543,11 @@ def test_a_garbage_collection_inside_a_capture_destroys_no_graph(monkeypatch):
     graphs' destruction invalidated it (cudaErrorStreamCaptureInvalidated on an H100). Here the
     dropped graphs become young cyclic garbage inside the first capture and the collector's
     threshold is 1: the capture must still succeed (no collection while capturing) and give the
-    default forward's result."""
+    default forward's result. (The per-block executor: a batch this small would otherwise run as
+    one planned graph, observed eagerly first.)"""
     import gc
 
+    monkeypatch.setattr(whole_module, "PLANNED", False)
     name, kw = SMALL_FAMILIES["deit"]
     old = make_model(name, **kw).to("cuda", torch.bfloat16)
     x = images(old, 6).to("cuda", torch.bfloat16)
