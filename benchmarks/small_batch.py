@@ -1,6 +1,7 @@
 """Small batches: the whole-forward graphs against the per-block executor and native (not a test).
 
-For each configuration of ``default_speed.py`` and each batch size of ``--batches``, in one process
+For each configuration of ``default_speed.py`` (``deit_tiny_published`` with ``--deit-weights``: the
+merging DeiT-Ti actor) and each batch size of ``--batches``, in one process
 on one GPU (bf16, the timing protocol of :func:`timm_dora.evaluate.bench.time_forward`):
 ``native_compiled_ips`` and ``native_compiled_ro_ips`` (the timm model under ``torch.compile``,
 default mode and ``mode="reduce-overhead"``, which replays CUDA graphs), and the wrapped model with
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timm_dora  # noqa: E402
 from timm_dora.engine import whole  # noqa: E402
 from timm_dora.evaluate import inference_device, loader_for, write_json  # noqa: E402
-from default_speed import add_common_args, deit_forced, header, timed, vit_published  # noqa: E402
+from default_speed import DEIT_TI, add_common_args, deit_forced, header, timed, vit_published  # noqa: E402
 
 
 def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
@@ -56,7 +57,9 @@ def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
-    ap.add_argument("--configs", nargs="+", default=["deit_base_forced_369", "vit_tiny_published"])
+    ap.add_argument("--configs", nargs="+", default=["deit_base_forced_369", "vit_tiny_published"],
+                    choices=["deit_base_forced_369", "vit_tiny_published", "deit_tiny_published"])
+    ap.add_argument("--deit-weights", default=None, help="DeiT-Ti weights (deit_tiny_published)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device("cuda", "bf16")
@@ -65,7 +68,10 @@ def main(argv=None) -> None:
         if config == "deit_base_forced_369":
             model, actor, make = deit_forced(dev, dtype)
         else:
-            model, actor = vit_published(args, dev, dtype)
+            if config == "deit_tiny_published" and not args.deit_weights:
+                ap.error("deit_tiny_published needs --deit-weights")
+            model, actor = (vit_published(args, dev, dtype) if config == "vit_tiny_published" else
+                            vit_published(args, dev, dtype, DEIT_TI, args.deit_weights))
             pool = torch.cat([x for x, *_ in loader_for(model, args.data, "test", batch=64, workers=4,
                                                         limit=2 * max(args.batches))]).to(dev, dtype)
             make = lambda b: [pool[:b], pool[b:2 * b]]

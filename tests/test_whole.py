@@ -54,16 +54,18 @@ def _assert_same(got, ref):
                 assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1])
 
 
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
 @pytest.mark.parametrize("family", ["deit", "deit_distilled", "dinov2_registers"])
-def test_whole_forward_equals_the_eager_executor(family, kind, whole_calls, monkeypatch):
+def test_whole_forward_equals_the_eager_executor(family, kind, merge, whole_calls, monkeypatch):
+    """Deleting or merging (the fold in the controller's segment, the sizes carried along)."""
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     actor = kind_actor(model, kind)
     xs = [images(model, 5, seed=s) for s in (1, 2, 1)]  # fixed buffers reused; a batch seen again
-    ref = _forwards(model, xs, actor=actor, cuda_graphs=False)
+    ref = _forwards(model, xs, actor=actor, cuda_graphs=False, merge=merge)
     monkeypatch.setattr(whole, "WHOLE", True)
-    got = _forwards(model, xs, actor=actor, cuda_graphs=True)
+    got = _forwards(model, xs, actor=actor, cuda_graphs=True, merge=merge)
     assert len(whole_calls) == len(xs)
     _assert_same(got, ref)
     removed = ref[0][1].removed
@@ -107,16 +109,17 @@ def test_whole_unplanned_runs_only_when_captured_and_at_most_max_batch(monkeypat
     timm_dora.unwrap(model)
 
 
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers"])
-def test_planned_forward_equals_the_eager_executor(family, kind, whole_calls, monkeypatch):
+def test_planned_forward_equals_the_eager_executor(family, kind, merge, whole_calls, monkeypatch):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     actor = kind_actor(model, kind)
     xs = [images(model, 5, seed=s) for s in (1, 1, 2, 1)]
-    ref = _forwards(model, xs, actor=actor, cuda_graphs=False)
+    ref = _forwards(model, xs, actor=actor, cuda_graphs=False, merge=merge)
     monkeypatch.setattr(whole, "PLANNED", True)
-    timm_dora.wrap(model, actor=actor, cuda_graphs=True)
+    timm_dora.wrap(model, actor=actor, cuda_graphs=True, merge=merge)
     got = []
     with torch.inference_mode():
         for x in xs:
@@ -234,16 +237,17 @@ def test_whole_graph_on_cuda_is_one_replay_without_host_reads(kind, batch, monke
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("kind", ["biased", "forced"])
-def test_planned_graph_on_cuda_replays_one_graph_with_the_per_block_decisions(kind, monkeypatch):
+def test_planned_graph_on_cuda_replays_one_graph_with_the_per_block_decisions(kind, merge, monkeypatch):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
     xs = [images(model, 12, seed=s).to("cuda", torch.bfloat16) for s in (1, 1, 1)]
     monkeypatch.setattr(whole, "PLANNED", False)
-    ref = _forwards(model, xs, actor=actor)
+    ref = _forwards(model, xs, actor=actor, merge=merge)
     monkeypatch.setattr(whole, "PLANNED", None)  # the default: planned up to whole.PLANNED_MAX_BATCH
-    timm_dora.wrap(model, actor=actor)
+    timm_dora.wrap(model, actor=actor, merge=merge)
     with torch.inference_mode():
         got = [(model(x), model.dora_stats) for x in xs]  # observed eagerly, captured, replayed
         runner = next(iter(model._dora.graphs.values()))

@@ -442,7 +442,7 @@ def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, pl
         patches = [(lengths[:, l], lengths[:, l].sum(), rec.ids[l], rec.remove[l], rec.removed[:, l].sum())
                    if opened[l] else None for l in range(len(opened))]
         return _statistics(cost, p, n0, rec.gate, rec.removed, rec.flops.sum(0), patches, False, runner.backend,
-                           keep)
+                           keep, state.merge)
 
     return (logits if keep == runner.batch else logits[:keep]), _LazyStats(statistics)
 

@@ -79,8 +79,6 @@ def whole_reason(runner) -> Optional[str]:
         return "the policy decides on the host (not a deterministic CLS actor at its own input size)"
     if not runner._captured_readout:
         return "the readout pools over tokens (captured only for the CLS-token head)"
-    if runner.merge:
-        return "merge=True runs block by block (the whole graph does not fold yet)"
     return None
 
 
@@ -214,7 +212,8 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             r._keys_in_place = None  # (a view of this block's qkv output)
             if not r.capture:
                 t = int(r.lengths.sum())
-                r.cur = Packed(r.x[l % 2][:t], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:t].clone())
+                r.cur = Packed(r.x[l % 2][:t], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:t].clone(),
+                               r.sizes[:t].clone() if r.merge else None)
             mlp[l]()
         read()
         out = r.logits.get("whole")
