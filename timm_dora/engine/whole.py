@@ -6,8 +6,8 @@ waits for each block's gate vector and, after a deletion, for the new lengths (a
 to back as one graph and every decision stays on the device:
 
 - per block, the attention residual with the actor's gate in line, then, where the graph runs the
-  controller, the controller on every image masked by the gate, the deletion (the survivors
-  gathered to the front of the rows, lengths and ``cu_seqlens`` updated) and the history
+  controller, the controller on every image masked by the gate, the deletion (with ``merge=True``
+  the removed rows folded into their best match first; the survivors gathered to the front of the rows, lengths and ``cu_seqlens`` updated) and the history
   ``(N_l, rho_l, E_<l)`` updated in place, then the MLP; rows past the survivors are padding that
   the attention never reads and the deletion never gathers;
 - the CLS-token readout at the final ``cu_seqlens``.
