@@ -91,3 +91,8 @@ def test_cuda_fold_kernel_matches_the_ops_and_replays_from_a_graph(monkeypatch):
     out.zero_()
     graph.replay()
     torch.testing.assert_close(out[:t].float(), got_x[:t].float(), rtol=1e-2, atol=1e-2)  # (atomics: any order)
+    # the kernels are forward-only: rows that carry a gradient take the ops, which keep it
+    grad_x = x[:t].float().requires_grad_()
+    folded, _ = packing.fold_removed(grad_x, keys[:t].float(), remove[:t], sizes[:t], cu, 197, 1, 3)
+    folded.sum().backward()
+    assert grad_x.grad is not None and torch.isfinite(grad_x.grad).all()

@@ -48,6 +48,17 @@ def test_merge_removed_matches_heads_averaged_and_stays_in_its_image():
     assert torch.allclose(merged.x[3], (x[1] + x[3]) / 2) and torch.allclose(merged.x[6], (x[5] + x[6]) / 2)
 
 
+def test_merge_removed_carries_gradients_by_hand():
+    """The fold is a size-weighted mean, so it is differentiable: one image (CLS, v0, v1), v0
+    folded into v1; the sum of the rows (the folded row kept until the deletion) is
+    cls + v0 + (v0 + v1) / 2, whose gradient is 1, 1.5 and 0.5 per element."""
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], requires_grad=True)
+    keys = torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, 0.1]])
+    merged = merge_removed(Packed.from_dense(x[None], num_prefix=1), keys, torch.tensor([False, True, False]), 1)
+    merged.x.sum().backward()
+    assert x.grad.tolist() == [[1.0, 1.0], [1.5, 1.5], [0.5, 0.5]]
+
+
 @pytest.mark.parametrize("backend", ["padded", "sdpa_loop"])
 def test_attention_with_sizes_equals_duplicated_keys(backend):
     g = torch.Generator().manual_seed(0)

@@ -335,8 +335,9 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     at least the longest image. Every image's similarities are one ``[S, S]`` product (``S =
     max_len``) over its padded metric rows, the non-survivors' columns at ``-inf``; the sums in
     float32. On CUDA (:data:`FOLD_KERNEL`) the same in the Triton kernels of
-    :mod:`~timm_dora.engine.fold_kernel`, where they take the head dim."""
-    if x.is_cuda and FOLD_KERNEL:
+    :mod:`~timm_dora.engine.fold_kernel`, where they take the head dim and no gradient is carried
+    (the kernels are forward-only)."""
+    if x.is_cuda and FOLD_KERNEL and not (torch.is_grad_enabled() and (x.requires_grad or keys.requires_grad)):
         from .fold_kernel import fold_kernel_reason, fold_rows
 
         if fold_kernel_reason(x, keys, num_heads) is None:
@@ -363,7 +364,8 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     mass = sizes.index_add(0, target, weight)
     acc = torch.mul(x, sizes[:, None])  # float32
     acc.index_add_(0, target, torch.where(fold[:, None], acc, 0.0))  # (padding may hold anything)
-    return torch.div(acc, mass[:, None], out=out if out is not None else torch.empty_like(x)), mass
+    folded = acc / mass[:, None]
+    return (folded.to(x.dtype) if out is None else out.copy_(folded)), mass
 
 
 # --------------------------------------------------------------------------------------------
