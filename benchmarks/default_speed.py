@@ -27,8 +27,8 @@ loop, median of repeats; ``--warmup/--iters/--repeats``) on GPU-resident batches
 
 Configurations: ``vit_tiny_published`` (ViT-Ti with ``--vit-weights``, the actor in hub/, the
 first ``--images`` `test` images of ``--data``), ``deit_tiny_published`` (the same for DeiT-Ti with
-``--deit-weights``: its actor merges; no reference or compiled-DORA rows) and ``deit_base_forced_369`` (DeiT-B with random
-weights and random images, a random actor whose gate is forced open at blocks 3, 6 and 9), which
+``--deit-weights``: its actor merges, ``merge: true`` in the row; no reference rows) and
+``deit_base_forced_369`` (DeiT-B with random weights and random images, a random actor whose gate is forced open at blocks 3, 6 and 9), which
 adds ``gate_off_default_ips`` (``NoPrune``, defaults) and ``by_batch`` (the rows at batch sizes
 ``--by-batch``, every field but the references; the one at ``--batch`` is the top-level row).
 
@@ -261,27 +261,25 @@ def main(argv=None) -> None:
     dev, dtype, _ = inference_device("cuda", "bf16")
     res: Dict[str, Any] = header(dev, "default_speed.py", argv, args, batch=args.batch)
 
-    if "vit_tiny_published" in args.configs:
-        model, actor = vit_published(args, dev, dtype)
+    # the published actors on real test images: (backbone, weights and their option, the reference rows too)
+    published = {"vit_tiny_published": (VIT, args.vit_weights, "--vit-weights", True),
+                 "deit_tiny_published": (DEIT_TI, args.deit_weights, "--deit-weights", False)}
+    for config, (name, weights, option, references) in published.items():
+        if config not in args.configs:
+            continue
+        if not weights:
+            ap.error(f"{config} needs {option}")
+        model, actor = vit_published(args, dev, dtype, name, weights)
         loader = loader_for(model, args.data, "test", batch=args.batch, workers=4, limit=args.images)
         inputs = [x.to(dev, dtype) for x, *_ in loader if x.shape[0] == args.batch]
-        row = {"actor": f"timm_dora/hub/actors/{VIT}", "images": sum(x.shape[0] for x in inputs)}
-        res["vit_tiny_published"] = row
+        row = {"actor": f"timm_dora/hub/actors/{name}", "images": sum(x.shape[0] for x in inputs)}
+        if actor.merge:
+            row["merge"] = True
+        res[config] = row
         if not args.compiled_only:
-            row.update(native_rows(model, inputs, args))
-        dora_rows(model, lambda: actor, inputs, args, row=row, save=lambda: write_json(args.out, res))
-        del model, inputs
-
-    if "deit_tiny_published" in args.configs:
-        if not args.deit_weights:
-            ap.error("deit_tiny_published needs --deit-weights")
-        model, actor = vit_published(args, dev, dtype, DEIT_TI, args.deit_weights)
-        loader = loader_for(model, args.data, "test", batch=args.batch, workers=4, limit=args.images)
-        inputs = [x.to(dev, dtype) for x, *_ in loader if x.shape[0] == args.batch]
-        row = {"actor": f"timm_dora/hub/actors/{DEIT_TI}", "merge": actor.merge, "images": sum(x.shape[0] for x in inputs)}
-        res["deit_tiny_published"] = row
-        row.update(native_rows(model, inputs, args, references=False))
-        dora_rows(model, lambda: actor, inputs, args, row=row, save=lambda: write_json(args.out, res), references=False)
+            row.update(native_rows(model, inputs, args, references=references))
+        dora_rows(model, lambda: actor, inputs, args, row=row, save=lambda: write_json(args.out, res),
+                  references=references)
         del model, inputs
 
     if "deit_base_forced_369" in args.configs:

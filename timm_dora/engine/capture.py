@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
-from .graphs import MAX_CACHED, graph_mode_reason, release_all
+from .graphs import MAX_CACHED, decides_in_graphs, graph_mode_reason, release_all
 
 __all__ = ["batch_bucket", "capture_reason", "pad_batch", "engine_info", "release_graphs", "fell_back"]
 
@@ -70,11 +70,8 @@ def _merge_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Optio
     controller graph, and on CUDA the proportional attention in the Triton kernel."""
     if images.is_cuda and backend != "triton":
         return f"merge=True is captured on the 'triton' attention backend only, not {backend!r}"
-    policy = model._dora.policy
-    actor, probes = getattr(policy, "actor", None), getattr(policy, "probes_in_graphs", None)
     grid = [n // p for n, p in zip(images.shape[-2:], model.patch_embed.patch_size)]
-    if (probes is None or actor is None or not probes(grid[0] * grid[1])
-            or actor.w_in.weight.dtype != next(model.parameters()).dtype):
+    if not decides_in_graphs(model._dora.policy, grid[0] * grid[1], next(model.parameters()).dtype):
         return "merge=True is captured for a deterministic CLS actor in the model's dtype only"
     return None
 

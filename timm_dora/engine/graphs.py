@@ -93,7 +93,7 @@ from .packing import Packed, delete_rows
 from .protocol import BlockContext, Decision, ForwardConstants, LazyKeysContext
 from .segments import Segments
 
-__all__ = ["GraphRunner", "RunAheadMissed", "graph_runner", "release_all", "graph_mode_reason",
+__all__ = ["GraphRunner", "RunAheadMissed", "decides_in_graphs", "graph_runner", "release_all", "graph_mode_reason",
            "rows_bucket", "ROWS_BUCKET", "MAX_CACHED", "FUSED_INTERVENTIONS", "RUN_AHEAD"]
 
 MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
@@ -138,6 +138,16 @@ def graph_mode_reason(model: nn.Module, images: torch.Tensor, backend: str) -> O
     return None
 
 
+def decides_in_graphs(policy, num_patches: int, dtype: torch.dtype) -> bool:
+    """Whether the gate and controller run inside the graphs (a runner's ``probing``): only for a
+    plain deterministic ActorPolicy (a subclass may decide differently: it is called as a policy)
+    of the CLS form at its own input size, in the activations' dtype, whose keys are kept (the
+    packed gate reads them)."""
+    actor, probes = getattr(policy, "actor", None), getattr(policy, "probes_in_graphs", None)
+    return (probes is not None and probes(num_patches) and actor is not None
+            and actor.w_in.weight.dtype == dtype and bool(getattr(policy, "reads_keys", True)))
+
+
 class GraphRunner(Segments):
     """The graph-replayed forward of one wrapped model for one batch shape and policy.
 
@@ -155,13 +165,7 @@ class GraphRunner(Segments):
         self.capture_s, allocated = 0.0, torch.cuda.memory_allocated(dev) if self.capture else 0
         with torch.inference_mode(False), torch.no_grad():  # normal tensors: usable under no_grad too
             self._make_buffers(model, images)
-        # the gate and controller run inside the graphs only for a plain deterministic ActorPolicy
-        # (a subclass may decide differently: it is called as a policy) of the CLS form at its own
-        # input size, in the activations' dtype, whose keys are kept (the packed gate reads them)
-        actor = getattr(policy, "actor", None)
-        probes = getattr(policy, "probes_in_graphs", None)
-        self.probing = (probes is not None and probes(self.num_patches) and actor is not None
-                        and actor.w_in.weight.dtype == self.x[0].dtype and self.copy_keys)
+        self.probing = decides_in_graphs(policy, self.num_patches, self.x[0].dtype)
         if merge and not self.probing:
             raise ValueError("merge=True is captured for a deterministic CLS actor only")
         # the actor's gate runs in line on the graph's stream, right after qkv: the Triton gate
@@ -179,8 +183,8 @@ class GraphRunner(Segments):
                 self.k = torch.zeros_like(self.x[0])
         if self.probing:
             with torch.inference_mode(False):
-                self.context_out = torch.zeros(self.depth, self.batch, actor.gate_hidden,
-                                               dtype=actor.w_in.weight.dtype, device=dev)
+                self.context_out = torch.zeros(self.depth, self.batch, policy.actor.gate_hidden,
+                                               dtype=self.x[0].dtype, device=dev)  # (the actor's dtype)
                 self.context_packed = torch.zeros_like(self.context_out)
                 # the speculative MLP must not overwrite the attention output (a gate that opens
                 # deletes from it): a third buffer. Other policies decide before the MLP, which then
@@ -531,7 +535,6 @@ class GraphRunner(Segments):
         attended = self.attended
         if self.probing:  # every deletion of the actor's runner comes from its controller graph
             lengths, ids = self.lengths.clone(), self.ids.clone()
-            sizes = self.sizes.clone() if self.merge else None
             if history is not None:
                 self.set_history(*history)
             if self.capture:
@@ -540,8 +543,9 @@ class GraphRunner(Segments):
             total = sum(lengths_host)
             rows = self._padded(total)
             self._run(("mlp_compacted", l, rows))
+            # (merge) the sizes as a view: only the uncaptured attention reads them, before the next fold
             self.cur = Packed(self.x[(l + 1) % 2][:total], lengths, lengths_host, attended.num_prefix, ids[:total],
-                              None if sizes is None else sizes[:total])
+                              self.sizes[:total] if self.merge else None)
             if history is not None and l + 1 < self.depth:
                 # and the next block's graph right behind it, before the host's bookkeeping: the
                 # survivors' MLP is short (ViT-Ti: shorter than the host's way to the next block)

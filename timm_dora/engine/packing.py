@@ -58,6 +58,7 @@ __all__ = [
     "delete_rows",
     "merge_removed",
     "fold_removed",
+    "segment_and_position",
     "FOLD_KERNEL",
     "gather_survivors",
     "rows_where",
@@ -76,6 +77,15 @@ def segment_ids(lengths: torch.Tensor, total: int) -> torch.Tensor:
     """Sequence index of every packed row (``[total]`` int64), without a host sync."""
     idx = torch.arange(lengths.numel(), device=lengths.device)
     return torch.repeat_interleave(idx, lengths, output_size=total)
+
+
+def segment_and_position(cu_seqlens: torch.Tensor, idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sequence and position of rows ``idx`` of a packed layout (``cu_seqlens``: ``[B+1]`` int64);
+    rows past the last sequence count as the last one's (their positions run on past its end).
+    No host read: what the actor's fixed-shape controller (``ActorPolicy.controller_fixed``) and
+    :func:`fold_removed` capture."""
+    seg = torch.searchsorted(cu_seqlens[1:], idx, right=True).clamp_max(cu_seqlens.numel() - 2)
+    return seg, idx - cu_seqlens[:-1][seg]
 
 
 @dataclass
@@ -303,9 +313,7 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
     return Packed(x, lengths, lengths_host, packed.num_prefix, ids, sizes)
 
 
-# On CUDA merging's fold runs in the Triton kernels of engine.fold_kernel (0.63 ms per DeiT-Ti block
-# at batch 320 in PyTorch ops on an H100, benchmarks/results/merge_modes/fold_profile_h100.json); False: the ops
-FOLD_KERNEL = True
+FOLD_KERNEL = True  # on CUDA merging's fold in engine.fold_kernel's Triton kernels (False: the PyTorch ops)
 
 
 def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_heads: int) -> Packed:
@@ -346,10 +354,8 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     b = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.long()
     row = torch.arange(t, device=dev)
-    image = torch.searchsorted(cu[1:], row, right=True)  # b past the last image
-    live = image < b
-    image = image.clamp_max(b - 1)
-    pos = row - cu[image]
+    image, pos = segment_and_position(cu, row)
+    live = row < cu[-1]
     slot = torch.where(live, image * max_len + pos, b * max_len)  # in a padded [B, S] layout; a spare slot
     metric = keys.float().reshape(t, num_heads, -1).mean(1)
     metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)

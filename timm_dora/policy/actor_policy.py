@@ -16,7 +16,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..engine.flops import actor_controller_macs, actor_gate_macs
-from ..engine.packing import Packed, removal_mask, rows_where, segment_ids, select_backend
+from ..engine.packing import Packed, removal_mask, rows_where, segment_and_position, segment_ids, select_backend
 from ..engine.protocol import BlockContext, Decision
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
 from .actor_kernels import fused_controller, fused_controller_reason, fused_gate
@@ -93,14 +93,6 @@ def host_reader(t: torch.Tensor) -> Callable[[], list]:
 
         return read
     return t.cpu().tolist
-
-
-def segment_and_position(cu_seqlens: torch.Tensor, idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sequence and position of rows ``idx`` of a packed layout (``cu_seqlens``: ``[B+1]`` int64);
-    rows past the last sequence count as the last one's (their positions run on past its end).
-    No host read: what :meth:`ActorPolicy.controller_fixed` captures."""
-    seg = torch.searchsorted(cu_seqlens[1:], idx, right=True).clamp_max(cu_seqlens.numel() - 2)
-    return seg, idx - cu_seqlens[:-1][seg]
 
 
 class _FixedLayout(NamedTuple):
