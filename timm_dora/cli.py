@@ -1,4 +1,4 @@
-"""The ``timm-dora`` command: ``eval``, ``bench``, ``viz``, ``partition`` and ``distill`` subcommands.
+"""The ``timm-dora`` command: ``eval``, ``bench``, ``viz``, ``partition``, ``distill`` and ``calibrate`` subcommands.
 
 Each subcommand lives in its own module, which provides ``add_parser(subparsers)`` registering its
 arguments and setting ``func`` (called with the parsed arguments, returning an exit code). Modules
@@ -21,6 +21,7 @@ COMMANDS = {
     "viz": ("timm_dora.viz.cli", "pictures: pruning trajectories, policy statistics, training dynamics"),
     "partition": ("timm_dora.partition", "re-partition the training images of a labels CSV (test stays)"),
     "distill": ("timm_dora.train.distill", "a narrower actor that makes a trained actor's decisions (ours)"),
+    "calibrate": ("timm_dora.evaluate.calibrate", "move an actor's operating point to a GFLOPs reduction, without labels (ours)"),
 }
 
 

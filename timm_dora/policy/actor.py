@@ -30,6 +30,7 @@ packed batch is :mod:`timm_dora.policy`; counting their FLOPs is :mod:`timm_dora
 """
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -318,6 +319,20 @@ class Actor(nn.Module):
         the input's ``N0``, for the grid it reads)."""
         logits = self.budget_head(z_cls).float()
         return logits.masked_fill(~self.feasible_budgets(n_visual, num_patches), float("-inf"))
+
+    def tilted(self, per_token: float) -> "Actor":
+        """A copy of this actor whose budget head scores every budget ``k`` (a removal count on the
+        actor's own grid) ``logit_k - per_token * k`` (ours; :mod:`timm_dora.evaluate.calibrate`).
+
+        The deterministic budget moves toward fewer removed tokens for ``per_token > 0`` and more
+        for ``< 0``; the sampled one is the policy's categorical tilted by ``exp(-per_token k)``.
+        Gates, encoder and selector are unchanged. The tilt lives in the last layer's bias, so a
+        tilted actor saves, loads and runs on every executor as any other."""
+        out = copy.deepcopy(self)
+        last = out.budget_head[-1]
+        with torch.no_grad():
+            last.bias.sub_(float(per_token) * out.budgets.to(last.bias.dtype))
+        return out
 
     def selector_scores(self, z_visual: torch.Tensor, fraction: torch.Tensor, seg: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Removal scores ``s_j = MLP_S(Z_j + W_k k/N_l)`` (float32), ``W_k`` run once per image.
