@@ -8,8 +8,9 @@
 # tradeoff_vit_tiny: drop against GFLOPs on `test` of DORA's seeds (the published actor's three
 #   distillation seeds, width 32) and checkpoints (its teacher, a width-64 student), the static and
 #   ToMe sweeps and the random selector (benchmarks/results/tradeoff_vit_tiny.json, H100);
-# tradeoff_deit_tiny: the same for DeiT-Ti (benchmarks/results/tradeoff_deit_tiny.json: the thirteenth round's
-#   four merging width-32 students, the published one chosen on qc + dev, their teachers and the actor published before, H100);
+# tradeoff_deit_tiny: the same for DeiT-Ti (benchmarks/results/tradeoff_deit_tiny.json: the fifteenth round's four
+#   stage-3 seeds calibrated to -35.75 %, the published one chosen on the pool, the seeds before calibration and the
+#   actor published before, H100);
 # tradeoff_deit_tiny_continued: the fourth round's --actor-width 64 seeds (stage 1,
 #   benchmarks/results/tradeoff_deit_tiny_w64.json) beside the fifth round (a second training stage,
 #   width-32 students; benchmarks/results/tradeoff_deit_tiny_continued.json, H100);
@@ -32,7 +33,7 @@ timm-dora viz tradeoff --results $R/compare/compare_*.json --format png --out do
 timm-dora viz tradeoff --results $R/tradeoff_vit_tiny.json --format png --out docs --name tradeoff_vit_tiny \
     --title "ViT-Ti, test split: DORA (width-32 students of the paper-recipe actor, 3 seeds), static and ToMe sweeps"
 timm-dora viz tradeoff --results $R/tradeoff_deit_tiny.json --format png --out docs --name tradeoff_deit_tiny \
-    --title "DeiT-Ti, test split: DORA (two augmented stages, the second merging; width-32 students, 4 seeds), static and ToMe sweeps"
+    --title "DeiT-Ti, test split: DORA (stage 3 from the merging student, calibrated to -35.75 %; 4 seeds), static and ToMe sweeps"
 timm-dora viz tradeoff --results $R/tradeoff_deit_tiny_w64.json $R/tradeoff_deit_tiny_continued.json --format png --out docs \
     --name tradeoff_deit_tiny_continued \
     --title "DeiT-Ti, test split: stage 1 (left) and the fifth round's second stage, width-32 students (right)"
