@@ -387,6 +387,16 @@ def test_merge_or_prune_pairs_three_forms_of_tome_at_equal_gflops(tmp_path):
         merge_or_prune.main(common + ["--splits", "dev", "test", "--r", "1", "--out", str(tmp_path / "bad.json")])
 
 
+def test_the_static_sweep_must_span_half_to_twice_the_dora_saving_in_one_family():
+    import tradeoff
+
+    rows = [{"family": "a", "gflops_reduction_pct": r} for r in (10, 30, 45)] + \
+           [{"family": "b", "gflops_reduction_pct": r} for r in (20, 70)]
+    assert tradeoff._static_covers(rows, 22.5)  # a: 10 <= 11.25 and 45 >= 45
+    assert not tradeoff._static_covers(rows, 23.0)  # a stops at 45 < 46, b starts at 20 > 11.5
+    assert not tradeoff._static_covers(rows, 35.0)  # 10-70 only across the two families
+
+
 def test_tradeoff_rounds_records_to_six_significant_digits():
     import tradeoff
 
@@ -459,7 +469,10 @@ def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path, monkeypa
     for a, b in [(res["dora"], sd["dora"]), (res["random_selector"], sd["random_selector"])] + list(zip(res["tome"], sd["tome"])):
         assert a["top1"] == b["top1"] and b["gflops"] < a["gflops"]
     assert set(res["targets"]) == {"drop_pp_le_1", "gflops_reduction_pct_ge_30", "dominates_static",
-                                   "random_selector_1pp_worse", "per_image_spread_ge_5pct"}
+                                   "random_selector_1pp_worse", "per_image_spread_ge_5pct", "static_covers_half_to_twice"}
+    reds = [s["gflops_reduction_pct"] for s in res["static"]]  # one family here
+    assert res["targets"]["static_covers_half_to_twice"] == (min(reds) <= d["gflops_reduction_pct"] / 2
+                                                             and max(reds) >= 2 * d["gflops_reduction_pct"])
 
 
 def test_choose_seed_rule_by_hand():
