@@ -235,6 +235,19 @@ def vit_published(args, dev, dtype, name: str = VIT, weights: Optional[str] = No
     return model, resolve_actor(model).to(dev, dtype)
 
 
+# the published-actor configurations: backbone and the argument naming its weights
+PUBLISHED = {"vit_tiny_published": (VIT, "vit_weights"), "deit_tiny_published": (DEIT_TI, "deit_weights")}
+
+
+def published(ap, config: str, args, dev, dtype):
+    """A configuration of :data:`PUBLISHED`: its backbone with the weights its option names and its
+    actor in hub/ (:func:`vit_published`); a usage error through ``ap`` when the option is missing."""
+    name, dest = PUBLISHED[config]
+    if not getattr(args, dest, None):
+        ap.error(f"{config} needs --{dest.replace('_', '-')}")
+    return vit_published(args, dev, dtype, name, getattr(args, dest))
+
+
 def deit_forced(dev, dtype):
     """``deit_base_forced_369``: DeiT-B with random weights, a random actor whose gate is forced
     open at blocks 3, 6 and 9, and ``make(b)``: two batches of ``b`` random images."""
@@ -261,15 +274,9 @@ def main(argv=None) -> None:
     dev, dtype, _ = inference_device("cuda", "bf16")
     res: Dict[str, Any] = header(dev, "default_speed.py", argv, args, batch=args.batch)
 
-    # the published actors on real test images: (backbone, weights and their option, the reference rows too)
-    published = {"vit_tiny_published": (VIT, args.vit_weights, "--vit-weights", True),
-                 "deit_tiny_published": (DEIT_TI, args.deit_weights, "--deit-weights", False)}
-    for config, (name, weights, option, references) in published.items():
-        if config not in args.configs:
-            continue
-        if not weights:
-            ap.error(f"{config} needs {option}")
-        model, actor = vit_published(args, dev, dtype, name, weights)
+    for config in (c for c in PUBLISHED if c in args.configs):  # the published actors on real test images
+        model, actor = published(ap, config, args, dev, dtype)
+        name, references = PUBLISHED[config][0], config == "vit_tiny_published"  # (none for the merging DeiT-Ti)
         loader = loader_for(model, args.data, "test", batch=args.batch, workers=4, limit=args.images)
         inputs = [x.to(dev, dtype) for x, *_ in loader if x.shape[0] == args.batch]
         row = {"actor": f"timm_dora/hub/actors/{name}", "images": sum(x.shape[0] for x in inputs)}

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timm_dora  # noqa: E402
 from timm_dora.engine import whole  # noqa: E402
 from timm_dora.evaluate import inference_device, loader_for, write_json  # noqa: E402
-from default_speed import DEIT_TI, add_common_args, deit_forced, header, timed, vit_published  # noqa: E402
+from default_speed import add_common_args, deit_forced, header, published, timed  # noqa: E402
 
 
 def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
@@ -68,10 +68,7 @@ def main(argv=None) -> None:
         if config == "deit_base_forced_369":
             model, actor, make = deit_forced(dev, dtype)
         else:
-            if config == "deit_tiny_published" and not args.deit_weights:
-                ap.error("deit_tiny_published needs --deit-weights")
-            model, actor = (vit_published(args, dev, dtype) if config == "vit_tiny_published" else
-                            vit_published(args, dev, dtype, DEIT_TI, args.deit_weights))
+            model, actor = published(ap, config, args, dev, dtype)
             pool = torch.cat([x for x, *_ in loader_for(model, args.data, "test", batch=64, workers=4,
                                                         limit=2 * max(args.batches))]).to(dev, dtype)
             make = lambda b: [pool[:b], pool[b:2 * b]]

@@ -101,14 +101,18 @@ def calibrate_tilt(model: nn.Module, actor: Actor, batches: Sequence[torch.Tenso
     on ``batches`` is at least ``target_pct`` (:func:`search_tilt`), and the search's record."""
     if not 0.0 < target_pct < 100.0:
         raise ValueError(f"the target reduction is a percentage in (0, 100), got {target_pct:g}")
-    tilt, history = search_tilt(lambda t: mean_reduction(model, actor.tilted(t), batches, cuda_graphs=cuda_graphs)[1],
-                                target_pct, steps=steps)
-    tilted = actor.tilted(tilt)
-    gflops, reduction = mean_reduction(model, tilted, batches, cuda_graphs=cuda_graphs)
+    measured: Dict[float, Tuple[float, float]] = {}  # tilt -> (GFLOPs, reduction %), each read once
+
+    def reduction_at(t: float) -> float:
+        measured[t] = mean_reduction(model, actor.tilted(t), batches, cuda_graphs=cuda_graphs)
+        return measured[t][1]
+
+    tilt, history = search_tilt(reduction_at, target_pct, steps=steps)
+    gflops, reduction = measured[tilt]  # (the search read the tilt it returns)
     record = {"tilt_per_token": tilt, "target_reduction_pct": target_pct, "reduction_pct": reduction, "gflops": gflops,
               "native_gflops": native_gflops(model, actor.num_patches), "images": sum(int(x.shape[0]) for x in batches),
               "search": history}
-    return tilted, record
+    return actor.tilted(tilt), record
 
 
 def add_parser(sub) -> None:

@@ -326,8 +326,9 @@ class Actor(nn.Module):
 
         The deterministic budget moves toward fewer removed tokens for ``per_token > 0`` and more
         for ``< 0``; the sampled one is the policy's categorical tilted by ``exp(-per_token k)``.
-        Gates, encoder and selector are unchanged. The tilt lives in the last layer's bias, so a
-        tilted actor saves, loads and runs on every executor as any other."""
+        Gates, encoder and selector are unchanged. The tilt lives in the last layer's bias (in its
+        dtype: a bf16 actor's tilted logits are rounded to bf16), so a tilted actor saves, loads and
+        runs on every executor as any other."""
         out = copy.deepcopy(self)
         last = out.budget_head[-1]
         with torch.no_grad():
