@@ -11,7 +11,10 @@ import timm
 import torch
 from PIL import Image
 
-from timm_dora.data import ImageFolderDataset, LabelsCSVDataset, check_disjoint, eval_transform, fixed_shards, open_split, preload
+from timm_dora.data import (
+    ImageFolderDataset, InputNormalize, LabelsCSVDataset, check_disjoint, check_labels, eval_transform, fixed_shards, hold,
+    open_split, preload, uint8_transform,
+)
 from timm_dora.train.pool import RolloutSampler, augment_level, cutmix_patches, train_transform
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -161,7 +164,10 @@ def test_eval_transform_matches_timm_on_real_image():
     x = tf(img)
     assert x.shape == (3, 224, 224)
     assert torch.equal(x, ref(img))
-    assert torch.equal(train_transform(model, augment=False)(img), x)
+    # training moves uint8 and normalises it on the device: the same floats, bit for bit
+    u8 = train_transform(model, augment=False)(img)
+    assert u8.dtype == torch.uint8 and torch.equal(u8, uint8_transform(model)(img))
+    assert torch.equal(InputNormalize(model)(u8[None])[0], x)
 
 
 def test_transforms_use_model_input_size(small_model):
@@ -246,6 +252,83 @@ def test_check_disjoint(fake_csv, tmp_path):
         check_disjoint(sets)
     check_disjoint(sets, content=False)
     check_disjoint({"x": [str(tmp_path / "imgs" / "im0.jpg")], "y": [str(tmp_path / "imgs" / "im1.png")]})
+
+
+def test_check_disjoint_reads_only_files_whose_size_another_split_has(tmp_path, monkeypatch):
+    """Same-file overlap comes from one ``stat`` per file (a link to a file of another split is the
+    same file); content is compared only for files whose exact size occurs in another split: here
+    one size is shared by a file of each split, so two files are read, not 40."""
+    import timm_dora.data as D
+
+    root = tmp_path / "s"
+    root.mkdir()
+    files = {"a": [], "b": []}
+    for k in range(20):
+        for split, fill in (("a", b"a"), ("b", b"b")):
+            size = 100 + 2 * k + (split == "b")  # every size distinct ...
+            if k == 7:
+                size = 500  # ... but one, shared by a pair with other bytes
+            p = root / f"{split}{k}.bin"
+            p.write_bytes(fill * size)
+            files[split].append(str(p))
+    reads = []
+    real = D._content_key
+    monkeypatch.setattr(D, "_content_key", lambda p, size: reads.append(p) or real(p, size))
+    check_disjoint(files)
+    assert sorted(reads) == sorted([files["a"][7], files["b"][7]])
+    # a symbolic link in b to a file of a: the same file under another name
+    (root / "link.bin").symlink_to(root / "a3.bin")
+    with pytest.raises(ValueError, match=r"splits 'a' and 'b' overlap: 1 shared file\(s\), e.g. .*a3.bin"):
+        check_disjoint({"a": files["a"], "b": files["b"] + [str(root / "link.bin")]})
+    # a copy of the same bytes: read and caught
+    (root / "copy.bin").write_bytes((root / "a5.bin").read_bytes())
+    with pytest.raises(ValueError, match=r"identical content.*a5.bin \(a\) == .*copy.bin \(b\)"):
+        check_disjoint({"a": files["a"], "b": files["b"] + [str(root / "copy.bin")]})
+
+
+def test_check_labels_names_the_split_file_and_label(fake_csv):
+    splits = {s: LabelsCSVDataset(fake_csv, s) for s in ("a", "b")}
+    check_labels(splits, 10)
+    with pytest.raises(ValueError, match=r"split 'a': label 9 of .*im2.jpg is outside the model's 8 classes \(0 to 7\)"):
+        check_labels(splits, 8)
+
+
+def test_hold_keeps_uint8_inputs_and_leaves_out_unreadable_files(fake_csv, small_model, capsys):
+    """A fixed set decoded once as uint8; its model inputs equal the float eval transform's bit for
+    bit; a corrupt file and a truncated JPEG are left out, each named in one warning line."""
+    ds = LabelsCSVDataset(fake_csv, "a")
+    held = hold(ds, small_model)
+    assert held.images.dtype == torch.uint8 and held.images.shape == (5, 3, 64, 64) and held.index == [0, 1, 2, 3, 4]
+    ref = preload(LabelsCSVDataset(fake_csv, "a", transform=eval_transform(small_model)))
+    assert torch.equal(held.inputs(), ref[0]) and torch.equal(held.labels, ref[1])
+    assert torch.equal(held.inputs(torch.tensor([3, 1]), torch.bfloat16), ref[0][[3, 1]].bfloat16())
+    Path(ds.paths[1]).write_bytes(b"not an image")
+    jpeg = Path(ds.paths[2]).read_bytes()
+    Path(ds.paths[2]).write_bytes(jpeg[: len(jpeg) // 2])  # truncated
+    capsys.readouterr()
+    held = hold(ds, small_model, indices=[4, 1, 2, 0])
+    assert held.index == [4, 0] and torch.equal(held.inputs(), ref[0][[4, 0]])
+    assert [p for p, _ in held.skipped] == [ds.paths[1], ds.paths[2]]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("timm-dora: warning: skipped unreadable image ") for line in err)
+    assert ds.paths[1] in err[0] and ds.paths[2] in err[1]
+
+
+def test_rollout_images_replace_an_unreadable_file_by_the_next_readable_one(fake_csv, small_model):
+    from timm_dora.train.pool import MAX_UNREADABLE_IN_A_ROW, RolloutImages
+
+    ds = LabelsCSVDataset(fake_csv, "a", transform=train_transform(small_model))
+    pool = RolloutImages(ds, seed=0)
+    fine = pool[(1, 2)][1]
+    Path(ds.paths[1]).write_bytes(b"\xff\xd8 broken")
+    key, x, skipped = pool[(1, 1)]
+    assert key == (1, 1) and torch.equal(x, fine) and [p for p, _ in skipped] == [ds.paths[1]]
+    assert pool[(1, 3)][2] == []
+    for p in ds.paths:
+        Path(p).write_bytes(b"")
+    with pytest.raises(RuntimeError, match=r"5 unreadable images in a row from .*im0.jpg"):
+        pool[(1, 0)]
+    assert MAX_UNREADABLE_IN_A_ROW >= 5
 
 
 @needs_mini

@@ -219,17 +219,15 @@ def test_augmented_rollout_images_depend_only_on_seed_update_and_image(data, tmp
     cfg = config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out", str(tmp_path), "--augment", level]))
     assert cfg.augment == level
     tr = Trainer(cfg)
-    assert tr.rollout_pool is None
+    assert tr.images.rollout_mode == "stream"
     idx = torch.arange(10)
-    tr.u = 3
-    x = tr._rollout_images(idx)
+    x = tr.images.made_here(3, idx)
     random.seed(11)
     np.random.seed(12)
     torch.manual_seed(13)
-    assert torch.equal(tr._rollout_images(idx), x)
-    assert torch.equal(tr._rollout_images(idx[[7, 2]]), x[[7, 2]])
-    tr.u = 4
-    assert not torch.equal(tr._rollout_images(idx), x)
+    assert torch.equal(tr.images.made_here(3, idx), x)
+    assert torch.equal(tr.images.made_here(3, idx[[7, 2]]), x[[7, 2]])
+    assert not torch.equal(tr.images.made_here(4, idx), x)
 
 
 def test_rollout_batches_made_ahead_in_workers_equal_the_in_process_ones(data, tmp_path, one_thread, monkeypatch):
@@ -239,20 +237,108 @@ def test_rollout_batches_made_ahead_in_workers_equal_the_in_process_ones(data, t
     from timm_dora.train import pool as P
 
     served = []
-    original = P.RolloutPrefetch.__next__
-    monkeypatch.setattr(P.RolloutPrefetch, "__next__", lambda self: served.append(1) or original(self))
+    original = P.RolloutStream.__next__
+    monkeypatch.setattr(P.RolloutStream, "__next__", lambda self: served.append(self.loader.num_workers) or original(self))
     runs = {}
     for workers in ("0", "2"):
         out = tmp_path / workers
         assert main(ARGS + ["--data", str(data), "--out", str(out), "--augment", "strong", "--data-workers", workers]) == 0
         runs[workers] = _without_timings(read_metrics(out))
     assert runs["2"] == runs["0"] and len(runs["0"]) == 4
-    assert len(served) == 4  # the workers' batches, only in the run that asked for them
+    assert served == [0] * 4 + [2] * 4  # made in this process, then by the workers
     part = tmp_path / "part"
     args = ARGS + ["--data", str(data), "--out", str(part), "--augment", "strong", "--data-workers", "2"]
     assert main(args + ["--updates", "2"]) == 0
     assert main(args + ["--resume"]) == 0
     assert _without_timings(read_metrics(part)) == runs["0"]
+
+
+def _actor(out, name):
+    return Actor.from_pretrained(out / "checkpoints" / name).state_dict()
+
+
+def test_streamed_rollouts_train_as_held_ones_and_resume_mid_pass(data, tmp_path, one_thread):
+    """The rollout images read from the files by worker processes for every update (``stream``,
+    how a large split runs) train exactly as the same images decoded once and held (``held``, the
+    default for this 10-image pool): equal metrics and actor weights. A streamed run stopped at
+    u=2 (12 of the pass's images drawn: the second pass under way) and resumed equals both."""
+    runs = {}
+    for mode, workers in (("held", "0"), ("stream", "2")):
+        out = tmp_path / mode
+        assert main(ARGS + ["--data", str(data), "--out", str(out), "--rollout-data", mode, "--data-workers", workers]) == 0
+        runs[mode] = out
+    held, stream = (_without_timings(read_metrics(runs[m])) for m in ("held", "stream"))
+    assert stream == held and len(held) == 4 and held[-1]["skipped_images"] == 0
+    a, b = _actor(runs["held"], "u00004"), _actor(runs["stream"], "u00004")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    part = tmp_path / "part"
+    args = ARGS + ["--data", str(data), "--out", str(part), "--rollout-data", "stream", "--data-workers", "2"]
+    assert main(args + ["--updates", "2"]) == 0
+    state = torch.load(part / "state.pt", weights_only=True)["sampler"]
+    assert (state["epoch"], state["position"]) == (2, 2)  # mid-pass
+    assert main(args + ["--resume"]) == 0
+    assert _without_timings(read_metrics(part)) == held
+    c = _actor(part, "u00004")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_unreadable_images_are_skipped_named_and_counted(data, tmp_path, capsys):
+    """A corrupt rollout file is replaced by the next readable image and a corrupt qc file left out
+    of the checks, each named in one warning; ``skipped_images`` counts them; the run completes."""
+    import shutil
+
+    root = tmp_path / "d"
+    shutil.copytree(data.parent, root)
+    (root / "3.png").write_bytes(b"\x89PNG broken")  # a rollout image
+    (root / "11.png").write_bytes(b"")  # a qc image
+    out = tmp_path / "run"
+    assert main(ARGS + ["--data", str(root / "labels.csv"), "--out", str(out), "--rollout-data", "stream",
+                        "--data-workers", "0"]) == 0
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "skipped unreadable image" in ln]
+    assert len(warned) == 2 and any("11.png" in ln for ln in warned) and any("3.png" in ln for ln in warned)
+    # the qc file once, at the start; the rollout file each time the sampler draws image 3
+    from timm_dora.train.pool import RolloutSampler
+
+    sampler = RolloutSampler(10, 6, torch.Generator().manual_seed(42))
+    drawn = [next(sampler).count(3) for _ in range(4)]
+    expected = [1 + sum(drawn[: u + 1]) for u in range(4)]
+    assert [r["skipped_images"] for r in read_metrics(out)] == expected and expected[-1] >= 3
+    # the held path reads the same images: the corrupt rollout file's rows are its successor's
+    from timm_dora.train import Trainer, build_parser, config_from_args
+
+    tr = Trainer(config_from_args(build_parser().parse_args(ARGS + ["--data", str(root / "labels.csv"), "--out",
+                                                                    str(tmp_path / "t")])))
+    assert tr.images.rollout_mode == "held" and tr.images.held_rollout.index == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert torch.equal(tr.images.rollout(1, list(range(10)), [3]), tr.images.made_here(1, [4]))
+    assert len(tr.images.checks) == 3 and tr.check_sizes == [1, 2]
+
+
+def test_bad_splits_are_one_line_errors_before_the_model_moves(data, tmp_path, capsys, monkeypatch):
+    """A label outside the model's classes, an empty or unknown split and overlapping splits stop
+    the run in one line before the backbone is wrapped and moved to the device."""
+    from timm_dora.train import loop
+
+    monkeypatch.setattr(loop, "wrap", lambda *a, **k: pytest.fail("the model moved before the data was checked"))
+    lines = data.read_text().splitlines()
+    cases = {
+        "label": ([lines[0]] + [ln.replace(",1,n00000001,", ",7,n00000001,") for ln in lines[1:]],
+                  "split 'rollout': label 7 of .*1.png is outside the model's 4 classes"),
+        "empty": ([ln for ln in lines if not ln.endswith(",dev")], "unknown split 'dev'"),
+        "overlap": (lines + [lines[1].replace(",rollout", ",dev")], "splits 'rollout' and 'dev' overlap"),
+    }
+    for name, (rows, message) in cases.items():
+        bad = data.parent / f"bad_{name}.csv"
+        bad.write_text("\n".join(rows) + "\n")
+        assert main(ARGS + ["--data", str(bad), "--out", str(tmp_path / name)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("timm-dora-train: error: "), err
+        import re
+
+        assert re.search(message, err), (name, err)
+    empty = tmp_path / "empty_folder" / "dev"
+    empty.mkdir(parents=True)
+    assert main(ARGS + ["--data", str(data), "--dev-data", str(empty), "--out", str(tmp_path / "e")]) == 1
+    assert "no images found under" in capsys.readouterr().err
 
 
 def test_strong_augmentation_pastes_patch_aligned_rectangles(data, tmp_path):
@@ -264,8 +350,7 @@ def test_strong_augmentation_pastes_patch_aligned_rectangles(data, tmp_path):
     def images(*extra):
         args = ARGS + ["--data", str(data), "--out", str(tmp_path)] + list(extra)
         tr = Trainer(config_from_args(build_parser().parse_args(args)))
-        tr.u = 2
-        return tr._rollout_images(torch.arange(10))
+        return tr.images.made_here(2, torch.arange(10))
 
     assert config_from_args(build_parser().parse_args(ARGS + ["--data", "d", "--out", "o", "--augment"])).augment == "light"
     plain, mixed = images("--augment", "strong", "--cutmix-prob", "0"), images("--augment", "strong", "--cutmix-prob", "1")
@@ -299,7 +384,7 @@ def test_budget_step_sets_the_grid_of_actor_critic_and_rollouts(data, tmp_path):
     from timm_dora.policy import NoPrune, RolloutNoise
     from timm_dora.train.rollout import collect
 
-    x = tr._rollout_images(torch.arange(6))
+    x = tr.images.made_here(1, torch.arange(6))
     noise = RolloutNoise.draw(tr.depth, 6, tr.actor.num_budgets, tr.num_patches, tr.gen, tr.dev)
     with torch.no_grad():
         traj = collect(tr.model, tr.actor, x, z_native=run(tr.model, x, NoPrune())[0].float(), noise=noise)
@@ -483,7 +568,7 @@ def test_feedback_on_the_rollout_pool_too_with_a_moving_average(data, tmp_path):
     cfg = config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out", str(tmp_path / "t"),
                                                              "--qc-with-rollout", "--qc-shards", "1"]))
     trainer = Trainer(cfg)
-    assert trainer.qc_x.shape[0] == 14 and trainer.qc_shard_idx == [list(range(14))]
+    assert len(trainer.images.checks) == 14 and trainer.images.check_shards[0].tolist() == list(range(14))
     checks = [r for r in read_metrics(out) if "d_u" in r]
     assert len(checks) == 2 and checks[0]["d_smoothed"] == checks[0]["d_u"]
     assert checks[1]["d_smoothed"] == pytest.approx(0.5 * checks[0]["d_u"] + 0.5 * checks[1]["d_u"])
@@ -503,11 +588,12 @@ def test_label_free_feedback_reads_every_split(data, tmp_path, capsys):
     args = ARGS + ["--data", str(data), "--out", str(tmp_path / "t"), "--qc-with-rollout", "--qc-with-dev",
                    "--qc-shards", "1", "--feedback-signal", "disagreement"]
     trainer = Trainer(config_from_args(build_parser().parse_args(args)))
-    assert trainer.qc_x.shape[0] == 18 and trainer.qc_shard_idx == [list(range(18))]
-    assert torch.equal(trainer.qc_x[-4:], trainer.dev_x) and torch.equal(trainer.qc_y[-4:], trainer.dev_y)
+    checks, dev = trainer.images.checks, trainer.images.dev
+    assert len(checks) == 18 and trainer.images.check_shards[0].tolist() == list(range(18))
+    assert torch.equal(checks.images[-4:], dev.images) and torch.equal(checks.labels[-4:], dev.labels)
     qc_only = Trainer(config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out",
                                                                          str(tmp_path / "q"), "--qc-shards", "1"])))
-    assert torch.equal(trainer.qc_x[:4], qc_only.qc_x)
+    assert torch.equal(checks.images[:4], qc_only.images.checks.images)
     assert main(ARGS + ["--data", str(data), "--out", str(tmp_path / "bad"), "--qc-with-dev"]) == 1
     assert "--qc-with-dev reads the dev images" in capsys.readouterr().err
 
@@ -523,10 +609,11 @@ def test_rollouts_with_the_check_images(data, tmp_path, capsys):
     trainer = Trainer(config_from_args(build_parser().parse_args(base + ["--out", str(tmp_path / "t"), "--rollout-with-checks"])))
     rows = [line.split(",") for line in data.read_text().splitlines()[1:]]
     order = [r for s in ("rollout", "qc", "dev") for r in rows if r[4] == s]
-    assert [os.path.basename(p) for p in trainer.rollout_set.paths] == [r[0] for r in order]
-    assert trainer.rollout_set.labels == [int(r[1]) for r in order]
-    assert len(plain.rollout_set) == 10 and trainer.sampler.n == 18
-    assert torch.equal(trainer.qc_x, plain.qc_x) and torch.equal(trainer.dev_x, plain.dev_x)
+    assert [os.path.basename(p) for p in trainer.images.pool.paths] == [r[0] for r in order]
+    assert trainer.images.pool.labels == [int(r[1]) for r in order]
+    assert len(plain.images.pool) == 10 and trainer.sampler.n == 18
+    assert torch.equal(trainer.images.checks.images, plain.images.checks.images)
+    assert torch.equal(trainer.images.dev.images, plain.images.dev.images)
     out = tmp_path / "run"
     assert main(base + ["--out", str(out), "--rollout-with-checks", "--updates", "2"]) == 0
     assert json.loads((out / "config.json").read_text())["rollout_with_checks"] is True

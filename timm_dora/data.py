@@ -4,24 +4,31 @@ Preprocessing
     :func:`eval_transform` is the backbone's own deterministic timm preprocessing (bicubic resize of
     the short side to ``size / crop_pct``, center crop, normalisation with the ``pretrained_cfg``
     mean/std). Every split uses it (training may augment its rollout pool:
-    :mod:`timm_dora.train.pool`).
+    :mod:`timm_dora.train.pool`). Training moves images as ``uint8`` (:func:`uint8_transform`, a
+    quarter of float32's bytes) and normalises them on the device (:class:`InputNormalize`), with
+    the same arithmetic as the float transform, so the inputs are the same bit for bit.
 
 Datasets
     :class:`LabelsCSVDataset` reads one split of a ``path,label,synset,set,split`` CSV (the format
     of ``shared/data/imagenet-mini/labels.csv``); :class:`ImageFolderDataset` reads a
     ``root/<class>/<image>`` tree. Both return ``(image, label, index)`` and expose ``paths``
-    (absolute, resolved) and ``labels``. :func:`open_split` picks one from a command-line spec.
+    (absolute) and ``labels``. :func:`open_split` picks one from a command-line spec.
 
 Protocol helpers
     :func:`check_disjoint` refuses overlapping splits (same file, or a byte-identical copy under
-    another name), :func:`fixed_shards` cuts the QC pool into fixed shards, :func:`preload` stacks a
-    small pool into one tensor.
+    another name) from one ``stat`` per file and a few reads; :func:`check_labels` refuses labels
+    outside the model's classes; :func:`fixed_shards` cuts the QC pool into fixed shards;
+    :func:`preload` stacks a small pool into one tensor and :func:`hold` decodes a fixed set once
+    into ``uint8`` on the device (:class:`HeldImages`), leaving out unreadable files with a warning.
 """
 from __future__ import annotations
 
 import csv
 import hashlib
 import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -31,8 +38,9 @@ from timm.data import create_transform, resolve_data_config
 from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
-__all__ = ["ImageFolderDataset", "LabelsCSVDataset", "check_disjoint", "data_config", "eval_transform", "fixed_shards",
-           "joined", "open_split", "preload", "worker_count"]
+__all__ = ["HeldImages", "ImageFolderDataset", "InputNormalize", "LabelsCSVDataset", "check_disjoint", "check_labels",
+           "data_config", "eval_transform", "fixed_shards", "hold", "joined", "open_split", "preload", "uint8_transform",
+           "warn_unreadable", "worker_count"]
 
 PathLike = Union[str, os.PathLike]
 CSV_REQUIRED_COLUMNS = ("path", "label", "split")  # ``synset`` and ``set`` are optional
@@ -68,6 +76,31 @@ def eval_transform(model: torch.nn.Module, **overrides: Any) -> Callable:
     """
     return create_transform(**data_config(model, **overrides), is_training=False)
 
+
+def uint8_transform(model: torch.nn.Module, **overrides: Any) -> Callable:
+    """:func:`eval_transform` without its last two steps (to float, normalise): a ``uint8``
+    ``[3, H, W]`` tensor (timm's ``use_prefetcher`` form). :class:`InputNormalize` finishes it."""
+    return create_transform(**data_config(model, **overrides), is_training=False, use_prefetcher=True)
+
+
+class InputNormalize:
+    """``uint8`` images ``[N, 3, H, W]`` to the model's input: ``x / 255``, less the mean, over the
+    std (the model's data config), then ``dtype``. The same operations in the same order as
+    torchvision's ``ToTensor`` and ``Normalize`` (float32 division by 255, then ``sub_``, ``div_``),
+    so on the CPU the result equals :func:`eval_transform`'s bit for bit; on CUDA, PyTorch divides
+    by a scalar as a product with its inverse (a last-bit difference before the cast to bf16)."""
+
+    def __init__(self, model: torch.nn.Module, device: Union[str, torch.device] = "cpu", **overrides: Any):
+        cfg = data_config(model, **overrides)
+        self.mean = torch.tensor(cfg["mean"], dtype=torch.float32, device=device).view(-1, 1, 1)
+        self.std = torch.tensor(cfg["std"], dtype=torch.float32, device=device).view(-1, 1, 1)
+
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if x.dtype != torch.uint8:
+            raise TypeError(f"InputNormalize takes uint8 images, got {x.dtype}")
+        x = x.to(device=self.mean.device, dtype=torch.float32).div(255)
+        return x.sub_(self.mean).div_(self.std).to(dtype)
+
 # --------------------------------------------------------------------------------------------
 # Datasets
 # --------------------------------------------------------------------------------------------
@@ -93,13 +126,18 @@ class _ImageList(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> Tuple[Any, int, int]:
+    def read(self, index: int) -> Image.Image:
+        """The decoded RGB image ``index`` (any error of an unreadable file propagates)."""
         img = None if self._decoded is None else self._decoded.get(index)
         if img is None:
             with open(self.paths[index], "rb") as f:
                 img = Image.open(f).convert("RGB")
             if self._decoded is not None:
                 self._decoded[index] = img
+        return img
+
+    def __getitem__(self, index: int) -> Tuple[Any, int, int]:
+        img = self.read(index)
         if self.transform is not None:
             img = self.transform(img)
         return img, self.labels[index], index
@@ -113,8 +151,9 @@ class _ImageList(torch.utils.data.Dataset):
 class LabelsCSVDataset(_ImageList):
     """Rows of one ``split`` of a labels CSV (columns ``path,label,synset,set,split``).
 
-    ``path`` is relative to ``root`` (default: the CSV's folder) or absolute; ``label`` is the
-    0-based class index (ImageNet-1k index for imagenet-mini). Only ``path``, ``label`` and
+    ``path`` is relative to ``root`` (default: the CSV's folder) or absolute; :attr:`paths` are
+    absolute and normalised, not resolved through links (:func:`check_disjoint` compares files, not
+    names). ``label`` is the 0-based class index (ImageNet-1k index for imagenet-mini). Only ``path``, ``label`` and
     ``split`` are required; ``synset`` is kept in :attr:`synsets` when present. Rows keep the
     CSV's order. Raises ``FileNotFoundError`` for a missing CSV or image file and ``ValueError``
     for missing columns, a bad label, an unknown split (listing the available ones) or an empty one.
@@ -130,7 +169,8 @@ class LabelsCSVDataset(_ImageList):
         csv_path = Path(csv_path)
         if not csv_path.is_file():
             raise FileNotFoundError(f"labels CSV not found: {csv_path}")
-        root = Path(root) if root is not None else csv_path.resolve().parent
+        root = Path(root).resolve() if root is not None else csv_path.resolve().parent
+        base = str(root)
         with open(csv_path, newline="") as f:
             reader = csv.DictReader(f)
             columns = [c.strip() for c in (reader.fieldnames or [])]
@@ -160,7 +200,7 @@ class LabelsCSVDataset(_ImageList):
                 raise ValueError(f"{csv_path}:{line}: label {r['label']!r} is not an integer") from None
             if not rel:
                 raise ValueError(f"{csv_path}:{line}: empty path")
-            paths.append(str((root / rel).resolve()))
+            paths.append(os.path.normpath(os.path.join(base, rel)))  # (no syscall per row: 300k rows in 0.5 s)
             labels.append(label)
             synsets.append((r.get("synset") or "").strip())
         if not paths:
@@ -239,14 +279,14 @@ class ImageFolderDataset(_ImageList):
             raise FileNotFoundError(f"image folder not found: {root}")
         exts = get_img_extensions(as_set=True)
         found: List[Tuple[str, str]] = []
-        for dirpath, _, files in os.walk(root, followlinks=True):
+        root_abs = str(root.resolve())
+        for dirpath, _, files in os.walk(root_abs, followlinks=True):
             for name in files:
                 if os.path.splitext(name)[1].lower() in exts:
                     found.append((os.path.join(dirpath, name), os.path.basename(dirpath)))
         if not found:
             raise ValueError(f"no images found under {root}")
-        root_abs = os.path.abspath(root)
-        loose = [p for p, _ in found if os.path.dirname(os.path.abspath(p)) == root_abs]
+        loose = [p for p, _ in found if os.path.dirname(p) == root_abs]
         if loose:
             raise ValueError(f"{root}: {len(loose)} image(s) directly under the root, not in a class folder, e.g. {loose[0]}")
         found.sort(key=lambda pc: natural_key(pc[0]))
@@ -259,7 +299,7 @@ class ImageFolderDataset(_ImageList):
             if unknown:
                 raise ValueError(f"{root}: folder(s) not in the class map: {', '.join(unknown[:5])}"
                                  + (" ..." if len(unknown) > 5 else ""))
-        super().__init__([str(Path(p).resolve()) for p, _ in found], [class_to_idx[c] for _, c in found], transform)
+        super().__init__([p for p, _ in found], [class_to_idx[c] for _, c in found], transform)
         self.root = str(root.resolve())
         self.classes = classes
         self.class_to_idx = class_to_idx
@@ -300,49 +340,70 @@ def open_split(
 _HASH_BYTES = 64 * 1024
 
 
-def _content_key(path: str) -> Tuple[int, str]:
+def _content_key(path: str, size: int) -> Tuple[int, str]:
     with open(path, "rb") as f:
         head = f.read(_HASH_BYTES)
-    return os.path.getsize(path), hashlib.sha1(head).hexdigest()
+    return size, hashlib.sha1(head).hexdigest()
 
 
 def check_disjoint(datasets: Mapping[str, Any], content: bool = True) -> None:
     """Raise ``ValueError`` if any two splits share an image.
 
     ``datasets`` maps split names to datasets with a ``paths`` attribute (or to sequences of
-    paths). Two checks per pair: the same resolved absolute path, then (``content=True``) the
-    same file bytes under another name, compared by (file size, SHA-1 of the first 64 KiB): one
-    small read per file, exact for files up to 64 KiB and, for JPEGs, practically exact beyond.
-    It does not catch re-encoded or resized copies. The message names both splits, the overlap
-    count and one example.
+    paths). Two checks per pair: the same file (its device and inode, from one ``stat`` per file:
+    the same file under another name or through a link), then (``content=True``) the same bytes
+    under another name, compared by (file size, SHA-1 of the first 64 KiB): exact for files up to
+    64 KiB and, for JPEGs, practically exact beyond. A file is read only when a file of another
+    split has its exact size, so a 300,000-image split costs 300,000 ``stat`` calls and a few
+    reads, not 300,000 reads. It does not catch re-encoded or resized copies. The message names
+    both splits, the overlap count and one example.
     """
     names = list(datasets)
-    paths = {}
+    stats: Dict[str, Dict[Tuple[int, int], Tuple[str, int]]] = {}  # split -> (dev, inode) -> (path, size)
     for name in names:
         ds = datasets[name]
-        ps = getattr(ds, "paths", ds)
-        paths[name] = [os.path.realpath(p) for p in ps]
-    keys: Dict[str, Dict[Tuple[int, str], str]] = {}
-    if content:
-        for name in names:
-            keys[name] = {}
-            for p in paths[name]:
-                keys[name].setdefault(_content_key(p), p)
+        stats[name] = {}
+        for p in getattr(ds, "paths", ds):
+            st = os.stat(p)
+            stats[name].setdefault((st.st_dev, st.st_ino), (p, st.st_size))
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            shared = sorted(set(paths[a]) & set(paths[b]))
+            shared = sorted(stats[a][k][0] for k in set(stats[a]) & set(stats[b]))
             if shared:
                 raise ValueError(
                     f"splits {a!r} and {b!r} overlap: {len(shared)} shared file(s), e.g. {shared[0]}"
                 )
-            if content:
-                same = sorted(set(keys[a]) & set(keys[b]), key=lambda k: keys[a][k])
-                if same:
-                    k = same[0]
-                    raise ValueError(
-                        f"splits {a!r} and {b!r} overlap: {len(same)} file(s) with identical content "
-                        f"(size + SHA-1 of the first 64 KiB), e.g. {keys[a][k]} ({a}) == {keys[b][k]} ({b})"
-                    )
+    if not content:
+        return
+    by_size: Dict[int, Dict[str, List[str]]] = defaultdict(lambda: defaultdict(list))
+    for name in names:
+        for p, size in stats[name].values():
+            by_size[size][name].append(p)
+    keys: Dict[str, Dict[Tuple[int, str], str]] = {name: {} for name in names}
+    for size, splits in by_size.items():
+        if len(splits) > 1:  # only sizes that occur in two splits can be copies
+            for name, ps in splits.items():
+                for p in ps:
+                    keys[name].setdefault(_content_key(p, size), p)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            same = sorted(set(keys[a]) & set(keys[b]), key=lambda k: keys[a][k])
+            if same:
+                k = same[0]
+                raise ValueError(
+                    f"splits {a!r} and {b!r} overlap: {len(same)} file(s) with identical content "
+                    f"(size + SHA-1 of the first 64 KiB), e.g. {keys[a][k]} ({a}) == {keys[b][k]} ({b})"
+                )
+
+
+def check_labels(datasets: Mapping[str, Any], num_classes: int) -> None:
+    """Raise ``ValueError`` naming the split, the file and the label if any label of ``datasets``
+    (split name -> dataset with ``labels`` and ``paths``) is outside ``[0, num_classes)``."""
+    for name, ds in datasets.items():
+        for p, y in zip(ds.paths, ds.labels):
+            if not 0 <= y < num_classes:
+                raise ValueError(f"split {name!r}: label {y} of {p} is outside the model's {num_classes} classes "
+                                 f"(0 to {num_classes - 1})")
 
 
 def fixed_shards(n: int, num_shards: int) -> List[List[int]]:
@@ -413,3 +474,87 @@ def preload(
         labels[pos:pos + k] = torch.as_tensor(y, dtype=torch.long)
         pos += k
     return images, labels.to(device=images.device)
+
+
+def warn_unreadable(path: str, error: str) -> None:
+    """One line on stderr for an image file that could not be read, and is left out."""
+    print(f"timm-dora: warning: skipped unreadable image {path}: {error}", file=sys.stderr)
+
+
+class _Readable(torch.utils.data.Dataset):
+    """Items ``(image or None, label, position, error or None)`` of ``dataset``'s images ``indices``:
+    an unreadable file gives ``None`` and the error instead of raising."""
+
+    def __init__(self, dataset: "_ImageList", indices: Sequence[int], transform: Callable):
+        self.dataset, self.indices, self.transform = dataset, list(indices), transform
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, pos: int):
+        i = self.indices[pos]
+        try:
+            return self.transform(self.dataset.read(i)), self.dataset.labels[i], pos, None
+        except Exception as e:  # a corrupt, truncated or unsupported file: left out, named
+            return None, self.dataset.labels[i], pos, f"{type(e).__name__}: {e}"
+
+
+def _collate_readable(items):
+    good = [it for it in items if it[0] is not None]
+    x = torch.stack([it[0] for it in good]) if good else None
+    return x, [(it[1], it[2]) for it in good], [(it[2], it[3]) for it in items if it[0] is None]
+
+
+@dataclass
+class HeldImages:
+    """A fixed set of images decoded once and held as ``uint8`` (:func:`hold`): ``images`` ``[N, 3,
+    H, W]`` and ``labels`` ``[N]`` on one device; on the host ``index`` (each row's index in the
+    dataset it was read from) and ``skipped`` (the ``(path, error)`` of the files left out).
+    :meth:`inputs` gives model inputs of any rows."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    index: List[int]
+    normalize: InputNormalize
+    skipped: List[Tuple[str, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    def inputs(self, rows: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The model inputs of ``rows`` (all when ``None``) in ``dtype``."""
+        return self.normalize(self.images if rows is None else self.images[rows], dtype)
+
+
+
+def hold(dataset: "_ImageList", model: torch.nn.Module, device: Union[str, torch.device] = "cpu",
+         indices: Optional[Sequence[int]] = None, num_workers: int = 0, batch_size: int = 64) -> HeldImages:
+    """``dataset``'s images ``indices`` (all by default), decoded once with the model's
+    :func:`uint8_transform` in ``num_workers`` processes and held as one ``uint8`` tensor on
+    ``device`` (150 KB per 224-px image, a quarter of float32). An unreadable file is left out with
+    one warning that names it (:func:`warn_unreadable`) and listed in ``skipped``; the rows keep
+    ``indices``' order. Peak memory is the held set (plus, when files were skipped, its
+    compaction)."""
+    indices = list(range(len(dataset))) if indices is None else list(indices)
+    normalize = InputNormalize(model, device)
+    cfg = data_config(model)
+    images = torch.empty((len(indices), *cfg["input_size"]), dtype=torch.uint8, device=device)
+    labels = torch.empty(len(indices), dtype=torch.long)
+    keep = torch.zeros(len(indices), dtype=torch.bool)
+    skipped: List[Tuple[str, str]] = []
+    loader = torch.utils.data.DataLoader(_Readable(dataset, indices, uint8_transform(model)), batch_size=batch_size,
+                                         num_workers=worker_count(num_workers), collate_fn=_collate_readable,
+                                         generator=torch.Generator())  # (the global RNG untouched)
+    for x, good, bad in loader:
+        for pos, error in bad:
+            skipped.append((dataset.paths[indices[pos]], error))
+            warn_unreadable(*skipped[-1])
+        if x is not None:
+            pos = torch.tensor([p for _, p in good])
+            images[pos.to(device)] = x.to(device)
+            labels[pos] = torch.tensor([y for y, _ in good])
+            keep[pos] = True
+    rows = keep.nonzero().flatten().tolist()
+    if len(rows) < len(indices):
+        images = images[torch.tensor(rows, device=images.device)]
+    return HeldImages(images, labels[rows].to(device), [indices[r] for r in rows], normalize, skipped)

@@ -21,10 +21,14 @@ class Checkpoints:
     """Saving, resuming and selecting (every attribute it reads is the trainer's)."""
 
     def evaluate_dev(self) -> CheckpointRecord:
-        pred, gflops = self._predict(self.dev_x, ActorPolicy(self.actor))
-        top1 = 100.0 * float((pred == self.dev_y).float().mean())
-        disagreement = 100.0 * float((pred != self.dev_native_pred).float().mean())
-        return CheckpointRecord(f"u{self.u:05d}", top1, self.dev_native_top1, float(gflops.mean()), disagreement)
+        """The actor on the dev split: each process its share, the counts summed (every process
+        calls it)."""
+        dev = self.images.dev
+        pred, gflops = self._predict(dev, ActorPolicy(self.actor))
+        sums = self.comm.sum_(torch.stack([(pred == dev.labels).sum().double(), gflops.double().sum(),
+                                           (pred != self.dev_native_pred).sum().double()]).cpu())
+        top1, mean_gflops, disagreement = (float(v) / self.dev_size for v in sums)
+        return CheckpointRecord(f"u{self.u:05d}", 100.0 * top1, self.dev_native_top1, mean_gflops, 100.0 * disagreement)
 
     def state_dict(self) -> Dict:
         self._finish_critic()  # (overlap: the critic's last steps may still be running)
@@ -64,13 +68,11 @@ class Checkpoints:
             torch.set_num_threads(threads)
 
     def save_checkpoint(self) -> CheckpointRecord:
-        """Evaluate on dev and save actor + training state (first process only; shared record)."""
-        rec = None
+        """Evaluate on dev (every process its share) and save actor + training state (first process)."""
+        rec = self.evaluate_dev()
         if self.comm.main:
-            rec = self.evaluate_dev()
             folder = self.out / "checkpoints" / rec.name
             self.actor.save_pretrained(folder, backbone=self.model, extra=self._training_facts(rec))
-        rec = self.comm.broadcast_object(rec)
         self.checkpoints.append(dataclasses.asdict(rec))
         if self.comm.main:
             torch.save(self.state_dict(), self.out / "state.pt")

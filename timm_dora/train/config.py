@@ -18,7 +18,8 @@ import torch
 
 from ..policy.actor import encoder_sizes
 from .feedback import SIGNALS
-from .pool import AUGMENT_LEVELS
+from .images import ROLLOUT_DATA
+from .pool import AUGMENT_LEVELS, SMALL_POOL_MAX_IMAGES
 from .ppo import PPOConfig
 from .selection import RULES
 
@@ -31,7 +32,6 @@ RECIPES = {
     "small-pool": {"feedback_signal": "disagreement", "target_disagreement": 0.08, "qc_with_rollout": True,
                    "qc_with_dev": True, "qc_shards": 1, "selection": "fit", "checkpoint_every": 100},
 }
-SMALL_POOL_MAX_IMAGES = 10_000  # --recipe auto: small-pool up to this many rollout images, else paper
 
 
 @dataclass
@@ -76,7 +76,8 @@ class TrainConfig:
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
     checkpoint_every: Optional[int] = None  # (paper: 50)
     max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit
-    data_workers: Optional[int] = None  # ours: processes augmenting rollout batches ahead of the update (None: half the usable cores, at most 8, at least 1; 0: none)
+    data_workers: Optional[int] = None  # ours: processes making the rollout batches ahead of the update (None: half the usable cores, at most 8, at least 1; 0: none, made in the training process)
+    rollout_data: str = "auto"  # ours: "stream" (read from the files by the workers for every update), "held" (decoded once, held on the device as uint8; no --augment) or "auto" (held for at most SMALL_POOL_MAX_IMAGES images without augmentation, else stream)
     shadow_chunk: int = 2048  # shadow rows per packed forward (memory only: each row is computed alone)
     eval_batch: int = 256
     tensorboard: bool = False
@@ -136,6 +137,8 @@ class TrainConfig:
         if self.rollout_with_checks and self.feedback_signal not in (None, "disagreement"):
             raise ValueError("--rollout-with-checks trains on the qc images: only with --feedback-signal disagreement, "
                              "whose checks read no labels (the paper's drop signal reads the qc labels)")
+        if self.rollout_data not in ROLLOUT_DATA:
+            raise ValueError(f"--rollout-data must be one of {ROLLOUT_DATA}, got {self.rollout_data!r}")
         if self.data_workers is not None and self.data_workers < 0:
             raise ValueError(f"--data-workers must be 0 or more, got {self.data_workers}")
         return self

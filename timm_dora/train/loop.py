@@ -40,16 +40,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import data as D
 from ..backbone import create_backbone
+from ..data import HeldImages
 from ..engine import Packed, run, wrap
 from ..policy import Actor, ActorPolicy, NoPrune, RolloutNoise, encoder_sizes
 from . import pool as P
 from .checkpoints import Checkpoints, actor_width, warm_start
 from .config import TrainConfig
 from .critic import Critic, native_features, trajectory_scalar_states
-from .feedback import FeedbackController, disagreement, paired_drop
+from .feedback import FeedbackController
 from .graph_step import BackgroundSteps, CapturedStep, StaticBatch
+from .images import TrainingImages
 from .ppo import (
     RunningMeanStd, actor_parameter_groups, apply_pcgrad, clipped_surrogate, clipped_value_loss, gae_shared_return,
     standardize,
@@ -84,45 +85,29 @@ class Trainer(Checkpoints):
         self.local_batch = cfg.ppo.rollout_images // self.comm.world
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.ppo.seed)
+        torch.manual_seed(cfg.ppo.seed)  # (a backbone without weights: its random initialisation)
         kw = {}
         if cfg.img_size:
             kw["img_size"] = cfg.img_size
         if cfg.num_classes:
             kw["num_classes"] = cfg.num_classes
         model = create_backbone(cfg.model, cfg.weights, pretrained=cfg.pretrained, **kw)
+
+        # data: the backbone's own preprocessing (App. E.1); the splits' labels and disjointness are
+        # checked before any GPU work; the fixed sets are held on the device, rollouts streamed
+        # (or held for small pools: train.images)
+        cfg.augment = P.augment_level(cfg.augment)
+        self.images = TrainingImages(cfg, model)
+        self.cfg = cfg = cfg.resolved(len(self.images.pool), actor_width(cfg.actor_width, cfg.init_actor, model)).check()
+        self.images.check(model.num_classes)
         self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
         self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout, skip_dead=cfg.skip_dead,
                           merge=cfg.merge, cuda_graphs=False)
         self.num_patches, self.depth = model.patch_embed.num_patches, len(model.blocks)
+        self.images.load(cfg, self.dev, self.dtype, self.comm.rank, self.comm.world)
 
-        # data: the backbone's own preprocessing (App. E.1); splits must be disjoint
-        ev, cfg.augment, self.patch = D.eval_transform(model), P.augment_level(cfg.augment), model.patch_embed.patch_size[0]
-        tr = P.train_transform(model, cfg.augment)
-        self.rollout_set = D.open_split(cfg.data, cfg.rollout_split, tr)
-        qc_set = D.open_split(cfg.qc_data or cfg.data, cfg.qc_split, ev)
-        dev_set = D.open_split(cfg.dev_data or cfg.data, cfg.dev_split, ev)
-        pool = [self.rollout_set, qc_set, dev_set] if cfg.rollout_with_checks else [self.rollout_set]  # (ours) all three
-        self.cfg = cfg = cfg.resolved(sum(map(len, pool)), actor_width(cfg.actor_width, cfg.init_actor, model)).check()
-        D.check_disjoint({"rollout": self.rollout_set, "qc": qc_set, "dev": dev_set})  # (reads every file: after the flags)
-        if cfg.rollout_with_checks:
-            self.rollout_set = D.joined(pool, tr)
-        self.rollout_pool = None if cfg.augment != "none" else D.preload(self.rollout_set, self.dev)
-        self.augmented, self.prefetch = None, None
-        if cfg.augment != "none":
-            self.rollout_set.keep_decoded()  # decode each file once; the random crop/flip still run per update
-            self.augmented = P.AugmentedPool(self.rollout_set, cfg.ppo.seed, cfg.augment == "strong", cfg.cutmix_prob, self.patch)
-        self.workers = cfg.data_workers if cfg.data_workers is not None else max(1, D.worker_count(16) // 2)
-        self.dev_x, self.dev_y = D.preload(dev_set, self.dev)
-        feedback = [D.preload(qc_set, self.dev)]  # the feedback checks' images
-        if cfg.qc_with_rollout:  # (ours) the rollout pool too, as the evaluation sees it
-            feedback.append(D.preload(D.open_split(cfg.data, cfg.rollout_split, ev), self.dev))
-        if cfg.qc_with_dev:  # (ours) the dev images too: label-free checks only (TrainConfig.check)
-            feedback.append((self.dev_x, self.dev_y))
-        self.qc_x, self.qc_y = (torch.cat(t) for t in zip(*feedback))
-        self.qc_shard_idx = D.fixed_shards(len(self.qc_x), cfg.qc_shards)
-
-        # learners
+        # learners, initialised from the seed alone (not from how many data loaders ran before)
+        torch.manual_seed(cfg.ppo.seed)
         self.actor = Actor.for_model(model, budget_step=cfg.budget_step, merge=cfg.merge, **encoder_sizes(cfg.actor_width))
         self.init_training = warm_start(cfg.init_actor, self.actor, self.model, cfg.readout) if cfg.init_actor else {}
         self.actor = self.actor.to(self.dev)
@@ -153,47 +138,44 @@ class Trainer(Checkpoints):
         self.rms = RunningMeanStd()
         target, scale = cfg.feedback_rule
         self.feedback = FeedbackController(a_init=cfg.a_init, target=target, scale=scale, cadence=cfg.feedback_cadence,
-                                           num_shards=len(self.qc_shard_idx), fixed=cfg.fixed_coefficient, ema=cfg.feedback_ema)
-        self.sampler = P.RolloutSampler(len(self.rollout_set), p.rollout_images, torch.Generator().manual_seed(p.seed))
+                                           num_shards=len(self.images.check_shards), fixed=cfg.fixed_coefficient, ema=cfg.feedback_ema)
+        self.sampler = P.RolloutSampler(len(self.images.pool), p.rollout_images, torch.Generator().manual_seed(p.seed))
         self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # rollout noise, same on every process
         self.cpu_gen = torch.Generator().manual_seed(p.seed + 1)  # minibatch order
         self.u = 0
         self.checkpoints: List[Dict] = []
-        # Native references on QC and dev (fixed backbone)
-        self.qc_native_pred = self._predict(self.qc_x, NoPrune())[0]
-        self.qc_native = self.qc_native_pred == self.qc_y
-        self.dev_native_pred, _ = self._predict(self.dev_x, NoPrune())
-        self.dev_native_top1 = 100.0 * float((self.dev_native_pred == self.dev_y).float().mean())
+        # Native references on the checks and dev (fixed backbone); the sizes and native counts of
+        # all processes' shares
+        im = self.images
+        self.qc_native_pred = self._predict(im.checks, NoPrune())[0]
+        self.qc_native = self.qc_native_pred == im.checks.labels
+        self.dev_native_pred, _ = self._predict(im.dev, NoPrune())
+        counts = self.comm.sum_(torch.tensor(im.local_sizes + [int((self.dev_native_pred == im.dev.labels).sum()), im.skipped],
+                                             dtype=torch.float64))
+        self.check_sizes, self.dev_size = [int(c) for c in counts[:-3]], int(counts[-3])
+        self.dev_native_top1 = 100.0 * float(counts[-2]) / max(1, self.dev_size)
+        self.skipped_before = int(counts[-1]) - im.skipped  # the other processes' skipped files so far
+        if min(self.check_sizes + [self.dev_size]) < 1:
+            raise ValueError(f"no readable image in a feedback shard or in the dev split (sizes {self.check_sizes}, "
+                             f"{self.dev_size})")
         self._tb = None
 
     # ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _predict(self, x: torch.Tensor, policy) -> tuple:
+    def _predict(self, images: HeldImages, policy, rows: Optional[torch.Tensor] = None) -> tuple:
+        """Top-1 predictions and GFLOPs of ``policy`` on the held ``images`` (``rows`` of them)."""
         preds, gflops = [], []
+        n = len(images) if rows is None else rows.numel()
         with eager_attention():
-            for s in range(0, x.shape[0], self.cfg.eval_batch):
-                logits, stats = run(self.model, x[s : s + self.cfg.eval_batch].to(self.dtype), policy)
+            for s in range(0, n, self.cfg.eval_batch):
+                sel = slice(s, s + self.cfg.eval_batch) if rows is None else rows[s : s + self.cfg.eval_batch]
+                x = images.normalize(images.images[sel], self.dtype)
+                logits, stats = run(self.model, x, policy)
                 preds.append(logits.argmax(1))
                 gflops.append(stats.gflops)
+        if not preds:  # (a process may hold no image of a small shard)
+            return torch.zeros(0, dtype=torch.long, device=self.dev), torch.zeros(0, device=self.dev)
         return torch.cat(preds), torch.cat(gflops)
-
-    def _rollout_images(self, idx: torch.Tensor) -> torch.Tensor:
-        """The rollout inputs of pool images ``idx`` at this update, made in this process
-        (:class:`~timm_dora.train.pool.AugmentedPool`: every draw seeded per (seed, update, image))."""
-        if self.rollout_pool is not None:
-            return self.rollout_pool[0][idx.to(self.dev)].to(self.dtype)
-        return torch.stack([self.augmented[(self.u, i)][1] for i in idx.tolist()]).to(self.dev, self.dtype)
-
-    def _next_images(self, idx: List[int], mine: torch.Tensor) -> torch.Tensor:
-        """This process's rollout inputs of the global batch ``idx``: from the workers that made
-        them ahead (``data_workers``), else made here. The prefetched keys must be this update's."""
-        if self.prefetch is None:
-            return self._rollout_images(torch.tensor(idx)[mine])
-        keys, x = next(self.prefetch)
-        expect = [(self.u, idx[m]) for m in mine.tolist()]
-        if keys != expect:
-            raise RuntimeError(f"prefetched rollout batch {keys[:2]}... is not update {self.u}'s {expect[:2]}...")
-        return x.to(self.dev, self.dtype)
 
     # ---------------------------------------------------------------------------------------
     def step(self) -> Dict[str, float]:
@@ -207,12 +189,11 @@ class Trainer(Checkpoints):
         clock.start()
         batch = p.rollout_images
         mine = torch.arange(comm.rank * self.local_batch, (comm.rank + 1) * self.local_batch)
-        if self.prefetch is None and self.augmented is not None and self.workers > 0:
-            # batches from this update on, made ahead from a copy of the sampler as it stands now
-            self.prefetch = P.RolloutPrefetch(self.augmented, self.sampler, u - 1, mine.tolist(), self.workers, self.dtype)
+        # batches from this update on, made ahead from a copy of the sampler as it stands now
+        self.images.start(self.sampler, u - 1, mine.tolist())
         idx = next(self.sampler)  # the global batch, identical on every process
         noise = RolloutNoise.draw(self.depth, batch, self.actor.num_budgets, self.num_patches, self.gen, self.dev)
-        x = self._next_images(idx, mine)
+        x = self.images.rollout(u, idx, mine.tolist())
         clock.mark("data")
         a_u = self.feedback.coefficient
         self.actor.eval()
@@ -227,16 +208,15 @@ class Trainer(Checkpoints):
             torch.cuda.current_stream().synchronize()
         t_rollout = time.perf_counter() - t0
         m: Dict[str, float] = {"update": u, "a_u": a_u}
-        if self.feedback.due(u):  # once, on the first process, then shared
+        if self.feedback.due(u):  # each process its share of the shard, the counts summed
             shard = self.feedback.next_shard()
-            measured = None
-            if comm.main:
-                sel = torch.tensor(self.qc_shard_idx[shard], device=self.dev)
-                pred, _ = self._predict(self.qc_x[sel], ActorPolicy(self.actor))
-                # both measures logged (the second calibrates the other's target); the signal steers
-                measured = (paired_drop(self.qc_native[sel], pred == self.qc_y[sel]),
-                            disagreement(self.qc_native_pred[sel], pred))
-            measured = comm.broadcast_object(measured)
+            sel = self.images.check_shards[shard]
+            pred, _ = self._predict(self.images.checks, ActorPolicy(self.actor), sel)
+            correct = pred == self.images.checks.labels[sel]
+            counts = comm.sum_(torch.stack([(self.qc_native[sel].long() - correct.long()).sum(),
+                                            (self.qc_native_pred[sel] != pred).sum()]).double().cpu())
+            # both measures logged (the second calibrates the other's target); the signal steers
+            measured = [float(c) / self.check_sizes[shard] for c in counts]
             signal = measured[0] if cfg.feedback_signal == "drop" else measured[1]
             self.feedback.update(u, signal, shard)
             m.update(d_u=signal, d_smoothed=self.feedback.smoothed, qc_shard=shard, a_next=self.feedback.coefficient,
@@ -253,9 +233,11 @@ class Trainer(Checkpoints):
         sums = comm.sum_(torch.stack([
             rewards.sum(1).sum(), comp.sum(), traj.gflops.sum(), d[:, -1].sum(),
             traj.gate.float().sum() / self.depth, (traj.k > 0).sum().float(),
+            rewards.new_tensor(float(self.images.skipped) * batch),
         ]).double().cpu())
-        keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions")
+        keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions", "skipped_images")
         m.update({k: float(v) / batch for k, v in zip(keys, sums)})
+        m["skipped_images"] = int(round(m["skipped_images"]))  # unreadable files met so far, all processes
         clock.mark("metrics")
         m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read())
         return m
@@ -533,9 +515,7 @@ class Trainer(Checkpoints):
 
     def stop_prefetch(self) -> None:
         """Stop the processes making rollout batches ahead (the next update starts them again)."""
-        if self.prefetch is not None:
-            self.prefetch.close()
-            self.prefetch = None
+        self.images.close()
 
     def fit(self) -> Dict:
         """Run (or resume) to ``total_updates``; checkpoint, log, select."""

@@ -1,13 +1,17 @@
-"""The rollout pool of a training run: batches drawn from it, and the augmentation of small pools.
+"""The rollout pool of a training run: the order its images are drawn in, how each is made, and
+the processes that make the next batches while an update runs.
 
-- :class:`RolloutSampler` draws rollout batches from successive random permutations, with a
-  resumable state.
-- :func:`train_transform` optionally augments the rollout images of small pools (``light``:
-  random-resized crop with scale (0.5, 1) and horizontal flip; ``strong``: scale (0.25, 1), flip
-  and RandAugment, plus label-free patch CutMix, :func:`cutmix_patches`); the paper trains without
-  stochastic augmentation, so it is off by default.
-- :class:`AugmentedPool` is pool image ``i`` as augmented for update ``u``, seeded per
-  ``(seed, u, i)``; :class:`RolloutPrefetch` makes the next updates' batches in worker processes.
+- :class:`RolloutSampler` draws rollout batches from successive seeded random permutations (each
+  image once per pass over the split: the paper's 299,776 = 1,171 x 256 images are one pass), with
+  a resumable state (the position in the pass included).
+- :func:`train_transform` is the rollout preprocessing, as ``uint8``; it optionally augments the
+  images of small pools (``light``: random-resized crop with scale (0.5, 1) and horizontal flip;
+  ``strong``: scale (0.25, 1), flip and RandAugment, plus label-free patch CutMix,
+  :func:`cutmix_patches`); the paper trains without stochastic augmentation, so it is off by default.
+- :class:`RolloutImages` is pool image ``i`` as update ``u`` sees it, seeded per ``(seed, u, i)``;
+  an unreadable file is replaced by the next readable image of the split and reported.
+- :class:`RolloutStream` makes the next updates' batches in worker processes (streaming: no
+  process holds the split's images; each holds the batches in flight).
 """
 from __future__ import annotations
 
@@ -18,13 +22,14 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from timm.data import create_transform
 
-from ..data import data_config
+from ..data import data_config, uint8_transform
 
-__all__ = ["AUGMENT_LEVELS", "AugmentedPool", "RolloutPrefetch", "RolloutSampler", "augment_level", "cutmix_patches",
-           "seed_all", "train_transform"]
+__all__ = ["AUGMENT_LEVELS", "MAX_UNREADABLE_IN_A_ROW", "SMALL_POOL_MAX_IMAGES", "RolloutImages", "RolloutSampler", "RolloutStream", "augment_level",
+           "cutmix_patches", "seed_all", "train_transform"]
 
 
 AUGMENT_LEVELS = ("none", "light", "strong")
+SMALL_POOL_MAX_IMAGES = 10_000  # a small pool: the small-pool recipe (config.RECIPES), rollouts held or decoded once
 
 
 def augment_level(augment: Union[bool, str, None]) -> str:
@@ -40,9 +45,10 @@ def augment_level(augment: Union[bool, str, None]) -> str:
 
 
 def train_transform(model: torch.nn.Module, augment: Union[bool, str] = False, **overrides: Any) -> Callable:
-    """Rollout preprocessing at the model's input size, mean/std and interpolation.
+    """Rollout preprocessing at the model's input size and interpolation, to a ``uint8`` ``[3, H, W]``
+    tensor (:class:`~timm_dora.data.InputNormalize` makes the model's input of it on the device).
 
-    - ``"none"`` (or ``False``): identical to :func:`eval_transform`.
+    - ``"none"`` (or ``False``): :func:`~timm_dora.data.uint8_transform`, the eval preprocessing.
     - ``"light"`` (or ``True``): timm's training transform kept light for small rollout pools:
       ``RandomResizedCrop(scale=(0.5, 1.0))`` with timm's default aspect ratios, horizontal flip
       with p = 0.5, no colour jitter, no auto-augment, no random erasing.
@@ -56,9 +62,9 @@ def train_transform(model: torch.nn.Module, augment: Union[bool, str] = False, *
     stochastic augmentation): for the 700-image pools here.
     """
     level = augment_level(augment)
-    cfg = data_config(model, **overrides)
     if level == "none":
-        return create_transform(**cfg, is_training=False)
+        return uint8_transform(model, **overrides)
+    cfg = data_config(model, **overrides)
     strong = level == "strong"
     return create_transform(
         input_size=cfg["input_size"],
@@ -69,8 +75,7 @@ def train_transform(model: torch.nn.Module, augment: Union[bool, str] = False, *
         auto_augment="rand-m9-mstd0.5-inc1" if strong else None,
         re_prob=0.0,
         interpolation=cfg["interpolation"],
-        mean=cfg["mean"],
-        std=cfg["std"],
+        use_prefetcher=True,
     )
 
 
@@ -179,40 +184,56 @@ def seed_all(value: int) -> None:
     torch.manual_seed(value)
 
 
-class AugmentedPool(torch.utils.data.Dataset):
-    """The rollout pool as the training run sees it: item ``(u, i)`` is pool image ``i`` as augmented
-    for update ``u`` (``(key, image)`` is returned). Every draw is seeded by ``(seed, u, i)`` in each
-    RNG the transforms use (``random`` for timm's crop and RandAugment, ``numpy``, ``torch`` for the
-    flip and the CutMix), so an item is the same in any process, worker or order: resumable, and
-    equal for any world size. ``strong``: with probability ``cutmix_prob`` a patch-aligned rectangle
-    of another pool image (itself augmented) is pasted in, label-free (:func:`cutmix_patches`)."""
+MAX_UNREADABLE_IN_A_ROW = 16  # more unreadable files in a row than this: the data is broken, not one file
 
-    def __init__(self, images: torch.utils.data.Dataset, seed: int, strong: bool, cutmix_prob: float, patch: int):
+
+class RolloutImages(torch.utils.data.Dataset):
+    """The rollout pool as the training run sees it: item ``(u, i)`` is pool image ``i`` as made for
+    update ``u``, ``(key, uint8 image, skipped)``. With an augmenting transform every draw is seeded
+    by ``(seed, u, i)`` in each RNG the transforms use (``random`` for timm's crop and RandAugment,
+    ``numpy``, ``torch`` for the flip and the CutMix), so an item is the same in any process,
+    worker or order: resumable, and equal for any world size. ``strong``: with probability
+    ``cutmix_prob`` a patch-aligned rectangle of another pool image (itself augmented) is pasted in,
+    label-free (:func:`cutmix_patches`).
+
+    An unreadable file (corrupt, truncated, not an image) does not end the run: image ``i`` is
+    replaced by the next readable one of the split (``i + 1``, ``i + 2``, ... wrapping around), and
+    ``skipped`` lists the ``(path, error)`` of each file passed over, for the trainer to warn about
+    and count. More than :data:`MAX_UNREADABLE_IN_A_ROW` in a row is an error that names the first."""
+
+    def __init__(self, images: torch.utils.data.Dataset, seed: int, strong: bool = False, cutmix_prob: float = 0.0,
+                 patch: int = 16):
         self.images, self.seed, self.strong, self.cutmix_prob, self.patch = images, seed, strong, cutmix_prob, patch
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, key: Tuple[int, int]) -> Tuple[Tuple[int, int], torch.Tensor]:
+    def _image(self, i: int, skipped: List[Tuple[str, str]]) -> torch.Tensor:
+        n = len(self.images)
+        for step in range(min(n, MAX_UNREADABLE_IN_A_ROW + 1)):
+            j = (i + step) % n
+            try:
+                return self.images[j][0]
+            except Exception as e:  # the file: left out, named
+                skipped.append((self.images.paths[j], f"{type(e).__name__}: {e}"))
+        raise RuntimeError(f"{len(skipped)} unreadable images in a row from {skipped[0][0]} ({skipped[0][1]}): "
+                           "check the data")
+
+    def __getitem__(self, key: Tuple[int, int]) -> Tuple[Tuple[int, int], torch.Tensor, List[Tuple[str, str]]]:
         u, i = key
         n = len(self.images)
         seed_all((self.seed * 1_000_003 + u) * 1_000_003 + i)
-        img = self.images[i][0]
+        skipped: List[Tuple[str, str]] = []
+        img = self._image(i, skipped)
         if self.strong and n > 1 and float(torch.rand(())) < self.cutmix_prob:
             j = int(torch.randint(n - 1, ()))
-            img, _ = cutmix_patches(img, self.images[j + (j >= i)][0], self.patch)
-        return key, img
+            img, _ = cutmix_patches(img, self._image(j + (j >= i), skipped), self.patch)
+        return key, img, skipped
 
 
-class _StackKeyed:
-    """Collate ``(key, image)`` items into ``(keys, images)``, the images in ``dtype`` (the
-    training process's input dtype: converting here halves a bf16 run's transfer, same values)."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-    def __call__(self, items: List[Tuple[Tuple[int, int], torch.Tensor]]) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
-        return [k for k, _ in items], torch.stack([x for _, x in items]).to(self.dtype)
+def _stack_keyed(items: List[Tuple[Tuple[int, int], torch.Tensor, List]]) -> Tuple[List, torch.Tensor, List]:
+    """Collate ``(key, image, skipped)`` items into ``(keys, images, skipped)``."""
+    return [k for k, _, _ in items], torch.stack([x for _, x, _ in items]), [s for _, _, ss in items for s in ss]
 
 
 def _background_worker(_: int) -> None:
@@ -221,43 +242,60 @@ def _background_worker(_: int) -> None:
     os.nice(10)
 
 
-class RolloutPrefetch:
-    """Augmented rollout batches made ahead, in ``workers`` processes, while the training process
-    runs the current update: ``next(prefetch)`` gives ``(keys, images)`` of the next update.
+class RolloutStream:
+    """This process's rollout batches, ``next(stream)`` -> ``(keys, uint8 images, skipped)`` for the
+    next update, made ahead in ``workers`` processes while the training process runs the current
+    update (``workers=0``: made in this process, on demand).
 
     The batches follow a copy of the run's :class:`RolloutSampler` from update ``u0 + 1`` on, each
-    sliced to this process's share (``local``, positions in the global batch); the caller checks
-    the keys against the batch it draws itself. Each worker makes whole batches (``workers`` of them
-    in flight), so a batch's latency is one worker's, hidden while fewer than ``workers`` updates
-    run in the time one worker makes a batch. :meth:`close` stops the workers."""
+    sliced to this process's share (``local``, positions in the global batch): under ``torchrun``
+    each process reads only its own images. The caller checks the keys against the batch it draws
+    itself. A batch is cut into ``chunk``-image pieces that workers make in parallel, and up to
+    ``ahead`` batches are in flight, so a batch is ready ``chunk`` images after it is asked for
+    (about 0.2 s at 5 ms an image) and the workers stay ``ahead`` updates in front. Nothing grows
+    with the split: a 300,000-image split costs the file list and the sampler's permutation.
+    :meth:`close` stops the workers."""
 
-    def __init__(self, pool: AugmentedPool, sampler: RolloutSampler, u0: int, local: Sequence[int], workers: int,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, pool: RolloutImages, sampler: RolloutSampler, u0: int, local: Sequence[int], workers: int,
+                 chunk: int = 32, ahead: int = 2):
         import copy
 
-        ahead = copy.deepcopy(sampler)
+        ahead_sampler = copy.deepcopy(sampler)
+        self.local, self.chunk = list(local), max(1, chunk)
+        self.pieces = -(-len(self.local) // self.chunk)  # pieces per batch
 
-        def batches() -> Iterator[List[Tuple[int, int]]]:
+        def pieces() -> Iterator[List[Tuple[int, int]]]:
             u = u0
             while True:
                 u += 1
-                idx = next(ahead)
-                yield [(u, idx[m]) for m in local]
+                idx = next(ahead_sampler)
+                keys = [(u, idx[m]) for m in self.local]
+                for s in range(0, len(keys), self.chunk):
+                    yield keys[s : s + self.chunk]
 
-        self.loader = torch.utils.data.DataLoader(
-            pool, batch_sampler=batches(), num_workers=workers, collate_fn=_StackKeyed(dtype), prefetch_factor=1,
-            worker_init_fn=_background_worker)  # no pinning thread: it would touch CUDA while a step is captured
-        # the workers are forked here: objects of this process that only a cycle collection would
-        # free (CUDA graphs, events, tensors of an earlier trainer) must never be freed in a worker,
-        # where touching CUDA aborts it; frozen, the workers' collector never looks at them
+        kw = {}
+        if workers > 0:  # each worker keeps up to `prefetch_factor` pieces in flight
+            kw = dict(prefetch_factor=max(1, -(-ahead * self.pieces // workers)), worker_init_fn=_background_worker)
+        self.loader = torch.utils.data.DataLoader(pool, batch_sampler=pieces(), num_workers=workers,
+                                                  collate_fn=_stack_keyed, generator=torch.Generator(), **kw)
+        # no pinning thread: it would touch CUDA while a step is captured. The workers are forked
+        # here: objects of this process that only a cycle collection would free (CUDA graphs,
+        # events, tensors of an earlier trainer) must never be freed in a worker, where touching
+        # CUDA aborts it; frozen, the workers' collector never looks at them
         gc.freeze()
         try:
             self.it = iter(self.loader)
         finally:
             gc.unfreeze()
 
-    def __next__(self) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
-        return next(self.it)
+    def __next__(self) -> Tuple[List[Tuple[int, int]], torch.Tensor, List[Tuple[str, str]]]:
+        keys, images, skipped = [], [], []
+        for _ in range(self.pieces):
+            k, x, s = next(self.it)
+            keys += k
+            images.append(x)
+            skipped += s
+        return keys, images[0] if len(images) == 1 else torch.cat(images), skipped
 
     def close(self) -> None:
         self.it = None  # the DataLoader's iterator stops its workers when it is released
