@@ -284,6 +284,10 @@ def test_check_disjoint_reads_only_files_whose_size_another_split_has(tmp_path, 
     (root / "copy.bin").write_bytes((root / "a5.bin").read_bytes())
     with pytest.raises(ValueError, match=r"identical content.*a5.bin \(a\) == .*copy.bin \(b\)"):
         check_disjoint({"a": files["a"], "b": files["b"] + [str(root / "copy.bin")]})
+    # a split larger than content_max is compared by file identity alone: no file is read
+    reads.clear()
+    check_disjoint({"a": files["a"], "b": files["b"] + [str(root / "copy.bin")]}, content_max=20)
+    assert reads == []
 
 
 def test_check_labels_names_the_split_file_and_label(fake_csv):

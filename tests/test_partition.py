@@ -65,3 +65,34 @@ def test_cli_partition_writes_a_csv_that_loads_from_elsewhere(tmp_path, capsys):
     assert len(LabelsCSVDataset(out, "rollout")) == 4 and len(LabelsCSVDataset(out, "dev")) == 3
     assert main(["partition", "--labels", str(data / "labels.csv"), "--sizes", "rollout=4", "--out", str(out)]) == 1
     assert "every one must be placed" in capsys.readouterr().err
+
+
+def test_partition_folder_draws_disjoint_splits_and_leaves_the_rest_out(tmp_path, capsys):
+    """``--folder``: an ImageNet-style ``train/<synset>/<image>`` tree dealt into splits by the seed;
+    labels are the sorted folder index; the CSV loads from elsewhere and its splits are disjoint."""
+    import random
+
+    from PIL import Image
+
+    from timm_dora.data import ImageFolderDataset, check_disjoint
+
+    root = tmp_path / "imagenet" / "train"
+    for c, syn in enumerate(["n02", "n01", "n03"]):
+        for k in range(4):
+            (root / syn).mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8, 8), (40 * c, 40 * k, 0)).save(root / syn / f"{syn}_{k}.JPEG")
+    out = tmp_path / "runs" / "splits.csv"
+    assert main(["partition", "--folder", str(root), "--sizes", "rollout=6", "qc=2", "dev=3", "--seed", "0",
+                 "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"{out}: dev 3, qc 2, rollout 6"
+    splits = {s: LabelsCSVDataset(out, s) for s in ("rollout", "qc", "dev")}
+    check_disjoint(splits)
+    folder = ImageFolderDataset(root)
+    order = list(range(12))
+    random.Random(0).shuffle(order)
+    assert [Path(p).name for p in splits["rollout"].paths] == [Path(folder.paths[i]).name for i in order[:6]]
+    for ds in splits.values():
+        for p, y in zip(ds.paths, ds.labels):
+            assert y == ["n01", "n02", "n03"].index(Path(p).parent.name)
+    assert main(["partition", "--folder", str(root), "--sizes", "rollout=13", "--out", str(out)]) == 1
+    assert "add up to 13, but" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def test_cli_runs_are_bitwise_reproducible_across_processes(data, tmp_path):
 
 
 def _without_timings(rows):
-    return [{k: v for k, v in r.items() if k not in ("rollout_images_per_s", "update_s", "phases")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("rollout_images_per_s", "update_s", "phases", "time")} for r in rows]
 
 
 def test_cli_refuses_overlapping_splits_and_existing_runs(data, tmp_path, capsys):

@@ -19,7 +19,7 @@ COMMANDS = {
     "eval": ("timm_dora.evaluate.cli", "top-1, GFLOPs and policy statistics of native and wrapped models"),
     "bench": ("timm_dora.evaluate.bench", "throughput with the paper's App. E.5 timing protocol"),
     "viz": ("timm_dora.viz.cli", "pictures: pruning trajectories, policy statistics, training dynamics"),
-    "partition": ("timm_dora.partition", "re-partition the training images of a labels CSV (test stays)"),
+    "partition": ("timm_dora.partition", "re-partition a labels CSV (test stays), or draw splits from an image folder"),
     "distill": ("timm_dora.train.distill", "a narrower actor that makes a trained actor's decisions (ours)"),
     "calibrate": ("timm_dora.evaluate.calibrate", "move an actor's operating point to a GFLOPs reduction, without labels (ours)"),
 }

@@ -10,6 +10,15 @@ relative to the output CSV's folder, so the new file works from wherever it is w
     timm-dora partition --labels ../shared/data/imagenet-mini/labels.csv \\
         --sizes rollout=400 qc=300 dev=300 --seed 0 --out runs/labels_400_300_300.csv
     timm-dora-train ... --data runs/labels_400_300_300.csv
+
+``--folder`` draws the splits from an image folder instead (ImageNet's ``train/``, laid out
+``<synset>/<image>``): its images are shuffled with ``--seed`` and dealt out in the order of
+``--sizes``, disjoint by construction; images not dealt are left out of the CSV. Labels are the
+folder's index among the sorted folder names (for ImageNet-1k's 1,000 synset folders, the standard
+class index), or ``--class-map``'s::
+
+    timm-dora partition --folder /data/imagenet/train --sizes rollout=299776 qc=16384 dev=10240 \\
+        --seed 0 --out runs/imagenet_splits.csv
 """
 from __future__ import annotations
 
@@ -19,9 +28,9 @@ import os
 import random
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
-__all__ = ["add_parser", "partition_rows", "partition_csv"]
+__all__ = ["add_parser", "partition_csv", "partition_folder", "partition_rows"]
 
 
 def partition_rows(rows: Sequence[Dict[str, str]], sizes: Dict[str, int], take: Sequence[str],
@@ -77,6 +86,35 @@ def partition_csv(labels: str, out: str, sizes: Dict[str, int], take: Sequence[s
     return dict(Counter(r["split"].strip() for r in new))
 
 
+def partition_folder(root: str, out: str, sizes: Dict[str, int], seed: int, class_map: Optional[str] = None) -> Dict[str, int]:
+    """Deal ``sizes`` images of the image folder ``root`` (``<class>/<image>``; labels as
+    :class:`~timm_dora.data.ImageFolderDataset` gives them) into splits, shuffled by ``seed``
+    (Python's ``random.Random``), and write them as a labels CSV at ``out`` (paths relative to its
+    folder); the images not dealt are left out. Returns the rows per split."""
+    from .data import ImageFolderDataset
+
+    ds = ImageFolderDataset(root, class_map=class_map)
+    if any(n < 0 for n in sizes.values()):
+        raise ValueError(f"split sizes must be 0 or more, got {sizes}")
+    if sum(sizes.values()) > len(ds):
+        raise ValueError(f"the sizes add up to {sum(sizes.values())}, but {root} holds {len(ds)} images")
+    order = list(range(len(ds)))
+    random.Random(seed).shuffle(order)
+    dst = Path(out)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    base, at = str(dst.resolve().parent), 0
+    with open(dst, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "label", "synset", "set", "split"])
+        for split, n in sizes.items():
+            for i in order[at:at + n]:
+                p = ds.paths[i]
+                w.writerow([os.path.relpath(p, base), ds.labels[i], os.path.basename(os.path.dirname(p)),
+                            os.path.basename(ds.root), split])
+            at += n
+    return dict(sizes)
+
+
 def _size(text: str):
     name, eq, n = text.partition("=")
     if not eq or not name or not n.isdigit():
@@ -85,9 +123,13 @@ def _size(text: str):
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("partition", help="re-partition the training images of a labels CSV (test stays)",
+    p = subparsers.add_parser("partition", help="re-partition the training images of a labels CSV (test stays), or "
+                              "draw splits from an image folder",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--labels", required=True, help="labels CSV (path,label,...,split)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--labels", help="labels CSV (path,label,...,split) whose training rows are dealt anew")
+    src.add_argument("--folder", help="an image folder <class>/<image> (e.g. ImageNet's train/) to draw the splits from")
+    p.add_argument("--class-map", help="with --folder: the labels of its folders (classes.txt or a synset,label CSV)")
     p.add_argument("--sizes", type=_size, nargs="+", required=True, help="new splits in order, e.g. rollout=400 qc=300 dev=300")
     p.add_argument("--from", dest="take", nargs="+", default=["rollout", "qc", "dev"],
                    help="the splits whose rows are re-partitioned (every other row is kept as it is)")
@@ -100,6 +142,9 @@ def _run(args) -> int:
     sizes = dict(args.sizes)
     if len(sizes) != len(args.sizes):
         raise ValueError("--sizes names a split twice")
-    counts = partition_csv(args.labels, args.out, sizes, args.take, args.seed)
+    if args.folder:
+        counts = partition_folder(args.folder, args.out, sizes, args.seed, args.class_map)
+    else:
+        counts = partition_csv(args.labels, args.out, sizes, args.take, args.seed)
     print(f"{args.out}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     return 0

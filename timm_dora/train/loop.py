@@ -112,7 +112,10 @@ class Trainer(Checkpoints):
         self.init_training = warm_start(cfg.init_actor, self.actor, self.model, cfg.readout) if cfg.init_actor else {}
         self.actor = self.actor.to(self.dev)
         self.critic = Critic.for_model(model, budget_step=cfg.budget_step, backend="padded").to(self.dev)
-        self.graphs = cfg.cuda_graphs and self.dev.type == "cuda" and self.comm.world == 1
+        self.graphs = cfg.cuda_graphs and self.dev.type == "cuda"
+        # the critic's steps left running beside the next rollout reduce their gradients in a
+        # communicator of their own (the main thread's collectives go on meanwhile)
+        self.critic_comm = self.comm.another() if self.graphs and cfg.overlap else self.comm
         p = cfg.ppo
         g = actor_parameter_groups(self.actor)
         self.groups = g
@@ -239,7 +242,7 @@ class Trainer(Checkpoints):
         m.update({k: float(v) / batch for k, v in zip(keys, sums)})
         m["skipped_images"] = int(round(m["skipped_images"]))  # unreadable files met so far, all processes
         clock.mark("metrics")
-        m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read())
+        m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read(), time=time.time())
         return m
 
     def _critic_precision(self):
@@ -308,10 +311,12 @@ class Trainer(Checkpoints):
         for name in ("shared", "budget", "selector"):
             self.opts[name].zero_grad(set_to_none=True)
         n = len(shared)
-        for q, g in zip(budget + selector, g_b[n:] + g_s[n:]):
+        # summed over the processes in one all-reduce: the two losses' gradients on the shared
+        # encoder, then the heads' own
+        summed = comm.sum_bucket(list(g_b[:n]) + list(g_s[:n]) + list(g_b[n:]) + list(g_s[n:]))
+        for q, g in zip(budget + selector, summed[2 * n:]):
             q.grad = g
-        comm.sum_grads(budget + selector)
-        apply_pcgrad(shared, comm.sum_list(g_b[:n], shared), comm.sum_list(g_s[:n], shared), p.max_grad_norm, p.pcgrad_eps)
+        apply_pcgrad(shared, summed[:n], summed[n : 2 * n], p.max_grad_norm, p.pcgrad_eps)
         torch.nn.utils.clip_grad_norm_(budget, p.max_grad_norm)
         torch.nn.utils.clip_grad_norm_(selector, p.max_grad_norm)
         for name in ("shared", "budget", "selector"):
@@ -341,12 +346,12 @@ class Trainer(Checkpoints):
         params = list(critic.parameters())
         self.opts["critic"].zero_grad(set_to_none=True)
         loss.backward()
-        self.comm.sum_grads(params)
+        self.critic_comm.sum_grads(params)
         torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
         self.opts["critic"].step()
         return loss.detach()
 
-    def _load(self, kind: str, mb: _Minibatch, on_h: List[int], n_c: int):
+    def _load(self, kind: str, mb: _Minibatch, on_h: List[int]):
         """Put minibatch ``mb`` of a ``kind`` of step (``gate``, ``controller``, ``critic``) in its
         static buffers; returns ``(key, step, params, optimisers)`` for :meth:`_step`."""
         if kind == "gate":
@@ -356,20 +361,21 @@ class Trainer(Checkpoints):
             self.ctrl_batch.select(mb.idx, len(mb.ids))
             g = self.groups
             return "controller", self._controller_minibatch, g["shared"] + g["budget"] + g["selector"], ["shared", "budget", "selector"]
-        n_on_g, key = self._critic_key(mb, on_h, n_c)
+        n_on_g, key = self._critic_key(mb, on_h)
         self.critic_batch.select(mb.idx, len(mb.ids), n_on_g)
         return key, functools.partial(self._critic_minibatch, key[1]), list(self.critic.parameters()), ["critic"]
 
     @staticmethod
-    def _critic_key(mb: _Minibatch, on_h: List[int], n_c: int):
-        """``(loss divisor: gate-on transitions of all processes in mb, the step's key)``."""
+    def _critic_key(mb: _Minibatch, on_h: List[int]):
+        """``(loss divisor: gate-on transitions of all processes in mb, the step's key)``; the key is
+        the same on every process (its captured step holds the same collectives everywhere)."""
         n_on_g = sum(on_h[t] for t in mb.ids)
-        return n_on_g, ("critic", n_on_g > 0 and n_c > 0)  # (n_c: this process holds gate-on transitions)
+        return n_on_g, ("critic", n_on_g > 0)
 
-    def _critic_steps(self, mbs: List[_Minibatch], on_h: List[int], n_c: int) -> torch.Tensor:
+    def _critic_steps(self, mbs: List[_Minibatch], on_h: List[int]) -> torch.Tensor:
         """The critic's minibatch steps of an update; their mean loss."""
-        losses = [self._step(*self._load("critic", mb, on_h, n_c)).double().reshape(-1) for mb in mbs]
-        return torch.stack(losses).mean(0)
+        losses = [self._step(*self._load("critic", mb, on_h)).double().reshape(-1) for mb in mbs]
+        return self.critic_comm.sum_(torch.stack(losses).mean(0))  # (this process's share of the loss)
 
     def _finish_critic(self) -> None:
         """With ``overlap`` an update's critic steps run beside the next rollout, which does not read
@@ -489,16 +495,16 @@ class Trainer(Checkpoints):
         for gate_mbs, ctrl_mbs in actor_epochs:
             for kind, mbs in (("gate", gate_mbs), ("controller", ctrl_mbs)):
                 for mb in mbs:
-                    logs[kind].append(self._step(*self._load(kind, mb, on_h, n_c)).double().reshape(-1))
+                    logs[kind].append(self._step(*self._load(kind, mb, on_h)).double().reshape(-1))
         self.actor.eval()
         self.clock.mark("actor_update")
         self.critic.train()
         if not (self.graphs and cfg.overlap):
             for mb in critic_mbs:
-                logs["critic"].append(self._step(*self._load("critic", mb, on_h, n_c)).double().reshape(-1))
+                logs["critic"].append(self._step(*self._load("critic", mb, on_h)).double().reshape(-1))
         else:  # left running beside the next update's rollout (see _finish_critic)
-            replays = all(self._critic_key(mb, on_h, n_c)[1] in self.captured for mb in critic_mbs)
-            self.background.launch(functools.partial(self._critic_steps, critic_mbs, on_h, n_c), replays, reads=[flat])
+            replays = all(self._critic_key(mb, on_h)[1] in self.captured for mb in critic_mbs)
+            self.background.launch(functools.partial(self._critic_steps, critic_mbs, on_h), replays, reads=[flat])
         self.clock.mark("critic_update")
         # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
         names = {"gate": ("loss_gate", "entropy_gate"), "critic": ("loss_value",),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -29,18 +29,25 @@ def eager_attention():
 
 
 class Comm:
-    """Data-parallel collectives through ``torch.distributed``; no-ops in a single process."""
+    """Data-parallel collectives through ``torch.distributed`` (on ``group``, default the world);
+    no-ops in a single process."""
 
-    def __init__(self) -> None:
+    def __init__(self, group=None) -> None:
         import torch.distributed as dist
 
-        self.dist = dist
+        self.dist, self.group = dist, group
         self.on = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.on else 0
         self.world = dist.get_world_size() if self.on else 1
         # NCCL reduces device tensors only; gloo takes CPU tensors
         nccl = self.on and dist.get_backend() == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def another(self) -> "Comm":
+        """The same processes in a communicator of their own (every process calls it, in the same
+        order): collectives issued from another thread, e.g. captured steps replayed beside the
+        main thread's work, never interleave with this one's."""
+        return Comm(self.dist.new_group()) if self.on else self
 
     @property
     def main(self) -> bool:
@@ -50,7 +57,7 @@ class Comm:
         """All-reduce (sum) in place; returns ``t``."""
         if self.on:
             x = t.to(self.device)
-            self.dist.all_reduce(x)
+            self.dist.all_reduce(x, group=self.group)
             if x is not t:
                 t.copy_(x)
         return t
@@ -61,41 +68,44 @@ class Comm:
             return t
         x = t.contiguous().to(self.device)
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        self.dist.all_gather(parts, x)
+        self.dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts).to(t.device)
 
     def broadcast_object(self, obj):
         if not self.on:
             return obj
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def barrier(self) -> None:
         if self.on:
-            self.dist.barrier()
+            self.dist.barrier(group=self.group)
 
-    def sum_list(self, grads, params) -> List[torch.Tensor]:
-        """Sum a list of per-parameter gradients (``None`` = zero) across processes (in one
-        process: the list as given)."""
+    def sum_bucket(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """``tensors`` (gradients; ``None`` stays ``None``) summed across processes in one
+        all-reduce of one flat bucket; returns views of it (in one process: the list as given).
+
+        No host read, so a captured step can hold it (the all-reduce is captured into the step's
+        CUDA graph). Every process must pass tensors of the same shapes with ``None`` at the same
+        places: the PPO steps run the same code on every process (a process holding no row of a
+        minibatch runs it with masked rows), so their gradients exist for the same parameters."""
         if not self.on:
-            return list(grads)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
-        self.sum_(flat)
-        out, offset = [], 0
-        for p in params:
-            out.append(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return out
+            return list(tensors)
+        real = [t for t in tensors if t is not None]
+        if not real:
+            return list(tensors)
+        flat = torch.cat([t.reshape(-1) for t in real])
+        self.dist.all_reduce(flat, group=self.group)
+        views = iter(flat.split([t.numel() for t in real]))
+        return [None if t is None else next(views).view_as(t) for t in tensors]
 
     def sum_grads(self, params) -> None:
-        """Replace each ``p.grad`` by its sum across processes. A parameter no process used keeps
-        ``grad = None`` (as in a single process, where Adam then skips it)."""
-        if not self.on:
-            return
-        used = self.sum_(torch.tensor([float(p.grad is not None) for p in params]))
-        for p, g, u in zip(params, self.sum_list([p.grad for p in params], params), used.tolist()):
-            p.grad = g.clone() if u > 0 else None
+        """Replace each ``p.grad`` by its sum across processes, in one all-reduce
+        (:meth:`sum_bucket`: the same parameters carry gradients on every process)."""
+        if self.on:
+            for p, g in zip(params, self.sum_bucket([p.grad for p in params])):
+                p.grad = g
 
 
 class PhaseClock:

@@ -1,0 +1,343 @@
+"""Training at the paper's scale on an ImageNet-size image set (issue #56; not a test).
+
+Three steps, each resumable, for runs split over several GPU commands:
+
+``make``: an ImageNet-size folder ``ROOT/train/<synset>/<synset>_<k>.JPEG`` made from the 1,000
+``sample1000`` images of ``../shared`` (never the ``test`` images): each file a random resized
+crop of one source image (scale 0.35-1, aspect 3/4-4/3, random flip) re-encoded as JPEG at one of
+ImageNet's typical sizes (500x375, 375x500, 500x333, 500x500, 640x480, ...; quality 75-95), seeded
+per file, made by every CPU; then ``timm-dora partition --folder`` draws the splits from it into
+``ROOT/splits.csv`` (the README's ImageNet command). Skipped when ``ROOT/complete.json`` says the
+same set exists.
+
+``run``: the paper's full recipe (``--recipe paper``, 1,171 updates of 256 streamed rollout
+images, feedback every 8 updates on 2,048-image shards, a checkpoint every 50 evaluated on 10,240
+dev images, the dev selection) as ``python -m timm_dora.train``, resumed from ``RUN/state.pt`` when
+there is one, for at most ``--max-minutes`` (a GPU command's limit). While it runs, a monitor reads
+the GPU's used memory (``nvidia-smi``, 2 Hz) and the proportional set size of the trainer and its
+data workers (``/proc/*/smaps_rollup``, shared pages counted once). Each run appends a segment to
+``RUN/segments.json``; once the recipe is complete, ``--out`` gets the result: ``wall_min`` (the
+segments' sum, resuming included), ``first_update_s`` (command start to the end of update 1, from
+the update's ``time`` in ``metrics.jsonl``), ``s_per_update`` (median), ``data_wait_fraction``
+(the updates' ``data`` phase over their time: waiting for images), ``peak_gpu_gb`` and
+``peak_host_gb`` (the segments' maxima).
+
+``ddp``: the same recipe for ``--updates`` updates on one GPU and under ``torchrun`` on ``--gpus``
+GPUs of the host, on one set: median seconds per update (after ``--skip`` updates of compiling and
+capturing) and ``scaling``, images per second relative to one GPU (the same 256 images an update).
+
+    python benchmarks/train_scale.py make --sources CARRY/sample1000 --root /data/scale
+    python benchmarks/train_scale.py run --root /data/scale --run /data/run --model M --weights W \\
+        --max-minutes 8 --out benchmarks/results/train_scale_h100.json
+    python benchmarks/train_scale.py ddp --root /data/ddp --model deit_base_patch16_224 --gpus 2 \\
+        --updates 40 --out OUT/ddp_deit_base.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+SIZES = [((500, 375), 40), ((375, 500), 14), ((500, 333), 18), ((333, 500), 6), ((500, 500), 6), ((640, 480), 6),
+         ((800, 600), 5), ((1024, 768), 5)]  # (width, height), weight: ImageNet's common shapes
+PAPER = {"rollout": 299_776, "qc": 16_384, "dev": 10_240}
+RECIPE_UPDATES = 1_171
+
+
+# ------------------------------------------------------------------------------------------------ make
+def _make_class(job) -> int:
+    """Every file of one class: ``count`` crops of its source image."""
+    from PIL import Image
+
+    source, folder, c, count, seed = job
+    img = Image.open(source).convert("RGB")
+    w0, h0 = img.size
+    os.makedirs(folder, exist_ok=True)
+    shapes, weights = zip(*SIZES)
+    for k in range(count):
+        rng = random.Random((seed * 1_000_003 + c) * 1_000_003 + k)
+        area = rng.uniform(0.35, 1.0) * w0 * h0
+        ratio = rng.uniform(3 / 4, 4 / 3)
+        cw, ch = min(w0, int(round((area * ratio) ** 0.5))), min(h0, int(round((area / ratio) ** 0.5)))
+        x, y = rng.randint(0, w0 - cw), rng.randint(0, h0 - ch)
+        crop = img.crop((x, y, x + cw, y + ch)).resize(rng.choices(shapes, weights)[0], Image.BICUBIC)
+        if rng.random() < 0.5:
+            crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
+        crop.save(os.path.join(folder, f"{os.path.basename(folder)}_{k:05d}.JPEG"), quality=rng.randint(75, 95))
+    return count
+
+
+def make(args) -> None:
+    root = Path(args.root)
+    sizes = {"rollout": args.rollout, "qc": args.qc, "dev": args.dev}
+    spec = {"sizes": sizes, "seed": args.seed, "sources": len(list(Path(args.sources).glob("*.jpg")))}
+    done = root / "complete.json"
+    if done.is_file() and json.loads(done.read_text()) == spec:
+        print(f"{root}: the set exists")
+        return
+    sources = sorted(Path(args.sources).glob("*.jpg"))
+    if not sources:
+        raise SystemExit(f"no *.jpg under {args.sources}")
+    total = sum(sizes.values())
+    per, extra = divmod(total, len(sources))
+    jobs = [(str(s), str(root / "train" / s.stem), c, per + (c < extra), args.seed) for c, s in enumerate(sources)]
+    t = time.perf_counter()
+    from multiprocessing import Pool
+
+    with Pool(args.workers or os.cpu_count()) as pool:
+        made = sum(pool.imap_unordered(_make_class, jobs, chunksize=4))
+    t_files = time.perf_counter() - t
+    from timm_dora.cli import main as cli
+
+    t = time.perf_counter()
+    argv = ["partition", "--folder", str(root / "train"), "--sizes", *[f"{k}={v}" for k, v in sizes.items()],
+            "--seed", str(args.seed), "--out", str(root / "splits.csv")]
+    if cli(argv) != 0:
+        raise SystemExit("partition failed")
+    spec.update(files=made, make_s=round(t_files, 1), partition_s=round(time.perf_counter() - t, 1),
+                bytes=sum(f.stat().st_size for f in (root / "train").rglob("*.JPEG")))
+    done.write_text(json.dumps({k: spec[k] for k in ("sizes", "seed", "sources")}))
+    (root / "made.json").write_text(json.dumps(spec, indent=1))
+    print(json.dumps(spec))
+
+
+# ------------------------------------------------------------------------------------------------ monitor
+def _descendants(pid: int) -> List[int]:
+    children: Dict[int, List[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _pss_gb(pid: int) -> float:
+    total = 0
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 2**20  # kB -> GiB
+
+
+def _gpu_gb(index: str) -> Optional[float]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", index],
+                             capture_output=True, text=True, timeout=10).stdout
+        return max(float(x) for x in out.split()) / 1024  # MiB -> GiB
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+class Monitor:
+    """Peaks of GPU memory in use (nvidia-smi) and of the process tree's PSS, sampled every 0.5 s."""
+
+    def __init__(self, pid: int, gpus: str = "0"):
+        self.pid, self.gpus, self.gpu, self.host, self.stop = pid, gpus, 0.0, 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            self.host = max(self.host, _pss_gb(self.pid))
+            g = _gpu_gb(self.gpus)
+            if g is not None:
+                self.gpu = max(self.gpu, g)
+            self.stop.wait(0.5)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _env() -> Dict[str, str]:
+    # NVLink multicast stays off (the device tool's KINDS.md); Python output unbuffered
+    return dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+                PYTHONUNBUFFERED="1")
+
+
+def _train_flags(args, run: Path) -> List[str]:
+    flags = ["--model", args.model, "--data", str(Path(args.root) / "splits.csv"), "--out", str(run), "--recipe", "paper",
+             "--no-progress"]
+    flags += ["--weights", args.weights] if args.weights else ["--no-pretrained"]
+    return flags + shlex.split(args.extra)
+
+
+def _planned(run: Path) -> int:
+    """The updates the run's configuration asks for (the recipe: 1,171)."""
+    path = run / "config.json"
+    return json.loads(path.read_text())["ppo"]["updates"] if path.exists() else RECIPE_UPDATES
+
+
+def _metrics(run: Path) -> List[Dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
+
+
+# ------------------------------------------------------------------------------------------------ run
+def run(args) -> None:
+    run_dir = Path(args.run)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    segments_file = run_dir / "segments.json"
+    segments = json.loads(segments_file.read_text()) if segments_file.exists() else []
+    before = _metrics(run_dir)
+    if (run_dir / "selection.json").exists() and before and before[-1]["update"] >= _planned(run_dir):
+        print("the recipe is complete")
+    else:
+        cmd = [sys.executable, "-m", "timm_dora.train", *_train_flags(args, run_dir)]
+        if args.max_minutes:
+            cmd += ["--max-minutes", str(args.max_minutes)]
+        if (run_dir / "state.pt").exists():
+            cmd.append("--resume")
+        start = time.time()
+        log = open(run_dir / f"segment{len(segments)}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        mon = Monitor(proc.pid)
+        rc = proc.wait()
+        mon.close()
+        wall = time.time() - start
+        after = _metrics(run_dir)
+        new = [m for m in after if m["update"] > (before[-1]["update"] if before else 0)]
+        seg = {"command": " ".join(shlex.quote(c) for c in cmd), "rc": rc, "wall_s": round(wall, 1),
+               "updates": [new[0]["update"], new[-1]["update"]] if new else None,
+               "first_update_s": round(new[0]["time"] - start, 1) if new else None,
+               "peak_gpu_gb": round(mon.gpu, 2), "peak_host_gb": round(mon.host, 2)}
+        segments.append(seg)
+        segments_file.write_text(json.dumps(segments, indent=1))
+        print(json.dumps(seg))
+        if rc != 0:
+            print((run_dir / f"segment{len(segments) - 1}.log").read_text()[-3000:])
+            raise SystemExit(rc)
+    metrics = _metrics(run_dir)
+    if not metrics or metrics[-1]["update"] < _planned(run_dir):
+        print(f"update {metrics[-1]['update'] if metrics else 0} of {_planned(run_dir)}: run again to resume")
+        return
+    result = summarise(args, run_dir, segments, metrics)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("segments", "selection")}, indent=1))
+
+
+def summarise(args, run_dir: Path, segments: List[Dict], metrics: List[Dict]) -> Dict:
+    import torch
+    import timm
+
+    made = json.loads((Path(args.root) / "made.json").read_text())
+    update_s = [m["update_s"] for m in metrics]
+    data_s = [m["phases"].get("data", 0.0) for m in metrics]
+    selection = json.loads((run_dir / "selection.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    return {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "timm": timm.__version__,
+        "command": " ".join(sys.argv) if not args.command_line else args.command_line,
+        "train_command": segments[0]["command"],
+        "rollout_files": made["sizes"]["rollout"], "qc_files": made["sizes"]["qc"], "dev_files": made["sizes"]["dev"],
+        "files_made": made["files"], "set_gb": round(made["bytes"] / 1e9, 2), "make_s": made["make_s"],
+        "updates": metrics[-1]["update"],
+        "wall_min": round(sum(s["wall_s"] for s in segments) / 60, 2),
+        "first_update_s": segments[0]["first_update_s"],
+        "s_per_update": round(statistics.median(update_s), 4),
+        "data_wait_fraction": round(sum(data_s) / sum(update_s), 4),
+        "peak_gpu_gb": max(s["peak_gpu_gb"] for s in segments),
+        "peak_host_gb": max(s["peak_host_gb"] for s in segments),
+        "skipped_images": metrics[-1].get("skipped_images", 0),
+        "recipe": {k: config[k] for k in ("recipe", "feedback_signal", "qc_shards", "checkpoint_every", "selection")},
+        "selected": selection["selected"], "violates": selection["violates"],
+        "segments": segments,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ ddp
+def ddp(args) -> None:
+    root = Path(args.root)
+    out: Dict = {"model": args.model, "gpus": args.gpus, "updates": args.updates, "skip": args.skip}
+    for name, launcher in (("one_gpu", [sys.executable, "-m", "timm_dora.train"]),
+                           (f"{args.gpus}_gpus", ["torchrun", "--standalone", "--nproc_per_node", str(args.gpus),
+                                                   "-m", "timm_dora.train"])):
+        run_dir = root / f"run_{args.model}_{name}"
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        cmd = launcher + _train_flags(args, run_dir) + ["--updates", str(args.updates), "--checkpoint-every",
+                                                         str(args.updates)]
+        env = _env()
+        if name == "one_gpu":
+            env["CUDA_VISIBLE_DEVICES"] = "0"
+        start = time.time()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired as e:
+            print((e.stdout or b"")[-2000:], (e.stderr or b"")[-4000:])
+            raise SystemExit(f"{name}: no result in {args.timeout} s")
+        if proc.returncode != 0:
+            print(proc.stdout[-2000:], proc.stderr[-4000:])
+            raise SystemExit(f"{name}: exit {proc.returncode}")
+        m = _metrics(run_dir)
+        steady = m[args.skip:]
+        out[name] = {"command": " ".join(shlex.quote(c) for c in cmd), "wall_s": round(time.time() - start, 1),
+                     "s_per_update": round(statistics.median(r["update_s"] for r in steady), 4),
+                     "phases": {k: round(statistics.median(r["phases"].get(k, 0.0) for r in steady), 4)
+                                for k in steady[0]["phases"]},
+                     "last": {k: m[-1][k] for k in ("gflops", "compression", "a_u") if k in m[-1]}}
+        print(name, json.dumps(out[name]))
+    one, many = out["one_gpu"]["s_per_update"], out[f"{args.gpus}_gpus"]["s_per_update"]
+    out.update(s_per_update=many, one_gpu_s_per_update=one, scaling=round(one / many, 3))
+    import torch
+
+    out.update(device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k] for k in ("model", "gpus", "s_per_update", "one_gpu_s_per_update", "scaling")}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="step", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--sources", required=True, help="a folder of <synset>.jpg images (shared sample1000)")
+    m.add_argument("--root", required=True)
+    for k, v in PAPER.items():
+        m.add_argument(f"--{k}", type=int, default=v)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--workers", type=int, default=0)
+    for name in ("run", "ddp"):
+        r = sub.add_parser(name)
+        r.add_argument("--root", required=True)
+        r.add_argument("--model", default="vit_tiny_patch16_224.augreg_in21k_ft_in1k")
+        r.add_argument("--weights", default=None, help="backbone weights (none: random, speed only)")
+        r.add_argument("--extra", default="", help="more timm-dora-train flags")
+        r.add_argument("--out", required=True)
+        r.add_argument("--command-line", default=None, help="the command to record (default: this one)")
+    r = sub.choices["run"]
+    r.add_argument("--run", required=True)
+    r.add_argument("--max-minutes", type=float, default=0.0)
+    d = sub.choices["ddp"]
+    d.add_argument("--gpus", type=int, default=2)
+    d.add_argument("--updates", type=int, default=40)
+    d.add_argument("--skip", type=int, default=5)
+    d.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
+    args = ap.parse_args()
+    {"make": make, "run": run, "ddp": ddp}[args.step](args)
+
+
+if __name__ == "__main__":
+    main()
