@@ -274,7 +274,8 @@ def ddp(args) -> None:
     root = Path(args.root)
     out: Dict = {"model": args.model, "gpus": args.gpus, "updates": args.updates, "skip": args.skip}
     for name, launcher in (("one_gpu", [sys.executable, "-m", "timm_dora.train"]),
-                           (f"{args.gpus}_gpus", ["torchrun", "--standalone", "--nproc_per_node", str(args.gpus),
+                           (f"{args.gpus}_gpus", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nproc_per_node", str(args.gpus),
                                                    "-m", "timm_dora.train"])):
         run_dir = root / f"run_{args.model}_{name}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
@@ -304,7 +305,7 @@ def ddp(args) -> None:
     out.update(s_per_update=many, one_gpu_s_per_update=one, scaling=round(one / many, 3))
     import torch
 
-    out.update(device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    out.update(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps({k: out[k] for k in ("model", "gpus", "s_per_update", "one_gpu_s_per_update", "scaling")}))
 
