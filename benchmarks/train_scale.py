@@ -270,39 +270,54 @@ def summarise(args, run_dir: Path, segments: List[Dict], metrics: List[Dict]) ->
 
 
 # ------------------------------------------------------------------------------------------------ ddp
-def ddp(args) -> None:
-    root = Path(args.root)
-    out: Dict = {"model": args.model, "gpus": args.gpus, "updates": args.updates, "skip": args.skip}
-    for name, launcher in (("one_gpu", [sys.executable, "-m", "timm_dora.train"]),
-                           (f"{args.gpus}_gpus", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                   "--nproc_per_node", str(args.gpus),
-                                                   "-m", "timm_dora.train"])):
-        run_dir = root / f"run_{args.model}_{name}"
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        cmd = launcher + _train_flags(args, run_dir) + ["--updates", str(args.updates), "--checkpoint-every",
-                                                         str(args.updates)]
-        env = _env()
-        if name == "one_gpu":
-            env["CUDA_VISIBLE_DEVICES"] = "0"
-        start = time.time()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired as e:
-            print((e.stdout or b"")[-2000:], (e.stderr or b"")[-4000:])
-            raise SystemExit(f"{name}: no result in {args.timeout} s")
+def _timed_run(args, name: str, cmd: List[str], env: Dict[str, str], run_dir: Path) -> Dict:
+    """One training run of ``--updates`` updates: its median seconds per update after ``--skip``."""
+    start = time.time()
+    hung = False
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
             print(proc.stdout[-2000:], proc.stderr[-4000:])
             raise SystemExit(f"{name}: exit {proc.returncode}")
-        m = _metrics(run_dir)
-        steady = m[args.skip:]
-        out[name] = {"command": " ".join(shlex.quote(c) for c in cmd), "wall_s": round(time.time() - start, 1),
-                     "s_per_update": round(statistics.median(r["update_s"] for r in steady), 4),
-                     "phases": {k: round(statistics.median(r["phases"].get(k, 0.0) for r in steady), 4)
-                                for k in steady[0]["phases"]},
-                     "last": {k: m[-1][k] for k in ("gflops", "compression", "a_u") if k in m[-1]}}
-        print(name, json.dumps(out[name]))
-    one, many = out["one_gpu"]["s_per_update"], out[f"{args.gpus}_gpus"]["s_per_update"]
-    out.update(s_per_update=many, one_gpu_s_per_update=one, scaling=round(one / many, 3))
+    except subprocess.TimeoutExpired as e:
+        hung = True  # kept if every update ran: the measurement is in metrics.jsonl
+        print(name, "timed out;", str(e.stderr or b"")[-1500:])
+    m = _metrics(run_dir)
+    if len(m) < args.updates:
+        raise SystemExit(f"{name}: {len(m)} of {args.updates} updates in {args.timeout} s")
+    steady = m[args.skip:]
+    rec = {"command": " ".join(shlex.quote(c) for c in cmd), "wall_s": round(time.time() - start, 1),
+           "s_per_update": round(statistics.median(r["update_s"] for r in steady), 4),
+           "phases": {k: round(statistics.median(r["phases"].get(k, 0.0) for r in steady), 4) for k in steady[0]["phases"]},
+           "last": {k: m[-1][k] for k in ("gflops", "compression", "a_u") if k in m[-1]}}
+    if hung:
+        rec["exit_timed_out"] = True
+    print(name, json.dumps(rec))
+    return rec
+
+
+def ddp(args) -> None:
+    root = Path(args.root)
+    out: Dict = {"model": args.model, "gpus": args.gpus, "updates": args.updates, "skip": args.skip}
+    extra = ["--updates", str(args.updates), "--checkpoint-every", str(args.updates)]
+    runs = [("one_gpu", [sys.executable, "-m", "timm_dora.train"], [])]
+    for variant in args.variants:  # name:flags
+        name, _, flags = variant.partition(":")
+        runs.append((f"{args.gpus}_gpus_{name}", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc_per_node", str(args.gpus), "-m", "timm_dora.train"],
+                     shlex.split(flags)))
+    for name, launcher, flags in runs:
+        run_dir = root / f"run_{args.model}_{name}"
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        env = _env()
+        if name == "one_gpu":
+            env["CUDA_VISIBLE_DEVICES"] = "0"
+        out[name] = _timed_run(args, name, launcher + _train_flags(args, run_dir) + extra + flags, env, run_dir)
+    one = out["one_gpu"]["s_per_update"]
+    for name, _, _ in runs[1:]:
+        out[name]["scaling"] = round(one / out[name]["s_per_update"], 3)
+    first = runs[1][0]  # the first variant: the defaults
+    out.update(s_per_update=out[first]["s_per_update"], one_gpu_s_per_update=one, scaling=out[first]["scaling"])
     import torch
 
     out.update(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__)
@@ -336,6 +351,8 @@ def main() -> None:
     d.add_argument("--updates", type=int, default=40)
     d.add_argument("--skip", type=int, default=5)
     d.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
+    d.add_argument("--variants", nargs="+", default=["default:"],
+                   help="name:flags of each data-parallel run (the first one's scaling is the result's)")
     args = ap.parse_args()
     {"make": make, "run": run, "ddp": ddp}[args.step](args)
 

@@ -62,7 +62,10 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
         trainer.comm.barrier()
     if trainer.comm.main:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(trainer.cfg), indent=1))  # the recipe resolved
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
     if not trainer.comm.main:
         return 0
     sel = summary["selected"]

@@ -76,7 +76,7 @@ class TrainConfig:
     tau_b: float = 0.1  # ours: low-margin threshold of the critic's phi^N (paper: backbone-specific, unstated)
     checkpoint_every: Optional[int] = None  # (paper: 50)
     max_minutes: float = 0.0  # stop early (checkpoint, select) after this wall time; 0: no limit
-    data_workers: Optional[int] = None  # ours: processes making the rollout batches ahead of the update (None: half the usable cores, at most 8, at least 1; 0: none, made in the training process)
+    data_workers: Optional[int] = None  # ours: processes making the rollout batches ahead of the update (None: this process's share of the host's cores less two, at least 1; 0: none, made in the training process)
     rollout_data: str = "auto"  # ours: "stream" (read from the files by the workers for every update), "held" (decoded once, held on the device as uint8; no --augment) or "auto" (held for at most SMALL_POOL_MAX_IMAGES images without augmentation, else stream)
     shadow_chunk: int = 2048  # shadow rows per packed forward (memory only: each row is computed alone)
     eval_batch: int = 256

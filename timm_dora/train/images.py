@@ -18,7 +18,8 @@ the fixed sets the run measures itself on (the feedback checks' QC shards, the d
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import os
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -59,8 +60,12 @@ class TrainingImages:
     def load(self, cfg, device: torch.device, dtype: torch.dtype, rank: int = 0, world: int = 1) -> None:
         """Decide how rollouts are read and hold the fixed sets (this process's share)."""
         self.device, self.dtype, self.seed = device, dtype, cfg.ppo.seed
-        self.workers = cfg.data_workers if cfg.data_workers is not None else max(1, D.worker_count(16) // 2)
-        decoders = D.worker_count(16)  # the fixed sets are decoded before the first update, with every CPU
+        # the host's CPUs, shared by the processes of this host: all but two of a process's share make
+        # rollout images (one H100 host, ViT-Ti: 256 images of about 6 ms each per 0.35-s update need
+        # five; half the cores, 8, kept a tenth of the update waiting); every one decodes the fixed sets
+        share = max(1, D.worker_count(1 << 16) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.workers = cfg.data_workers if cfg.data_workers is not None else max(1, share - 2)
+        decoders = share
         mode = cfg.rollout_data
         if mode == "auto":
             mode = "held" if self.augment == "none" and len(self.pool) <= P.SMALL_POOL_MAX_IMAGES else "stream"

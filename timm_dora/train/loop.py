@@ -523,6 +523,15 @@ class Trainer(Checkpoints):
         """Stop the processes making rollout batches ahead (the next update starts them again)."""
         self.images.close()
 
+    def close(self) -> None:
+        """Stop the data workers and release the captured steps (before the process group goes:
+        graphs that hold collectives must not outlive their communicators)."""
+        self._finish_critic()
+        self.stop_prefetch()
+        self.captured.clear()
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
     def fit(self) -> Dict:
         """Run (or resume) to ``total_updates``; checkpoint, log, select."""
         cfg, main = self.cfg, self.comm.main
