@@ -335,6 +335,31 @@ def test_rollout_images_replace_an_unreadable_file_by_the_next_readable_one(fake
     assert MAX_UNREADABLE_IN_A_ROW >= 5
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rollout_stream_writes_each_batch_into_a_ring_slot(fake_csv, small_model, workers):
+    """The streamed batches are the pool's images in the sampler's order (this process's share of
+    each global batch), written by the workers into shared ring slots that cycle; a slot holds its
+    batch until ``slots - 2`` more are asked for."""
+    from timm_dora.train.pool import RolloutImages, RolloutStream
+
+    ds = LabelsCSVDataset(fake_csv, "a", transform=train_transform(small_model))
+    pool = RolloutImages(ds, seed=0)
+    stream = RolloutStream(pool, RolloutSampler(5, 4, 7), 0, [1, 3], workers, (3, 64, 64), chunk=1)
+    order = RolloutSampler(5, 4, 7)
+    seen = []
+    try:
+        for u in range(1, 2 * stream.slots + 1):
+            idx = next(order)
+            keys, x, skipped = next(stream)
+            assert keys == [(u, idx[1]), (u, idx[3])] and skipped == []
+            assert torch.equal(x, torch.stack([pool[k][1] for k in keys]))
+            assert x.data_ptr() == stream.ring[(u - 1) % stream.slots].data_ptr()
+            seen.append(x.clone())
+    finally:
+        stream.close()
+    assert stream.slots >= 3 and len(seen) == 2 * stream.slots
+
+
 @needs_mini
 def test_real_splits_disjoint_and_sized():
     sizes = {"rollout": 700, "qc": 150, "dev": 150, "test": 1300}

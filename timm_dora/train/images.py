@@ -112,7 +112,10 @@ class TrainingImages:
     def start(self, sampler: P.RolloutSampler, u0: int, local: Sequence[int]) -> None:
         """Start making the batches of updates ``u0 + 1, ...`` (``stream``) from a copy of ``sampler``."""
         if self.rollout_mode == "stream" and self.stream is None:
-            self.stream = P.RolloutStream(self.rollout_images, sampler, u0, local, self.workers)
+            shape = self.checks.images.shape[1:]  # the model's input, as uint8
+            self.stream = P.RolloutStream(self.rollout_images, sampler, u0, local, self.workers, shape)
+            if self.device.type == "cuda":
+                self.stream.pin()
 
     def rollout(self, u: int, idx: List[int], local: Sequence[int]) -> torch.Tensor:
         """The model inputs of update ``u``'s rollout images at positions ``local`` of the global
@@ -129,13 +132,15 @@ class TrainingImages:
             if path not in self.warned:
                 self.warned.add(path)
                 D.warn_unreadable(path, error)
-        return self.checks.normalize(x.to(self.device), self.dtype)
+        # a view of the stream's ring, copied before its slot is reused: the update ends synchronized
+        return self.checks.normalize(x.to(self.device, non_blocking=True), self.dtype)
 
     def made_here(self, u: int, indices: Sequence[int]) -> torch.Tensor:
         """The model inputs of pool images ``indices`` as update ``u``'s rollout sees them, made in
         this process (what the workers make; for checks and tests)."""
         x = torch.stack([self.rollout_images[(u, int(i))][1] for i in indices])
-        return self.checks.normalize(x.to(self.device), self.dtype)
+        # a view of the stream's ring, copied before its slot is reused: the update ends synchronized
+        return self.checks.normalize(x.to(self.device, non_blocking=True), self.dtype)
 
     def close(self) -> None:
         """Stop the worker processes (the next :meth:`start` makes new ones)."""
