@@ -703,3 +703,39 @@ def test_recipe_auto_picks_the_small_pool_recipe_and_explicit_flags_win(data, tm
     assert main(args + ["--out", str(tmp_path / "bad"), "--recipe", "tiny"]) == 1
     assert capsys.readouterr().err == (
         "timm-dora-train: error: --recipe must be one of ('auto', 'paper', 'small-pool'), got 'tiny'\n")
+
+
+def test_merged_rollouts_equal_one_rollout_of_all_the_images(data, tmp_path):
+    """Data-parallel processes roll out their shares of a batch and the update reads them merged:
+    the merge of two rollouts (images 0-3 and 4-6, their rows of the batch's noise) is the rollout
+    of all seven images, transition by transition (the sampled order compared where it counts)."""
+    from timm_dora.engine.patch import run
+    from timm_dora.policy import NoPrune, RolloutNoise
+    from timm_dora.train import Trainer, build_parser, config_from_args
+    from timm_dora.train.rollout import Trajectory, collect
+
+    tr = Trainer(config_from_args(build_parser().parse_args(ARGS + ["--data", str(data), "--out", str(tmp_path)])))
+    with torch.no_grad():
+        for p in tr.actor.gate_mlp.parameters():  # gates open for about half the transitions
+            p.normal_(0, 0.3)
+    x = torch.cat([tr.images.made_here(1, torch.arange(7))])
+    noise = RolloutNoise.draw(tr.depth, 7, tr.actor.num_budgets, tr.num_patches, tr.gen, tr.dev)
+
+    def rollout(rows):
+        xs = x[rows]
+        with torch.no_grad():
+            return collect(tr.model, tr.actor, xs, z_native=run(tr.model, xs, NoPrune())[0].float(), noise=noise.rows(rows))
+
+    whole = rollout(torch.arange(7))
+    merged = Trajectory.merge([rollout(torch.arange(4)), rollout(torch.arange(4, 7))])
+    assert 0 < whole.ctrl_t.numel() < 7 * tr.depth
+    for name in ("k", "block", "feasible", "gate", "token_lengths", "ctrl_of", "ctrl_t", "ctrl_lengths", "budget_index"):
+        assert torch.equal(getattr(merged, name), getattr(whole, name)), name
+    for name in ("z_native", "gflops", "cls_key", "h", "gate_logp_old", "tokens", "ctrl_keys", "budget_logp_old",
+                 "selector_logp_old"):
+        assert torch.allclose(getattr(merged, name), getattr(whole, name), rtol=1e-4, atol=1e-5), name
+    assert torch.equal(merged.valid, whole.valid)
+    assert torch.equal(merged.order[merged.valid], whole.order[whole.valid])
+    assert sorted(merged.plan) == sorted(whole.plan)
+    for l in whole.plan:
+        assert all(torch.equal(a, b) for a, b in zip(merged.plan[l], whole.plan[l]))

@@ -26,18 +26,17 @@ flagged) picks the actor written to ``OUT/selected``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from ..backbone import create_backbone
@@ -64,11 +63,12 @@ __all__ = ["Trainer"]
 
 @dataclass
 class _Minibatch:
-    """Global transition ids of one PPO minibatch (identical on every process) and this process's
-    share of them as local ids: on the host (``local``) and on the device (``idx``)."""
+    """The transition ids of one PPO minibatch, and the rows of the step's buffers they are: on
+    the host (``rows``; the controller's buffers hold the gate-on transitions only) and on the
+    device (``idx``)."""
 
     ids: List[int]
-    local: List[int]
+    rows: List[int]
     idx: Optional[torch.Tensor] = None
 
 
@@ -113,13 +113,10 @@ class Trainer(Checkpoints):
         self.actor = self.actor.to(self.dev)
         self.critic = Critic.for_model(model, budget_step=cfg.budget_step, backend="padded").to(self.dev)
         self.graphs = cfg.cuda_graphs and self.dev.type == "cuda"
-        # the critic's steps left running beside the next rollout reduce their gradients in a
-        # communicator of their own (the main thread's collectives go on meanwhile)
-        self.critic_comm = self.comm.another() if self.graphs and cfg.overlap else self.comm
         p = cfg.ppo
         g = actor_parameter_groups(self.actor)
         self.groups = g
-        # capturable: the minibatch steps are replayed from CUDA graphs (one process on CUDA)
+        # capturable: the minibatch steps are replayed from CUDA graphs (on CUDA)
         adam = functools.partial(torch.optim.Adam, capturable=self.graphs)
         self.opts = {
             "gate": adam(g["gate"], lr=p.lr_gate),
@@ -153,11 +150,10 @@ class Trainer(Checkpoints):
         self.qc_native_pred = self._predict(im.checks, NoPrune())[0]
         self.qc_native = self.qc_native_pred == im.checks.labels
         self.dev_native_pred, _ = self._predict(im.dev, NoPrune())
-        counts = self.comm.sum_(torch.tensor(im.local_sizes + [int((self.dev_native_pred == im.dev.labels).sum()), im.skipped],
+        counts = self.comm.sum_(torch.tensor(im.local_sizes + [int((self.dev_native_pred == im.dev.labels).sum())],
                                              dtype=torch.float64))
-        self.check_sizes, self.dev_size = [int(c) for c in counts[:-3]], int(counts[-3])
-        self.dev_native_top1 = 100.0 * float(counts[-2]) / max(1, self.dev_size)
-        self.skipped_before = int(counts[-1]) - im.skipped  # the other processes' skipped files so far
+        self.check_sizes, self.dev_size = [int(c) for c in counts[:-2]], int(counts[-2])
+        self.dev_native_top1 = 100.0 * float(counts[-1]) / max(1, self.dev_size)
         if min(self.check_sizes + [self.dev_size]) < 1:
             raise ValueError(f"no readable image in a feedback shard or in the dev split (sizes {self.check_sizes}, "
                              f"{self.dev_size})")
@@ -182,8 +178,8 @@ class Trainer(Checkpoints):
 
     # ---------------------------------------------------------------------------------------
     def step(self) -> Dict[str, float]:
-        """One PPO update (rollout, shadows, feedback, update); returns its metrics (global over
-        all processes)."""
+        """One PPO update (rollout, shadows, feedback, update); returns its metrics (the first
+        process's hold every process's rollout)."""
         cfg, p, comm = self.cfg, self.cfg.ppo, self.comm
         self.u += 1
         u = self.u
@@ -225,25 +221,54 @@ class Trainer(Checkpoints):
             m.update(d_u=signal, d_smoothed=self.feedback.smoothed, qc_shard=shard, a_next=self.feedback.coefficient,
                      qc_drop=measured[0], qc_disagreement=measured[1])
             clock.mark("feedback")
-        rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
-        m.update(self._ppo_update(traj, d, rewards, a_u))
-        if self.background.busy:
-            self._critic_record = m  # its loss_value comes with _finish_critic
+        skipped = self.images.skipped
+        if comm.world > 1:  # the update reads every process's rollout, merged, on the first process
+            traj, d, skipped = self._gather(traj, d)
+            clock.mark("gather")
+        if comm.main:
+            rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
+            m.update(self._ppo_update(traj, d, rewards, a_u))
+            if self.background.busy:
+                self._critic_record = m  # its loss_value comes with _finish_critic
+        if comm.world > 1:
+            self._share_actor()
+            clock.mark("share")
         if self.dev.type == "cuda":
             torch.cuda.current_stream().synchronize()  # (not the critic's stream: see _finish_critic)
         t_all = time.perf_counter() - t0
-        comp = token_layer_compression(traj.k, self.num_patches)
-        sums = comm.sum_(torch.stack([
-            rewards.sum(1).sum(), comp.sum(), traj.gflops.sum(), d[:, -1].sum(),
-            traj.gate.float().sum() / self.depth, (traj.k > 0).sum().float(),
-            rewards.new_tensor(float(self.images.skipped) * batch),
-        ]).double().cpu())
-        keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions", "skipped_images")
-        m.update({k: float(v) / batch for k, v in zip(keys, sums)})
-        m["skipped_images"] = int(round(m["skipped_images"]))  # unreadable files met so far, all processes
+        if comm.main:
+            comp = token_layer_compression(traj.k, self.num_patches)
+            sums = torch.stack([rewards.sum(1).sum(), comp.sum(), traj.gflops.sum(), d[:, -1].sum(),
+                                traj.gate.float().sum() / self.depth, (traj.k > 0).sum().float()]).double().cpu()
+            keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions")
+            m.update({k: float(v) / batch for k, v in zip(keys, sums)})
+            m["skipped_images"] = skipped  # unreadable files met so far, all processes
         clock.mark("metrics")
         m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read(), time=time.time())
         return m
+
+    def _gather(self, traj: Trajectory, d: torch.Tensor) -> Tuple[Trajectory, torch.Tensor, int]:
+        """Data parallel: every process's rollout, shadow divergences and unreadable-file count on
+        the first process, merged as one rollout of the whole batch (:meth:`Trajectory.merge`); the
+        other processes get their own back. One exchange of every tensor's bytes
+        (:meth:`Comm.gather_tensors`)."""
+        names = [f.name for f in dataclasses.fields(Trajectory) if f.name not in ("plan", "num_prefix")]
+        mine = [getattr(traj, n) for n in names] + [d, torch.tensor([self.images.skipped], device=d.device)]
+        parts = self.comm.gather_tensors(mine)
+        if not self.comm.main:
+            return traj, d, self.images.skipped
+        trajs = [Trajectory(**dict(zip(names, part)), plan={}, num_prefix=traj.num_prefix) for part in parts]
+        skipped = int(sum(part[-1] for part in parts))
+        return Trajectory.merge(trajs), torch.cat([part[-2] for part in parts]), skipped
+
+    def _share_actor(self) -> None:
+        """The first process's updated actor, copied to every process (one broadcast)."""
+        params = list(self.actor.parameters())
+        flat = self.comm.broadcast_(torch.cat([q.detach().reshape(-1) for q in params]))
+        if not self.comm.main:
+            with torch.no_grad():
+                for q, v in zip(params, flat.split([q.numel() for q in params])):
+                    q.copy_(v.view_as(q))
 
     def _critic_precision(self):
         """bf16 autocast for the critic's token branch (``critic_bf16``; by default on CUDA only);
@@ -262,8 +287,8 @@ class Trainer(Checkpoints):
         return u.float()
 
     def _step(self, key, fn, params: List[torch.Tensor], opts: List[str]) -> torch.Tensor:
-        """One PPO minibatch step ``fn`` (reading only static buffers): eager, or (one process on
-        CUDA) replayed from the CUDA graph captured for ``key`` on its first call."""
+        """One PPO minibatch step ``fn`` (reading only static buffers): eager, or (on CUDA)
+        replayed from the CUDA graph captured for ``key`` on its first call."""
         if not self.graphs:
             return fn()
         step = self.captured.get(key)
@@ -274,7 +299,7 @@ class Trainer(Checkpoints):
     def _gate_minibatch(self) -> torch.Tensor:
         """Clipped PPO on the gate decisions of the minibatch in ``self.gate_batch`` (App. D.2-D.3)
         and the gate's gradient step; returns ``[loss, entropy]`` (detached). The sums count the
-        real rows (``w``), divided by the minibatch's global size."""
+        real rows (``w``), divided by the minibatch's size."""
         gb, p = self.gate_batch, self.cfg.ppo
         i = gb.idx
         lp, ent = evaluate_gate(self.actor, gb.cls_key[i], gb.h[i], gb.block[i], gb.gate[i])
@@ -283,7 +308,6 @@ class Trainer(Checkpoints):
         params = self.groups["gate"]
         self.opts["gate"].zero_grad(set_to_none=True)
         loss.backward()
-        self.comm.sum_grads(params)
         torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
         self.opts["gate"].step()
         return torch.stack([loss, torch.where(gb.w, ent, 0.0).sum() / gb.n]).detach()
@@ -294,12 +318,12 @@ class Trainer(Checkpoints):
         head its own gradient, then the three gradient steps; returns ``[loss_B, loss_S, H_B, H_S]``
         (detached). Each loss reaches the shared encoder and its own head only, so one backward
         pass per loss gives every gradient."""
-        cb, p, comm = self.ctrl_batch, self.cfg.ppo, self.comm
+        cb, p = self.ctrl_batch, self.cfg.ppo
         i = cb.idx
         lb, hb, ls, hs = evaluate_controller(self.actor, cb.keys[i], cb.lengths[i], cb.h[i], cb.block[i],
                                              cb.budget_index[i], cb.order[i], cb.valid[i])
 
-        def mean(x: torch.Tensor) -> torch.Tensor:  # over the real rows, by the global minibatch size
+        def mean(x: torch.Tensor) -> torch.Tensor:  # over the real rows, by the minibatch size
             return torch.where(cb.w, x, 0.0).sum() / cb.n
 
         hb, hs = mean(hb), mean(hs)
@@ -311,12 +335,9 @@ class Trainer(Checkpoints):
         for name in ("shared", "budget", "selector"):
             self.opts[name].zero_grad(set_to_none=True)
         n = len(shared)
-        # summed over the processes in one all-reduce: the two losses' gradients on the shared
-        # encoder, then the heads' own
-        summed = comm.sum_bucket(list(g_b[:n]) + list(g_s[:n]) + list(g_b[n:]) + list(g_s[n:]))
-        for q, g in zip(budget + selector, summed[2 * n:]):
+        for q, g in zip(budget + selector, g_b[n:] + g_s[n:]):
             q.grad = g
-        apply_pcgrad(shared, summed[:n], summed[n : 2 * n], p.max_grad_norm, p.pcgrad_eps)
+        apply_pcgrad(shared, g_b[:n], g_s[:n], p.max_grad_norm, p.pcgrad_eps)
         torch.nn.utils.clip_grad_norm_(budget, p.max_grad_norm)
         torch.nn.utils.clip_grad_norm_(selector, p.max_grad_norm)
         for name in ("shared", "budget", "selector"):
@@ -327,7 +348,7 @@ class Trainer(Checkpoints):
         """Clipped value regression of every value head (App. D.2) on the minibatch in
         ``self.critic_batch``, then the gradient step; returns the (detached) loss. The heads run on
         every row; the losses count the real rows (``w``), the budget and selector ones only the
-        gate-on transitions, each divided by its global count. ``gate_on=False`` (no gate-on
+        gate-on transitions, each divided by its count. ``gate_on=False`` (no gate-on
         transition in the minibatch) leaves those heads out, so their parameters get no gradient
         and Adam skips them."""
         cb, p = self.critic_batch, self.cfg.ppo
@@ -346,7 +367,6 @@ class Trainer(Checkpoints):
         params = list(critic.parameters())
         self.opts["critic"].zero_grad(set_to_none=True)
         loss.backward()
-        self.critic_comm.sum_grads(params)
         torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
         self.opts["critic"].step()
         return loss.detach()
@@ -361,21 +381,20 @@ class Trainer(Checkpoints):
             self.ctrl_batch.select(mb.idx, len(mb.ids))
             g = self.groups
             return "controller", self._controller_minibatch, g["shared"] + g["budget"] + g["selector"], ["shared", "budget", "selector"]
-        n_on_g, key = self._critic_key(mb, on_h)
-        self.critic_batch.select(mb.idx, len(mb.ids), n_on_g)
+        n_on, key = self._critic_key(mb, on_h)
+        self.critic_batch.select(mb.idx, len(mb.ids), n_on)
         return key, functools.partial(self._critic_minibatch, key[1]), list(self.critic.parameters()), ["critic"]
 
     @staticmethod
     def _critic_key(mb: _Minibatch, on_h: List[int]):
-        """``(loss divisor: gate-on transitions of all processes in mb, the step's key)``; the key is
-        the same on every process (its captured step holds the same collectives everywhere)."""
-        n_on_g = sum(on_h[t] for t in mb.ids)
-        return n_on_g, ("critic", n_on_g > 0)
+        """``(loss divisor: gate-on transitions in mb, the step's key)``."""
+        n_on = sum(on_h[t] for t in mb.ids)
+        return n_on, ("critic", n_on > 0)
 
     def _critic_steps(self, mbs: List[_Minibatch], on_h: List[int]) -> torch.Tensor:
         """The critic's minibatch steps of an update; their mean loss."""
         losses = [self._step(*self._load("critic", mb, on_h)).double().reshape(-1) for mb in mbs]
-        return self.critic_comm.sum_(torch.stack(losses).mean(0))  # (this process's share of the loss)
+        return torch.stack(losses).mean(0)
 
     def _finish_critic(self) -> None:
         """With ``overlap`` an update's critic steps run beside the next rollout, which does not read
@@ -387,62 +406,39 @@ class Trainer(Checkpoints):
             self._critic_record["loss_value"] = float(mean)
             self._critic_record = None
 
-    def _standardize(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Advantage standardisation over the eligible transitions of *all* processes."""
-        if self.comm.world == 1:
-            return standardize(adv, mask, self.cfg.ppo.adv_eps)
-        sel = adv[mask].double()
-        n, s1, s2 = self.comm.sum_(torch.stack([sel.new_tensor(float(sel.numel())), sel.sum(), (sel * sel).sum()]).cpu())
-        if n == 0:
-            return torch.zeros_like(adv)
-        mean = s1 / n
-        std = (s2 / n - mean * mean).clamp_min(0).sqrt() if n > 1 else torch.zeros_like(mean)
-        return torch.where(mask, (adv - float(mean)) / (float(std) + self.cfg.ppo.adv_eps), torch.zeros_like(adv))
-
-    def _local(self, t_global: List[int]) -> List[int]:
-        """This process's transitions among global transition ids ``l * B + g``, as local ids."""
-        batch, bl, rank = self.cfg.ppo.rollout_images, self.local_batch, self.comm.rank
-        return [(t // batch) * bl + (t % batch) % bl for t in t_global if (t % batch) // bl == rank]
-
     def _epoch(self, pool: List[int], size: int) -> List[_Minibatch]:
-        """Minibatches of one epoch over the global transitions ``pool``, shuffled on the host."""
+        """Minibatches of one epoch over the transitions ``pool``, shuffled on the host."""
         ids = [pool[i] for i in torch.randperm(len(pool), generator=self.cpu_gen).tolist()]
-        return [_Minibatch(ids[s : s + size], self._local(ids[s : s + size])) for s in range(0, len(ids), size)]
+        return [_Minibatch(ids[s : s + size], ids[s : s + size]) for s in range(0, len(ids), size)]
 
     def _ppo_update(self, traj: Trajectory, d: torch.Tensor, rewards: torch.Tensor, a_u: float) -> Dict[str, float]:
-        """One PPO update. Minibatches are drawn over the global batch (identically on every
-        process); each process evaluates the transitions it holds, losses are sums divided by the
-        global minibatch counts, and gradients are summed across processes before PCGrad,
-        clipping and the optimiser steps, so the maths equals the single-process update.
+        """One PPO update on the whole batch's trajectory, in this process (under ``torchrun`` the
+        first process runs it on the merged rollouts of all: :meth:`_gather`).
 
         Every minibatch step reads fixed-shape static buffers (:class:`~timm_dora.train.graph_step.StaticBatch`: the update's
         tensors, padded token sequences, the minibatch's rows and weights), so the step is the
-        same on every call: one process on CUDA replays it from a CUDA graph. The integers the
-        minibatches depend on come to the host in one transfer and all minibatch indices go to the
-        device in one; a process holding none of a minibatch runs it with no real row (zero
-        gradients, the same collectives)."""
-        cfg, p, dev, comm = self.cfg, self.cfg.ppo, self.dev, self.comm
+        same on every call: on CUDA it is replayed from a CUDA graph. The integers the minibatches
+        depend on come to the host in one transfer and all minibatch indices go to the device in
+        one."""
+        cfg, p, dev = self.cfg, self.cfg.ppo, self.dev
         b, depth = traj.k.shape
-        batch = p.rollout_images
         n_t, n_c = b * depth, traj.ctrl_t.numel()
-        # host copies: global feasible and gate-on flags in t order, then this process's layout
-        flags = torch.stack([traj.feasible, traj.ctrl_of >= 0]).long().view(2, depth, b).permute(2, 1, 0)
-        flags = comm.gather(flags.contiguous()).permute(2, 1, 0).reshape(-1)  # [2, L, B] flattened
-        host = torch.cat([flags, traj.token_lengths, traj.ctrl_of, traj.ctrl_lengths])
-        sizes = [batch * depth] * 2 + [n_t] * 2 + [n_c]
-        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_len_h = (t.tolist() for t in host.cpu().split(sizes))
-        # minibatches, drawn in the order the loops use them; their local ids go to the device at once
-        feas_g = [t for t, f in enumerate(feas_h) if f]
-        on_g = [t for t, o in enumerate(on_h) if o]
-        actor_epochs = [(self._epoch(feas_g, p.gate_minibatch), self._epoch(on_g, p.controller_minibatch))
+        # host copies of the feasible and gate-on flags, lengths and controller rows, in t order
+        host = torch.cat([traj.feasible.long(), (traj.ctrl_of >= 0).long(), traj.token_lengths, traj.ctrl_of,
+                          traj.ctrl_lengths])
+        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_len_h = (t.tolist() for t in host.cpu().split([n_t] * 4 + [n_c]))
+        # minibatches, drawn in the order the loops use them; their rows go to the device at once
+        feasible = [t for t, f in enumerate(feas_h) if f]
+        gate_on = [t for t, o in enumerate(on_h) if o]
+        actor_epochs = [(self._epoch(feasible, p.gate_minibatch), self._epoch(gate_on, p.controller_minibatch))
                         for _ in range(p.actor_epochs)]
         for _, ctrl_mbs in actor_epochs:
             for mb in ctrl_mbs:
-                mb.local = [ctrl_of_h[t] for t in mb.local]  # rows of the controller's buffers
-        critic_mbs = [mb for _ in range(p.critic_epochs) for mb in self._epoch(list(range(batch * depth)), p.critic_minibatch)]
+                mb.rows = [ctrl_of_h[t] for t in mb.ids]  # rows of the controller's buffers
+        critic_mbs = [mb for _ in range(p.critic_epochs) for mb in self._epoch(list(range(n_t)), p.critic_minibatch)]
         mbs = [mb for gate_mbs, ctrl_mbs in actor_epochs for mb in gate_mbs + ctrl_mbs] + critic_mbs
-        flat = torch.tensor([t for mb in mbs for t in mb.local], dtype=torch.long).to(dev)
-        for mb, idx in zip(mbs, flat.split([len(mb.local) for mb in mbs])):
+        flat = torch.tensor([t for mb in mbs for t in mb.rows], dtype=torch.long).to(dev)
+        for mb, idx in zip(mbs, flat.split([len(mb.rows) for mb in mbs])):
             mb.idx = idx
 
         phi = native_features(traj.z_native, self.cfg.tau_b)
@@ -469,11 +465,11 @@ class Trainer(Checkpoints):
         vg_ret = self.rms.denormalize(vg)
         _, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
         ret_t = ret.T.reshape(-1)
-        adv_g = self._standardize(ret_t - vg_ret, traj.feasible)
+        adv_g = standardize(ret_t - vg_ret, traj.feasible, p.adv_eps)
         ones = torch.ones(n_c, dtype=torch.bool, device=dev)
-        adv_b = self._standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones)
-        adv_s = self._standardize(ret_t[ci] - self.rms.denormalize(vs), ones)
-        self.rms.update(comm.gather(ret_t.view(depth, b).T.contiguous()).T.reshape(-1))  # global, t order
+        adv_b = standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones, p.adv_eps)
+        adv_s = standardize(ret_t[ci] - self.rms.denormalize(vs), ones, p.adv_eps)
+        self.rms.update(ret_t)
         fresh |= cb.load(n_t, vg=vg, vb=vb, vs=vs, target=self.rms.normalize(ret_t))
 
         # the actor's inputs: the gate's per transition, the controller's per gate-on transition
@@ -506,13 +502,13 @@ class Trainer(Checkpoints):
             replays = all(self._critic_key(mb, on_h)[1] in self.captured for mb in critic_mbs)
             self.background.launch(functools.partial(self._critic_steps, critic_mbs, on_h), replays, reads=[flat])
         self.clock.mark("critic_update")
-        # one transfer (and one all-reduce) for every logged value: per-step reads would stall the host
+        # one transfer for every logged value: per-step reads would stall the host
         names = {"gate": ("loss_gate", "entropy_gate"), "critic": ("loss_value",),
                  "controller": ("loss_budget", "loss_selector", "entropy_budget", "entropy_selector")}
         out = {k: float("nan") for ks in names.values() for k in ks}
         kinds = [k for k in names if logs[k]]
         if kinds:
-            means = comm.sum_(torch.cat([torch.stack(logs[k]).mean(0) for k in kinds]).cpu())
+            means = torch.cat([torch.stack(logs[k]).mean(0) for k in kinds]).cpu()
             keys = [name for k in kinds for name in names[k]]
             out.update({k: float(v) for k, v in zip(keys, means)})
         return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -43,12 +43,6 @@ class Comm:
         nccl = self.on and dist.get_backend() == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def another(self) -> "Comm":
-        """The same processes in a communicator of their own (every process calls it, in the same
-        order): collectives issued from another thread, e.g. captured steps replayed beside the
-        main thread's work, never interleave with this one's."""
-        return Comm(self.dist.new_group()) if self.on else self
-
     @property
     def main(self) -> bool:
         return self.rank == 0
@@ -82,30 +76,47 @@ class Comm:
         if self.on:
             self.dist.barrier(group=self.group)
 
-    def sum_bucket(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
-        """``tensors`` (gradients; ``None`` stays ``None``) summed across processes in one
-        all-reduce of one flat bucket; returns views of it (in one process: the list as given).
-
-        No host read, so a captured step can hold it (the all-reduce is captured into the step's
-        CUDA graph). Every process must pass tensors of the same shapes with ``None`` at the same
-        places: the PPO steps run the same code on every process (a process holding no row of a
-        minibatch runs it with masked rows), so their gradients exist for the same parameters."""
-        if not self.on:
-            return list(tensors)
-        real = [t for t in tensors if t is not None]
-        if not real:
-            return list(tensors)
-        flat = torch.cat([t.reshape(-1) for t in real])
-        self.dist.all_reduce(flat, group=self.group)
-        views = iter(flat.split([t.numel() for t in real]))
-        return [None if t is None else next(views).view_as(t) for t in tensors]
-
-    def sum_grads(self, params) -> None:
-        """Replace each ``p.grad`` by its sum across processes, in one all-reduce
-        (:meth:`sum_bucket`: the same parameters carry gradients on every process)."""
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of the first process, in place on every process; returns ``t``."""
         if self.on:
-            for p, g in zip(params, self.sum_bucket([p.grad for p in params])):
-                p.grad = g
+            x = t.to(self.device)
+            self.dist.broadcast(x, src=0, group=self.group)
+            if x is not t:
+                t.copy_(x)
+        return t
+
+    def gather_tensors(self, tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+        """Every process's ``tensors`` (the same dtypes in the same order, any shapes), in rank order:
+        two all-gathers, the shapes and then one flat buffer of every tensor's bytes."""
+        if not self.on:
+            return [list(tensors)]
+        dims = max(t.dim() for t in tensors)
+        shapes = torch.tensor([list(t.shape) + [0] * (dims - t.dim()) for t in tensors], dtype=torch.long)
+        every = self.gather(shapes.to(self.device)[None]).cpu()  # [world, n, dims]
+        def nbytes(shape, t):  # (padded to 8 bytes: each tensor starts aligned)
+            n = int(torch.Size(shape[: t.dim()]).numel()) * t.element_size()
+            return n + (-n % 8)
+        sizes = [[nbytes(every[r, i].tolist(), t) for i, t in enumerate(tensors)] for r in range(self.world)]
+        width = max(sum(s) for s in sizes)
+        flat = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        at = 0
+        for t, n in zip(tensors, sizes[self.rank]):
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat[at : at + raw.numel()] = raw.to(self.device)
+            at += n
+        parts = [torch.empty_like(flat) for _ in range(self.world)]
+        self.dist.all_gather(parts, flat, group=self.group)
+        out = []
+        for r in range(self.world):
+            mine, at = [], 0
+            for i, t in enumerate(tensors):
+                shape = every[r, i].tolist()[: t.dim()]
+                count = int(torch.Size(shape).numel())
+                raw = parts[r][at : at + count * t.element_size()]
+                mine.append(raw.view(t.dtype).reshape(shape).to(t.device))
+                at += sizes[r][i]
+            out.append(mine)
+        return out
 
 
 class PhaseClock:
