@@ -19,7 +19,7 @@ LAYERS = [
     {"timm_dora.policy"},
     {"timm_dora.hub"},
     {"timm_dora.api", "timm_dora"},
-    {"timm_dora.train", "timm_dora.evaluate", "timm_dora.viz"},
+    {"timm_dora.train", "timm_dora.evaluate", "timm_dora.viz", "timm_dora.partition"},
     {"timm_dora.cli"},
 ]
 APPLICATIONS = ("timm_dora.train", "timm_dora.evaluate", "timm_dora.viz")  # independent of each other
