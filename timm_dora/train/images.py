@@ -35,8 +35,9 @@ class TrainingImages:
     """The splits of a run (file lists), then (:meth:`load`) the images it reads.
 
     Attributes after :meth:`load`: ``checks`` (this process's share of the feedback images, held),
-    ``check_shards`` (its rows of each QC shard), ``check_sizes`` (each shard's size over all
-    processes), ``dev`` and ``dev_size`` likewise, ``rollout_mode`` (``held`` or ``stream``)."""
+    ``check_shards`` (its rows of each QC shard), ``dev`` (its share of dev, held), ``local_sizes``
+    (the sizes of those shares: the trainer sums them over the processes), ``rollout_mode``
+    (``held`` or ``stream``) and ``skipped`` (the unreadable files this process met)."""
 
     def __init__(self, cfg, model: torch.nn.Module):
         self.model, self.augment = model, P.augment_level(cfg.augment)
@@ -59,10 +60,11 @@ class TrainingImages:
     # ------------------------------------------------------------------------------------
     def load(self, cfg, device: torch.device, dtype: torch.dtype, rank: int = 0, world: int = 1) -> None:
         """Decide how rollouts are read and hold the fixed sets (this process's share)."""
-        self.device, self.dtype, self.seed = device, dtype, cfg.ppo.seed
+        self.device, self.dtype = device, dtype
         # the host's CPUs, shared by the processes of this host: all but two of a process's share make
-        # rollout images (one H100 host, ViT-Ti: 256 images of about 6 ms each per 0.35-s update need
-        # five; half the cores, 8, kept a tenth of the update waiting); every one decodes the fixed sets
+        # rollout images (the training process and its critic thread keep two busy; on one H100 host a
+        # ViT-Ti update of 0.3-0.4 s needs 256 images of about 5 ms each, some four workers' worth);
+        # every one decodes the fixed sets before the first update
         share = max(1, D.worker_count(1 << 16) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.workers = cfg.data_workers if cfg.data_workers is not None else max(1, share - 2)
         decoders = share
