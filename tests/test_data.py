@@ -316,6 +316,8 @@ def test_hold_keeps_uint8_inputs_and_leaves_out_unreadable_files(fake_csv, small
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith("timm-dora: warning: skipped unreadable image ") for line in err)
     assert ds.paths[1] in err[0] and ds.paths[2] in err[1]
+    none = hold(ds, small_model, indices=[1, 2])  # a share with no readable file: empty, not an error
+    assert len(none) == 0 and none.index == [] and none.images.shape == (0, 3, 64, 64)
 
 
 def test_rollout_images_replace_an_unreadable_file_by_the_next_readable_one(fake_csv, small_model):

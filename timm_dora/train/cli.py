@@ -30,14 +30,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     created = init_distributed(cfg)
+    rc = 1
     try:
-        return one_line_errors("timm-dora-train", lambda: _main(args, cfg))
+        rc = one_line_errors("timm-dora-train", lambda: _main(args, cfg))
+        return rc
     finally:
         if created:
             import torch.distributed as dist
 
-            dist.barrier()  # leave together: a peer tearing down gloo early can abort the other
-            dist.destroy_process_group()
+            if rc == 0:  # leave together: a peer tearing down gloo early can abort the other
+                dist.barrier()
+                dist.destroy_process_group()
+            # after an error the peers may wait in another collective: this process just leaves
+            # (torchrun then stops the others) rather than wait with them for a timeout
 
 
 def _main(args: argparse.Namespace, cfg: TrainConfig) -> int:

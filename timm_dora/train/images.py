@@ -29,6 +29,9 @@ from . import pool as P
 __all__ = ["ROLLOUT_DATA", "TrainingImages"]
 
 ROLLOUT_DATA = ("auto", "held", "stream")  # --rollout-data: auto holds a small split without augmentation
+# augmented pools: each worker keeps the decoded images it read, while pool size x workers is at most
+# this (700 images x 14 workers: about 2 GB of 256-px images; a 10,000-image pool is read anew)
+DECODED_CACHE_MAX = 20_000
 
 
 class TrainingImages:
@@ -77,13 +80,15 @@ class TrainingImages:
         self.rollout_mode = mode
         self.held_rollout, self.rollout_rows = None, None
         if mode == "held":
-            held = self._hold(self.pool, None, decoders)
+            held = self._hold(self.pool, None, decoders, count=rank == 0)  # (every process holds it all)
+            if len(held) == 0:
+                raise ValueError(f"no readable image in the rollout split ({len(self.pool)} files)")
             self.held_rollout = held
             # an unreadable file's rows: the next readable image, as the stream makes it
             kept = torch.tensor(held.index, dtype=torch.long)
             nxt = torch.searchsorted(kept, torch.arange(len(self.pool)))
             self.rollout_rows = torch.where(nxt < len(kept), nxt, torch.zeros_like(nxt)).to(device)
-        elif self.augment != "none" and len(self.pool) <= P.SMALL_POOL_MAX_IMAGES:
+        elif self.augment != "none" and len(self.pool) * max(1, self.workers) <= DECODED_CACHE_MAX:
             self.pool.keep_decoded()  # small augmented pools: each worker decodes each file once
         self.rollout_images = P.RolloutImages(self.pool, cfg.ppo.seed, self.augment == "strong", cfg.cutmix_prob,
                                               self.model.patch_embed.patch_size[0])
@@ -103,10 +108,10 @@ class TrainingImages:
         self.dev = self._hold(self.dev_set, range(rank, len(self.dev_set), world), decoders)
         self.local_sizes = [len(s) for s in self.check_shards] + [len(self.dev)]
 
-    def _hold(self, dataset, indices: Optional[Sequence[int]], workers: int) -> D.HeldImages:
+    def _hold(self, dataset, indices: Optional[Sequence[int]], workers: int, count: bool = True) -> D.HeldImages:
         n = len(dataset) if indices is None else len(indices)
         held = D.hold(dataset, self.model, self.device, indices, num_workers=workers if n >= 256 else 0)
-        self.skipped += len(held.skipped)
+        self.skipped += len(held.skipped) if count else 0
         self.warned.update(p for p, _ in held.skipped)
         return held
 
@@ -116,8 +121,6 @@ class TrainingImages:
         if self.rollout_mode == "stream" and self.stream is None:
             shape = self.checks.images.shape[1:]  # the model's input, as uint8
             self.stream = P.RolloutStream(self.rollout_images, sampler, u0, local, self.workers, shape)
-            if self.device.type == "cuda":
-                self.stream.pin()
 
     def rollout(self, u: int, idx: List[int], local: Sequence[int]) -> torch.Tensor:
         """The model inputs of update ``u``'s rollout images at positions ``local`` of the global
@@ -134,15 +137,15 @@ class TrainingImages:
             if path not in self.warned:
                 self.warned.add(path)
                 D.warn_unreadable(path, error)
-        # a view of the stream's ring, copied before its slot is reused: the update ends synchronized
-        return self.checks.normalize(x.to(self.device, non_blocking=True), self.dtype)
+        # a view of the stream's ring, copied here (before its slot can be reused)
+        return self.checks.normalize(x.to(self.device), self.dtype)
 
     def made_here(self, u: int, indices: Sequence[int]) -> torch.Tensor:
         """The model inputs of pool images ``indices`` as update ``u``'s rollout sees them, made in
         this process (what the workers make; for checks and tests)."""
         x = torch.stack([self.rollout_images[(u, int(i))][1] for i in indices])
-        # a view of the stream's ring, copied before its slot is reused: the update ends synchronized
-        return self.checks.normalize(x.to(self.device, non_blocking=True), self.dtype)
+        # a view of the stream's ring, copied here (before its slot can be reused)
+        return self.checks.normalize(x.to(self.device), self.dtype)
 
     def close(self) -> None:
         """Stop the worker processes (the next :meth:`start` makes new ones)."""

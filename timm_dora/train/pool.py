@@ -271,9 +271,9 @@ class RolloutStream:
     ``ahead`` batches in flight.
 
     The workers write the images straight into :attr:`ring`, ``slots`` batches of ``uint8`` images
-    ``shape`` in shared memory made before they were forked (pin it for fast copies to a GPU:
-    :meth:`pin`); only keys travel through the loader's queues. ``next`` returns a view of one
-    slot, valid until ``slots - 2`` more batches are asked for: copy it first. (Received as tensors,
+    ``shape`` in shared memory made before they were forked; only keys travel through the loader's
+    queues. ``next`` returns a view of one slot, valid while at most two more batches are asked for
+    (the loader's workers run at most ``slots - 3`` batches ahead): copy it first. (Received as tensors,
     each 256-image batch cost the training process about 0.1 s on an H100 host, a quarter of a
     ViT-Ti update: unpickling, mapping fresh shared memory and concatenating the pieces.) Nothing
     grows with the split: a 300,000-image split costs the file list and the sampler's permutation.
@@ -294,7 +294,6 @@ class RolloutStream:
         # the batch being read, the batches in flight (one more where a batch straddles) and one spare
         self.slots = -(-in_flight // self.pieces) + 3
         self.ring = torch.empty((self.slots, len(self.local), *shape), dtype=torch.uint8).share_memory_()
-        self.pinned = False
 
         def pieces() -> Iterator[List[Tuple[Tuple[int, int], int, int]]]:
             u = u0
@@ -319,14 +318,6 @@ class RolloutStream:
         finally:
             gc.unfreeze()
 
-    def pin(self) -> bool:
-        """Page-lock the ring for the CUDA driver (``cudaHostRegister``), so that copies from it to a
-        GPU run asynchronously at full speed; ``False`` when the driver refuses (copies still work)."""
-        if not self.pinned and torch.cuda.is_available():
-            err = torch.cuda.cudart().cudaHostRegister(self.ring.data_ptr(), self.ring.numel(), 0)
-            self.pinned = int(err) == 0
-        return self.pinned
-
     def __next__(self) -> Tuple[List[Tuple[int, int]], torch.Tensor, List[Tuple[str, str]]]:
         keys, slots, skipped = [], set(), []
         for _ in range(self.pieces):
@@ -339,8 +330,6 @@ class RolloutStream:
         return keys, self.ring[slots.pop()], skipped
 
     def close(self) -> None:
-        self.it = None  # the DataLoader's iterator stops its workers when it is released
-        if self.pinned:
-            torch.cuda.synchronize()  # (no copy from the ring still running)
-            torch.cuda.cudart().cudaHostUnregister(self.ring.data_ptr())
-            self.pinned = False
+        # the DataLoader's iterator stops its workers when it is released; the loader's index
+        # generator refers to this object: dropped, the ring goes with the last reference to it
+        self.it = self.loader = None

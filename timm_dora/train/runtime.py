@@ -86,8 +86,9 @@ class Comm:
         return t
 
     def gather_tensors(self, tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
-        """Every process's ``tensors`` (the same dtypes in the same order, any shapes), in rank order:
-        two all-gathers, the shapes and then one flat buffer of every tensor's bytes."""
+        """Every process's ``tensors`` (the same dtypes in the same order, any shapes), in rank order,
+        on the first process (the others get ``[]``): the shapes all-gathered, then one flat buffer
+        of every tensor's bytes gathered."""
         if not self.on:
             return [list(tensors)]
         dims = max(t.dim() for t in tensors)
@@ -104,8 +105,10 @@ class Comm:
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[at : at + raw.numel()] = raw.to(self.device)
             at += n
-        parts = [torch.empty_like(flat) for _ in range(self.world)]
-        self.dist.all_gather(parts, flat, group=self.group)
+        parts = [torch.empty_like(flat) for _ in range(self.world)] if self.main else None
+        self.dist.gather(flat, gather_list=parts, dst=0, group=self.group)
+        if not self.main:
+            return []
         out = []
         for r in range(self.world):
             mine, at = [], 0
