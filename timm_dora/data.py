@@ -528,22 +528,22 @@ class HeldImages:
     def __len__(self) -> int:
         return int(self.images.shape[0])
 
-    def inputs(self, rows: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The model inputs of ``rows`` (all when ``None``) in ``dtype``."""
+    def inputs(self, rows: Union[torch.Tensor, slice, None] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The model inputs of ``rows`` (an index tensor or a slice; all when ``None``) in ``dtype``."""
         return self.normalize(self.images if rows is None else self.images[rows], dtype)
 
 
-
 def hold(dataset: "_ImageList", model: torch.nn.Module, device: Union[str, torch.device] = "cpu",
-         indices: Optional[Sequence[int]] = None, num_workers: int = 0, batch_size: int = 64) -> HeldImages:
+         indices: Optional[Sequence[int]] = None, num_workers: int = 0, batch_size: int = 64,
+         normalize: Optional[InputNormalize] = None) -> HeldImages:
     """``dataset``'s images ``indices`` (all by default), decoded once with the model's
     :func:`uint8_transform` in ``num_workers`` processes and held as one ``uint8`` tensor on
     ``device`` (150 KB per 224-px image, a quarter of float32). An unreadable file is left out with
     one warning that names it (:func:`warn_unreadable`) and listed in ``skipped``; the rows keep
     ``indices``' order. Peak memory is the held set (plus, when files were skipped, its
-    compaction)."""
+    compaction). ``normalize``: the sets' shared :class:`InputNormalize` (one is made by default)."""
     indices = list(range(len(dataset))) if indices is None else list(indices)
-    normalize = InputNormalize(model, device)
+    normalize = normalize or InputNormalize(model, device)
     cfg = data_config(model)
     images = torch.empty((len(indices), *cfg["input_size"]), dtype=torch.uint8, device=device)
     labels = torch.empty(len(indices), dtype=torch.long)

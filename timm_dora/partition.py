@@ -33,6 +33,18 @@ from typing import Dict, List, Optional, Sequence
 __all__ = ["add_parser", "partition_csv", "partition_folder", "partition_rows"]
 
 
+def _deal(items: Sequence[int], sizes: Dict[str, int], seed: int) -> Dict[str, List[int]]:
+    """``items`` shuffled by ``seed`` (Python's ``random.Random``), then the first ``sizes[s1]`` of
+    them to ``s1``, the next ``sizes[s2]`` to ``s2``, ... (what is left over goes nowhere)."""
+    order = list(items)
+    random.Random(seed).shuffle(order)
+    dealt, at = {}, 0
+    for split, n in sizes.items():
+        dealt[split] = order[at:at + n]
+        at += n
+    return dealt
+
+
 def partition_rows(rows: Sequence[Dict[str, str]], sizes: Dict[str, int], take: Sequence[str],
                    seed: int) -> List[Dict[str, str]]:
     """``rows`` (dicts with a ``split`` key) with the rows of the ``take`` splits dealt out anew:
@@ -51,14 +63,10 @@ def partition_rows(rows: Sequence[Dict[str, str]], sizes: Dict[str, int], take: 
     if sum(sizes.values()) != len(picked):
         raise ValueError(f"the sizes add up to {sum(sizes.values())}, but the splits {', '.join(take)} hold "
                          f"{len(picked)} rows: every one must be placed")
-    order = list(picked)
-    random.Random(seed).shuffle(order)
     out = [dict(r) for r in rows]
-    at = 0
-    for split, n in sizes.items():
-        for i in order[at:at + n]:
+    for split, dealt in _deal(picked, sizes, seed).items():
+        for i in dealt:
             out[i]["split"] = split
-        at += n
     return out
 
 
@@ -98,20 +106,17 @@ def partition_folder(root: str, out: str, sizes: Dict[str, int], seed: int, clas
         raise ValueError(f"split sizes must be 0 or more, got {sizes}")
     if sum(sizes.values()) > len(ds):
         raise ValueError(f"the sizes add up to {sum(sizes.values())}, but {root} holds {len(ds)} images")
-    order = list(range(len(ds)))
-    random.Random(seed).shuffle(order)
     dst = Path(out)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    base, at = str(dst.resolve().parent), 0
+    base = str(dst.resolve().parent)
     with open(dst, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["path", "label", "synset", "set", "split"])
-        for split, n in sizes.items():
-            for i in order[at:at + n]:
+        for split, dealt in _deal(range(len(ds)), sizes, seed).items():
+            for i in dealt:
                 p = ds.paths[i]
                 w.writerow([os.path.relpath(p, base), ds.labels[i], os.path.basename(os.path.dirname(p)),
                             os.path.basename(ds.root), split])
-            at += n
     return dict(sizes)
 
 

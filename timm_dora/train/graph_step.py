@@ -98,7 +98,7 @@ class StaticBatch:
     (:class:`CapturedStep`).
 
     A minibatch fills ``capacity`` rows: ``idx`` (local row ids, padded with 0, a real row) and
-    ``w`` (which rows are real); ``n`` and ``n_on`` are the loss divisors (global counts)."""
+    ``w`` (which rows are real); ``n`` and ``n_on`` are the loss divisors (the minibatch's counts)."""
 
     def __init__(self, capacity: int, device: torch.device):
         self.capacity = capacity

@@ -64,6 +64,7 @@ class TrainingImages:
     def load(self, cfg, device: torch.device, dtype: torch.dtype, rank: int = 0, world: int = 1) -> None:
         """Decide how rollouts are read and hold the fixed sets (this process's share)."""
         self.device, self.dtype = device, dtype
+        self.normalize = D.InputNormalize(self.model, device)  # uint8 images to the model's input
         # the host's CPUs, shared by the processes of this host: all but two of a process's share make
         # rollout images (the training process and its critic thread keep two busy; on one H100 host a
         # ViT-Ti update of 0.3-0.4 s needs 256 images of about 5 ms each, some four workers' worth);
@@ -110,7 +111,8 @@ class TrainingImages:
 
     def _hold(self, dataset, indices: Optional[Sequence[int]], workers: int, count: bool = True) -> D.HeldImages:
         n = len(dataset) if indices is None else len(indices)
-        held = D.hold(dataset, self.model, self.device, indices, num_workers=workers if n >= 256 else 0)
+        held = D.hold(dataset, self.model, self.device, indices, num_workers=workers if n >= 256 else 0,
+                      normalize=self.normalize)
         self.skipped += len(held.skipped) if count else 0
         self.warned.update(p for p, _ in held.skipped)
         return held
@@ -138,14 +140,13 @@ class TrainingImages:
                 self.warned.add(path)
                 D.warn_unreadable(path, error)
         # a view of the stream's ring, copied here (before its slot can be reused)
-        return self.checks.normalize(x.to(self.device), self.dtype)
+        return self.normalize(x.to(self.device), self.dtype)
 
     def made_here(self, u: int, indices: Sequence[int]) -> torch.Tensor:
         """The model inputs of pool images ``indices`` as update ``u``'s rollout sees them, made in
         this process (what the workers make; for checks and tests)."""
         x = torch.stack([self.rollout_images[(u, int(i))][1] for i in indices])
-        # a view of the stream's ring, copied here (before its slot can be reused)
-        return self.checks.normalize(x.to(self.device), self.dtype)
+        return self.normalize(x.to(self.device), self.dtype)
 
     def close(self) -> None:
         """Stop the worker processes (the next :meth:`start` makes new ones)."""

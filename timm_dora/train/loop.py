@@ -168,8 +168,7 @@ class Trainer(Checkpoints):
         with eager_attention():
             for s in range(0, n, self.cfg.eval_batch):
                 sel = slice(s, s + self.cfg.eval_batch) if rows is None else rows[s : s + self.cfg.eval_batch]
-                x = images.normalize(images.images[sel], self.dtype)
-                logits, stats = run(self.model, x, policy)
+                logits, stats = run(self.model, images.inputs(sel, self.dtype), policy)
                 preds.append(logits.argmax(1))
                 gflops.append(stats.gflops)
         if not preds:  # (a process may hold no image of a small shard)
