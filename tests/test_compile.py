@@ -1,7 +1,9 @@
 """``torch.compile`` of a wrapped model (#30, CPU, fp32): the compiled model's outputs and pruning
 decisions equal the eager wrapped model's, for the actor and for a ragged replayed batch (the
-packed varlen attention path), with Dynamo's eager backend and with Inductor (for the actor also
-``mode="reduce-overhead"``)."""
+packed varlen attention path), with Dynamo's eager backend and with Inductor. Four blocks are
+enough for every path (a pruned block, a ragged one, a host read per block) and keep Inductor's
+CPU compiles short; ``mode="reduce-overhead"`` differs from Inductor's default only by CUDA graphs,
+so it is not compiled again on the CPU."""
 import pytest
 import torch
 
@@ -13,11 +15,11 @@ from helpers import make_model, random_plan
 
 @pytest.mark.parametrize("policy", ["replay", "actor"])
 def test_compiled_wrapped_model_equals_eager(policy):
-    model = make_model("deit_tiny_patch16_224", img_size=64)
+    model = make_model("deit_tiny_patch16_224", img_size=64, depth=4)
     n0 = model.patch_embed.num_patches
     x = torch.randn(5, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     if policy == "replay":  # varied per image: the batch is ragged from block 2 on, so varlen attention runs
-        timm_dora.wrap(model, policy=ReplayPolicy(random_plan(5, n0, len(model.blocks), [2, 7], seed=3)))
+        timm_dora.wrap(model, policy=ReplayPolicy(random_plan(5, n0, len(model.blocks), [1, 2], seed=3)))
     else:
         torch.manual_seed(2)
         timm_dora.wrap(model, timm_dora.Actor.for_model(model))
@@ -27,10 +29,7 @@ def test_compiled_wrapped_model_equals_eager(policy):
         removed = model.dora_stats.removed.clone()
         if policy == "replay":
             assert len(set(map(tuple, removed.tolist()))) > 1  # not one count for every image
-        compiled = [dict(backend="eager"), dict(backend="inductor")]
-        if policy == "actor":
-            compiled.append(dict(mode="reduce-overhead"))  # (Inductor; CUDA graphs only on CUDA)
-        for options in compiled:
+        for options in (dict(backend="eager"), dict(backend="inductor")):
             torch._dynamo.reset()
             out = torch.compile(model, **options)(x)
             assert torch.equal(model.dora_stats.removed, removed)
@@ -41,7 +40,7 @@ def test_compiled_forward_breaks_only_where_the_host_reads():
     """Dynamo splits a compiled wrapped forward where the eager executor reads decisions on the host
     (the gate, the new lengths), not at the engine's lazily computed layout values (a
     ``functools.cached_property`` takes a lock on Python 3.11 that Dynamo cannot trace)."""
-    model = make_model("deit_tiny_patch16_224", img_size=64)
+    model = make_model("deit_tiny_patch16_224", img_size=64, depth=4)
     torch.manual_seed(2)
     timm_dora.wrap(model, timm_dora.Actor.for_model(model))
     torch._dynamo.reset()
