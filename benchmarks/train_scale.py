@@ -1,6 +1,6 @@
 """Training at the paper's scale on an ImageNet-size image set (issue #56; not a test).
 
-Three steps, each resumable, for runs split over several GPU commands:
+Three steps, each resumable, for runs split over several GPU commands, and a profile:
 
 ``make``: an ImageNet-size folder ``ROOT/train/<synset>/<synset>_<k>.JPEG`` made from the 1,000
 ``sample1000`` images of ``../shared`` (never the ``test`` images): each file a random resized
@@ -26,15 +26,22 @@ the update's ``time`` in ``metrics.jsonl``), ``s_per_update`` (median), ``data_w
 GPUs of the host, on one set: median seconds per update (after ``--skip`` updates of compiling and
 capturing) and ``scaling``, images per second relative to one GPU (the same 256 images an update).
 
+``profile`` (CUDA): where an update's time goes that more GPUs do not shorten: the rollout
+(``collect``, host-bound) against the plain forward of the same images, its kernel launches and
+host waits, and one replay of each captured PPO minibatch step, on a set whose rollout split is held.
+
     python benchmarks/train_scale.py make --sources CARRY/sample1000 --root /data/scale
     python benchmarks/train_scale.py run --root /data/scale --run /data/run --model M --weights W \\
         --max-minutes 8 --out benchmarks/results/train_scale_h100.json
     python benchmarks/train_scale.py ddp --root /data/ddp --model deit_base_patch16_224 --gpus 2 \\
         --updates 40 --out OUT/ddp_deit_base.json
+    python benchmarks/train_scale.py profile --root /data/small --model deit_base_patch16_224 --batch 128 \\
+        --out OUT/profile_deit_base.json
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -248,7 +255,7 @@ def summarise(args, run_dir: Path, segments: List[Dict], metrics: List[Dict]) ->
     data_s = [m["phases"].get("data", 0.0) for m in metrics]
     selection = json.loads((run_dir / "selection.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
-    return {
+    result = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "timm": timm.__version__,
         "command": " ".join(sys.argv) if not args.command_line else args.command_line,
@@ -267,6 +274,90 @@ def summarise(args, run_dir: Path, segments: List[Dict], metrics: List[Dict]) ->
         "selected": selection["selected"], "violates": selection["violates"],
         "segments": segments,
     }
+    result.update(phase_summary(metrics))
+    result["targets"] = targets(result)
+    return result
+
+
+def phase_summary(metrics: List[Dict]) -> Dict:
+    """Where the recipe's time went: each phase's median over the updates that ran it and its total
+    minutes (feedback and checkpoint phases run every 8th and 50th update), and their counts."""
+    names = list(dict.fromkeys(k for m in metrics for k in m["phases"]))  # in order of first appearance
+    ran = {k: [m["phases"][k] for m in metrics if k in m["phases"]] for k in names}
+    return {"phases_median_s": {k: round(statistics.median(v), 4) for k, v in ran.items()},
+            "phases_total_min": {k: round(sum(v) / 60, 2) for k, v in ran.items()},
+            "feedback_checks": len(ran.get("feedback", [])), "checkpoints": len(ran.get("checkpoint", []))}
+
+
+def targets(r: Dict) -> Dict[str, bool]:
+    """Issue #56's targets for one H100."""
+    return {"wall_min<=15": r["wall_min"] <= 15, "first_update_s<=60": r["first_update_s"] <= 60,
+            "data_wait_fraction<=0.05": r["data_wait_fraction"] <= 0.05, "peak_gpu_gb<=24": r["peak_gpu_gb"] <= 24,
+            "peak_host_gb<=24": r["peak_host_gb"] <= 24, "rollout_files>=299776": r["rollout_files"] >= PAPER["rollout"],
+            "updates==1171": r["updates"] == RECIPE_UPDATES}
+
+
+# ------------------------------------------------------------------------------------------------ profile
+def profile(args) -> None:
+    """Where an update's fixed time goes, on one GPU: the rollout (``collect``) against the plain
+    forward on the same images, its kernel launches and host waits (with the line that waits), and
+    one replay of each captured minibatch step (the PPO update is a sequence of such replays)."""
+    import collections
+    import tempfile
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from timm_dora.engine import run as forward
+    from timm_dora.policy import NoPrune
+    from timm_dora.train import Trainer, build_parser, config_from_args
+    from timm_dora.train.rollout import collect
+    from timm_dora.train.runtime import eager_attention
+
+    flags = _train_flags(args, Path(tempfile.mkdtemp())) + ["--rollout-data", "held"]
+    tr = Trainer(config_from_args(build_parser().parse_args(flags)), sync_phases=True)
+    for _ in range(args.warmup):  # compiling, capturing; the last one's phases are recorded
+        m = tr.step()
+    tr._finish_critic()
+    x = tr.images.rollout(tr.u + 1, next(tr.sampler), list(range(args.batch)))
+
+    def ms(fn, n: int) -> float:
+        times = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return round(statistics.median(times) * 1e3, 2)
+
+    out: Dict = {"model": args.model, "batch": args.batch, "device": torch.cuda.get_device_name(0),
+                 "torch": torch.__version__, "command": " ".join(sys.argv),
+                 "phases_synchronised_s": {k: round(v, 4) for k, v in m["phases"].items()}}
+    with torch.no_grad(), eager_attention():
+        z = forward(tr.model, x, NoPrune())[0].float()
+        rollout = functools.partial(collect, tr.model, tr.actor, x, z_native=z, generator=tr.gen)
+        out["forward_ms"] = ms(lambda: forward(tr.model, x, NoPrune()), 5)
+        out["rollout_ms"] = ms(rollout, 5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")  # every host wait, with the line that asks for it
+            rollout()
+            torch.cuda.set_sync_debug_mode(0)
+        waits = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+        out["rollout_host_waits"] = dict(waits.most_common())
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            rollout()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        out["rollout_kernel_launches"] = sum(e.count for e in events if "LaunchKernel" in e.key)
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]  # the kernels themselves, once each
+        out["rollout_kernel_ms"] = round(sum(e.device_time for e in kernels) / 1e3, 2)
+    out["replay_ms"] = {str(key): ms(step, 20) for key, step in tr.captured.items()}
+    tr.close()
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
 
 
 # ------------------------------------------------------------------------------------------------ ddp
@@ -335,7 +426,7 @@ def main() -> None:
         m.add_argument(f"--{k}", type=int, default=v)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--workers", type=int, default=0)
-    for name in ("run", "ddp"):
+    for name in ("run", "ddp", "profile"):
         r = sub.add_parser(name)
         r.add_argument("--root", required=True)
         r.add_argument("--model", default="vit_tiny_patch16_224.augreg_in21k_ft_in1k")
@@ -353,8 +444,11 @@ def main() -> None:
     d.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
     d.add_argument("--variants", nargs="+", default=["default:"],
                    help="name:flags of each data-parallel run (the first one's scaling is the result's)")
+    pr = sub.choices["profile"]
+    pr.add_argument("--batch", type=int, default=256, help="rollout images (of the first update's batch)")
+    pr.add_argument("--warmup", type=int, default=4)
     args = ap.parse_args()
-    {"make": make, "run": run, "ddp": ddp}[args.step](args)
+    {"make": make, "run": run, "ddp": ddp, "profile": profile}[args.step](args)
 
 
 if __name__ == "__main__":
