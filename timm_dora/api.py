@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Union
 
+import torch
 import torch.nn as nn
 
 from .engine.patch import check_skip_dead, check_supported, is_wrapped, is_wrapped_as
@@ -88,9 +89,16 @@ def wrap(
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
-    Wrapping again with the same actor/policy and options is a no-op; with different ones it
-    raises (call :func:`unwrap` first). After each forward ``model.dora_stats`` holds a
+    Wrapping again with the same actor (the same object, registered actor, folder or Hub id, or an
+    equal :class:`Actor`) or policy and the same options is a no-op; with different ones it raises
+    saying what differs (call :func:`unwrap` first). After each forward ``model.dora_stats`` holds a
     :class:`~timm_dora.engine.patch.DoraStats`.
+
+    The wrapped model keeps timm's contracts: its ``state_dict()`` is the backbone's (the actor's
+    tensors live in the actor's own files), native checkpoints load into it strictly, and it
+    pickles (``torch.save``, ``copy.deepcopy``) as the native model, actor and options, wrapped
+    again on loading. ``torch.jit.script`` is refused in one line; ``torch.export`` works for a
+    fixed plan (``policy=ReplayPolicy(plan)``) at the traced batch size and is refused otherwise.
     """
     if actor is not None and policy is not None:
         raise ValueError("pass an actor or a policy, not both")
@@ -103,10 +111,8 @@ def wrap(
                 "speculate=True (e.g. ActorPolicy(actor, speculate=True))"
             )
         return engine_wrap(model, policy, **options)
-    current = model._dora.policy if is_wrapped(model) else None
-    same = isinstance(current, ActorPolicy) and current.actor is actor and current.speculate == speculate
-    if is_wrapped_as(model, current if same else None, **options):  # (raises if wrapped otherwise)
-        return model
+    if is_wrapped(model):
+        return _wrap_again(model, actor, speculate, merge, options, hub_kwargs)
     check_supported(model, readout, attn_backend)  # before any download
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
     actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
@@ -114,6 +120,41 @@ def wrap(
     if merge is None:
         options["merge"] = actor.merge  # as it was trained
     return engine_wrap(model, ActorPolicy(actor, speculate=speculate), actor=actor, **options)
+
+
+def _wrap_again(model: nn.Module, actor, speculate: bool, merge: Optional[bool], options: dict, hub_kwargs) -> nn.Module:
+    """:func:`wrap` of a wrapped model: a no-op with the same actor (the same object, or the same
+    registered actor, folder or Hub id, or an equal :class:`Actor`) and options; else a
+    ``ValueError`` saying what differs."""
+    current = model._dora.policy
+    if not isinstance(current, ActorPolicy):
+        raise ValueError("model is already wrapped with a policy, not an actor; call timm_dora.unwrap(model) first")
+    if actor is not current.actor:
+        asked = resolve_actor(model, actor, readout=options["readout"], **hub_kwargs)
+        differ = _actor_difference(current.actor, asked)
+        if differ:
+            raise ValueError(f"model is already wrapped with another actor ({differ}); call timm_dora.unwrap(model) first")
+    if merge is None:
+        options["merge"] = current.actor.merge
+    if current.speculate != speculate:
+        raise ValueError(f"model is already wrapped with speculate={current.speculate} (asked: {speculate}); "
+                         "call timm_dora.unwrap(model) first")
+    is_wrapped_as(model, current, **options)  # (raises naming the options that differ)
+    return model
+
+
+def _actor_difference(current: Actor, asked: Actor) -> str:
+    """What differs between the wrapped ``current`` actor and ``asked`` (``""``: they are equal, the
+    weights compared in the wrapped actor's dtype)."""
+    a, b = current.config(), asked.config()
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if keys:
+        return "; ".join(f"{k}: {a.get(k)!r} wrapped, {b.get(k)!r} asked" for k in keys)
+    mine, theirs = current.state_dict(), asked.state_dict()
+    for name, t in mine.items():
+        if not torch.equal(t, theirs[name].to(device=t.device, dtype=t.dtype)):
+            return f"its weights differ, first at {name}"
+    return ""
 
 
 def _check_actor(model: nn.Module, actor: Actor) -> None:

@@ -17,7 +17,9 @@ captured one (:mod:`~timm_dora.engine.graphs`); batches of up to 16 run as one p
 decisions when first read.
 
 As in ToMe, wrapping swaps the instance's class for a subclass that overrides ``forward``;
-``unwrap`` puts the original class back, so native behaviour is restored bit for bit. Other
+``unwrap`` puts the original class back, so native behaviour is restored bit for bit. The subclass
+also keeps timm's contracts (:class:`_Wrapped`): the state dict is the backbone's (the actor is
+left out), and the model pickles as native model + policy + actor + options. Other
 methods (``forward_features``, ``forward_head``, ``forward_intermediates``) stay timm's, unpruned:
 a pruned batch has no dense ``[B, N, d]`` form.
 
@@ -119,6 +121,11 @@ class _DoraState:
     skip_dead: bool = False  # the last block's MLP on the rows the readout reads only (the prefix rows)
     merge: bool = False  # removed rows folded into their most similar survivor (engine.packing.merge_removed)
 
+    def options(self) -> Dict[str, object]:
+        """The options :func:`wrap` was given (what wrapping again must repeat)."""
+        return dict(readout=self.readout, attn_backend=self.attn_backend, cuda_graphs=self.cuda_graphs,
+                    skip_dead=self.skip_dead, merge=self.merge)
+
 
 # --------------------------------------------------------------------------------------------
 # checks
@@ -185,17 +192,74 @@ def check_skip_dead(model: nn.Module, readout: str, skip_dead: bool, cuda_graphs
 _CLASSES: Dict[type, type] = {}
 
 
+ACTOR = "dora_actor"  # the actor's submodule (kept out of the state dict: it lives in its own files)
+
+
+class _Wrapped(nn.Module):
+    """What a wrapped model's class adds to the timm class it subclasses, besides ``forward``: timm's
+    contracts kept (a state dict that native checkpoints load into and that loads into the native
+    model, both strictly; pickling) and one-line refusals of what cannot trace it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        policy = self._dora.policy
+        if torch.compiler.is_dynamo_compiling():
+            if captures_under_compile(self, x):
+                return _opaque_forward(self, x)  # the captured executor, one call Dynamo does not trace
+        elif torch.compiler.is_exporting() or torch.jit.is_tracing():  # (asked only outside Dynamo: on
+            _check_exportable(policy)  # torch 2.11 is_exporting() reads true while Dynamo traces)
+        logits, stats = run(self, x, policy)
+        self.dora_stats = stats
+        return logits
+
+    def state_dict(self, *args, **kwargs):
+        """The backbone's state dict, as the native model has it (the actor's tensors left out)."""
+        out = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "") + ACTOR
+        for key in [k for k in out if k.startswith(prefix + ".")]:
+            del out[key]
+        for key in [k for k in getattr(out, "_metadata", {}) if k == prefix or k.startswith(prefix + ".")]:
+            del out._metadata[key]
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        actor = self._modules.get(ACTOR)
+        if actor is not None:  # a checkpoint without the actor's tensors keeps the actor's own (loads strictly)
+            for name, t in actor.state_dict().items():
+                state_dict.setdefault(f"{prefix}{ACTOR}.{name}", t)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save``, ``pickle``, ``copy.deepcopy``) as the native model, the policy,
+        the actor and the options, and wrapped again when loaded (this class is made at run time)."""
+        state = self.__dict__.copy()
+        dora = state.pop("_dora")
+        state.pop("dora_stats", None)
+        state["_modules"] = modules = OrderedDict(state["_modules"])
+        actor = modules.pop(ACTOR, None)
+        return _rewrap, (dora.original_class, state, dora.policy, actor, dora.options())
+
+    def __prepare_scriptable__(self):  # (torch.jit.script asks this first)
+        raise TypeError("torch.jit.script cannot compile a wrapped model (its forward decides token counts on the "
+                        "host); use torch.compile(model), or script the native model after timm_dora.unwrap(model)")
+
+
+def _check_exportable(policy: Policy) -> None:
+    if not getattr(policy, "exportable", False):
+        raise RuntimeError("torch.export / torch.jit.trace cannot follow a wrapped model's decisions (token counts "
+                           "read from its tensors); use torch.compile(model), or a fixed plan "
+                           "(policy=ReplayPolicy(plan)) at a fixed batch size")
+
+
+def _rewrap(cls: type, state: Dict[str, object], policy: Policy, actor: Optional[nn.Module],
+            options: Dict[str, object]) -> nn.Module:
+    model = cls.__new__(cls)
+    model.__setstate__(state)
+    return wrap(model, policy, actor=actor, **options)
+
+
 def _dora_class(cls: type) -> type:
     if cls not in _CLASSES:
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if torch.compiler.is_compiling() and captures_under_compile(self, x):
-                return _opaque_forward(self, x)  # the captured executor, one call Dynamo does not trace
-            logits, stats = run(self, x, self._dora.policy)
-            self.dora_stats = stats
-            return logits
-
-        _CLASSES[cls] = type(f"Dora{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+        _CLASSES[cls] = type(f"Dora{cls.__name__}", (_Wrapped, cls), {"__module__": __name__})
     return _CLASSES[cls]
 
 
@@ -217,10 +281,14 @@ def is_wrapped_as(model: nn.Module, policy: Optional[Policy], *, readout: str = 
     if not is_wrapped(model):
         return False
     state = model._dora
-    options = (state.readout, state.attn_backend, state.cuda_graphs, state.skip_dead, state.merge)
-    if state.policy is policy and options == (readout, attn_backend, _option(cuda_graphs), bool(skip_dead), bool(merge)):
+    asked = dict(readout=readout, attn_backend=attn_backend, cuda_graphs=_option(cuda_graphs), skip_dead=bool(skip_dead),
+                 merge=bool(merge))
+    differ = [f"{k}={v!r} (asked: {asked[k]!r})" for k, v in state.options().items() if asked[k] != v]
+    if state.policy is policy and not differ:
         return True
-    raise ValueError("model is already wrapped with another actor/policy or options; call timm_dora.unwrap(model) first")
+    if state.policy is not policy:
+        differ.insert(0, "another policy" if policy is not None else "another actor/policy")
+    raise ValueError(f"model is already wrapped with {', '.join(differ)}; call timm_dora.unwrap(model) first")
 
 
 def _option(cuda_graphs: Optional[bool]) -> Optional[bool]:
@@ -248,7 +316,7 @@ def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backe
                              skip_dead=bool(skip_dead), merge=bool(merge))
     if actor is not None:
         p = next(model.parameters())
-        model.add_module("dora_actor", actor.to(device=p.device, dtype=p.dtype))
+        model.add_module(ACTOR, actor.to(device=p.device, dtype=p.dtype))
     model.__class__ = _dora_class(original)
     return model
 
@@ -259,9 +327,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         raise ValueError("model is not wrapped by timm_dora")
     model.__class__ = model._dora.original_class
     _release_graphs(model._dora)
-    for name in ("dora_actor",):
-        if name in model._modules:
-            del model._modules[name]
+    if ACTOR in model._modules:
+        del model._modules[ACTOR]
     for name in ("_dora", "dora_stats"):
         if name in model.__dict__:
             delattr(model, name)

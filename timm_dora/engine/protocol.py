@@ -17,6 +17,9 @@ Known skips (optional): ``prunes_nothing_at(block) -> bool``, true where the cal
 ``ctx.nothing()`` whatever the batch. The CUDA-graph path (:mod:`timm_dora.engine.graphs`) then
 does not call the policy at those blocks and replays each run of them as one segment.
 ``reads_keys = False``: the policy never reads ``ctx.keys`` (the graphs then keep no keys for it).
+``exportable = True``: its decisions are fixed before the forward (a recorded plan, nothing), never
+read from the tensors, so ``torch.export`` and ``torch.jit.trace`` can follow the wrapped forward
+(for the batch size traced); for any other policy they are refused in one line.
 """
 from __future__ import annotations
 

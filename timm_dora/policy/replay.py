@@ -17,6 +17,7 @@ class NoPrune:
     """A policy that never removes a token (the wrapped model then equals the native one)."""
 
     reads_keys = False  # (see timm_dora.engine.graphs: keys are then never materialised for it)
+    exportable = True  # (see timm_dora.engine.protocol: torch.export can trace it)
 
     def __call__(self, ctx: BlockContext) -> Decision:
         return ctx.nothing()
@@ -40,6 +41,7 @@ class ReplayPolicy:
     """
 
     reads_keys = False  # decisions come from the plan (see timm_dora.engine.graphs)
+    exportable = True  # the plan is read at construction, not from the forward's tensors
 
     def __init__(self, plan: Dict[int, Tuple[torch.Tensor, torch.Tensor]], stop_after: Optional[int] = None, check: bool = True):
         self.plan = plan
