@@ -188,7 +188,7 @@ def _env() -> Dict[str, str]:
 def _train_flags(args, run: Path) -> List[str]:
     flags = ["--model", args.model, "--data", str(Path(args.root) / "splits.csv"), "--out", str(run), "--recipe", "paper",
              "--no-progress"]
-    flags += ["--weights", args.weights] if args.weights else ["--no-pretrained"]
+    flags += ["--weights", args.weights] if args.weights else ["--random-backbone"]
     return flags + shlex.split(args.extra)
 
 

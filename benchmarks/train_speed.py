@@ -46,7 +46,7 @@ VIT = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 CONFIGS: Dict[str, List[str]] = {
     "vit_tiny_paper": ["--model", VIT, "--weights", "{weights}/" + VIT + ".bf16.safetensors"],
     "vit_tiny_strong": ["--model", VIT, "--weights", "{weights}/" + VIT + ".bf16.safetensors", "--augment", "strong"],
-    "deit_base_random": ["--model", "deit_base_patch16_224", "--no-pretrained"],
+    "deit_base_random": ["--model", "deit_base_patch16_224", "--random-backbone"],
 }
 FULL_RECIPE_UPDATES = 1_171
 

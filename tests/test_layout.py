@@ -20,7 +20,7 @@ LAYERS = [
     {"timm_dora.hub"},
     {"timm_dora.api", "timm_dora"},
     {"timm_dora.train", "timm_dora.evaluate", "timm_dora.viz", "timm_dora.partition"},
-    {"timm_dora.cli"},
+    {"timm_dora.cli", "timm_dora.__main__"},
 ]
 APPLICATIONS = ("timm_dora.train", "timm_dora.evaluate", "timm_dora.viz")  # independent of each other
 

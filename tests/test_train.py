@@ -14,7 +14,7 @@ from timm_dora import Actor
 from timm_dora.train import main
 
 ARGS = [
-    "--model", "vit_tiny_patch16_224", "--img-size", "64", "--num-classes", "4", "--device", "cpu",
+    "--model", "vit_tiny_patch16_224", "--img-size", "64", "--num-classes", "4", "--device", "cpu", "--random-backbone",
     "--updates", "4", "--rollout-images", "6", "--checkpoint-every", "2", "--feedback-cadence", "2",
     "--qc-shards", "2", "--gate-minibatch", "16", "--controller-minibatch", "4", "--critic-minibatch", "16",
     "--actor-epochs", "2", "--critic-epochs", "2", "--no-progress", "--a-init", "5", "--recipe", "paper",
@@ -166,7 +166,7 @@ def test_ppo_update_host_reads_do_not_grow_with_minibatches(data, tmp_path, monk
             ppo = PPOConfig(updates=1, total_images=6, rollout_images=6, gate_minibatch=gate, controller_minibatch=ctrl,
                             critic_minibatch=critic, actor_epochs=2, critic_epochs=2)
             trainer = Trainer(TrainConfig(model="vit_tiny_patch16_224", data=str(data), out=str(tmp_path / str(gate)), img_size=64,
-                                          num_classes=4, device="cpu", qc_shards=2, progress=False, a_init=5.0, ppo=ppo))
+                                          num_classes=4, device="cpu", random_backbone=True, qc_shards=2, progress=False, a_init=5.0, ppo=ppo))
             reads.counts.clear()
             reads.steps.clear()
             trainer.step()
@@ -397,7 +397,7 @@ def test_budget_step_sets_the_grid_of_actor_critic_and_rollouts(data, tmp_path):
     paper.save_pretrained(tmp_path / "paper_grid")
     with pytest.raises(ValueError, match="budget_step"):
         trainer("--budget-step", "4", "--init-actor", str(tmp_path / "paper_grid"))
-    with pytest.raises(ValueError, match="budget step must be a positive"):
+    with pytest.raises(ValueError, match="--budget-step must be at least 1, got 0"):
         trainer("--budget-step", "0")
 
 

@@ -115,11 +115,12 @@ def wrap(
         return _wrap_again(model, actor, speculate, merge, options, hub_kwargs)
     check_supported(model, readout, attn_backend)  # before any download
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
-    actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
-    _check_actor(model, actor)
-    if merge is None:
-        options["merge"] = actor.merge  # as it was trained
-    return engine_wrap(model, ActorPolicy(actor, speculate=speculate), actor=actor, **options)
+    with torch.inference_mode(False):  # (wrap may be called inside inference_mode: the actor's tensors stay normal)
+        actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
+        _check_actor(model, actor)
+        if merge is None:
+            options["merge"] = actor.merge  # as it was trained
+        return engine_wrap(model, ActorPolicy(actor, speculate=speculate), actor=actor, **options)
 
 
 def _wrap_again(model: nn.Module, actor, speculate: bool, merge: Optional[bool], options: dict, hub_kwargs) -> nn.Module:

@@ -14,6 +14,7 @@ import sys
 from typing import List, Optional
 
 from .command import one_line_errors
+from .version import __version__
 
 COMMANDS = {
     "eval": ("timm_dora.evaluate.cli", "top-1, GFLOPs and policy statistics of native and wrapped models"),
@@ -27,7 +28,13 @@ COMMANDS = {
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="timm-dora", description="DORA token pruning for timm ViTs")
+    if argv[:1] == ["train"]:
+        print("timm-dora: training is its own command: timm-dora-train --help (or python -m timm_dora.train)",
+              file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser(prog="timm-dora", description="DORA token pruning for timm ViTs "
+                                 "(training: timm-dora-train)")
+    ap.add_argument("--version", action="version", version=f"timm-dora {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         if argv[:1] == [name]:  # import only the module of the command being run

@@ -110,7 +110,8 @@ def resolve_actor(model: nn.Module, actor: Union[Actor, PathLike, None] = None, 
                   **hub_kwargs) -> Actor:
     """The actor to use with ``model``.
 
-    - an :class:`Actor`: returned as is;
+    - an :class:`Actor`: returned as is, after the same backbone check as its folder's when it
+      was loaded with ``Actor.from_pretrained`` (its ``pretrained_config``);
     - a string or path: a local folder, ``"hf-hub:org/name"`` or a bare Hub repo id, loaded with
       :func:`~timm_dora.hub.files.load_pretrained` (``hub_kwargs``; an unreachable Hub falls back
       to the cache at once) and checked with :func:`~timm_dora.hub.files.check_backbone`;
@@ -119,6 +120,9 @@ def resolve_actor(model: nn.Module, actor: Union[Actor, PathLike, None] = None, 
       it); ``ValueError`` listing :func:`available_actors` if none is registered.
     """
     if isinstance(actor, Actor):
+        config = getattr(actor, "pretrained_config", None)  # (an Actor.from_pretrained: checked as its folder is)
+        if config is not None:
+            check_backbone(config, model, readout)
         return actor
     if actor is None:
         name = _model_name(model)

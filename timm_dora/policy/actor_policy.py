@@ -178,7 +178,8 @@ class ActorPolicy:
         recomputed only when the history changes: the forward passes the same ``N_l``, ``rho``,
         ``E_<l`` tensors on while no token is removed."""
         state = (ctx.n_visual, ctx.rho, ctx.interventions)
-        key = (id(self), dtype, self.actor.gate_embed._version)
+        w = self.actor.gate_embed
+        key = (id(self), dtype, 0 if w.is_inference() else w._version)  # (inference tensors keep no version)
         memo = ctx.constants.memo.get(key)
         if memo is not None and all(a is b for a, b in zip(memo[0], state)):
             return memo[1], memo[2]

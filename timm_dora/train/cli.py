@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 
 from ..command import one_line_errors
-from .config import TrainConfig, build_parser, config_from_args
+from .config import TrainConfig, build_parser, check_resume, config_from_args
 from .loop import Trainer
 from .runtime import deterministic_on_cpu, init_distributed
 
@@ -50,6 +50,8 @@ def _main(args: argparse.Namespace, cfg: TrainConfig) -> int:
     if (out / "state.pt").exists() and not args.resume:
         print(f"{out}/state.pt exists: pass --resume to continue it, or choose another --out", file=sys.stderr)
         return 2
+    if args.resume and (out / "config.json").exists():
+        check_resume(cfg, json.loads((out / "config.json").read_text()))
     with deterministic_on_cpu(cfg.device):
         return _train(args, cfg, out)
 

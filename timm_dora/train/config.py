@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import json
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ..policy.actor import encoder_sizes
+from ..version import __version__
 from .feedback import SIGNALS
 from .images import ROLLOUT_DATA
 from .pool import AUGMENT_LEVELS, SMALL_POOL_MAX_IMAGES
 from .ppo import PPOConfig
 from .selection import RULES
 
-__all__ = ["TrainConfig", "build_parser", "config_from_args", "RECIPES", "SMALL_POOL_MAX_IMAGES"]
+__all__ = ["TrainConfig", "build_parser", "check_resume", "config_from_args", "RECIPES", "SMALL_POOL_MAX_IMAGES"]
 
 # the settings a recipe fills when they are not given (None in TrainConfig)
 RECIPES = {
@@ -38,18 +43,19 @@ RECIPES = {
 class TrainConfig:
     """Everything a training run needs; defaults are the paper's (``ppo``) or marked ours."""
 
-    model: str
-    data: str  # labels CSV (with a split column) or an ImageFolder root for the rollout split
-    out: str
+    model: str  # timm model name, e.g. vit_tiny_patch16_224.augreg_in21k_ft_in1k
+    data: str  # labels CSV (path,label,...,split) or an ImageFolder root for the rollout split
+    out: str  # output directory (config.json, metrics.jsonl, checkpoints/, state.pt, selected/)
     weights: Optional[str] = None  # local weights file (timm pretrained_cfg_overlay)
     pretrained: bool = False  # let timm fetch the pretrained weights instead
+    random_backbone: bool = False  # train on a randomly initialised backbone (tests, speed runs): needed without --weights or --pretrained
     img_size: Optional[int] = None  # override the model's input size (small tests)
-    num_classes: Optional[int] = None
-    rollout_split: str = "rollout"
-    qc_split: str = "qc"
-    dev_split: str = "dev"
-    qc_data: Optional[str] = None  # separate ImageFolder roots (default: --data with the split)
-    dev_data: Optional[str] = None
+    num_classes: Optional[int] = None  # the classifier's classes (default: the model's)
+    rollout_split: str = "rollout"  # the labels CSV split the rollouts draw from
+    qc_split: str = "qc"  # the split of the feedback checks (App. C)
+    dev_split: str = "dev"  # the split the checkpoints are selected on
+    qc_data: Optional[str] = None  # a separate ImageFolder root for the qc split (default: --data with the split)
+    dev_data: Optional[str] = None  # a separate ImageFolder root for the dev split
     augment: str = "none"  # ours, for small pools: "none" | "light" | "strong" (pool.train_transform; True = "light")
     cutmix_prob: float = 0.5  # ours: with --augment strong, the share of rollout images given a patch CutMix from another pool image
     actor_width: Optional[int] = None  # the actor's encoder width (paper: 128); heads, FFN and selector follow it (actor.encoder_sizes); None (ours): --init-actor's, else policy.auto_width (64 for Tiny backbones, 128 from ViT-S up)
@@ -59,13 +65,13 @@ class TrainConfig:
     skip_dead: bool = False  # ours: the last block's MLP on the prefix tokens only (CLS readouts) and no decision there
     merge: bool = False  # ours: the removed tokens merged into their most similar survivors (ToMe's proportional attention), not deleted
     init_actor: Optional[str] = None  # warm start from a saved actor (folder or Hub id); critic, optimizers, feedback fresh
-    readout: str = "model"
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    target_drop: float = 0.01
-    a_init: float = 30.0
-    fixed_coefficient: bool = False  # ablation
-    terminal_only: bool = False  # ablation
-    feedback_cadence: int = 8
+    readout: str = "model"  # "model" (the model's global_pool) or "lc1" (DINOv2's linear readout)
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"  # where to train
+    target_drop: float = 0.01  # the feedback's target top-1 drop on the QC shards (paper: 1 pp)
+    a_init: float = 30.0  # the fidelity coefficient a_u at the start (App. C)
+    fixed_coefficient: bool = False  # ablation: a_u stays a_init (no feedback)
+    terminal_only: bool = False  # ablation: the fidelity cost at the last step only
+    feedback_cadence: int = 8  # updates between feedback checks (paper: 8)
     qc_shards: Optional[int] = None  # round-robin QC shards of the feedback checks (paper: 8)
     qc_with_rollout: Optional[bool] = None  # ours: the feedback checks read the rollout pool's images too (eval preprocessing)
     qc_with_dev: Optional[bool] = None  # ours: with --feedback-signal disagreement (label-free), the checks read the dev images too
@@ -79,9 +85,9 @@ class TrainConfig:
     data_workers: Optional[int] = None  # ours: processes making the rollout batches ahead of the update (None: this process's share of the host's cores less two, at least 1; 0: none, made in the training process)
     rollout_data: str = "auto"  # ours: "stream" (read from the files by the workers for every update), "held" (decoded once, held on the device as uint8; no --augment) or "auto" (held for at most SMALL_POOL_MAX_IMAGES images without augmentation, else stream)
     shadow_chunk: int = 2048  # shadow rows per packed forward (memory only: each row is computed alone)
-    eval_batch: int = 256
-    tensorboard: bool = False
-    progress: bool = True
+    eval_batch: int = 256  # images per batch of the QC and dev evaluations
+    tensorboard: bool = False  # also log to OUT/tensorboard (needs the tensorboard package)
+    progress: bool = True  # a progress line per update on stderr
     cuda_graphs: bool = True  # ours: replay the PPO minibatch steps from CUDA graphs (CUDA, one process)
     overlap: bool = True  # ours: with cuda_graphs, an update's critic steps run on a second stream beside the next update's rollout (the same steps in the same order)
     compile: Optional[bool] = None  # ours: torch.compile (Inductor) the critic's token branch; None: on CUDA only
@@ -115,6 +121,17 @@ class TrainConfig:
     def check(self) -> "TrainConfig":
         """This configuration, after a ``ValueError`` naming the flag of any setting out of range
         (settings still ``None`` wait for :meth:`resolved`)."""
+        if not (self.weights or self.pretrained or self.random_backbone):
+            raise ValueError("no backbone weights: pass --weights FILE or --pretrained (timm fetches them); "
+                             "--random-backbone trains on random weights (tests, speed runs only)")
+        if self.random_backbone and (self.weights or self.pretrained):
+            raise ValueError("--random-backbone with --weights or --pretrained: choose one")
+        _check_numbers(self)
+        if self.tensorboard:
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
         if self.recipe not in ("auto", *RECIPES):
             raise ValueError(f"--recipe must be one of {('auto', *RECIPES)}, got {self.recipe!r}")
         try:
@@ -144,44 +161,113 @@ class TrainConfig:
         return self
 
 
+POSITIVE = ("lr_gate", "lr_critic", "lr_shared", "lr_budget", "lr_selector", "clip_eps", "kd_temperature", "value_clip",
+            "huber_delta", "max_grad_norm", "adv_eps", "pcgrad_eps", "target_drop")  # floats above 0
+AT_MOST_ONE = ("gamma", "gae_lambda")
+
+
+def _check_numbers(cfg: "TrainConfig") -> None:
+    """A ``ValueError`` naming the flag of the first number out of range: every count at least 1
+    (``--data-workers`` 0 or more; ``--seed`` any), every float finite and 0 or more (above 0 for
+    :data:`POSITIVE`, at most 1 for :data:`AT_MOST_ONE`, ``--feedback-ema`` below 1)."""
+    for obj in (cfg, cfg.ppo):
+        for f in dataclasses.fields(obj):
+            v, flag = getattr(obj, f.name), "--" + f.name.replace("_", "-")
+            if v is None or isinstance(v, bool) or f.name in ("seed", "total_images") or not isinstance(v, (int, float)):
+                continue
+            if isinstance(v, int) and v < (0 if f.name == "data_workers" else 1):
+                raise ValueError(f"{flag} must be at least {0 if f.name == 'data_workers' else 1}, got {v}")
+            if isinstance(v, float) and (not math.isfinite(v) or v < 0 or (v == 0 and f.name in POSITIVE)):
+                raise ValueError(f"{flag} must be {'above' if f.name in POSITIVE else 'at least'} 0, got {v}")
+            if (f.name in AT_MOST_ONE and v > 1) or (f.name == "feedback_ema" and v >= 1):
+                raise ValueError(f"{flag} must be {'below' if f.name == 'feedback_ema' else 'at most'} 1, got {v}")
+
+
+def check_resume(cfg: "TrainConfig", saved: Dict) -> None:
+    """``--resume``: a ``ValueError`` naming every setting given now that differs from the run's
+    ``config.json`` (settings left to the recipe are not compared; :data:`RESUMABLE` may change)."""
+    now = dataclasses.asdict(cfg)
+    pairs = [(k, v, saved.get(k)) for k, v in now.items() if k != "ppo"]
+    pairs += [(k, v, saved.get("ppo", {}).get(k)) for k, v in now["ppo"].items()]
+    differ = [f"--{k.replace('_', '-')} {v!r} (the run: {old!r})" for k, v, old in pairs
+              if k not in (*RESUMABLE, "total_images") and v is not None and not (k == "recipe" and v == "auto")
+              and json.loads(json.dumps(v)) != old]
+    if differ:
+        raise ValueError(f"--resume: {'; '.join(differ)} differ from {cfg.out}/config.json; only "
+                         f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} may change")
+
+
+# the --help groups, in order (every TrainConfig field in one; PPOConfig's are "PPO")
+GROUPS = {
+    "data": ("data", "rollout_split", "qc_split", "dev_split", "qc_data", "dev_data", "augment", "cutmix_prob",
+             "rollout_with_checks", "rollout_data", "data_workers"),
+    "model": ("model", "weights", "pretrained", "random_backbone", "img_size", "num_classes", "readout", "device",
+              "actor_width", "budget_step", "init_actor", "skip_dead", "merge"),
+    "recipe and rewards": ("recipe", "target_drop", "a_init", "fixed_coefficient", "terminal_only", "tau_b"),
+    "feedback (App. C)": ("feedback_cadence", "qc_shards", "qc_with_rollout", "qc_with_dev", "feedback_ema",
+                          "feedback_signal", "target_disagreement"),
+    "selection": ("selection", "checkpoint_every"),
+    "speed": ("shadow_chunk", "eval_batch", "cuda_graphs", "overlap", "compile", "critic_bf16"),
+    "output": ("out", "resume", "max_minutes", "tensorboard", "progress"),
+}
+# settings --resume may change (how long, how fast, what is shown; not what is trained)
+RESUMABLE = ("max_minutes", "updates", "tensorboard", "progress", "data_workers", "shadow_chunk", "device", "data",
+             "qc_data", "dev_data")  # (--updates: the run continued for longer; the data paths: the same images, moved)
+
+
+def field_help(cls: type) -> Dict[str, str]:
+    """Each field's help line: its trailing comment in ``cls``'s source (every setting is
+    described once, where it is defined)."""
+    src = inspect.getsource(cls)
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^    (\w+): [^\n]*?#\s*(.+)$", src, re.M)}
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None)" for flags without a default
+        return action.help if action.default in (None, argparse.SUPPRESS) or action.required else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="timm-dora-train",
-        description="Train a DORA actor for a timm ViT with the paper's PPO recipe.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a DORA actor for a timm ViT with the paper's PPO recipe (torchrun for several GPUs).",
+        formatter_class=_Help,
     )
-    ap.add_argument("--model", required=True, help="timm model name, e.g. vit_tiny_patch16_224.augreg_in21k_ft_in1k")
-    ap.add_argument("--data", required=True, help="labels CSV (path,label,...,split) or ImageFolder root")
-    ap.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, selected/)")
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/state.pt exactly")
-    ap.add_argument("--augment", nargs="?", const="light", default="none", choices=AUGMENT_LEVELS,
-                    help="rollout augmentation for small pools (ours): light = crop (0.5-1) + flip; strong = crop "
-                         "(0.25-1) + flip + RandAugment + label-free patch CutMix (--cutmix-prob); bare --augment = light")
-    skip = {"model", "data", "out", "ppo", "augment"}
+    ap.add_argument("--version", action="version", version=f"timm-dora-train {__version__}")
+    helps = {**field_help(TrainConfig), **{f"ppo__{k}": v for k, v in field_help(PPOConfig).items()}}
+    helps["resume"] = "continue the run in --out from its state.pt, exactly (the same settings; see RESUMABLE)"
+    groups = {name: ap.add_argument_group(name) for name in GROUPS}
+    where = {f: groups[name] for name, fields in GROUPS.items() for f in fields}
+    where["resume"].add_argument("--resume", action="store_true", help=helps["resume"])
     for f in dataclasses.fields(TrainConfig):
-        if f.name in skip:
+        if f.name == "ppo":
             continue
-        _add(ap, f.name, f.type, f.default)
+        if f.name == "augment":
+            where[f.name].add_argument("--augment", nargs="?", const="light", default="none", choices=AUGMENT_LEVELS,
+                                       help="rollout augmentation for small pools (ours): light = crop (0.5-1) + flip; strong "
+                                            "= crop (0.25-1) + flip + RandAugment + label-free patch CutMix (--cutmix-prob); "
+                                            "bare --augment = light")
+            continue
+        _add(where[f.name], f.name, f.type, f.default, helps[f.name], required=f.name in ("model", "data", "out"))
+    ppo = ap.add_argument_group("PPO (App. D)")
     for f in dataclasses.fields(PPOConfig):
         if f.name != "total_images":  # = rollout_images * updates
-            _add(ap, f.name, f.type, f.default, prefix="ppo")
+            _add(ppo, f.name, f.type, f.default, helps[f"ppo__{f.name}"], prefix="ppo")
     return ap
 
 
-def _add(ap, name, typ, default, prefix=None):
+def _add(ap, name, typ, default, help, prefix=None, required=False):
     flag = "--" + name.replace("_", "-")
     dest = f"{prefix}__{name}" if prefix else name
     typ = str(typ)
+    kw = dict(dest=dest, default=default, help=help)
+    if required:
+        kw.update(required=True, default=None)
     if "bool" in typ:
-        ap.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default)
-    elif "int" in typ and "Optional" not in typ:
-        ap.add_argument(flag, dest=dest, type=int, default=default)
-    elif "float" in typ:
-        ap.add_argument(flag, dest=dest, type=float, default=default)
-    elif "Optional[int]" in typ:
-        ap.add_argument(flag, dest=dest, type=int, default=default)
+        ap.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
     else:
-        ap.add_argument(flag, dest=dest, type=str, default=default)
+        kind = int if "int" in typ else float if "float" in typ else str
+        ap.add_argument(flag, type=kind, metavar={int: "N", float: "X"}.get(kind, name.split("_")[-1].upper()), **kw)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

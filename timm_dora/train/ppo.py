@@ -273,36 +273,33 @@ class PPOConfig:
     Values not given by the paper, chosen by us, are marked ``# ours``.
     """
 
-    rollout_images: int = 256
-    total_images: int = 299_776
-    updates: int = 1_171
-    actor_epochs: int = 4
-    critic_epochs: int = 4
-    gate_minibatch: int = 512  # transitions
-    controller_minibatch: int = 64  # gate-on transitions (budget + selector)
-    critic_minibatch: int = 128  # transitions
-    optimizer: str = "adam"  # separate Adam optimizers (torch defaults for betas/eps: ours)
-    max_grad_norm: float = 0.5
-    lr_gate: float = 5e-5
-    lr_critic: float = 1e-4
-    lr_shared: float = 2e-5
-    lr_budget: float = 5e-5
-    lr_selector: float = 2e-5
-    lr_schedule: str = "constant"
-    warmup_updates: int = 0
-    seed: int = 42
-    clip_eps: float = 0.2
-    gamma: float = 1.0
-    gae_lambda: float = 0.95
-    kd_temperature: float = 3.0
-    compression_scale: float = 25.0
-    entropy_gate: float = 0.01  # ours
-    entropy_budget: float = 0.01  # ours
-    entropy_selector: float = 0.001  # ours (first-draw entropy, actor.selector_entropy)
+    rollout_images: int = 256  # images rolled out per update (paper: 256)
+    total_images: int = 299_776  # rollout_images x updates (one pass over the paper's rollout split)
+    updates: int = 1_171  # PPO updates (paper: 1,171)
+    actor_epochs: int = 4  # epochs of the actor's minibatch steps per update
+    critic_epochs: int = 4  # epochs of the critic's minibatch steps per update
+    gate_minibatch: int = 512  # transitions per gate minibatch
+    controller_minibatch: int = 64  # gate-on transitions per budget + selector minibatch
+    critic_minibatch: int = 128  # transitions per critic minibatch
+    max_grad_norm: float = 0.5  # gradient-norm clip of every step
+    lr_gate: float = 5e-5  # the gate's Adam learning rate (each group its own Adam, torch's betas and eps: ours)
+    lr_critic: float = 1e-4  # the critic's learning rate
+    lr_shared: float = 2e-5  # the controller encoder's learning rate (shared by budget and selector)
+    lr_budget: float = 5e-5  # the budget head's learning rate
+    lr_selector: float = 2e-5  # the selector's learning rate
+    seed: int = 42  # seeds the learners, the sampler and the rollouts' noise
+    clip_eps: float = 0.2  # PPO's ratio clip
+    gamma: float = 1.0  # discount over the blocks
+    gae_lambda: float = 0.95  # lambda of the shared lambda-return
+    kd_temperature: float = 3.0  # temperature of the fidelity divergence (App. B)
+    compression_scale: float = 25.0  # scale of the compression reward (App. B)
+    entropy_gate: float = 0.01  # ours: the gate's entropy bonus
+    entropy_budget: float = 0.01  # ours: the budget head's entropy bonus
+    entropy_selector: float = 0.001  # ours: the selector's entropy bonus (first-draw entropy)
     value_clip: float = 0.2  # ours: PPO eps in normalized return units
-    huber_delta: float = 1.0  # ours
-    adv_eps: float = 1e-8  # ours
-    pcgrad_eps: float = 1e-12
+    huber_delta: float = 1.0  # ours: the value loss's Huber delta
+    adv_eps: float = 1e-8  # ours: the advantage standardisation's guard
+    pcgrad_eps: float = 1e-12  # PCGrad's division guard
 
     def __post_init__(self) -> None:
         if self.rollout_images * self.updates != self.total_images:
