@@ -122,12 +122,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.upload:
         print(f"dry run: {len(uploads)} folder(s) would be uploaded; pass --upload to publish")
         return 0
+    reachable, why = hub.hub_reachable()
+    if not reachable:
+        print(f"cannot upload: the Hugging Face Hub cannot be reached ({why}); nothing uploaded", file=sys.stderr)
+        return 1
     api = HfApi(token=args.token)
     for folder, repo_id in uploads:
-        api.create_repo(repo_id, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id, folder_path=folder, allow_patterns=sorted(ALLOWED_FILES), commit_message="Publish timm-dora actor"
-        )
+        try:
+            api.create_repo(repo_id, exist_ok=True)
+            info = api.upload_folder(repo_id=repo_id, folder_path=folder, allow_patterns=sorted(ALLOWED_FILES),
+                                     commit_message="Publish timm-dora actor")
+        except Exception as e:  # network, authentication, permissions: one line, not the HTTP stack
+            message = " ".join(str(e).split())[:300] or type(e).__name__
+            print(f"upload of {folder.name} to {repo_id} failed: {type(e).__name__}: {message}", file=sys.stderr)
+            return 1
         print(f"uploaded {folder.name} -> {getattr(info, 'commit_url', repo_id)}")
     return 0
 

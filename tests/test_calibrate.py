@@ -98,3 +98,35 @@ def test_cli_saves_a_loadable_calibrated_actor_and_refuses_the_test_split(data, 
         assert cli(args[:-1] + [str(tmp_path / "bad"), "--splits", "test"]) == 1
     assert capsys.readouterr().err.endswith(
         "error: --splits must not include test: calibrating on it would make a choice on the test images\n")
+
+
+def test_a_missed_target_is_recorded_and_warned_about(monkeypatch, capsys):
+    import timm_dora.evaluate.calibrate as calibrate_module
+
+    class Tilt:  # an actor stand-in whose reduction is a step in its tilt: 45.6 % up to 0, 30 % above
+        num_patches = 16
+
+        def __init__(self, t=0.0):
+            self.t = t
+
+        def tilted(self, t):
+            return Tilt(t)
+
+    monkeypatch.setattr(calibrate_module, "mean_reduction",
+                        lambda model, actor, batches, cuda_graphs=False: (1.0, 45.6 if actor.t <= 0 else 30.0))
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64)
+    with pytest.warns(UserWarning, match=r"^calibration missed its target by 5.6 pp"):
+        tilted, record = calibrate_tilt(model, Tilt(), [torch.zeros(2, 3, 64, 64)], 40.0, steps=3)
+    # 0 (45.6) then 0.05 (30): bracket [0, 0.05], halved three times to 0.00625, each 30 %
+    assert tilted.t == 0.0 and [h["tilt"] for h in record["search"]] == [0.0, 0.05, 0.025, 0.0125, 0.00625]
+    assert record["missed"] == ("reached 45.6 % for a 40 % target; the nearest tilt past it, +0.00625, gave 30.0 %: "
+                                "more --steps narrow the bracket, unless the reduction jumps there")
+    _, record = calibrate_tilt(model, Tilt(), [torch.zeros(2, 3, 64, 64)], 45.0, steps=3)  # within 1 pp: no miss
+    assert "missed" not in record
+
+
+def test_calibrate_help_reads_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        cli(["calibrate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "move a trained actor's operating point to a GFLOPs reduction, without retraining and without labels." in text

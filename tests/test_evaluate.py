@@ -75,7 +75,8 @@ def test_eval_tome_json_and_native_top1(setup_files, capsys):
     res = _eval(root, csv_path, weights, "--method", "tome", "--r", "2")
     for key in ("command", "device", "torch", "timm", "timm_dora", "dtype", "model", "weights", "data", "preprocessing", "rows"):
         assert key in res, key
-    assert res["dtype"] == "float32" and res["data"] == {"spec": str(csv_path), "split": "test", "images": 10}
+    assert res["dtype"] == "float32" and res["data"] == {"spec": str(csv_path), "split": "test", "images": 10,
+                                                         "skipped_unreadable": []}
     assert "--method tome" in res["command"] and "--r 2" in res["command"] and res["command"].startswith("timm-dora eval")
     native, tome = res["rows"]
     assert native["method"] == "native" and tome["method"] == "tome(r=2)"
@@ -313,7 +314,7 @@ def test_data_workers_are_capped_at_the_cpus(setup_files, monkeypatch):
         worker_count(-1)
     _, csv_path, _, _ = setup_files
     model = make_model(MODEL, img_size=IMG, num_classes=CLASSES)
-    assert loader_for(model, str(csv_path), "test", workers=4).num_workers == 2
+    assert loader_for(model, str(csv_path), "test", workers=4).loader.num_workers == 2
 
 
 def test_eval_at_another_input_size(setup_files):

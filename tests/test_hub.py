@@ -224,8 +224,11 @@ def test_resolve_from_pretrained_cfg(saved, tmp_path, offline, spy, monkeypatch)
     assert hub.resolve_actor(model, actor) is actor
     cache = tmp_path / "cache"
     hub_cache(cache, f"timm-dora/{NAME}", {COMMIT_A: folder}, {"main": COMMIT_A})
-    assert same_weights(actor, hub.resolve_actor(model, f"hf-hub:timm-dora/{NAME}", cache_dir=cache, readout="model"))
-    assert spy[0][:2] == (f"timm-dora/{NAME}", "config.json")
+    # the shipped actor's Hub name: the package's copy, no Hub call; a revision asks for the Hub's
+    assert same_weights(actor, hub.resolve_actor(model, f"hf-hub:timm-dora/{NAME}", readout="model")) and spy == []
+    assert same_weights(actor, hub.resolve_actor(model, f"hf-hub:timm-dora/{NAME}", cache_dir=cache, readout="model",
+                                                 revision="main"))
+    assert spy[0] == (f"timm-dora/{NAME}", "config.json", "main")
     assert same_weights(actor, hub.resolve_actor(model, folder))
     assert same_weights(actor, hub.resolve_actor(model, str(folder)))
     # registered but not shipped: its Hub repository (here from the cache: offline)
@@ -481,6 +484,7 @@ def test_publish_fails_and_uploads(saved, tmp_path, monkeypatch, capsys):
             uploaded.append((repo_id, Path(folder_path).name))
 
     monkeypatch.setattr(publish, "HfApi", FakeApi)
+    monkeypatch.setattr(publish.hub, "hub_reachable", lambda timeout=None: (True, ""))
     assert publish.main(["--root", str(root)]) == 0
     assert "1 folder(s) would be uploaded" in capsys.readouterr().out and not uploaded
     assert publish.main(["--root", str(root), "--upload"]) == 0

@@ -292,7 +292,7 @@ def test_cli_viz_trajectory(tiny_files, tmp_path):
 def test_cli_viz_policy(tiny_files, tmp_path):
     root = tiny_files
     assert main(["viz", "policy", *MODEL_ARGS, "--weights", str(root / "w.safetensors"), "--actor", str(root / "actor"),
-                 "--data", str(root / "labels.csv"), "--split", "dev", "--batch-size", "3", "--out", str(tmp_path)]) == 0
+                 "--data", str(root / "labels.csv"), "--split", "dev", "--batch", "3", "--out", str(tmp_path)]) == 0
     check_png(tmp_path / "policy.png")
     check_svg(tmp_path / "policy.svg")
     numbers = json.loads((tmp_path / "policy.json").read_text())
@@ -371,3 +371,12 @@ def test_read_metrics_reads_gzip(tmp_path):
     with gzip.open(tmp_path / "metrics.jsonl.gz", "wt") as f:
         f.write("\n".join(json.dumps(r) for r in rows) + "\n")
     assert viz.read_metrics(tmp_path / "metrics.jsonl.gz") == rows
+
+
+def test_row_labels_are_cut_to_the_panel_after_underscores_first():
+    from timm_dora.viz.plots import _row_label
+
+    assert _row_label({"name": "ILSVRC2012_val_00012345_n01440764", "gflops": 1.4, "native_gflops": 2.5}) == \
+        "ILSVRC2012_val_\n00012345_n01440764\n1.40 GFLOPs (-44.0 %)"
+    assert _row_label({"name": "a" * 30, "index": 0, "gflops": 1.0}, chars=22) == "a" * 22 + "\n" + "a" * 8 + "\n1.00 GFLOPs"
+    assert _row_label({"name": None, "index": 3, "gflops": 1.0}) == "image 3\n1.00 GFLOPs"

@@ -115,9 +115,8 @@ def wrap(
         return _wrap_again(model, actor, speculate, merge, options, hub_kwargs)
     check_supported(model, readout, attn_backend)  # before any download
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
-    with torch.inference_mode(False):  # (wrap may be called inside inference_mode: the actor's tensors stay normal)
-        actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
-        _check_actor(model, actor)
+    with torch.inference_mode(False):  # (the policy's own tensors stay normal tensors)
+        actor = _actor_for(model, actor, readout, hub_kwargs)
         if merge is None:
             options["merge"] = actor.merge  # as it was trained
         return engine_wrap(model, ActorPolicy(actor, speculate=speculate), actor=actor, **options)
@@ -131,7 +130,7 @@ def _wrap_again(model: nn.Module, actor, speculate: bool, merge: Optional[bool],
     if not isinstance(current, ActorPolicy):
         raise ValueError("model is already wrapped with a policy, not an actor; call timm_dora.unwrap(model) first")
     if actor is not current.actor:
-        asked = resolve_actor(model, actor, readout=options["readout"], **hub_kwargs)
+        asked = _actor_for(model, actor, options["readout"], hub_kwargs)
         differ = _actor_difference(current.actor, asked)
         if differ:
             raise ValueError(f"model is already wrapped with another actor ({differ}); call timm_dora.unwrap(model) first")
@@ -142,6 +141,16 @@ def _wrap_again(model: nn.Module, actor, speculate: bool, merge: Optional[bool],
                          "call timm_dora.unwrap(model) first")
     is_wrapped_as(model, current, **options)  # (raises naming the options that differ)
     return model
+
+
+def _actor_for(model: nn.Module, actor, readout: str, hub_kwargs) -> Actor:
+    """The actor an ``actor`` argument names, checked against ``model``: :func:`resolve_actor` then
+    the sizes, outside any ``torch.inference_mode`` (wrap may be called inside one: the actor's
+    tensors must stay normal tensors)."""
+    with torch.inference_mode(False):
+        actor = resolve_actor(model, actor, readout=readout, **hub_kwargs)
+        _check_actor(model, actor)
+    return actor
 
 
 def _actor_difference(current: Actor, asked: Actor) -> str:

@@ -19,7 +19,8 @@ Protocol helpers
     another name) from one ``stat`` per file and a few reads; :func:`check_labels` refuses labels
     outside the model's classes; :func:`fixed_shards` cuts the QC pool into fixed shards;
     :func:`preload` stacks a small pool into one tensor and :func:`hold` decodes a fixed set once
-    into ``uint8`` on the device (:class:`HeldImages`), leaving out unreadable files with a warning.
+    into ``uint8`` on the device (:class:`HeldImages`), leaving out unreadable files with a warning;
+    :class:`ReadableBatches` streams a split in batches (evaluation) by the same rule.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ from timm.data import create_transform, resolve_data_config
 from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
-__all__ = ["CONTENT_CHECK_MAX", "HeldImages", "ImageFolderDataset", "InputNormalize", "LabelsCSVDataset", "check_disjoint", "check_labels",
+__all__ = ["CONTENT_CHECK_MAX", "HeldImages", "ImageFolderDataset", "InputNormalize", "LabelsCSVDataset", "ReadableBatches",
+           "check_disjoint", "check_labels",
            "data_config", "eval_transform", "fixed_shards", "hold", "joined", "open_split", "preload", "uint8_transform",
            "warn_unreadable", "worker_count"]
 
@@ -512,6 +514,39 @@ def _collate_readable(items):
     return x, [(it[1], it[2]) for it in good], [(it[2], it[3]) for it in items if it[0] is None]
 
 
+class ReadableBatches:
+    """``(images, labels, positions)`` batches of ``dataset``'s images ``indices`` (all by default)
+    in order (``positions`` in ``indices``), read by ``num_workers`` processes with ``transform``
+    (the global RNG untouched). An unreadable file is left out with one warning naming it
+    (:func:`warn_unreadable`); ``skipped`` holds the ``(path, error)`` of those of the last pass,
+    ``images`` counts those read. Evaluation reads with it, and training's fixed sets (:func:`hold`)."""
+
+    def __init__(self, dataset: "_ImageList", transform: Callable, batch_size: int = 64, num_workers: int = 0,
+                 indices: Optional[Sequence[int]] = None, pin_memory: bool = False):
+        self.dataset = dataset
+        self.indices = list(range(len(dataset))) if indices is None else list(indices)
+        self.loader = torch.utils.data.DataLoader(
+            _Readable(dataset, self.indices, transform), batch_size=batch_size, num_workers=worker_count(num_workers),
+            collate_fn=_collate_readable, pin_memory=pin_memory, generator=torch.Generator())
+        self.skipped: List[Tuple[str, str]] = []
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def images(self) -> int:
+        return len(self.indices) - len(self.skipped)
+
+    def __iter__(self):
+        self.skipped = []
+        for x, good, bad in self.loader:
+            for pos, error in bad:
+                self.skipped.append((self.dataset.paths[self.indices[pos]], error))
+                warn_unreadable(*self.skipped[-1])
+            if x is not None:
+                yield x, torch.tensor([y for y, _ in good], dtype=torch.long), torch.tensor([p for _, p in good])
+
+
 @dataclass
 class HeldImages:
     """A fixed set of images decoded once and held as ``uint8`` (:func:`hold`): ``images`` ``[N, 3,
@@ -548,20 +583,12 @@ def hold(dataset: "_ImageList", model: torch.nn.Module, device: Union[str, torch
     images = torch.empty((len(indices), *cfg["input_size"]), dtype=torch.uint8, device=device)
     labels = torch.empty(len(indices), dtype=torch.long)
     keep = torch.zeros(len(indices), dtype=torch.bool)
-    skipped: List[Tuple[str, str]] = []
-    loader = torch.utils.data.DataLoader(_Readable(dataset, indices, uint8_transform(model)), batch_size=batch_size,
-                                         num_workers=worker_count(num_workers), collate_fn=_collate_readable,
-                                         generator=torch.Generator())  # (the global RNG untouched)
-    for x, good, bad in loader:
-        for pos, error in bad:
-            skipped.append((dataset.paths[indices[pos]], error))
-            warn_unreadable(*skipped[-1])
-        if x is not None:
-            pos = torch.tensor([p for _, p in good])
-            images[pos.to(device)] = x.to(device)
-            labels[pos] = torch.tensor([y for y, _ in good])
-            keep[pos] = True
+    batches = ReadableBatches(dataset, uint8_transform(model), batch_size, num_workers, indices)
+    for x, y, pos in batches:
+        images[pos.to(device)] = x.to(device)
+        labels[pos] = y
+        keep[pos] = True
     rows = keep.nonzero().flatten().tolist()
     if len(rows) < len(indices):
         images = images[torch.tensor(rows, dtype=torch.long, device=images.device)]
-    return HeldImages(images, labels[rows].to(device), [indices[r] for r in rows], normalize, skipped)
+    return HeldImages(images, labels[rows].to(device), [indices[r] for r in rows], normalize, batches.skipped)

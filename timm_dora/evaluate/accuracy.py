@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
-from ..data import eval_transform, open_split, worker_count
+from ..data import ReadableBatches, eval_transform, open_split
 from .methods import Method, NativeMethod, Output
 
 __all__ = ["Tally", "evaluate", "format_rows", "loader_for", "tensor_batches"]
@@ -113,14 +113,15 @@ class Tally:
 
 def loader_for(model: nn.Module, data: str, split: str = "test", *, batch: int = 64, workers: int = 4,
                limit: Optional[int] = None, class_map=None, pin_memory: bool = False, input_size: Optional[int] = None):
-    """A DataLoader over ``split`` of ``data`` (labels CSV or image folder) with the model's eval
-    preprocessing (at ``input_size`` px where given); ``workers`` capped at the CPUs this process may
-    use (:func:`~timm_dora.data.worker_count`)."""
-    ds = open_split(data, split, eval_transform(model, img_size=input_size), class_map=class_map)
-    if limit is not None and limit < len(ds):
-        ds = torch.utils.data.Subset(ds, range(limit))
-    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False, num_workers=worker_count(workers),
-                                       pin_memory=pin_memory)
+    """``(images, labels)`` batches of ``split`` of ``data`` (labels CSV or image folder; the first
+    ``limit`` images where given) with the model's eval preprocessing (at ``input_size`` px where
+    given), read by ``workers`` processes (at most one per CPU this process may use). An unreadable
+    image is left out with one warning naming it and listed in the result's ``skipped``
+    (:class:`~timm_dora.data.ReadableBatches`), as training leaves it out of its fixed sets."""
+    ds = open_split(data, split, class_map=class_map)
+    indices = range(min(len(ds), limit) if limit is not None else len(ds))
+    return ReadableBatches(ds, eval_transform(model, img_size=input_size), batch_size=batch, num_workers=workers,
+                           indices=indices, pin_memory=pin_memory)
 
 
 def tensor_batches(images: torch.Tensor, labels: torch.Tensor, batch: int) -> Iterable[Tuple[torch.Tensor, torch.Tensor]]:

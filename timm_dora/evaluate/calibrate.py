@@ -19,19 +19,24 @@ tilt, the target, the reduction reached and every step of the search.
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..engine import native_gflops
-from ..hub.files import load_pretrained, save_pretrained
+from ..hub import check_backbone, load_actor, save_pretrained
 from ..policy import Actor
 from .accuracy import loader_for
+from .cli import count, positive_int
 from .methods import build_method
 from .setup import PRECISIONS, environment, inference_device, load_model
 
 __all__ = ["calibrate_tilt", "mean_reduction", "search_tilt"]
+
+MISS_WARN_PP = 1.0  # ours: a reduction this far from the target (percentage points) is reported as a miss
 
 
 def search_tilt(reduction_at: Callable[[float], float], target_pct: float, *, first_step: float = 0.05,
@@ -112,21 +117,29 @@ def calibrate_tilt(model: nn.Module, actor: Actor, batches: Sequence[torch.Tenso
     record = {"tilt_per_token": tilt, "target_reduction_pct": target_pct, "reduction_pct": reduction, "gflops": gflops,
               "native_gflops": native_gflops(model, actor.num_patches), "images": sum(int(x.shape[0]) for x in batches),
               "search": history}
+    if reduction - target_pct > MISS_WARN_PP:
+        short = [h for h in history if h["reduction_pct"] < target_pct]  # tilts past the target
+        nearest = min(short, key=lambda h: abs(h["tilt"] - tilt)) if short else None
+        record["missed"] = f"reached {reduction:.1f} % for a {target_pct:g} % target" + (
+            f"; the nearest tilt past it, {nearest['tilt']:+.5f}, gave {nearest['reduction_pct']:.1f} %: more --steps "
+            "narrow the bracket, unless the reduction jumps there" if nearest else "")
+        warnings.warn(f"calibration missed its target by {reduction - target_pct:.1f} pp: {record['missed']}", stacklevel=2)
     return actor.tilted(tilt), record
 
 
 def add_parser(sub) -> None:
     ap = sub.add_parser("calibrate", help="move an actor's operating point to a GFLOPs reduction, without labels (ours)",
-                        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", required=True, help="timm model name")
     ap.add_argument("--weights", default=None, help="backbone weights (.safetensors)")
     ap.add_argument("--actor", required=True, help="the trained actor (folder or hf-hub:...)")
     ap.add_argument("--data", required=True, help="labels CSV or image folder (labels are not read)")
     ap.add_argument("--splits", nargs="+", default=["rollout", "qc", "dev"], help="the images to calibrate on")
     ap.add_argument("--target-reduction", type=float, required=True, help="GFLOPs reduction to reach, %% of native")
-    ap.add_argument("--steps", type=int, default=12, help="bisection steps once the target is bracketed")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--steps", type=positive_int, default=12, help="bisection steps once the target is bracketed")
+    ap.add_argument("--batch", type=positive_int, default=256, help="images per forward")
+    ap.add_argument("--workers", type=count, default=4, help="data loading processes (at most one per CPU)")
     ap.add_argument("--device", default=None, help="default: CUDA when there is one")
     ap.add_argument("--precision", default="auto", choices=[p for p in PRECISIONS if p != "bf16-autocast"],
                     help="auto: bf16 on CUDA, fp32 on the CPU")
@@ -139,16 +152,21 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--splits must not include test: calibrating on it would make a choice on the test images")
     dev, dtype, _ = inference_device(args.device, args.precision)
     model = load_model(args.model, args.weights).to(dev, dtype)
-    actor, config = load_pretrained(args.actor)
+    actor, config = load_actor(args.actor)
+    check_backbone(config, model)
     batches = [x.to(dev, dtype) for split in args.splits
                for x, *_ in loader_for(model, args.data, split, batch=args.batch, workers=args.workers)]
-    tilted, record = calibrate_tilt(model, actor, batches, args.target_reduction, steps=args.steps)
+    with warnings.catch_warnings():  # (a miss is printed below as one line)
+        warnings.simplefilter("ignore")
+        tilted, record = calibrate_tilt(model, actor, batches, args.target_reduction, steps=args.steps)
     record = {**environment(dev), "actor": str(args.actor), "splits": list(args.splits), **record}
     training = dict(config.get("training") or {})
     if "calibration" in training:  # a tilt on top of an earlier one: keep its record
         record["previous"] = training["calibration"]
     training["calibration"] = record
     save_pretrained(tilted, args.out, backbone=config.get("backbone"), extra=training)
+    if "missed" in record:
+        print(f"timm-dora calibrate: warning: missed the target: {record['missed']}", file=sys.stderr)
     print(f"tilt {record['tilt_per_token']:+.5f} per token: {record['gflops']:.4f} GFLOPs, "
           f"-{record['reduction_pct']:.2f} % (target -{args.target_reduction:g} %) on {record['images']} images "
           f"-> {args.out}", flush=True)

@@ -154,7 +154,7 @@ def _run(args) -> int:
     method = method_from_args(model, args)
     loader = loader_for(model, args.data, args.split, batch=args.batch, workers=args.workers, limit=args.limit,
                         class_map=args.class_map, pin_memory=device.type == "cuda", input_size=args.input_size)
-    n = len(loader.dataset)
+    n = len(loader.indices)
     bar = tqdm(total=n, desc=f"eval {args.method}", unit="img", disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
     try:
         rows = evaluate(model, [] if args.method == "native" else [method], loader, device=device, autocast=autocast,
@@ -165,11 +165,14 @@ def _run(args) -> int:
     cfg = data_config(model, img_size=args.input_size)
     payload = {
         **run_header(args, device, dtype, autocast),
-        "data": {"spec": str(args.data), "split": args.split, "images": n},
+        "data": {"spec": str(args.data), "split": args.split, "images": loader.images,
+                 "skipped_unreadable": [path for path, _ in loader.skipped]},
         "preprocessing": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
         "rows": rows,
     }
     print(format_rows(rows))
+    if loader.skipped:
+        print(f"{len(loader.skipped)} unreadable image(s) left out; {loader.images} evaluated")
     write_json(args.out, payload)
     return 0
 

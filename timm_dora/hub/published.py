@@ -23,8 +23,8 @@ import torch.nn as nn
 from ..policy import Actor
 from .files import HF_PREFIX, _is_local, backbone_info, check_backbone, load_pretrained
 
-__all__ = ["ACTORS_DIR", "REGISTRY_FILE", "available_actors", "hub_reachable", "packaged_actor", "registry",
-           "resolve_actor"]
+__all__ = ["ACTORS_DIR", "REGISTRY_FILE", "available_actors", "hub_reachable", "load_actor", "packaged_actor",
+           "registry", "resolve_actor"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -106,15 +106,48 @@ def _is_hub_id(source: str) -> bool:
     return source.startswith(HF_PREFIX) or not _is_local(source)
 
 
+def _shipped(source: str, hub_kwargs: Dict) -> Optional[Path]:
+    """The packaged folder ``source`` names: a registered backbone (``"architecture.tag"``) or the Hub
+    repository of a registered actor (with or without ``hf-hub:``). ``None`` for anything else, and
+    when a ``revision`` or ``force_download`` asks for the Hub's copy."""
+    if hub_kwargs.get("revision") or hub_kwargs.get("force_download") or _is_local(source) and not source.startswith(HF_PREFIX):
+        return None
+    name = source[len(HF_PREFIX):] if source.startswith(HF_PREFIX) else source
+    for backbone, entry in registry().items():
+        if name in (backbone, entry.get("repo_id")):
+            return packaged_actor(backbone)
+    return None
+
+
+def load_actor(source: PathLike, **hub_kwargs) -> Tuple[Actor, Dict]:
+    """``(actor, config)`` for an actor named by text; the one path every ``actor``, ``--actor``,
+    ``--teacher`` and ``--init-actor`` argument takes (and ``Actor.from_pretrained``).
+
+    In order: an actor shipped in this package (named by its backbone, ``"architecture.tag"``, or by
+    its Hub repository, ``"org/name"`` or ``"hf-hub:org/name"``; no network) unless ``revision`` or
+    ``force_download`` asks for the Hub's copy; a local folder; the Hub, through huggingface_hub's
+    cache at once when a short probe finds the Hub unreachable, with a message naming what to pass
+    instead when the actor is not cached. ``hub_kwargs`` as for
+    :func:`~timm_dora.hub.files.load_pretrained`.
+    """
+    source = os.fspath(source)
+    folder = _shipped(source, hub_kwargs)
+    if folder is not None:
+        return load_pretrained(folder)
+    if _is_hub_id(source):
+        return _from_hub(source, hub_kwargs)
+    return load_pretrained(source, **hub_kwargs)
+
+
 def resolve_actor(model: nn.Module, actor: Union[Actor, PathLike, None] = None, *, readout: Optional[str] = None,
                   **hub_kwargs) -> Actor:
     """The actor to use with ``model``.
 
     - an :class:`Actor`: returned as is, after the same backbone check as its folder's when it
       was loaded with ``Actor.from_pretrained`` (its ``pretrained_config``);
-    - a string or path: a local folder, ``"hf-hub:org/name"`` or a bare Hub repo id, loaded with
-      :func:`~timm_dora.hub.files.load_pretrained` (``hub_kwargs``; an unreachable Hub falls back
-      to the cache at once) and checked with :func:`~timm_dora.hub.files.check_backbone`;
+    - a string or path: a shipped actor, a local folder, ``"hf-hub:org/name"`` or a bare Hub repo
+      id, loaded with :func:`load_actor` (``hub_kwargs``) and checked with
+      :func:`~timm_dora.hub.files.check_backbone`;
     - ``None``: the registered actor for the model's ``pretrained_cfg`` (``architecture.tag``),
       read from this package (no network; from its Hub repository if the package does not ship
       it); ``ValueError`` listing :func:`available_actors` if none is registered.
@@ -138,8 +171,7 @@ def resolve_actor(model: nn.Module, actor: Union[Actor, PathLike, None] = None, 
         else:  # registered, not shipped: its Hub repository
             loaded, config = _from_hub(entry["repo_id"], hub_kwargs)
     elif isinstance(actor, (str, os.PathLike)):
-        source = os.fspath(actor)
-        loaded, config = _from_hub(source, hub_kwargs) if _is_hub_id(source) else load_pretrained(source, **hub_kwargs)
+        loaded, config = load_actor(actor, **hub_kwargs)
     else:
         raise TypeError(f"actor must be a timm_dora.Actor, a path, a Hub repo id or None; got {type(actor).__name__}")
     check_backbone(config, model, readout)

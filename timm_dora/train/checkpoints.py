@@ -108,9 +108,9 @@ def actor_width(given: Optional[int], init_actor: Optional[str], model: nn.Modul
     if given:
         return given
     if init_actor:
-        from ..hub import load_pretrained
+        from ..hub import load_actor
 
-        return load_pretrained(init_actor)[0].width
+        return load_actor(init_actor)[0].width
     return auto_width(model)
 
 
@@ -118,9 +118,9 @@ def warm_start(source: str, actor: Actor, model: nn.Module, readout: str) -> Dic
     """Load the saved actor at ``source`` (``--init-actor``) into ``actor``, checked against the
     backbone and against ``actor`` (same sizes), or a ``ValueError``. Returns the saved actor's own
     training record (``{}`` if none), which the run's checkpoints carry as ``init_training``."""
-    from ..hub import check_backbone, load_pretrained
+    from ..hub import check_backbone, load_actor
 
-    loaded, config = load_pretrained(source)
+    loaded, config = load_actor(source)
     check_backbone(config, model, readout)
     def sizes(a: Actor) -> Dict:  # merging is the engine's treatment of the removals, not a size:
         return {k: v for k, v in a.config().items() if k != "merge"}  # a deleting actor may start a merging run

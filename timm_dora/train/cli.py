@@ -9,8 +9,10 @@ timm_dora.train ...``. The loop itself is :class:`~timm_dora.train.loop.Trainer`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -20,7 +22,7 @@ import torch
 from ..command import one_line_errors
 from .config import TrainConfig, build_parser, check_resume, config_from_args
 from .loop import Trainer
-from .runtime import deterministic_on_cpu, init_distributed
+from .runtime import cpu_estimate, deterministic_on_cpu, init_distributed
 
 __all__ = ["main"]
 
@@ -30,11 +32,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     created = init_distributed(cfg)
+    out, existed = Path(cfg.out), Path(cfg.out).exists()
     rc = 1
     try:
         rc = one_line_errors("timm-dora-train", lambda: _main(args, cfg))
         return rc
     finally:
+        if rc != 0 and not existed:  # a run that failed before writing anything leaves no empty --out
+            with contextlib.suppress(OSError):  # (not empty, or another process removed it)
+                out.rmdir()
         if created:
             import torch.distributed as dist
 
@@ -52,6 +58,9 @@ def _main(args: argparse.Namespace, cfg: TrainConfig) -> int:
         return 2
     if args.resume and (out / "config.json").exists():
         check_resume(cfg, json.loads((out / "config.json").read_text()))
+    note = cpu_estimate(cfg) if int(os.environ.get("RANK", "0")) == 0 else ""
+    if note:
+        print(f"timm-dora-train: {note}", file=sys.stderr)
     with deterministic_on_cpu(cfg.device):
         return _train(args, cfg, out)
 

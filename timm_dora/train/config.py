@@ -145,9 +145,8 @@ class TrainConfig:
             raise ValueError(f"--selection must be one of {RULES}, got {self.selection!r}")
         if self.feedback_signal is not None and self.feedback_signal not in SIGNALS:
             raise ValueError(f"--feedback-signal must be one of {SIGNALS}, got {self.feedback_signal!r}")
-        if (self.target_disagreement is not None and not 0.0 < self.target_disagreement < 1.0) or not self.target_drop > 0.0:
-            raise ValueError(f"--target-disagreement must be in (0, 1) and --target-drop above 0, got "
-                             f"{self.target_disagreement} and {self.target_drop}")
+        if self.target_disagreement is not None and not self.target_disagreement < 1.0:  # (above 0: _check_numbers)
+            raise ValueError(f"--target-disagreement must be below 1, got {self.target_disagreement}")
         if self.qc_with_dev and self.feedback_signal not in (None, "disagreement"):
             raise ValueError("--qc-with-dev reads the dev images at every feedback check: only with --feedback-signal "
                              "disagreement, which reads no labels, so that the dev labels stay for the selection alone")
@@ -156,13 +155,11 @@ class TrainConfig:
                              "whose checks read no labels (the paper's drop signal reads the qc labels)")
         if self.rollout_data not in ROLLOUT_DATA:
             raise ValueError(f"--rollout-data must be one of {ROLLOUT_DATA}, got {self.rollout_data!r}")
-        if self.data_workers is not None and self.data_workers < 0:
-            raise ValueError(f"--data-workers must be 0 or more, got {self.data_workers}")
         return self
 
 
 POSITIVE = ("lr_gate", "lr_critic", "lr_shared", "lr_budget", "lr_selector", "clip_eps", "kd_temperature", "value_clip",
-            "huber_delta", "max_grad_norm", "adv_eps", "pcgrad_eps", "target_drop")  # floats above 0
+            "huber_delta", "max_grad_norm", "adv_eps", "pcgrad_eps", "target_drop", "target_disagreement")  # floats above 0
 AT_MOST_ONE = ("gamma", "gae_lambda")
 
 

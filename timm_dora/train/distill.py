@@ -32,7 +32,7 @@ import torch
 from .. import data as D
 from ..backbone import create_backbone
 from ..engine import Packed, native_gflops, run, wrap
-from ..hub import load_pretrained, save_pretrained
+from ..hub import check_backbone, load_actor, save_pretrained
 from ..policy import Actor, ActorPolicy, NoPrune, encoder_sizes
 from .rollout import evaluate_controller
 
@@ -175,7 +175,8 @@ def main(args: argparse.Namespace) -> int:
     if args.eval_split in args.splits:
         raise ValueError(f"--eval-split {args.eval_split} is one of --splits: the comparison must be held out")
     model = create_backbone(args.model, args.weights).to(dev).eval()
-    teacher, teacher_config = load_pretrained(args.teacher)
+    teacher, teacher_config = load_actor(args.teacher)
+    check_backbone(teacher_config, model)
     teacher = teacher.to(dev).eval()
     encoder_sizes(args.width)  # a clear error for a width it cannot build
     ev = D.eval_transform(model)

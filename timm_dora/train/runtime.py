@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import torch
 
-__all__ = ["Comm", "PhaseClock", "deterministic_on_cpu", "eager_attention", "init_distributed"]
+__all__ = ["Comm", "PhaseClock", "cpu_estimate", "deterministic_on_cpu", "eager_attention", "init_distributed"]
 
 
 def eager_attention():
@@ -193,3 +193,31 @@ def deterministic_on_cpu(device: str):
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+# ours: CPU core-seconds an update spends per rollout image and GFLOP of the backbone's forward,
+# from the README's ViT-Ti command on a 2-core machine (about 123 s an update: 2 x 123 / (256 x 2.51))
+CPU_CORE_S_PER_IMAGE_GFLOP = 0.38
+CPU_NOTE_AFTER_MIN = 30.0  # a CPU run expected to take longer than this is told so at the start
+
+
+def cpu_estimate(cfg) -> str:
+    """On the CPU, a line saying about how long the run will take and the flags for a short one when
+    that is more than :data:`CPU_NOTE_AFTER_MIN` minutes (with ``--max-minutes`` the run's own limit
+    holds); ``""`` otherwise. Sized from the backbone's GFLOPs, built without memory."""
+    if torch.device(cfg.device).type != "cpu" or cfg.max_minutes:
+        return ""
+    import timm
+
+    from ..engine import native_gflops
+
+    with torch.device("meta"):
+        model = timm.create_model(cfg.model, pretrained=False, **({"img_size": cfg.img_size} if cfg.img_size else {}))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_update = CPU_CORE_S_PER_IMAGE_GFLOP * native_gflops(model) * cfg.ppo.rollout_images / cores
+    total_min = per_update * cfg.ppo.updates / 60
+    if total_min <= CPU_NOTE_AFTER_MIN:
+        return ""
+    return (f"training on the CPU ({cores} cores): about {per_update:.0f} s an update, so {cfg.ppo.updates} updates "
+            f"take about {total_min / 60:.0f} h; for a short run pass --max-minutes 30 (or --updates N, "
+            f"--rollout-images N); on a GPU an update takes about a second")

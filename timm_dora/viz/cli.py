@@ -54,7 +54,10 @@ def _model_and_actor(args):
         kw["img_size"] = args.img_size
     if args.num_classes:
         kw["num_classes"] = args.num_classes
-    model = create_backbone(args.model, args.weights, **kw).to(args.device)
+    if sum((args.weights is not None, args.pretrained, args.random_weights)) != 1:
+        raise ValueError("the backbone's weights: pass one of --weights FILE, --pretrained (timm downloads them) or "
+                         "--random-weights (the title then says so)")
+    model = create_backbone(args.model, args.weights, pretrained=args.pretrained, **kw).to(args.device)
     if args.actor == "random":
         torch.manual_seed(args.seed)
         actor = Actor.for_model(model)
@@ -66,7 +69,7 @@ def _model_and_actor(args):
         if updates:
             label += f" ({updates} PPO updates)"
     wrap(model, actor.eval())
-    return model, f"{args.model}, {label}"
+    return model, f"{args.model}{' (random weights)' if args.random_weights else ''}, {label}"
 
 
 def _cmd_trajectory(args) -> int:
@@ -89,7 +92,7 @@ def _cmd_trajectory(args) -> int:
 def _cmd_policy(args) -> int:
     model, label = _model_and_actor(args)
     ds = open_split(args.data, args.split, eval_transform(model))
-    stats = collect_stats(model, ds, args.batch_size, args.limit)
+    stats = collect_stats(model, ds, args.batch, args.limit)
     data = policy_data(stats, native_gflops(model))
     title = f"{label}, split {args.split}"
     fig = plot_policy(data, title)
@@ -146,6 +149,8 @@ def _common(p) -> None:
 def _model_args(p) -> None:
     p.add_argument("--model", required=True, help="timm model name, e.g. vit_tiny_patch16_224.augreg_in21k_ft_in1k")
     p.add_argument("--weights", default=None, help="local .safetensors state dict of the backbone")
+    p.add_argument("--pretrained", action="store_true", help="timm's pretrained weights (downloaded)")
+    p.add_argument("--random-weights", action="store_true", help="random backbone weights (the title says so)")
     p.add_argument("--actor", default=None, help="trained actor (folder or hf-hub:org/name), or 'random' for a freshly "
                                                  "initialised one; default: the actor published for --model")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed of --actor random")
@@ -170,7 +175,7 @@ def add_parser(subparsers) -> None:
     _model_args(q)
     q.add_argument("--data", required=True, help="labels CSV (with a split column) or ImageFolder root")
     q.add_argument("--split", default="dev")
-    q.add_argument("--batch-size", type=int, default=64)
+    q.add_argument("--batch", "--batch-size", dest="batch", type=int, default=64, help="images per forward")
     q.add_argument("--limit", type=int, default=None, help="use only the first N images of the split")
     _common(q)
     q.set_defaults(func=_cmd_policy)

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from ..data import ReadableBatches
 from ..engine import is_wrapped
 from .data import _cpu, _is_dora, grey_patches, trajectory_data
 
@@ -69,16 +70,21 @@ def _block_ticks(ax, depth: int) -> None:
     ax.set_xlim(-0.6, depth - 0.4)
 
 
-def _row_label(data: Mapping[str, Any]) -> str:
+def _row_label(data: Mapping[str, Any], chars: int = 22) -> str:
+    """The row's vertical label: its name cut into lines of at most ``chars`` characters (a label
+    longer than the panel's height would be clipped), then its GFLOPs."""
+    import textwrap
+
     name = data.get("name") or f"image {data['index']}"
     g, native = data["gflops"], data.get("native_gflops")
-    text = f"{name}\n{g:.2f} GFLOPs"
-    if native:
-        text += f" ({100.0 * (g / native - 1.0):+.1f} %)"
-    return text
+    # break after underscores first (a marked space), inside a word only where it must
+    lines = textwrap.wrap(str(name).replace("_", "_\0 "), chars) or [""]
+    lines = [ln.replace("\0 ", "").replace("\0", "") for ln in lines]
+    lines.append(f"{g:.2f} GFLOPs" + (f" ({100.0 * (g / native - 1.0):+.1f} %)" if native else ""))
+    return "\n".join(lines)
 
 
-def _draw_trajectory_row(axes, data: Mapping[str, Any], row: int) -> None:
+def _draw_trajectory_row(axes, data: Mapping[str, Any], row: int, panel: float = 1.75) -> None:
     n0 = data["num_patches"]
     img = data["image"]
     ph, pw = data["patch_size"]
@@ -88,7 +94,7 @@ def _draw_trajectory_row(axes, data: Mapping[str, Any], row: int) -> None:
     ax = axes[0]
     ax.imshow(img, interpolation="antialiased", gid=f"trajectory-{row}-input")
     ax.set_title(f"input: {n0} tokens" if data["blocks"] else f"{n0} kept (gate never opened)")
-    ax.set_ylabel(_row_label(data), fontsize=9)
+    ax.set_ylabel(_row_label(data, chars=int(panel * 13)), fontsize=9)  # (about 13 characters an inch at 9 pt)
     for j, (l, k, mask) in enumerate(zip(data["blocks"], data["kept"], data["masks"]), start=1):
         ax = axes[j]
         ax.imshow(grey_patches(img, mask, (ph, pw)), interpolation="antialiased", gid=f"trajectory-{row}-{l}")
@@ -118,7 +124,7 @@ def plot_trajectory_grid(datas: Sequence[Mapping[str, Any]], title: Optional[str
         fig = _figure(figsize=(width, panel * nrows + 0.1 + 0.25 * lines))
         grid = fig.subplots(nrows, ncols, squeeze=False)
         for i, data in enumerate(datas):
-            _draw_trajectory_row(grid[i], data, i)
+            _draw_trajectory_row(grid[i], data, i, panel)
             for ax in grid[i][1 + len(data["blocks"]):]:
                 ax.set_visible(False)
         if title:
@@ -371,10 +377,15 @@ def trajectory(model: torch.nn.Module, image: torch.Tensor, name: Optional[str] 
 
 @torch.no_grad()
 def collect_stats(model: torch.nn.Module, dataset, batch_size: int = 64, limit: Optional[int] = None) -> List[Any]:
-    """Run the wrapped ``model`` over a dataset of ``(image, label, ...)`` items; one DoraStats per batch (on the CPU)."""
+    """Run the wrapped ``model`` over a dataset of ``(image, label, ...)`` items; one DoraStats per batch (on the CPU).
+    A dataset of this package's (:func:`timm_dora.data.open_split`) is read as evaluation reads it:
+    an unreadable image is left out with one warning naming it."""
     n = len(dataset) if limit is None else min(limit, len(dataset))
-    subset = torch.utils.data.Subset(dataset, range(n))
-    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, shuffle=False)
+    if hasattr(dataset, "read") and hasattr(dataset, "paths"):
+        loader = ReadableBatches(dataset, dataset.transform or (lambda img: img), batch_size, indices=range(n))
+    else:
+        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, range(n)), batch_size=batch_size,
+                                             shuffle=False)
     p = next(model.parameters())
     out = []
     for batch in loader:
