@@ -3,10 +3,10 @@ defaults or marked ours) and the ``timm-dora-train`` flags made from it (one fla
 
 Seven settings come from a *recipe* unless given (:data:`RECIPES`): the paper's (App. D.4), or ours
 for small image pools (``small-pool``: label-free feedback read on every pool image at each check,
-fitted checkpoint selection; ``docs/training.md``, third and fourth rounds). ``--recipe auto``, the
-default, picks ``small-pool`` for a rollout split of at most :data:`SMALL_POOL_MAX_IMAGES` images
-(the paper's feedback reads 2,048-image QC shards; 150 images cannot measure its 1 pp target) and
-the paper's otherwise; a flag given explicitly always wins."""
+fitted checkpoint selection; ``docs/training_rounds.md``, third and fourth rounds). ``--recipe
+auto``, the default, picks ``small-pool`` for a rollout split of at most
+:data:`SMALL_POOL_MAX_IMAGES` images (the paper's feedback reads 2,048-image QC shards; 150 images
+cannot measure its 1 pp target) and the paper's otherwise; a flag given explicitly always wins."""
 from __future__ import annotations
 
 import argparse

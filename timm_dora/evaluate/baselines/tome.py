@@ -35,7 +35,8 @@ Choices where the ToMe paper is silent or leaves options (documented, tested):
 - ``prune=True`` (ours, the ToMe paper's prune-versus-merge ablation): the same matching, but the
   ``r_l`` matched ``A`` tokens are deleted instead of folded into their ``B`` token (no sizes, no
   proportional attention): it separates what ToMe gains by choosing redundant tokens from what it
-  gains by keeping their content (:func:`bipartite_prune`; ``docs/training.md``).
+  gains by keeping their content (:func:`bipartite_prune`; ``docs/training_rounds.md``, *DORA against
+  ToMe*).
 - The readout is the model's own head (CLS token; ``avg`` pooling averages merged tokens
   without size weights, as timm's head does).
 
