@@ -286,3 +286,17 @@ def capture_graph(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+@pytest.fixture
+def engine_options():
+    """``engine_options(rows_bucket=1, ...)`` changes the active
+    :class:`~timm_dora.engine.options.EngineOptions` for the rest of the test (cumulatively): what
+    the engine's functions read, and what every model wrapped without options runs with."""
+    import contextlib
+    import dataclasses
+
+    from timm_dora.engine.options import active, using
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(using(dataclasses.replace(active(), **changes)))

@@ -283,9 +283,9 @@ with torch.inference_mode():
     # the graph path as on an H100: the triton backend, so the actor's Triton gate runs in line,
     # the open images' keys are copied by copy_open_keys and the controller is fused
     P.select_backend = lambda device_type, dtype, preference="auto": "triton"
-    import timm_dora.engine.graphs as G
-    G.FUSED_INTERVENTIONS = __FUSED__  # the controller in the attention's graph where the gate opened before
-    timm_dora.wrap(model, policy=ActorPolicy(actor, fused_controller=True), cuda_graphs=True)
+    # fused_interventions: the controller in the attention's graph where the gate opened before
+    timm_dora.wrap(model, policy=ActorPolicy(actor, fused_controller=True), cuda_graphs=True,
+                   options=timm_dora.EngineOptions(fused_interventions=__FUSED__))
     ran = []
     for i in range(2):  # the second forward: the runner's state from the first one (history, opened)
         if i == 1:
@@ -310,7 +310,7 @@ def test_interpreted_graph_path_with_the_actor_kernels_equals_the_default_forwar
     images' keys kept, fused controller, the prefix rows read out after a deletion, the next
     block's graph launched right behind the survivors' MLP), uncaptured on the CPU with the Triton
     kernels interpreted: the same logits, gates and token counts as the default forward; also with
-    ``graphs.FUSED_INTERVENTIONS`` (the controller in the attention's graph, reading the keys in
+    ``EngineOptions.fused_interventions`` (the controller in the attention's graph, reading the keys in
     place), including blocks guessed open where no gate opens."""
     res = run_interpreted(GRAPH_PATH.replace("__FUSED__", str(fused)), timeout=900)
     assert res["inline"] is True

@@ -15,6 +15,7 @@ from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine.capture import batch_bucket
 from timm_dora.engine.graphs import GraphRunner
 
+from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -125,9 +126,8 @@ def test_an_input_the_eager_forward_refuses_too_raises_and_keeps_the_graphs_on()
     timm_dora.unwrap(model)
 
 
-def test_engine_info_reports_the_cached_buckets_and_release_graphs_frees_them(monkeypatch):
-    monkeypatch.setattr(graphs_module, "MAX_CACHED", 2)
-    monkeypatch.setattr(capture_module, "MAX_CACHED", 2)
+def test_engine_info_reports_the_cached_buckets_and_release_graphs_frees_them(monkeypatch, engine_options):
+    engine_options(max_cached=2)
     model = _model()
     timm_dora.wrap(model, kind_actor(model, "forced"), cuda_graphs=True)
     with torch.inference_mode():

@@ -9,6 +9,7 @@ import torch.nn as nn
 from helpers import make_model, run_interpreted
 from timm_dora.engine import dense_kernels
 from timm_dora.engine.dense_kernels import layer_norm, patch_embed, patch_embed_gemm
+from timm_dora.engine.options import EngineOptions, using
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -92,9 +93,5 @@ def test_on_cuda_the_fast_kernels_give_the_modules_values(monkeypatch):
         torch.testing.assert_close(layer_norm(norm, rows), norm(rows), rtol=0.02, atol=0.02)
         torch.testing.assert_close(patch_embed(model.patch_embed, x), model.patch_embed(x), rtol=0.02, atol=0.02)
         assert calls == [1]  # the kernel ran
-        old = dense_kernels.ENABLED
-        dense_kernels.ENABLED = False
-        try:
+        with using(EngineOptions(dense_kernels=False)):
             assert torch.equal(layer_norm(norm, rows), norm(rows))
-        finally:
-            dense_kernels.ENABLED = old

@@ -5,6 +5,7 @@ also replayed from a CUDA graph."""
 import pytest
 import torch
 
+from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import capture_graph, run_interpreted, triton_version
 from timm_dora.engine import packing
 
@@ -71,7 +72,7 @@ def test_fold_kernel_says_what_it_cannot_fold():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_fold_kernel_matches_the_ops_and_replays_from_a_graph(monkeypatch):
+def test_cuda_fold_kernel_matches_the_ops_and_replays_from_a_graph(monkeypatch, engine_options):
     """bf16 on CUDA: the kernels' targets come from a float32-accurate product (tf32x3), the ops'
     from a float32 one, so near-ties aside the same rows change the same way; captured once, the
     graph gives the same result."""
@@ -80,9 +81,9 @@ def test_cuda_fold_kernel_matches_the_ops_and_replays_from_a_graph(monkeypatch):
     (x, keys, remove, sizes, cu), t = scope["case"](3, 64, [197, 1, 90, 142, 64, 65, 128, 129], 5, 1, 0,
                                                      device="cuda", dtype=torch.bfloat16)
     args = (keys, remove, sizes, cu, 197, 1, 3)
-    monkeypatch.setattr(packing, "FOLD_KERNEL", False)
+    engine_options(fold_kernel=False)
     ref_x, ref_s = packing.fold_removed(x, *args)
-    monkeypatch.setattr(packing, "FOLD_KERNEL", True)
+    engine_options(fold_kernel=True)
     got_x, got_s = packing.fold_removed(x, *args)
     rows = (got_x[:t].float() - ref_x[:t].float()).abs().amax(1) <= 1e-2 * ref_x[:t].float().abs().amax(1)
     assert rows.float().mean() > 0.99 and (got_s[:t] == ref_s[:t]).float().mean() > 0.99

@@ -22,9 +22,13 @@ from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
 from timm_dora.engine import graphs as graphs_module  # noqa: E402
 from timm_dora.engine import segments as segments_module  # noqa: E402
 from timm_dora.engine import whole as whole_module  # noqa: E402
-from timm_dora.engine.graphs import MAX_CACHED, GraphRunner  # noqa: E402
+from timm_dora.engine.graphs import GraphRunner  # noqa: E402
+from timm_dora.engine.options import EngineOptions  # noqa: E402
+
+MAX_CACHED = EngineOptions().max_cached
 from timm_dora.policy import Decision  # noqa: E402
 
+from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan  # noqa: E402
 
 FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers", "vit_gap", "vit_reg4_gap", "siglip_map"]
@@ -57,10 +61,10 @@ def _run(model, xs, **wrap_kw):
 
 
 @pytest.fixture(autouse=True)
-def _no_padding(monkeypatch):
+def _no_padding(monkeypatch, engine_options):
     """Packed rows unpadded unless a test says otherwise: a matrix product over more rows may round
     differently, so only unpadded runs can be compared bit for bit."""
-    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", 1)
+    engine_options(rows_bucket=1)
 
 
 def _assert_same(a, b, exact=True):
@@ -81,10 +85,10 @@ def _assert_same(a, b, exact=True):
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("bucket", [1, 7])  # 7: packed rows padded (by 0-6 rows) in every block
-def test_graph_path_is_identical_to_the_default_forward(family, kind, bucket, monkeypatch):
+def test_graph_path_is_identical_to_the_default_forward(family, kind, bucket, monkeypatch, engine_options):
     """Identical without padding; with padded rows the same decisions, logits within rounding; with
     the dense blocks run ahead in one segment (the default) and one segment per block."""
-    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", bucket)
+    engine_options(rows_bucket=bucket)
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     xs = [images(model, 6, seed=s) for s in (1, 2, 1)]  # buffers reused; a batch seen again
@@ -94,7 +98,7 @@ def test_graph_path_is_identical_to_the_default_forward(family, kind, bucket, mo
     # ran on every image (products over more rows may round differently): same decisions, close logits
     for a, b in zip(_run(model, xs, actor=actor, cuda_graphs=True), ref):
         _assert_same(a, b, exact=bucket == 1 and kind == "closed")
-    monkeypatch.setattr(graphs_module, "RUN_AHEAD", False)
+    engine_options(run_ahead=False)
     got = _run(model, xs, actor=actor, cuda_graphs=True)
     for a, b in zip(got, ref):
         _assert_same(a, b, exact=bucket == 1 and kind == "closed")
@@ -119,11 +123,11 @@ def test_graph_path_is_identical_to_the_default_forward(family, kind, bucket, mo
 
 
 @pytest.mark.parametrize("kind", ["biased", "replay", "none"])
-def test_mlp_in_row_chunks_gives_the_same_forward(kind, monkeypatch):
-    """``MLP_CHUNKS``: every graph segment's MLP in row chunks (in place without the actor, into
+def test_mlp_in_row_chunks_gives_the_same_forward(kind, monkeypatch, engine_options):
+    """``EngineOptions.mlp_chunks``: every graph segment's MLP in row chunks (in place without the actor, into
     the next buffer with it; chunk ends inside sequences and past the real rows) gives the same
     decisions and logits as the default forward, and the MLP runs once per chunk."""
-    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", 5)
+    engine_options(rows_bucket=5)
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     xs = [images(model, 6, seed=s) for s in (1, 2)]
@@ -133,7 +137,7 @@ def test_mlp_in_row_chunks_gives_the_same_forward(kind, monkeypatch):
                "none": dict(policy=NoPrune())}[kind]
     ref = _run(model, xs, **wrap_kw)
     one = _run(model, xs, **wrap_kw, cuda_graphs=True)
-    monkeypatch.setattr(segments_module, "MLP_CHUNKS", 3)
+    engine_options(mlp_chunks=3)
     got = _run(model, xs, **wrap_kw, cuda_graphs=True)
     for a, b in zip(got, ref):
         _assert_same(a, b, exact=False)
@@ -142,14 +146,14 @@ def test_mlp_in_row_chunks_gives_the_same_forward(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers"])
-def test_graph_path_with_host_policies(family, monkeypatch):
+def test_graph_path_with_host_policies(family, monkeypatch, engine_options):
     """Policies without a gate probe decide on the host between the attention and MLP segments."""
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     xs = [images(model, 5, seed=s) for s in (3, 4)]
     n0 = model.patch_embed.num_patches
     for bucket in (1, 5):
-        monkeypatch.setattr(graphs_module, "ROWS_BUCKET", bucket)
+        engine_options(rows_bucket=bucket)
         for policy in (NoPrune(), ReplayPolicy(random_plan(5, n0, len(model.blocks), [2, 5]))):
             ref = _run(model, xs, policy=policy)
             got = _run(model, xs, policy=policy, cuda_graphs=True)
@@ -195,8 +199,8 @@ def test_blocks_a_policy_skips_run_as_chains(monkeypatch):
     assert got[0][2] == [1] * depth  # every MLP exactly once
 
 
-def test_dense_blocks_run_ahead_in_one_segment_until_a_gate_opened(monkeypatch):
-    """With the actor (``RUN_AHEAD``), the dense blocks from block 0 up to the first whose gate
+def test_dense_blocks_run_ahead_in_one_segment_until_a_gate_opened(monkeypatch, engine_options):
+    """With the actor (``EngineOptions.run_ahead``), the dense blocks from block 0 up to the first whose gate
     opened in the last forward run as one segment (the readout too when none opened), their gates
     read at once, after the next block's segment or before the logits are returned. Where a gate
     opened inside that run, the forward runs again block by block: outputs and statistics equal the
@@ -260,7 +264,7 @@ def test_dense_blocks_run_ahead_in_one_segment_until_a_gate_opened(monkeypatch):
                             ("attention", 1, False)]
     _assert_same((out, stats, None), ref[0], exact=False)
 
-    monkeypatch.setattr(graphs_module, "RUN_AHEAD", False)
+    engine_options(run_ahead=False)
     segments.clear()
     off = _run(model, xs, actor=forced, cuda_graphs=True)
     for a, b in zip(off, got):
@@ -389,8 +393,8 @@ def test_sampled_actor_policy_has_no_graph_probe():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture itself)")
 @pytest.mark.parametrize("bucket", [1, 64])
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced", "replay"])
-def test_captured_graphs_match_the_default_forward_on_cuda(kind, bucket, monkeypatch):
-    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", bucket)
+def test_captured_graphs_match_the_default_forward_on_cuda(kind, bucket, monkeypatch, engine_options):
+    engine_options(rows_bucket=bucket)
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     xs = [images(model, 6, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1)]
@@ -420,12 +424,12 @@ def test_captured_graphs_match_the_default_forward_on_cuda(kind, bucket, monkeyp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton gate and the capture)")
-def test_no_reference_to_a_captured_qkv_output_outlives_its_graph(monkeypatch):
+def test_no_reference_to_a_captured_qkv_output_outlives_its_graph(monkeypatch, engine_options):
     """A fused intervention graph's controller reads the keys as a view of the same graph's qkv
     output; after the capture no reference to it may remain (it would pin that output's memory in
     the graphs' pool, where later captures reuse freed memory). (The per-block executor: a batch
     this small would otherwise run as one planned graph.)"""
-    monkeypatch.setattr(whole_module, "PLANNED", False)
+    engine_options(planned=False)
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     timm_dora.wrap(model, actor=kind_actor(model, "forced").to("cuda", torch.bfloat16), cuda_graphs=True)
@@ -441,8 +445,8 @@ def test_no_reference_to_a_captured_qkv_output_outlives_its_graph(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the graphs' memory pool)")
-def test_captures_take_their_scratch_from_one_reserved_segment(monkeypatch):
-    """``RESERVE_POOL``: before the first capture one segment of the graphs' pool is reserved for
+def test_captures_take_their_scratch_from_one_reserved_segment(monkeypatch, engine_options):
+    """``EngineOptions.reserve_pool``: before the first capture one segment of the graphs' pool is reserved for
     the largest expected scratch (``_scratch_bytes``), and the captures carve their intermediates
     out of it: the pool holds less than when every intermediate size got its own segment, and the
     forward is the same."""
@@ -451,7 +455,7 @@ def test_captures_take_their_scratch_from_one_reserved_segment(monkeypatch):
     xs = [images(model, 64, seed=s).to("cuda", torch.bfloat16) for s in (1, 2)]
     got = {}
     for reserve in (False, True):
-        monkeypatch.setattr(segments_module, "RESERVE_POOL", reserve)
+        engine_options(reserve_pool=reserve)
         timm_dora.wrap(model, actor=actor, cuda_graphs=True)
         try:
             with torch.inference_mode():
@@ -537,7 +541,7 @@ def test_dropped_graph_runners_are_freed_without_a_garbage_collection():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture itself)")
-def test_a_garbage_collection_inside_a_capture_destroys_no_graph(monkeypatch):
+def test_a_garbage_collection_inside_a_capture_destroys_no_graph(monkeypatch, engine_options):
     """A dropped wrapped model keeps its captured graphs until Python's cyclic collector frees them
     (model and runner reference each other); when that collection ran inside another capture, the
     graphs' destruction invalidated it (cudaErrorStreamCaptureInvalidated on an H100). Here the
@@ -547,7 +551,7 @@ def test_a_garbage_collection_inside_a_capture_destroys_no_graph(monkeypatch):
     one planned graph, observed eagerly first.)"""
     import gc
 
-    monkeypatch.setattr(whole_module, "PLANNED", False)
+    engine_options(planned=False)
     name, kw = SMALL_FAMILIES["deit"]
     old = make_model(name, **kw).to("cuda", torch.bfloat16)
     x = images(old, 6).to("cuda", torch.bfloat16)
@@ -704,8 +708,8 @@ def test_graphs_captured_in_another_order_stay_correct():
         assert torch.isfinite(ob).all()
 
 
-def test_rows_bucket_rule(monkeypatch):
-    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", None)
+def test_rows_bucket_rule(monkeypatch, engine_options):
+    engine_options(rows_bucket=None)
     assert graphs_module.rows_bucket(320 * 197) == 247  # ceil(63040 / 256)
     assert graphs_module.rows_bucket(8 * 197) == 16 and graphs_module.rows_bucket(197) == 16
     assert graphs_module.rows_bucket(1024 * 197) == 256

@@ -4,6 +4,7 @@ pictures), and modules a reader can hold in mind (at most 600 lines)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -136,3 +137,38 @@ def test_applications_do_not_import_each_other():
 def test_module_size(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{name}: {lines} lines"
+
+
+def _module_constants(prefixes=("timm_dora.engine", "timm_dora.policy")) -> Set[str]:
+    """The UPPER_CASE names bound at module level in the engine's and the policies' modules."""
+    names: Set[str] = set()
+    for name, path in MODULES.items():
+        if name.startswith(prefixes):
+            for node in ast.parse(path.read_text()).body:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+                names.update(t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper())
+    return names
+
+
+def test_engine_settings_are_options_not_module_switches():
+    """How the engine runs lives in ``EngineOptions`` on the wrapped model: no ``global`` statement in
+    the engine or the policies, and no test or benchmark reassigns (or monkeypatches) one of their
+    module-level constants."""
+    for name, path in MODULES.items():
+        if name.startswith(("timm_dora.engine", "timm_dora.policy")):
+            tree = ast.parse(path.read_text())
+            assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], name
+    constants = _module_constants()
+    modules = {n.rsplit(".", 1)[-1] for n in MODULES if n.startswith(("timm_dora.engine.", "timm_dora.policy."))}
+    assert {"BACKENDS", "ACTOR", "READOUTS"} <= constants  # (the scan sees them)
+    root = PACKAGE.parent
+    offenders = []
+    for path in sorted([*root.glob("tests/*.py"), *root.glob("benchmarks/*.py")]):
+        text = path.read_text()
+        for m in re.finditer(r"setattr\(\s*[\w.]+\s*,\s*[\"']([A-Z][A-Z0-9_]*)[\"']", text):
+            if m.group(1) in constants:
+                offenders.append(f"{path.name}: setattr {m.group(1)}")
+        for m in re.finditer(r"\b(\w+)\.([A-Z][A-Z0-9_]*)\s*(?:,[^=\n]*)?=[^=]", text):
+            if m.group(2) in constants or m.group(1) in modules:
+                offenders.append(f"{path.name}: assigns {m.group(1)}.{m.group(2)}")
+    assert offenders == []

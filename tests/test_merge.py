@@ -16,6 +16,7 @@ from timm_dora.evaluate.baselines import proportional_attention
 from timm_dora.policy import ReplayPolicy
 from timm_dora.policy.actor import encoder_sizes
 
+from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model, plan_for_image, random_plan
 
 
@@ -183,13 +184,13 @@ def _forwards(model, batches, **wrap_kw):
 @pytest.mark.parametrize("bucket", [1, 7])  # 7: the packed rows padded in every block
 @pytest.mark.parametrize("kind", ["biased", "forced"])
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers", "vit_avgpool"])
-def test_merging_graph_runner_equals_the_eager_forward(family, kind, bucket, monkeypatch):
+def test_merging_graph_runner_equals_the_eager_forward(family, kind, bucket, monkeypatch, engine_options):
     """The graph runner folds in the controller's segment (fixed shapes, sizes in a fixed buffer,
     gathered with the survivors): off CUDA its segments run uncaptured, and every logit, decision
     and GFLOPs count equals the eager merging forward's, over forwards that reuse its buffers."""
     from timm_dora.engine import graphs
 
-    monkeypatch.setattr(graphs, "ROWS_BUCKET", bucket)
+    engine_options(rows_bucket=bucket)
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     batches = [images(model, 6, seed=s) for s in (1, 2, 1)]

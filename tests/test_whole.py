@@ -1,6 +1,6 @@
 """The whole forward as one graph (``timm_dora.engine.whole``), the captured executor of small batches.
 
-On the CPU the same segments run uncaptured (``whole.WHOLE = True``): outputs and statistics must
+On the CPU the same segments run uncaptured (``EngineOptions(whole=True)``): outputs and statistics must
 equal the eager executor's. On CUDA: one graph replay per forward, no host synchronisation, the
 same decisions as the per-block executor.
 """
@@ -13,11 +13,12 @@ from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine import patch as patch_module
 from timm_dora.engine import whole
 
+from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model
 
 
 @pytest.fixture
-def whole_calls(monkeypatch):
+def whole_calls(monkeypatch, engine_options):
     """Counts the forwards run by the whole-forward executor."""
     calls = []
     real = patch_module.forward_whole
@@ -27,7 +28,7 @@ def whole_calls(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(patch_module, "forward_whole", counted)
-    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", 1)
+    engine_options(rows_bucket=1)
     return calls
 
 
@@ -57,14 +58,14 @@ def _assert_same(got, ref):
 @pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
 @pytest.mark.parametrize("family", ["deit", "deit_distilled", "dinov2_registers"])
-def test_whole_forward_equals_the_eager_executor(family, kind, merge, whole_calls, monkeypatch):
+def test_whole_forward_equals_the_eager_executor(family, kind, merge, whole_calls, monkeypatch, engine_options):
     """Deleting or merging (the fold in the controller's segment, the sizes carried along)."""
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     actor = kind_actor(model, kind)
     xs = [images(model, 5, seed=s) for s in (1, 2, 1)]  # fixed buffers reused; a batch seen again
     ref = _forwards(model, xs, actor=actor, cuda_graphs=False, merge=merge)
-    monkeypatch.setattr(whole, "WHOLE", True)
+    engine_options(whole=True)
     got = _forwards(model, xs, actor=actor, cuda_graphs=True, merge=merge)
     assert len(whole_calls) == len(xs)
     _assert_same(got, ref)
@@ -75,8 +76,8 @@ def test_whole_forward_equals_the_eager_executor(family, kind, merge, whole_call
         assert removed.sum() > 0 and got[0][1].gate.any()
 
 
-def test_only_a_deciding_actor_with_the_class_token_head_runs_whole(whole_calls, monkeypatch):
-    monkeypatch.setattr(whole, "WHOLE", True)
+def test_only_a_deciding_actor_with_the_class_token_head_runs_whole(whole_calls, monkeypatch, engine_options):
+    engine_options(whole=True)
     name, kw = SMALL_FAMILIES["vit_avgpool"]  # a pooled readout: the per-block executor
     model = make_model(name, **kw)
     x = images(model, 3)
@@ -89,7 +90,7 @@ def test_only_a_deciding_actor_with_the_class_token_head_runs_whole(whole_calls,
     assert "decides on the host" in whole.whole_reason(runner)
 
 
-def test_whole_unplanned_runs_only_when_captured_and_at_most_max_batch(monkeypatch):
+def test_whole_unplanned_runs_only_when_captured_and_at_most_max_batch(monkeypatch, engine_options):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     actor = kind_actor(model, "biased")
@@ -99,11 +100,11 @@ def test_whole_unplanned_runs_only_when_captured_and_at_most_max_batch(monkeypat
     assert not whole.runs_whole(runner)  # uncaptured (the CPU): only with WHOLE = True
     runner.capture = True
     assert not whole.runs_whole(runner)  # (MAX_BATCH = 0: planned instead)
-    monkeypatch.setattr(whole, "MAX_BATCH", 3)
+    engine_options(whole_max_batch=3)
     assert whole.runs_whole(runner)
-    monkeypatch.setattr(whole, "MAX_BATCH", 2)
+    engine_options(whole_max_batch=2)
     assert not whole.runs_whole(runner)
-    monkeypatch.setattr(whole, "WHOLE", False)
+    engine_options(whole=False)
     runner.batch = 1
     assert not whole.runs_whole(runner)
     timm_dora.unwrap(model)
@@ -112,13 +113,13 @@ def test_whole_unplanned_runs_only_when_captured_and_at_most_max_batch(monkeypat
 @pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers"])
-def test_planned_forward_equals_the_eager_executor(family, kind, merge, whole_calls, monkeypatch):
+def test_planned_forward_equals_the_eager_executor(family, kind, merge, whole_calls, monkeypatch, engine_options):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     actor = kind_actor(model, kind)
     xs = [images(model, 5, seed=s) for s in (1, 1, 2, 1)]
     ref = _forwards(model, xs, actor=actor, cuda_graphs=False, merge=merge)
-    monkeypatch.setattr(whole, "PLANNED", True)
+    engine_options(planned=True)
     timm_dora.wrap(model, actor=actor, cuda_graphs=True, merge=merge)
     got = []
     with torch.inference_mode():
@@ -138,7 +139,7 @@ def test_planned_forward_equals_the_eager_executor(family, kind, merge, whole_ca
         assert removed.sum() > 0
 
 
-def test_a_plan_that_does_not_hold_runs_again_eagerly_and_grows(whole_calls, monkeypatch):
+def test_a_plan_that_does_not_hold_runs_again_eagerly_and_grows(whole_calls, monkeypatch, engine_options):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     actor = kind_actor(model, "forced")  # forced open at blocks 1, 4 and 7
@@ -147,7 +148,7 @@ def test_a_plan_that_does_not_hold_runs_again_eagerly_and_grows(whole_calls, mon
     opened = tuple(bool(g) for g in ref[0][1].gate.any(0))
     assert opened[1] and opened[4] and sum(opened) >= 2
     rows_seen = 4 * 17 - ref[0][1].removed.sum(0).cumsum(0)  # [12] rows left after each block
-    monkeypatch.setattr(whole, "PLANNED", True)
+    engine_options(planned=True)
     timm_dora.wrap(model, actor=actor, cuda_graphs=True)
     with torch.inference_mode():
         model(x)
@@ -168,8 +169,8 @@ def test_a_plan_that_does_not_hold_runs_again_eagerly_and_grows(whole_calls, mon
     assert runner.plan_misses == 2 and len(whole_calls) == 3
 
 
-def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatch):
-    monkeypatch.setattr(whole, "MARGIN_SD", 1.0)
+def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatch, engine_options):
+    engine_options(margin_sd=1.0)
     # two images of 10 rows; block 1 removes 2 and 4: 14 rows left, lengths 8 and 6 (sd 1): the
     # bound is 14 + ceil(1 * sqrt(2) * 1) = 16
     plan = whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=1)
@@ -177,27 +178,27 @@ def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatc
     assert whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=6).rows == (20, 20, 18, 18)
     grown = whole.plan_from([False, False, True], [[0, 0, 1], [0, 0, 1]], seq=10, bucket=1, old=plan)
     assert grown == whole.Plan((20, 20, 20, 18), (False, True, True))  # larger bounds, both controls
-    monkeypatch.setattr(whole, "MARGIN_SD", 4.0)  # 14 + ceil(5.66) = 20: never above the block before
+    engine_options(margin_sd=4.0)  # 14 + ceil(5.66) = 20: never above the block before
     assert whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=1).rows == (20, 20, 20, 20)
 
 
-def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch(monkeypatch):
+def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch(monkeypatch, engine_options):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     timm_dora.wrap(model, actor=kind_actor(model, "biased"))
     runner = graphs_module.GraphRunner(model, model._dora.policy, images(model, 3), "sdpa_loop", "model")
-    assert not whole.plans(runner)  # uncaptured (the CPU): only with PLANNED = True
+    assert not whole.plans(runner)  # uncaptured (the CPU): only with planned=True
     runner.capture = True
     assert whole.plans(runner) and not whole.runs_whole(runner)
-    monkeypatch.setattr(whole, "MAX_BATCH", 3)  # where the unplanned graph runs, not planned
+    engine_options(whole_max_batch=3)  # where the unplanned graph runs, not planned
     assert not whole.plans(runner) and whole.runs_whole(runner)
-    monkeypatch.setattr(whole, "MAX_BATCH", 2)
+    engine_options(whole_max_batch=2)
     assert whole.plans(runner) and not whole.runs_whole(runner)
-    monkeypatch.setattr(whole, "PLANNED_MAX_BATCH", 2)  # large: the per-block executor
+    engine_options(planned_max_batch=2)  # large: the per-block executor
     assert not whole.plans(runner) and not whole.runs_whole(runner)
-    monkeypatch.setattr(whole, "PLANNED_MAX_BATCH", 3)
+    engine_options(planned_max_batch=3)
     assert whole.plans(runner)
-    monkeypatch.setattr(whole, "PLANNED", False)
+    engine_options(planned=False)
     assert not whole.plans(runner)
     timm_dora.unwrap(model)
 
@@ -205,15 +206,15 @@ def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch(mo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["closed", "biased", "forced"])
-def test_whole_graph_on_cuda_is_one_replay_without_host_reads(kind, batch, monkeypatch):
+def test_whole_graph_on_cuda_is_one_replay_without_host_reads(kind, batch, monkeypatch, engine_options):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
     xs = [images(model, batch, seed=s).to("cuda", torch.bfloat16) for s in (1, 2)]
-    monkeypatch.setattr(whole, "WHOLE", False)
-    monkeypatch.setattr(whole, "PLANNED", False)  # the per-block executor
+    engine_options(whole=False)
+    engine_options(planned=False)  # the per-block executor
     ref = _forwards(model, xs, actor=actor)
-    monkeypatch.setattr(whole, "WHOLE", True)  # the unplanned whole graph
+    engine_options(whole=True)  # the unplanned whole graph
     timm_dora.wrap(model, actor=actor)
     with torch.inference_mode():
         model(xs[0])  # captures
@@ -239,14 +240,14 @@ def test_whole_graph_on_cuda_is_one_replay_without_host_reads(kind, batch, monke
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("kind", ["biased", "forced"])
-def test_planned_graph_on_cuda_replays_one_graph_with_the_per_block_decisions(kind, merge, monkeypatch):
+def test_planned_graph_on_cuda_replays_one_graph_with_the_per_block_decisions(kind, merge, monkeypatch, engine_options):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
     xs = [images(model, 12, seed=s).to("cuda", torch.bfloat16) for s in (1, 1, 1)]
-    monkeypatch.setattr(whole, "PLANNED", False)
+    engine_options(planned=False)
     ref = _forwards(model, xs, actor=actor, merge=merge)
-    monkeypatch.setattr(whole, "PLANNED", None)  # the default: planned up to whole.PLANNED_MAX_BATCH
+    engine_options(planned=None)  # the default: planned up to planned_max_batch
     timm_dora.wrap(model, actor=actor, merge=merge)
     with torch.inference_mode():
         got = [(model(x), model.dora_stats) for x in xs]  # observed eagerly, captured, replayed
@@ -262,12 +263,12 @@ def test_planned_graph_on_cuda_replays_one_graph_with_the_per_block_decisions(ki
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
-def test_a_plan_with_too_few_rows_on_cuda_is_discarded_without_a_fault(monkeypatch):
+def test_a_plan_with_too_few_rows_on_cuda_is_discarded_without_a_fault(monkeypatch, engine_options):
     """Captured, a block that leaves more rows than the plan's bound runs on inside the graph (the
     host learns it from the check at the end): its layout is clamped to the bound, so no kernel
     reads past its rows (a device-side assert would end the process), and the forward runs again
     eagerly with the same decisions as the eager executor."""
-    monkeypatch.setattr(graphs_module, "ROWS_BUCKET", 1)
+    engine_options(rows_bucket=1)
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, "forced").to("cuda", torch.bfloat16)  # forced open at blocks 1, 4 and 7

@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
+from .engine.options import EngineOptions
 from .engine.patch import check_skip_dead, check_supported, is_wrapped, is_wrapped_as
 from .engine.patch import wrap as engine_wrap
 from .engine.protocol import Policy
@@ -33,6 +34,7 @@ def wrap(
     cuda_graphs: Optional[bool] = None,
     skip_dead: bool = False,
     merge: Optional[bool] = None,
+    options: Optional[EngineOptions] = None,
     **hub_kwargs,
 ) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes tokens with DORA.
@@ -86,6 +88,9 @@ def wrap(
             (``Actor.merge``), else deletion. Captured like deletion (the fold runs in the
             controller's graph, the sizes in the Triton kernel) for an actor on the ``triton``
             backend; other policies and backends merge eagerly.
+        options: how the engine runs the model, an :class:`~timm_dora.engine.options.EngineOptions`
+            (speed and memory only: kernels, graph caching, run ahead, the whole-forward graphs);
+            ``None``: the defaults. :func:`timm_dora.set_options` changes them later.
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
@@ -103,7 +108,7 @@ def wrap(
     if actor is not None and policy is not None:
         raise ValueError("pass an actor or a policy, not both")
     options = dict(readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead,
-                   merge=bool(merge) if merge is not None else getattr(actor, "merge", False))
+                   merge=bool(merge) if merge is not None else getattr(actor, "merge", False), options=options)
     if policy is not None:
         if speculate and not getattr(policy, "speculate", False):
             raise ValueError(

@@ -10,15 +10,18 @@ of training, evaluation, actors' files or the Hub.
 - :mod:`~timm_dora.engine.blocks`: one block's program, composed from timm's own submodules, that
   both executors run;
 - :mod:`~timm_dora.engine.protocol`: what a policy sees and returns;
+- :mod:`~timm_dora.engine.options`: :class:`EngineOptions`, how the engine runs a wrapped model
+  (carried by it; :func:`set_options` changes them);
 - :mod:`~timm_dora.engine.packing`: packed batches, row deletion, attention backends;
   :mod:`~timm_dora.engine.varlen_kernel`: the Triton varlen attention kernel;
 - :mod:`~timm_dora.engine.flops`: GFLOPs accounting (App. E.4).
 """
-from .capture import engine_info, release_graphs
+from .capture import engine_info, release_graphs, set_options
 from .flops import native_gflops
+from .options import EngineOptions
 from .packing import Packed
 from .patch import DoraStats, is_wrapped, run, set_policy, unwrap, wrap
 from .protocol import BlockContext, Decision, ForwardConstants
 
-__all__ = ["BlockContext", "Decision", "DoraStats", "ForwardConstants", "Packed", "engine_info", "is_wrapped",
-           "native_gflops", "release_graphs", "run", "set_policy", "unwrap", "wrap"]
+__all__ = ["BlockContext", "Decision", "DoraStats", "EngineOptions", "ForwardConstants", "Packed", "engine_info",
+           "is_wrapped", "native_gflops", "release_graphs", "run", "set_options", "set_policy", "unwrap", "wrap"]

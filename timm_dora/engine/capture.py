@@ -11,7 +11,7 @@ uncaptured: how the CPU tests check that executor); ``cuda_graphs=False`` is alw
   outputs are dropped) up to :func:`batch_bucket`: sizes up to 8 as they are, larger ones rounded
   up to three significant bits (10, 12, 14, 16, 20, ..., 256, 320, 384, ...), so a stream of odd
   batch sizes captures at most four shapes per octave and pads by less than a quarter.
-- **Bounded and releasable.** Graphs are kept for :data:`~timm_dora.engine.graphs.MAX_CACHED`
+- **Bounded and releasable.** Graphs are kept for ``EngineOptions.max_cached``
   batch buckets (and policies), least recent dropped; :func:`engine_info` reports each one's graphs,
   capture time and the memory its buffers and captures reserved; :func:`release_graphs` frees them
   now (the next forward captures again).
@@ -26,14 +26,16 @@ uncaptured: how the CPU tests check that executor); ``cuda_graphs=False`` is alw
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
 
-from .graphs import MAX_CACHED, decides_in_graphs, graph_mode_reason, release_all
+from .graphs import decides_in_graphs, graph_mode_reason, release_all
+from .options import EngineOptions, active
 
-__all__ = ["batch_bucket", "capture_reason", "pad_batch", "engine_info", "release_graphs", "fell_back"]
+__all__ = ["batch_bucket", "capture_reason", "pad_batch", "engine_info", "release_graphs", "set_options", "fell_back"]
 
 
 def batch_bucket(batch: int) -> int:
@@ -131,7 +133,7 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
                "plan_misses": r.plan_misses}
               for r in state.graphs.values()]
     return {"cuda_graphs": state.cuda_graphs, "executor": state.executor, "reason": state.reason,
-            "failed": state.failed, "max_cached": MAX_CACHED, "batch_shapes": shapes,
+            "failed": state.failed, "max_cached": (state.engine or active()).max_cached, "batch_shapes": shapes,
             "graphs": sum(s["graphs"] for s in shapes), "capture_s": round(sum(s["capture_s"] for s in shapes), 3),
             "memory_mb": round(sum(s["memory_mb"] for s in shapes), 1)}
 
@@ -145,3 +147,19 @@ def release_graphs(model: nn.Module) -> int:
     n = len(model._dora.graphs)
     release_all(model._dora.graphs)
     return n
+
+
+def set_options(model: nn.Module, options: Optional[EngineOptions] = None, **changes) -> EngineOptions:
+    """Change how the engine runs a wrapped model: ``options`` replaces its
+    :class:`~timm_dora.engine.options.EngineOptions`, and ``changes`` (field names) are applied on top
+    (``set_options(model, run_ahead=False)``). Its captured graphs are released (they were recorded
+    under the old options). Returns the new options."""
+    if not hasattr(model, "_dora"):
+        raise ValueError("model is not wrapped by timm_dora")
+    state = model._dora
+    try:
+        state.engine = dataclasses.replace(options or state.engine or active(), **changes)
+    except TypeError as e:
+        raise TypeError(f"set_options: {e} (fields: {', '.join(f.name for f in dataclasses.fields(EngineOptions))})") from None
+    release_all(state.graphs)
+    return state.engine

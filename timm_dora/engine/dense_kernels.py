@@ -13,7 +13,7 @@ operations cost far more than the bytes they move:
 
 Both give timm's values up to rounding (fp32 accumulation either way) and take the module's own
 parameters (``norm.weight``, ``proj.weight``...): nothing of timm's forward is copied. Anywhere
-else (the CPU, fp32, other norms or embeddings, autograd) the module itself runs. :data:`ENABLED`
+else (the CPU, fp32, other norms or embeddings, autograd) the module itself runs. ``EngineOptions(dense_kernels=False)``
 switches both off (the A/B of ``benchmarks/default_speed.py``: ``dora_default_timm_kernels_ips``).
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["layer_norm", "layer_norm_triton", "patch_embed", "patch_embed_gemm", "ENABLED"]
+from .options import active
 
-ENABLED = True
+__all__ = ["layer_norm", "layer_norm_triton", "patch_embed", "patch_embed_gemm"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -69,7 +69,7 @@ if triton is not None:
 
 
 def _fast(x: torch.Tensor) -> bool:
-    return (ENABLED and triton is not None and x.is_cuda and x.dtype in _HALF
+    return (active().dense_kernels and triton is not None and x.is_cuda and x.dtype in _HALF
             and not (torch.is_grad_enabled() and x.requires_grad))
 
 

@@ -17,7 +17,7 @@ each) and only the decisions and the deletion run eagerly, between replays:
   MLP still run. With the actor's Triton gate (:mod:`timm_dora.policy.actor_kernels`, the default on the
   ``triton`` backend) the gate is one kernel in line, before the attention kernel; otherwise the
   ``nn`` modules' gate (about ten small kernels) runs in line there. **Run ahead**
-  (:data:`RUN_AHEAD`): the blocks from block 0 up to the first whose gate opened in the last
+  (``EngineOptions.run_ahead``): the blocks from block 0 up to the first whose gate opened in the last
   forward (all of them and the readout where none did) are one graph instead, their gates copied
   to pinned memory together right after the last one's; the host takes them as closed, reads them
   once (after the next block's graph is enqueued, or before returning the logits) and, where one
@@ -51,7 +51,7 @@ each) and only the decisions and the deletion run eagerly, between replays:
   wait, so the host's bookkeeping runs while the GPU works). Its products run
   over more rows than the default path's (the gate-active images only), so in bf16 a near-tie can
   decide differently (97-100 % of decisions agree on the H100, ``benchmarks/gpu_check.py``).
-  With :data:`FUSED_INTERVENTIONS` (the default) the controller and the deletion run inside the
+  With ``EngineOptions.fused_interventions`` (the default) the controller and the deletion run inside the
   attention's graph where the gate opened in the last forward, reading the keys in place from the
   qkv output (no key copy, one graph instead of two, no gate read between them); where that guess
   is wrong the controller's work is wasted, and it removes nothing.
@@ -62,7 +62,7 @@ leave the attention output intact; without the actor the attention residual goes
 block's input buffer and the MLP runs in place there, or the deletion gathers it back into the
 block's own input buffer) and, for policies that read keys and the actor's ``nn`` gate, the keys
 ``k`` of packed blocks (each ``[B*S, d]``; not with the Triton gate and
-:data:`FUSED_INTERVENTIONS`, see below), plus small ones for what a graph hands on (the
+``EngineOptions.fused_interventions``, see below), plus small ones for what a graph hands on (the
 dense gates and history, the controller's inputs and outputs). Every segment reads and writes only
 these and its own scratch space, so segments are captured lazily, the first time a (block, rows)
 pair occurs (a warm-up run, the capture, a replay; the controller's segment, which overwrites the
@@ -89,27 +89,17 @@ import torch
 import torch.nn as nn
 
 from .blocks import attention_keys, embed
+from .options import active
 from .packing import Packed, delete_rows
 from .protocol import BlockContext, Decision, ForwardConstants, LazyKeysContext
 from .segments import Segments
 
 __all__ = ["GraphRunner", "RunAheadMissed", "decides_in_graphs", "graph_runner", "release_all", "graph_mode_reason",
-           "rows_bucket", "ROWS_BUCKET", "MAX_CACHED", "FUSED_INTERVENTIONS", "RUN_AHEAD"]
-
-MAX_CACHED = 4  # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
-ROWS_BUCKET: Optional[int] = None  # fixed bucket size (tests); None: rows_bucket's rule
-# With the actor's Triton kernels, at a block whose gate opened in the last forward, the controller
-# and the deletion run in the attention's graph, reading the keys in place from its qkv output (speed
-# notes, change 32: the actor's share 4.3 -> 4.0 % on DeiT-B, 18.2 -> 17.2 % on ViT-Ti). False: two graphs
-FUSED_INTERVENTIONS = True
-# With the actor, the dense blocks up to the first whose gate opened in the last forward run ahead as
-# one graph, their gates taken as closed and read once where the host must know; where one opened
-# after all, RunAheadMissed and patch.run runs the forward again without (speed notes, change 37)
-RUN_AHEAD = True
+           "rows_bucket"]
 
 
 class RunAheadMissed(Exception):
-    """A gate opened inside a run ahead (:data:`RUN_AHEAD`): this forward's later blocks ran on rows
+    """A gate opened inside a run ahead (``EngineOptions.run_ahead``): this forward's later blocks ran on rows
     that should have been pruned, so :func:`timm_dora.engine.patch.run` runs the forward again, without
     running ahead. Never reaches a caller of the model."""
 
@@ -119,8 +109,9 @@ def rows_bucket(total_rows: int) -> int:
     1/256 of the unpruned batch's rows, at least 16 and at most 256, so that at most ~256 sizes
     occur per block and padding adds fewer rows than 1/256 of the unpruned batch or 16 (batch 320
     x 197 tokens: 247 rows; batch 8: 16). The H100 measurements were taken with a fixed 256."""
-    if ROWS_BUCKET is not None:
-        return ROWS_BUCKET
+    fixed = active().rows_bucket
+    if fixed is not None:
+        return fixed
     return min(256, max(16, -(-total_rows // 256)))
 
 
@@ -174,11 +165,11 @@ class GraphRunner(Segments):
         self.triton_gate = self.probing and policy._use_fused(backend, self.x[0].dtype)
         # the keys of packed blocks, kept for a policy that reads them and for the modules' gate
         # (zeros: with the actor only the open images' rows are copied in; the others keep finite
-        # values). Not with the Triton gate and FUSED_INTERVENTIONS: the gate reads the CLS keys in
+        # values). Not with the Triton gate and fused_interventions: the gate reads the CLS keys in
         # place, a controller where the gate opened in the last forward reads the keys in place
         # too, and one where it opened unexpectedly recomputes them from the block input (norm1
         # and qkv again, only then): one [B*S, d] buffer less (speed notes, change 39)
-        if self.copy_keys and not (self.triton_gate and FUSED_INTERVENTIONS):
+        if self.copy_keys and not (self.triton_gate and active().fused_interventions):
             with torch.inference_mode(False):
                 self.k = torch.zeros_like(self.x[0])
         if self.probing:
@@ -196,8 +187,8 @@ class GraphRunner(Segments):
             self.gate_ready = [torch.cuda.Event(external=True) for _ in range(self.depth)]
             self.deleted_ready = torch.cuda.Event(external=True)  # the controller graph's deletion
             self.ahead_ready = torch.cuda.Event(external=True)  # a run-ahead graph's gate vectors
-        # run ahead (RUN_AHEAD): the dense blocks 0 .. end-1 in one graph (see _launch_ahead)
-        self.run_ahead = self.probing and RUN_AHEAD
+        # run ahead (EngineOptions.run_ahead): the dense blocks 0 .. end-1 in one graph (see _launch_ahead)
+        self.run_ahead = self.probing and active().run_ahead
         self._ahead_now, self._ahead = False, 0  # this forward may run ahead; its blocks 0 .. _ahead-1
         self._ahead_unread = False  # their gates not read yet
         self._ahead_logits = False  # it ended with the readout
@@ -458,11 +449,11 @@ class GraphRunner(Segments):
             raise RunAheadMissed(first_open)
 
     def _fuses(self, l: int) -> bool:
-        """Whether block ``l``'s attention graph also runs the controller (:data:`FUSED_INTERVENTIONS`,
+        """Whether block ``l``'s attention graph also runs the controller (``EngineOptions.fused_interventions``,
         with the Triton kernels, where the gate opened for some image in the last forward). A wrong
         guess only wastes the controller's work: with no gate open it removes nothing, and its
         identity deletion leaves the attention output intact for the MLP."""
-        return FUSED_INTERVENTIONS and self.triton_gate and self.opened[l]
+        return active().fused_interventions and self.triton_gate and self.opened[l]
 
     def set_history(self, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor) -> bool:
         """Copy the history (N_l, rho_l, E_<l) into the fixed buffers the packed gate reads, only
@@ -575,18 +566,19 @@ class GraphRunner(Segments):
 
 def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend: str, readout_mode: str,
                  merge: bool = False) -> GraphRunner:
-    """The :class:`GraphRunner` of ``model`` for this batch shape and policy (made on first use);
-    ``cache`` (an ``OrderedDict``) keeps the :data:`MAX_CACHED` most recent."""
+    """The :class:`GraphRunner` of ``model`` for this batch shape, policy and the active
+    :class:`~timm_dora.engine.options.EngineOptions` (made on first use);
+    ``cache`` (an ``OrderedDict``) keeps the ``EngineOptions.max_cached`` most recent."""
     weight = next(model.parameters())
     key = (tuple(images.shape), images.dtype, str(images.device), id(policy), backend, readout_mode,
-           weight.dtype, weight.data_ptr(), merge)
+           weight.dtype, weight.data_ptr(), merge, active())  # (graphs are recorded under the options)
     entry = cache.get(key)
     if entry is not None and entry.policy is policy:
         cache.move_to_end(key)
         return entry
     entry = GraphRunner(model, policy, images, backend, readout_mode, merge)
     cache[key] = entry
-    while len(cache) > MAX_CACHED:
+    while len(cache) > active().max_cached:
         cache.popitem(last=False)[1].release()
     return entry
 

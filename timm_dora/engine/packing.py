@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .lazy import lazy
+from .options import active
 
 __all__ = [
     "Packed",
@@ -59,7 +60,6 @@ __all__ = [
     "merge_removed",
     "fold_removed",
     "segment_and_position",
-    "FOLD_KERNEL",
     "gather_survivors",
     "rows_where",
     "segment_ids",
@@ -313,9 +313,6 @@ def delete_rows(packed: Packed, remove: torch.Tensor, removed: torch.Tensor,
     return Packed(x, lengths, lengths_host, packed.num_prefix, ids, sizes)
 
 
-FOLD_KERNEL = True  # on CUDA merging's fold in engine.fold_kernel's Triton kernels (False: the PyTorch ops)
-
-
 def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_heads: int) -> Packed:
     """Fold every row marked in ``remove`` into the surviving visual row of its image whose key is most
     cosine-similar to its own (keys averaged over the ``num_heads`` heads, ToMe's metric), by
@@ -342,10 +339,10 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     ``cu_seqlens[-1]`` are padding: never folded nor folded into, whatever they hold), ``max_len``
     at least the longest image. Every image's similarities are one ``[S, S]`` product (``S =
     max_len``) over its padded metric rows, the non-survivors' columns at ``-inf``; the sums in
-    float32. On CUDA (:data:`FOLD_KERNEL`) the same in the Triton kernels of
+    float32. On CUDA (``EngineOptions.fold_kernel``) the same in the Triton kernels of
     :mod:`~timm_dora.engine.fold_kernel`, where they take the head dim and no gradient is carried
     (the kernels are forward-only)."""
-    if x.is_cuda and FOLD_KERNEL and not (torch.is_grad_enabled() and (x.requires_grad or keys.requires_grad)):
+    if x.is_cuda and active().fold_kernel and not (torch.is_grad_enabled() and (x.requires_grad or keys.requires_grad)):
         from .fold_kernel import fold_kernel_reason, fold_rows
 
         if fold_kernel_reason(x, keys, num_heads) is None:

@@ -39,9 +39,9 @@ import torch.nn as nn
 from .blocks import final_norm, readout
 from .eager import EagerExecutor, scope
 from .flops import BackboneCost, backbone_cost
+from .options import EngineOptions, active, using
 from .capture import batch_bucket, capture_reason, captures_under_compile, fell_back, pad_batch
-from . import graphs
-from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all
+from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all, rows_bucket
 from .packing import BACKENDS, rows_where, segment_ids, select_backend
 from .protocol import ForwardConstants, Policy
 from .whole import forward_whole, plan_from, plans, runs_whole
@@ -120,11 +120,12 @@ class _DoraState:
     costs: Dict[int, BackboneCost] = field(default_factory=dict)  # at other input sizes, by patch count
     skip_dead: bool = False  # the last block's MLP on the rows the readout reads only (the prefix rows)
     merge: bool = False  # removed rows folded into their most similar survivor (engine.packing.merge_removed)
+    engine: Optional[EngineOptions] = None  # how the engine runs it (speed and memory only); None: the active ones
 
     def options(self) -> Dict[str, object]:
         """The options :func:`wrap` was given (what wrapping again must repeat)."""
         return dict(readout=self.readout, attn_backend=self.attn_backend, cuda_graphs=self.cuda_graphs,
-                    skip_dead=self.skip_dead, merge=self.merge)
+                    skip_dead=self.skip_dead, merge=self.merge, options=self.engine)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +275,8 @@ def is_wrapped(model: nn.Module) -> bool:
 
 
 def is_wrapped_as(model: nn.Module, policy: Optional[Policy], *, readout: str = "model", attn_backend: str = "auto",
-                  cuda_graphs: Optional[bool] = None, skip_dead: bool = False, merge: bool = False) -> bool:
+                  cuda_graphs: Optional[bool] = None, skip_dead: bool = False, merge: bool = False,
+                  options: Optional[EngineOptions] = None) -> bool:
     """Whether ``model`` is already wrapped with exactly this policy and options (wrapping again is
     then a no-op). ``False`` if it is not wrapped; ``ValueError`` if it is wrapped otherwise (or
     ``policy`` is ``None``): :func:`unwrap` must come first."""
@@ -282,7 +284,7 @@ def is_wrapped_as(model: nn.Module, policy: Optional[Policy], *, readout: str = 
         return False
     state = model._dora
     asked = dict(readout=readout, attn_backend=attn_backend, cuda_graphs=_option(cuda_graphs), skip_dead=bool(skip_dead),
-                 merge=bool(merge))
+                 merge=bool(merge), options=options)
     differ = [f"{k}={v!r} (asked: {asked[k]!r})" for k, v in state.options().items() if asked[k] != v]
     if state.policy is policy and not differ:
         return True
@@ -297,23 +299,28 @@ def _option(cuda_graphs: Optional[bool]) -> Optional[bool]:
 
 def wrap(model: nn.Module, policy: Policy, *, readout: str = "model", attn_backend: str = "auto",
          cuda_graphs: Optional[bool] = None, skip_dead: bool = False, merge: bool = False,
-         actor: Optional[nn.Module] = None) -> nn.Module:
+         actor: Optional[nn.Module] = None, options: Optional[EngineOptions] = None) -> nn.Module:
     """Patch a timm ``VisionTransformer`` in place so that its forward prunes with ``policy``.
 
     The engine's wrap: :func:`timm_dora.wrap` (the public one) documents the options and builds
     the policy of an actor. ``actor``: the module the policy runs, registered as
     ``model.dora_actor`` (cast to the model's device and dtype; ``model.to(...)`` moves it too).
-    Wrapping again with the same policy and options is a no-op; with others it raises.
+    ``options``: how the engine runs it (:class:`~timm_dora.engine.options.EngineOptions`; ``None``:
+    the active ones at each forward, the defaults unless a :func:`~timm_dora.engine.options.using`
+    block says otherwise). Wrapping again with the same policy and options is a no-op; with others
+    it raises.
     """
     _check_policy(policy)
+    if options is not None and not isinstance(options, EngineOptions):
+        raise TypeError(f"options must be a timm_dora.EngineOptions, got {type(options).__name__}")
     if is_wrapped_as(model, policy, readout=readout, attn_backend=attn_backend, cuda_graphs=cuda_graphs,
-                     skip_dead=skip_dead, merge=merge):
+                     skip_dead=skip_dead, merge=merge, options=options):
         return model
     check_supported(model, readout, attn_backend)
     check_skip_dead(model, readout, skip_dead, cuda_graphs)
     original = type(model)
     model._dora = _DoraState(policy, readout, attn_backend, backbone_cost(model), original, _option(cuda_graphs),
-                             skip_dead=bool(skip_dead), merge=bool(merge))
+                             skip_dead=bool(skip_dead), merge=bool(merge), engine=options)
     if actor is not None:
         p = next(model.parameters())
         model.add_module(ACTOR, actor.to(device=p.device, dtype=p.dtype))
@@ -369,17 +376,25 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
     """The DORA forward of a wrapped ``model`` on images ``x`` with ``policy``; returns logits and
     stats. Captured or eager as :mod:`~timm_dora.engine.capture` decides (the batch padded to its
     bucket when captured, the padding's outputs dropped)."""
+    state: _DoraState = model._dora
+    if state.engine is None:  # (the active options: the defaults, or a using() block's)
+        return _run_with_options(model, x, policy, state)
+    with using(state.engine):  # (what the engine's modules read while this forward runs)
+        return _run_with_options(model, x, policy, state)
+
+
+def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: "_DoraState"
+                      ) -> Tuple[torch.Tensor, DoraStats]:
     if x.shape[0] == 0:
         return _empty_batch(model, x)
-    state: _DoraState = model._dora
     backend = select_backend(x.device.type, x.dtype, state.attn_backend)
     state.reason = why = capture_reason(model, x, backend)
     if why is not None:
         state.executor = "eager"
         if state.cuda_graphs and not state.warned and state.failed is None and not torch.compiler.is_compiling():
             state.warned = True
-            # (pointing at the caller of model(x): run, forward and two frames of nn.Module's call between)
-            warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=5)
+            # (pointing at the caller of model(x): this, run, forward and two frames of nn.Module's call between)
+            warnings.warn(f"timm_dora: cuda_graphs=True but this forward runs eagerly: {why}", stacklevel=6)
         return _forward(model, x, policy, None)
     batch = x.shape[0]
     padded = pad_batch(x, batch_bucket(batch))
@@ -397,7 +412,7 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         why = fell_back(model, error)
         state.executor, state.reason = "eager", f"an earlier capture failed ({why})"
         warnings.warn(f"timm_dora: capturing CUDA graphs failed, so this model runs eagerly from now on ({why}); "
-                      "timm_dora.engine_info(model) keeps the reason", stacklevel=5)
+                      "timm_dora.engine_info(model) keeps the reason", stacklevel=6)
         return out
     state.executor = "captured"
     return out
@@ -486,7 +501,7 @@ def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) 
     out = _forward(model, x, runner.policy, None, keep=keep, decisions=decisions)
     gates, removed = decisions
     opened = torch.stack(gates, 1).any(0).tolist()
-    runner.plan = plan_from(opened, torch.stack(removed, 1).tolist(), runner.seq, graphs.rows_bucket(x.shape[0] * runner.seq),
+    runner.plan = plan_from(opened, torch.stack(removed, 1).tolist(), runner.seq, rows_bucket(x.shape[0] * runner.seq),
                             old=runner.plan)
     return out
 
@@ -496,7 +511,7 @@ def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, pl
     """The forward as one graph (:mod:`~timm_dora.engine.whole`), planned or not (``None`` where
     ``plan`` did not hold); ``keep`` as for :func:`_run`."""
     state: _DoraState = model._dora
-    out = forward_whole(runner, x, graphs.FUSED_INTERVENTIONS, plan)
+    out = forward_whole(runner, x, active().fused_interventions, plan)
     if out is None:
         return None
     logits, rec = out

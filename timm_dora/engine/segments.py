@@ -12,10 +12,10 @@ Graph count: one per segment kind, block and padded size that actually occurs. A
 needs one set; an actor on varied images captures new sizes as they come (each capture costs a
 warm-up run and a device synchronisation, once), at most about 256 sizes per block and kind.
 Graphs share one memory pool, so their number costs little memory. Before the first capture one
-segment of that pool is reserved for the largest expected scratch (:data:`~timm_dora.engine.segments.RESERVE_POOL`), and the
+segment of that pool is reserved for the largest expected scratch (``EngineOptions.reserve_pool``), and the
 captures carve their intermediates out of it (H100, batch 320: the pool 9.0 ``[B*S, d]`` tensors
 instead of 14.1-14.4, and the steady reserved memory of every graph row below native timm's;
-speed notes, change 39). :data:`~timm_dora.engine.segments.MLP_CHUNKS` runs each graph's MLP in row chunks: a smaller pool, for
+speed notes, change 39). ``EngineOptions.mlp_chunks`` runs each graph's MLP in row chunks: a smaller pool, for
 0.6-2 % of throughput.
 
 Keys: in the dense phase the graphs keep them (copied into ``k``) only at the actor's blocks
@@ -27,7 +27,7 @@ same values. In the packed phase they are copied into ``k`` unless the policy sa
 gate, both phases copy only the rows of the images whose gate just opened
 (:func:`~timm_dora.policy.actor_kernels.copy_open_keys`, after the gate in the same graph; the gate reads
 the CLS keys in place): the controller reads no other rows' keys. With
-:data:`~timm_dora.engine.graphs.FUSED_INTERVENTIONS` as well (the default) nothing is copied and there is no ``k``: the
+``EngineOptions.fused_interventions`` as well (the default) nothing is copied and there is no ``k``: the
 fused controller reads the keys in place, and a controller where the gate opened unexpectedly
 recomputes them from the block input in either phase.
 """
@@ -45,31 +45,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
+from .options import active
 from .packing import fold_removed, gather_survivors, varlen_attention
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
 from .whole import whole_segment
 
-__all__ = ["Segments", "MLP_CHUNKS", "RESERVE_POOL"]
+__all__ = ["Segments"]
 
-# Before a runner's first capture, one segment of its graphs' memory pool is reserved, as large as
-# the largest segment's scratch is expected to be (:meth:`GraphRunner._scratch_bytes`), so that every
-# capture carves its intermediates out of it. Without it the pool grew one allocator segment per
-# intermediate size (qkv, the MLP's hidden activations, ...), and a segment's memory could not
-# serve a larger intermediate of a later capture: about 14 [B*S, d] tensors reserved where 9 are
-# live at once (speed notes, change 39)
-RESERVE_POOL = True
-# The MLP of a graph segment in this many row chunks (1: all rows at once). Its hidden activations
-# (4d per row, twice while GELU runs) are the largest scratch of any segment, so they set the
-# graphs' memory pool; the rows are independent, so chunks change only the GEMMs' row counts
-MLP_CHUNKS = 1
+# EngineOptions.reserve_pool: before a runner's first capture, one segment of its graphs' memory pool
+# is reserved, as large as the largest segment's scratch is expected to be
+# (:meth:`GraphRunner._scratch_bytes`), so that every capture carves its intermediates out of it.
+# Without it the pool grew one allocator segment per intermediate size (qkv, the MLP's hidden
+# activations, ...), and a segment's memory could not serve a larger intermediate of a later capture.
+# EngineOptions.mlp_chunks: the MLP of a graph segment in row chunks. Its hidden activations (4d per
+# row, twice while GELU runs) are the largest scratch of any segment, so they set the graphs' memory
+# pool; the rows are independent, so chunks change only the GEMMs' row counts
 
 
 def _mlp_rows(blk: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """:func:`~timm_dora.engine.blocks.mlp_residual` of ``x`` into ``out`` in :data:`MLP_CHUNKS` row
+    """:func:`~timm_dora.engine.blocks.mlp_residual` of ``x`` into ``out`` in ``EngineOptions.mlp_chunks`` row
     chunks (in place when ``x`` is ``out``: each chunk reads its own rows before writing them)."""
     rows = x.shape[0]
-    step = -(-rows // max(1, MLP_CHUNKS))
+    step = -(-rows // active().mlp_chunks)
     if step >= rows:
         return mlp_residual(blk, x, out=out)
     for i in range(0, rows, step):
@@ -171,7 +169,7 @@ class Segments:
 
     def _attention_controller_segment(self, key: tuple) -> Callable[[], None]:
         """A block's attention and, in the same graph, the controller and the deletion, reading the
-        keys in place from the qkv output (:data:`~timm_dora.engine.graphs.FUSED_INTERVENTIONS`)."""
+        keys in place from the qkv output (``EngineOptions.fused_interventions``)."""
         l = key[1]
         dense = key[0] == "attention_controller"
         rows = self.batch * self.seq if dense else key[2]
@@ -280,7 +278,7 @@ class Segments:
         model = self.model
         blk = model.blocks[l]
         rows, dense, kept = key[2], key[3], key[4]  # kept: the dense attention graph kept the keys;
-        # "in_place": the attention of the same graph left a view of them (FUSED_INTERVENTIONS)
+        # "in_place": the attention of the same graph left a view of them (fused_interventions)
         p = model.num_prefix_tokens
 
         def controller_keys(n: int) -> torch.Tensor:  # the keys of the first n rows: read in place,
@@ -457,7 +455,7 @@ class Segments:
         # controller (its deletion overwrites the block input and layout it read) and, without the
         # actor, the MLP (in place): they must run once, and the warm-up's result is kept
         side = _side_stream(self.device)
-        if RESERVE_POOL and not self.graphs:
+        if active().reserve_pool and not self.graphs:
             self._reserve_pool(side)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -484,16 +482,16 @@ class Segments:
         """The largest scratch space a segment is expected to need: a dense block's attention (its
         input's ``norm1``, ``qkv``, the attention output and its reshaped copy: ``6 d`` per row) or
         its MLP (``norm2``, the first linear's output and its activation: ``d + 2 h`` per row, ``h``
-        the MLP's widest linear layer, over :data:`MLP_CHUNKS` row chunks)."""
+        the MLP's widest linear layer, over ``EngineOptions.mlp_chunks`` row chunks)."""
         d = self.x[0].shape[1]
         hidden = max((m.out_features for blk in self.model.blocks for m in blk.mlp.modules()
                       if isinstance(m, nn.Linear)), default=4 * d)
-        per_row = max(6 * d, -(-(d + 2 * hidden) // max(1, MLP_CHUNKS)))
+        per_row = max(6 * d, -(-(d + 2 * hidden) // active().mlp_chunks))
         return self.batch * self.seq * per_row * self.x[0].element_size()
 
     def _reserve_pool(self, side: "torch.cuda.Stream") -> None:
         """Reserve :meth:`_scratch_bytes` in the graphs' pool as one allocator segment
-        (:data:`RESERVE_POOL`): a tensor allocated in a capture of its own (one memset node; the
+        (``EngineOptions.reserve_pool``): a tensor allocated in a capture of its own (one memset node; the
         graph is kept with the others, never replayed) and freed at once, so that the captures
         after it split their intermediates out of that free block instead of growing the pool
         one segment per intermediate size; what does not fit still gets segments of its own."""
@@ -507,7 +505,7 @@ class Segments:
     def _consumes_input(self, key: tuple) -> bool:
         """Segments that overwrite what they read, so must run exactly once: the controller (its
         deletion gathers into the block input), alone or after the attention in the same graph
-        (:data:`~timm_dora.engine.graphs.FUSED_INTERVENTIONS`), a chain of blocks, a run ahead or the whole
+        (``EngineOptions.fused_interventions``), a chain of blocks, a run ahead or the whole
         forward (the second block writes into the first one's input) and, without the actor, the
         in-place MLP."""
         return (key[0] in ("controller", "chain", "run_ahead", "attention_controller", "attention_packed_controller",

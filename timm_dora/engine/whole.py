@@ -12,10 +12,10 @@ to back as one graph and every decision stays on the device:
   the attention never reads and the deletion never gathers;
 - the CLS-token readout at the final ``cu_seqlens``.
 
-**Planned** (the default, :data:`PLANNED`, batches up to :data:`PLANNED_MAX_BATCH`): a
+**Planned** (the default: ``EngineOptions.planned``, batches up to ``planned_max_batch``): a
 :class:`Plan` bounds the rows each block runs on and names the blocks that run the controller. It
 comes from an observed forward (the first of a batch size, by the eager executor:
-:func:`plan_from`, the rows seen plus :data:`MARGIN_SD` standard deviations of a batch's total,
+:func:`plan_from`, the rows seen plus ``EngineOptions.margin_sd`` standard deviations of a batch's total,
 the controller where a gate opened). The graph runs the blocks up to the first controller dense
 (as the per-block executor's dense phase), the rest packed at their bounds, and copies at its end
 which gates opened and how many rows each block left; the host reads that once
@@ -23,7 +23,7 @@ which gates opened and how many rows each block left; the host reads that once
 graph's output is discarded, the forward runs again eagerly and the plan grows to cover it (the
 bounds only grow, so a stream of batches settles on a plan after a few misses).
 
-**Unplanned** (:data:`MAX_BATCH`, off by default; :data:`WHOLE`): every block at the unpruned
+**Unplanned** (``EngineOptions.whole_max_batch``, off by default; ``whole``): every block at the unpruned
 batch's ``B*S`` rows with the controller at every block (torch 2.11 has no CUDA-graph conditional
 nodes to skip it where no gate opened; the actor's Triton kernels then see empty sequences and
 return at once), no host read at all. The planned graph was faster at every batch size measured
@@ -43,26 +43,10 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .options import active
 from .packing import Packed
 
-__all__ = ["MAX_BATCH", "WHOLE", "PLANNED", "PLANNED_MAX_BATCH", "MARGIN_SD", "Plan", "whole_reason", "runs_whole",
-           "plans", "plan_from", "whole_segment", "forward_whole", "held"]
-
-# Batches up to this size run as one unplanned graph (when captured): none by default, the planned
-# graph is faster at every size (benchmarks/small_batch.py on an H100: 11-25 % at batches 1 and 8)
-MAX_BATCH = 0
-# None: as above; True: every forward the runner can run whole, captured or not (the CPU tests run
-# it uncaptured); False: never
-WHOLE: Optional[bool] = None
-# Batches up to PLANNED_MAX_BATCH run as one planned graph. None: when captured; True: wherever
-# the runner can run whole (the CPU tests run it uncaptured); False: never
-PLANNED: Optional[bool] = None
-# the crossover against the per-block executor on an H100 (benchmarks/small_batch.py: the planned
-# graph 7-56 % faster at batches 1, 8 and 16; at 32 and 64 the two trade places from run to run)
-PLANNED_MAX_BATCH = 16
-# A plan's bound on the rows entering a block: the rows seen there plus this many standard
-# deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
-MARGIN_SD = 4.0
+__all__ = ["Plan", "whole_reason", "runs_whole", "plans", "plan_from", "whole_segment", "forward_whole", "held"]
 
 
 class Plan(NamedTuple):
@@ -83,25 +67,27 @@ def whole_reason(runner) -> Optional[str]:
 
 
 def runs_whole(runner) -> bool:
-    """Whether this runner's forward runs as one graph (:data:`WHOLE`, :data:`MAX_BATCH`)."""
-    if WHOLE is False or whole_reason(runner) is not None:
+    """Whether this runner's forward runs as one graph (``EngineOptions.whole``, ``whole_max_batch``)."""
+    options = active()
+    if options.whole is False or whole_reason(runner) is not None:
         return False
-    return WHOLE is True or (runner.capture and runner.batch <= MAX_BATCH)
+    return options.whole is True or (runner.capture and runner.batch <= options.whole_max_batch)
 
 
 def plans(runner) -> bool:
-    """Whether this runner's forward runs as a planned graph (:data:`PLANNED`; not where it runs
-    whole unplanned)."""
-    if PLANNED is False or whole_reason(runner) is not None or runs_whole(runner):
+    """Whether this runner's forward runs as a planned graph (``EngineOptions.planned``,
+    ``planned_max_batch``; not where it runs whole unplanned)."""
+    options = active()
+    if options.planned is False or whole_reason(runner) is not None or runs_whole(runner):
         return False
-    return PLANNED is True or (runner.capture and runner.batch <= PLANNED_MAX_BATCH)
+    return options.planned is True or (runner.capture and runner.batch <= options.planned_max_batch)
 
 
 def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int, bucket: int,
               old: Optional[Plan] = None) -> Plan:
     """The plan that covers an observed forward: ``opened[l]`` whether block ``l``'s gate opened for
     some image, ``removed[i][l]`` the rows image ``i`` lost there, ``seq`` the rows of an image
-    entering block 0. Each bound is the rows seen plus :data:`MARGIN_SD` standard deviations of the
+    entering block 0. Each bound is the rows seen plus ``EngineOptions.margin_sd`` standard deviations of the
     batch's total, padded up to a multiple of ``bucket``, never above the rows of the block before;
     with ``old``, the larger bounds and the union of the controls (a plan only grows)."""
     batch, depth = len(removed), len(opened)
@@ -111,7 +97,7 @@ def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int
         lengths = [n - r[l] for n, r in zip(lengths, removed)]
         t = sum(lengths)
         sd = math.sqrt(sum((n - t / batch) ** 2 for n in lengths) / batch)
-        bound = t + math.ceil(MARGIN_SD * math.sqrt(batch) * sd)
+        bound = t + math.ceil(active().margin_sd * math.sqrt(batch) * sd)
         rows.append(min(rows[-1], -(-bound // bucket) * bucket))
     controls = [bool(o) for o in opened]
     if old is not None:

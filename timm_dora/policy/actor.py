@@ -86,7 +86,7 @@ def encoder_sizes(width: int = 128) -> Dict[str, int]:
 # backbone's forward (at the full token count). 1.5 % keeps the paper's width 128 for ViT-S (1.0 %)
 # and DeiT-B (0.3 %) and gives 64 for Tiny backbones (1.1 %; 128 would cost 3.4 %), where width 64
 # saved 30.7 % of DeiT-Ti's GFLOPs against 24.8 % for 128 at the same drop over three seeds each
-# (docs/training.md, fourth round)
+# (docs/training_rounds.md, fourth round)
 AUTO_WIDTH_BUDGET = 0.015
 
 

@@ -1,0 +1,96 @@
+"""How the engine runs a wrapped model: :class:`EngineOptions`, carried by the model.
+
+Every option changes speed or memory only, never what a forward computes (up to rounding where a
+kernel differs). A model gets them from ``wrap(model, ..., options=EngineOptions(...))`` and keeps
+them in its state; :func:`~timm_dora.engine.capture.set_options` changes them later (its captured
+graphs are released, since they were recorded under the old ones). While a wrapped model's forward
+runs, its options are the *active* ones (:func:`active`, a context variable that
+:func:`~timm_dora.engine.patch.run` sets for the duration of the call), so the engine's modules read
+them without being handed the model, and two models in one process can run with different options.
+
+A model wrapped without options runs with the active ones: :class:`EngineOptions` defaults, or
+those of an enclosing ``with using(EngineOptions(...)):`` block (how tests and A/B benchmarks switch
+one setting for a stretch of code). Its graphs are kept per options, so a forward never replays a
+graph recorded under others.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+__all__ = ["EngineOptions", "active", "using"]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's settings; the defaults are the fast path measured in ``docs/performance.md``."""
+
+    # Triton kernels for the dense LayerNorm and the patch embedding as one matrix product (CUDA,
+    # half precision, no autograd); False: the modules' own forward
+    dense_kernels: bool = True
+    # merging's fold in engine.fold_kernel's Triton kernels (CUDA, no autograd); False: PyTorch ops
+    fold_kernel: bool = True
+    # with the actor's Triton kernels, at a block whose gate opened in the last forward, the
+    # controller and the deletion run in the attention's graph, reading the keys in place from its
+    # qkv output (the actor's share 4.3 -> 4.0 % on DeiT-B, 18.2 -> 17.2 % on ViT-Ti, H100); False:
+    # two graphs
+    fused_interventions: bool = True
+    # with the actor, the dense blocks up to the first whose gate opened in the last forward run
+    # ahead as one graph, their gates taken as closed and read once where the host must know; where
+    # one opened after all the forward runs again without (graphs.RunAheadMissed)
+    run_ahead: bool = True
+    # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
+    max_cached: int = 4
+    # packed rows padded up to a multiple of this (None: graphs.rows_bucket's rule; tests fix it)
+    rows_bucket: Optional[int] = None
+    # before a runner's first capture, one segment of the graphs' memory pool is reserved for the
+    # largest expected scratch, so that every capture carves its intermediates out of it (without:
+    # about 14 [B*S, d] tensors reserved where 9 are live at once)
+    reserve_pool: bool = True
+    # a graph segment's MLP in this many row chunks (1: all rows at once): a smaller memory pool
+    mlp_chunks: int = 1
+    # batches up to this size run as one *unplanned* whole-forward graph when captured (0: none; the
+    # planned graph was faster at every batch size measured, benchmarks/results/small_batch_h100.json)
+    whole_max_batch: int = 0
+    # the unplanned whole graph: None, as whole_max_batch says; True, every forward the runner can
+    # run whole, captured or not (the CPU tests run it uncaptured); False, never
+    whole: Optional[bool] = None
+    # the planned whole graph for batches up to planned_max_batch: None, when captured; True,
+    # wherever the runner can run whole (the CPU tests run it uncaptured); False, never
+    planned: Optional[bool] = None
+    # the crossover against the per-block executor on an H100 (benchmarks/small_batch.py: the
+    # planned graph 7-56 % faster at batches 1, 8 and 16; at 32 and 64 the two trade places)
+    planned_max_batch: int = 16
+    # a plan's bound on the rows entering a block: the rows seen there plus this many standard
+    # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
+    margin_sd: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_cached", "mlp_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineOptions.{name} must be at least 1, got {getattr(self, name)}")
+        if self.rows_bucket is not None and self.rows_bucket < 1:
+            raise ValueError(f"EngineOptions.rows_bucket must be at least 1 or None, got {self.rows_bucket}")
+        if self.whole_max_batch < 0 or self.planned_max_batch < 0 or not self.margin_sd >= 0:
+            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch and margin_sd must be 0 or more")
+
+
+_ACTIVE: "contextvars.ContextVar[EngineOptions]" = contextvars.ContextVar("timm_dora_engine_options",
+                                                                          default=EngineOptions())
+
+
+def active() -> EngineOptions:
+    """The options of the wrapped model whose forward is running (the defaults outside one)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def using(options: EngineOptions) -> Iterator[EngineOptions]:
+    """Make ``options`` the active ones for the ``with`` block (nested blocks restore on exit)."""
+    token = _ACTIVE.set(options)
+    try:
+        yield options
+    finally:
+        _ACTIVE.reset(token)
