@@ -8,21 +8,17 @@ captured controller's form; synchronised timed loops, median of ``--repeats``) a
 take it (``torch.profiler``, per call, the largest first). Off CUDA only the ops' eager time (the
 smoke test).
 
-    python benchmarks/fold_profile.py --out benchmarks/results/merge_modes/fold_profile_h100.json
+    python -m benchmarks.fold_profile --out benchmarks/results/merge_modes/fold_profile_h100.json
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timm_dora.engine import packing  # noqa: E402
-from timm_dora.evaluate import environment, write_json  # noqa: E402
+from timm_dora.engine import packing
+from timm_dora.evaluate import environment, write_json
 
 
 def _timed(fn, iters: int, repeats: int, cuda: bool) -> float:
