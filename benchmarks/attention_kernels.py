@@ -11,22 +11,18 @@ graph (GPU time only: the wrapped forward replays its attention from graphs too)
 shape: the largest difference of the Triton output from FlashAttention's, and whether a captured
 CUDA graph of the Triton call gives the right result after ``cu_seqlens`` changed in place.
 
-    python benchmarks/attention_kernels.py --out benchmarks/results/attention_kernels_h100.json
+    python -m benchmarks.attention_kernels --out benchmarks/results/attention_kernels_h100.json
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.engine.varlen_kernel import TILE, varlen_attention_triton  # noqa: E402
+from timm_dora.evaluate import environment, write_json
+from timm_dora.engine.varlen_kernel import TILE, varlen_attention_triton
 
 
 def cuda_time_us(fn, iters: int, repeats: int) -> float:

@@ -1,7 +1,7 @@
-"""Average the weights of several saved actors of one training run (ours; ``docs/training.md``,
+"""Average the weights of several saved actors of one training run (ours; ``docs/training_rounds.md``,
 checkpoint averaging).
 
-    python benchmarks/average_checkpoints.py --out runs/b8_averaged runs/b8/checkpoints/u00{6,7,8,9}00 \\
+    python -m benchmarks.average_checkpoints --out runs/b8_averaged runs/b8/checkpoints/u00{6,7,8,9}00 \\
         runs/b8/checkpoints/u01{0,1}00 runs/b8/checkpoints/u01171
     timm-dora distill ... --teacher runs/b8_averaged --width 32 --seed 0 --out student
 

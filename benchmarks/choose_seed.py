@@ -1,13 +1,13 @@
 """Choose the seed to publish on labelled pool images instead of the 150-image dev split alone
-(ours; fixed before the sixth and seventh DeiT-Ti rounds' `test` runs, ``docs/training.md``).
+(ours; fixed before the sixth and seventh DeiT-Ti rounds' `test` runs, ``docs/training_rounds.md``).
 
-    python benchmarks/choose_seed.py --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
+    python -m benchmarks.choose_seed --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
         --data labels.csv --splits rollout qc dev --seed-actors 3=st3 4=st4 5=st5 6=st6 \\
         --min-reduction 35.5 --min-spread 5 --out benchmarks/results/train/<name>.json
-    python benchmarks/tradeoff.py ... --seed-actors 3=st3 4=st4 5=st5 6=st6 --choice <name>.json
+    python -m benchmarks.tradeoff ... --seed-actors 3=st3 4=st4 5=st5 6=st6 --choice <name>.json
 
 Each seed's actor runs on every image of ``--splits`` (the 1,000 ``sample1000`` images; never
-``test``), paired against native on the same images (:func:`tradeoff._row`). The rule
+``test``), paired against native on the same images (:func:`benchmarks.common.paired_row`). The rule
 (:func:`choose`): among the seeds whose per-image spread (p90 - p10 GFLOPs) is at least
 ``--min-spread`` % of native and whose GFLOPs reduction is at least ``--min-reduction`` %, the
 lowest paired drop (ties: fewer GFLOPs); when no seed reaches the reduction, the largest reduction
@@ -16,12 +16,12 @@ among those with the spread, marked ``violates``; when none has the spread, the 
 Why: the paired drop's standard error is about 2.5 pp on the 150 dev images and 0.65-0.8 pp on
 the 1,000 (the sixth round's students), and between two seeds, paired on the same images, less.
 But the pool holds the 700 ``rollout`` images PPO trains on, and a policy learns them, some seeds
-more than others (``benchmarks/seen_unseen.py``: the sixth round's lead over the static rule 2.2-6.0
+more than others (``benchmarks.seen_unseen``: the sixth round's lead over the static rule 2.2-6.0
 points larger there than on ``qc`` + ``dev``), so the whole pool favours the seed that learned its
 images best. The seventh round chose on ``--splits qc dev``, the 300 images no policy trained on
 (standard error about 1.4 pp). bf16 on CUDA, fp32 on the CPU, unless ``--precision``: the readings
 move with the dtype (the eleventh round's merging students read 1.93 pp on average over the pool in
-fp32 on the CPU, 1.65 in bf16 there; ``docs/training.md``), so a choice reads the actors in the
+fp32 on the CPU, 1.65 in bf16 there; ``docs/training_rounds.md``), so a choice reads the actors in the
 dtype the ``test`` table and users run them in (bf16 on the GPU) where it can.
 
 ``--incumbent FOLDER`` (the actor published now) runs on the same images, and the record says
@@ -29,18 +29,18 @@ whether the chosen seed should replace it (:func:`replaces`): only a choice that
 the rule and drops no more than the incumbent on the same images (``incumbent.gap``: the chosen
 seed's drop minus the incumbent's, with the paired standard error). The rule above ranks a round's
 seeds against each other only; the ninth DeiT-Ti round's chose a seed that lost 1.50 pp on the pool
-against the published actor's 0.70 (``docs/training.md``), which this check catches.
+against the published actor's 0.70 (``docs/training_rounds.md``), which this check catches.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Dict, Tuple
 
 import torch
 
 from timm_dora.evaluate import PRECISIONS, build_method, environment, inference_device, load_model, write_json
-from tradeoff import CUDA_GRAPHS, _batches, _predict, _row, native_row, paired_gap, rounded
+from benchmarks.common import (CUDA_GRAPHS, command_line, native_row, paired_gap, paired_row, predict, preload_batches,
+                               rounded)
 
 RULE = ("lowest paired drop on the pool among the seeds with the per-image spread and the GFLOPs reduction; "
         "else the largest reduction among those with the spread (violates)")
@@ -89,22 +89,22 @@ def main(argv=None) -> Dict[str, Any]:
     actors = dict(a.split("=", 1) for a in args.seed_actors)
     dev, dtype, _ = inference_device(args.device, args.precision)
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
-    batches = _batches(model, args.data, args.splits, dev, dtype, args.batch, args.workers)
+    batches = preload_batches(model, args.data, args.splits, dev, dtype, args.batch, args.workers)
     labels = torch.cat([y for _, y in batches])
     nat_p, native = native_row(model, batches, labels)
     def dora(folder: str):  # (predictions, per-image GFLOPs) of an actor over the pool
-        return _predict(build_method(model, "dora", actor=folder, cuda_graphs=CUDA_GRAPHS), batches)["dora"]
+        return predict(build_method(model, "dora", actor=folder, cuda_graphs=CUDA_GRAPHS), batches)["dora"]
 
     runs = {s: dora(p) for s, p in actors.items()}
-    rows = {s: _row(*runs[s], nat_p, labels, native["gflops"], spread=True) for s in actors}
+    rows = {s: paired_row(*runs[s], nat_p, labels, native["gflops"], spread=True) for s in actors}
     seed, violates = choose(rows, args.min_reduction, args.min_spread)
     incumbent = None
     if args.incumbent:
         inc = dora(args.incumbent)
         gap = paired_gap(runs[seed][0], inc[0], labels)
-        incumbent = {"actor": args.incumbent, **_row(*inc, nat_p, labels, native["gflops"], spread=True),
+        incumbent = {"actor": args.incumbent, **paired_row(*inc, nat_p, labels, native["gflops"], spread=True),
                      "gap": gap, "replace": replaces(violates, gap["drop_gap_pp"])}
-    cmd = " ".join(["python benchmarks/choose_seed.py"] + (argv if argv is not None else sys.argv[1:]))
+    cmd = command_line("choose_seed", argv)
     res = {**environment(dev, cmd), "model": args.model, "splits": args.splits, "n_images": int(labels.numel()),
            "dtype": str(dtype).replace("torch.", ""),
            "native": native,

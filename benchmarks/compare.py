@@ -17,7 +17,7 @@ One JSON per backbone, ``<out>/compare_<model>.json``. The paper's timing is 200
 repeats; for a quick run on one H100 use ``--warmup 50 --iters 50 --repeats 3`` (both Tiny
 backbones then take a few minutes)::
 
-    python benchmarks/compare.py --data ../shared/data/imagenet-mini/labels.csv --split test \
+    python -m benchmarks.compare --data ../shared/data/imagenet-mini/labels.csv --split test \
         --out benchmarks/results/compare --warmup 50 --iters 50 --repeats 3
 
 CPU smoke test (random tiny model): ``--random-weights --img-size 64 --device cpu --batch 4
@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timm_dora.evaluate.bench import bench, bench_inputs  # noqa: E402
-from timm_dora.data import eval_transform, open_split, preload  # noqa: E402
-from timm_dora.evaluate import (  # noqa: E402
+from timm_dora.evaluate.bench import bench, bench_inputs
+from timm_dora.data import eval_transform, open_split, preload
+from timm_dora.evaluate import (
     DoraMethod,
     NativeMethod,
     SelectorMethod,
@@ -51,9 +48,10 @@ from timm_dora.evaluate import (  # noqa: E402
     precision_for,
     tensor_batches,
 )
-from timm_dora.evaluate.baselines.static import schedule_for_reduction  # noqa: E402
-from timm_dora.engine.flops import native_gflops  # noqa: E402
-from timm_dora.evaluate.matching import table_from_results  # noqa: E402
+from timm_dora.evaluate.baselines.static import schedule_for_reduction
+from timm_dora.engine.flops import native_gflops
+from timm_dora.evaluate.matching import table_from_results
+from benchmarks.common import command_line
 
 MODELS = ["vit_tiny_patch16_224.augreg_in21k_ft_in1k", "deit_tiny_patch16_224.fb_in1k"]
 _REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +179,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="output folder: one compare_<model>.json per backbone")
     args = ap.parse_args(argv)
-    args.command = " ".join([Path(__file__).name] + list(sys.argv[1:] if argv is None else argv))
+    args.command = command_line("compare", argv)
     if args.weights is not None and len(args.weights) != len(args.models):
         ap.error("--weights needs one file per model")
     if args.actor is not None and len(args.actor) != len(args.models):

@@ -32,40 +32,23 @@ first ``--images`` `test` images of ``--data``), ``deit_tiny_published`` (the sa
 adds ``gate_off_default_ips`` (``NoPrune``, defaults) and ``by_batch`` (the rows at batch sizes
 ``--by-batch``, every field but the references; the one at ``--batch`` is the top-level row).
 
-    python benchmarks/default_speed.py --vit-weights W.safetensors --data labels.csv \\
+    python -m benchmarks.default_speed --vit-weights W.safetensors --data labels.csv \\
         --out benchmarks/results/default_speed_h100.json
 """
 from __future__ import annotations
 
 import argparse
-import gc
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import timm_dora  # noqa: E402
-from timm_dora import NoPrune  # noqa: E402
-from timm_dora.engine import dense_kernels, native_gflops  # noqa: E402
-from timm_dora.engine.dense_kernels import patch_embed_gemm  # noqa: E402
-from timm_dora.evaluate import bench, environment, inference_device, load_model, loader_for, write_json  # noqa: E402
-from timm_dora.hub.published import resolve_actor  # noqa: E402
-from throughput import gate_forced_actor, oracle_forward  # noqa: E402
-
-VIT = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
-DEIT_TI = "deit_tiny_patch16_224.fb_in1k"
-DEIT_B = "deit_base_patch16_224"
-
-
-def timed(fn: Callable, inputs: List[torch.Tensor], args) -> float:
-    gc.collect()
-    torch.cuda.empty_cache()
-    return bench.time_forward(fn, inputs, warmup=args.warmup, iters=args.iters, repeats=args.repeats)["images_per_s"]
+import timm_dora
+from timm_dora import NoPrune
+from timm_dora.engine import native_gflops
+from timm_dora.engine.dense_kernels import patch_embed_gemm
+from timm_dora.evaluate import inference_device, loader_for, write_json
+from benchmarks.common import PUBLISHED, add_common_args, deit_forced, header, oracle_forward, published, timed
 
 
 def first_call_s(fn: Callable, x: torch.Tensor) -> float:
@@ -123,12 +106,9 @@ def dora_rows(model, actor_fn: Callable, inputs: List[torch.Tensor], args,
     row["dora_default_ips"] = timed(model, inputs, args)
     row["engine_info"] = timm_dora.engine_info(model)
     if references:
-        dense_kernels.ENABLED = False  # the same without the engine's LayerNorm and patch-embedding kernels
-        try:
-            timm_dora.release_graphs(model)
-            row["dora_default_timm_kernels_ips"] = timed(model, inputs, args)
-        finally:
-            dense_kernels.ENABLED = True
+        # the same without the engine's LayerNorm and patch-embedding kernels (set_options releases the graphs)
+        timm_dora.set_options(model, dense_kernels=False)
+        row["dora_default_timm_kernels_ips"] = timed(model, inputs, args)
     timm_dora.unwrap(model)
     save()
 
@@ -211,54 +191,6 @@ def targets(res: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def add_common_args(ap: argparse.ArgumentParser) -> None:
-    """The arguments this script shares with ``small_batch.py``: the ViT-Ti weights and images, the
-    timing protocol, the output."""
-    ap.add_argument("--vit-weights", required=True)
-    ap.add_argument("--data", required=True, help="labels CSV with a test split")
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None)
-
-
-def header(dev, script: str, argv, args, **protocol) -> Dict[str, Any]:
-    """A result file's device, versions, command and timing protocol."""
-    return {**environment(dev, " ".join([f"python benchmarks/{script}"] + (argv or sys.argv[1:]))),
-            "protocol": {"warmup": args.warmup, "iters": args.iters, "repeats": args.repeats, "dtype": "bfloat16",
-                         **protocol}}
-
-
-def vit_published(args, dev, dtype, name: str = VIT, weights: Optional[str] = None):
-    """``vit_tiny_published``: ViT-Ti with ``--vit-weights`` and the actor in hub/ (or ``name``'s)."""
-    model = load_model(name, weights or args.vit_weights).to(dev, dtype).eval()
-    return model, resolve_actor(model).to(dev, dtype)
-
-
-# the published-actor configurations: backbone and the argument naming its weights
-PUBLISHED = {"vit_tiny_published": (VIT, "vit_weights"), "deit_tiny_published": (DEIT_TI, "deit_weights")}
-
-
-def published(ap, config: str, args, dev, dtype):
-    """A configuration of :data:`PUBLISHED`: its backbone with the weights its option names and its
-    actor in hub/ (:func:`vit_published`); a usage error through ``ap`` when the option is missing."""
-    name, dest = PUBLISHED[config]
-    if not getattr(args, dest, None):
-        ap.error(f"{config} needs --{dest.replace('_', '-')}")
-    return vit_published(args, dev, dtype, name, getattr(args, dest))
-
-
-def deit_forced(dev, dtype):
-    """``deit_base_forced_369``: DeiT-B with random weights, a random actor whose gate is forced
-    open at blocks 3, 6 and 9, and ``make(b)``: two batches of ``b`` random images."""
-    torch.manual_seed(0)
-    model = load_model(DEIT_B, random_weights=True).to(dev, dtype).eval()
-    forced = gate_forced_actor(model, [3, 6, 9]).to(dev, dtype)
-    g = torch.Generator(device=dev).manual_seed(0)
-    make = lambda b: [torch.randn(b, 3, 224, 224, device=dev, generator=g).to(dtype) for _ in range(2)]
-    return model, forced, make
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap)
@@ -272,7 +204,7 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-modes", nargs="*", default=["default", "reduce-overhead"], choices=["default", "reduce-overhead"])
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device("cuda", "bf16")
-    res: Dict[str, Any] = header(dev, "default_speed.py", argv, args, batch=args.batch)
+    res: Dict[str, Any] = header(dev, "default_speed", argv, args, batch=args.batch)
 
     for config in (c for c in PUBLISHED if c in args.configs):  # the published actors on real test images
         model, actor = published(ap, config, args, dev, dtype)

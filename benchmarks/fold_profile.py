@@ -2,27 +2,25 @@
 
 On random rows of one block at a backbone's shape (default DeiT-Ti at batch 320: 197 rows of width
 192, 3 heads per image, 30 % of the visual rows removed, bf16 on CUDA), for each form (``ops``: the
-PyTorch ops, ``packing.FOLD_KERNEL = False``; ``kernels``: the Triton kernels of
+PyTorch ops, ``EngineOptions(fold_kernel=False)``; ``kernels``: the Triton kernels of
 ``engine.fold_kernel``, CUDA only) the time per call eagerly and replayed from a CUDA graph (the
 captured controller's form; synchronised timed loops, median of ``--repeats``) and the kernels that
 take it (``torch.profiler``, per call, the largest first). Off CUDA only the ops' eager time (the
 smoke test).
 
-    python benchmarks/fold_profile.py --out benchmarks/results/merge_modes/fold_profile_h100.json
+    python -m benchmarks.fold_profile --out benchmarks/results/merge_modes/fold_profile_h100.json
 """
 from __future__ import annotations
 
 import argparse
-import sys
+import contextlib
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timm_dora.engine import packing  # noqa: E402
-from timm_dora.evaluate import environment, write_json  # noqa: E402
+from timm_dora.engine import EngineOptions, packing
+from timm_dora.engine.options import using
+from timm_dora.evaluate import environment, write_json
 
 
 def _timed(fn, iters: int, repeats: int, cuda: bool) -> float:
@@ -72,8 +70,9 @@ def main(argv=None):
     res = {**environment(dev), "dtype": str(dtype).replace("torch.", ""),
            "shape": {"batch": b, "tokens": s, "dim": d, "heads": args.heads, "removed_rows": int(remove.sum())},
            "protocol": {"iters": args.iters, "repeats": args.repeats, "statistic": "median over repeats"}}
+    options = contextlib.ExitStack()  # the fold reads the active EngineOptions
     for form, kernels in (("ops", False), ("kernels", True)) if cuda else (("ops", False),):
-        packing.FOLD_KERNEL = kernels
+        options.enter_context(using(EngineOptions(fold_kernel=kernels)))
         for _ in range(3):
             fold()
         row = res[form] = {"eager_ms": _timed(fold, args.iters, args.repeats, cuda)}
@@ -92,7 +91,7 @@ def main(argv=None):
                          key=lambda r: -r[1])
             row["kernels_us_per_call"] = [{"kernel": k.replace("void ", "").replace("at::native::", "")[:90],
                                            "us": round(v, 1)} for k, v in top[:10]]
-    packing.FOLD_KERNEL = True
+    options.close()
     write_json(args.out, res)
     print({form: {k: v for k, v in row.items() if k.endswith("_ms")} for form, row in res.items()
            if form in ("ops", "kernels")})

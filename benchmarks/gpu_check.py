@@ -13,27 +13,21 @@ direct ``aten::_flash_attention_forward`` call of the ``torch_varlen`` backend w
 ``torch.nn.attention.varlen.varlen_attn`` on the same packed batch. Writes JSON; exits non-zero
 on a failure.
 
-    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check_h100.json
+    python -m benchmarks.gpu_check --out benchmarks/results/gpu_check_h100.json
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import sys
-from pathlib import Path
 
+import timm
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import timm  # noqa: E402
-
-import timm_dora  # noqa: E402
-from helpers import Recorder, random_plan  # noqa: E402
-from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
-from timm_dora.evaluate import environment, write_json  # noqa: E402
+import timm_dora
+from timm_dora import Actor, ActorPolicy, ReplayPolicy
+from timm_dora.evaluate import environment, write_json
+from benchmarks.common import Recorder, command_line, random_plan
 
 MODELS = [
     ("deit_base_patch16_224", {}),
@@ -150,7 +144,7 @@ def main():
     ok = ok and all(v for r in rows for k, v in r.items() if k.endswith("_decisions_equal") and "actor" not in k)
     ok = ok and varlen["max_abs_diff"] <= 1e-2
     res = {
-        **environment(torch.device("cuda"), "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:])),
+        **environment(torch.device("cuda"), command_line("gpu_check")),
         "dtype": "GPU bf16 weights+activations ('bf16') or fp32 weights with bf16 autocast ('autocast') vs float32 CPU reference",
         "tolerance": "rel_err <= max(1e-2, 1.1 x native_rel_err of the same backbone and dtype)",
         "passed": ok,

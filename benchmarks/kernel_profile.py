@@ -8,37 +8,21 @@ removal, every round, the medians) and ``vit_<name>.txt`` (the kernel table, hea
 kernel time and the kernel count per batch) into ``--out``. What it showed is in
 ``docs/performance.md``.
 
-    python benchmarks/kernel_profile.py --vit-weights W.safetensors --data labels.csv --out <dir>
+    python -m benchmarks.kernel_profile --vit-weights W.safetensors --data labels.csv --out <dir>
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import timm_dora  # noqa: E402
-from timm_dora.evaluate import loader_for  # noqa: E402
-from default_speed import vit_published  # noqa: E402
-from throughput import oracle_forward  # noqa: E402
-
-
-def ms_per_batch(fn, xs, n: int = 25) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        for x in xs:
-            fn(x)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (n * len(xs)) * 1e3
+import timm_dora
+from timm_dora.evaluate import loader_for
+from benchmarks.common import command_line, ms_per_batch, oracle_forward, vit_published
 
 
 def kernel_table(fn, xs, path: Path) -> float:
@@ -91,7 +75,7 @@ def main(argv=None) -> None:
                 rounds[k].append(ms_per_batch(fn, xs))
         median = {k: sorted(v)[len(v) // 2] for k, v in rounds.items()}
         kernels = {k: kernel_table(fn, xs, out / f"vit_{k}.txt") for k, fn in fns.items()}
-    res = {"command": " ".join(["python benchmarks/kernel_profile.py"] + (argv or sys.argv[1:])),
+    res = {"command": command_line("kernel_profile", argv),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "oracle_removal_per_block": ks,
            "rounds_ms": rounds, "median_ms": median, "kernel_ms": kernels,
            "oracle_over_dora": median["oracle_compiled"] / median["dora_default"]}

@@ -10,7 +10,7 @@ model and input batches), split by memory pool (the default pool, the graph runn
 pools), and for graph rows the runner's fixed buffers (tensors the runner holds outside its pool).
 Native timm is the reference. Writes JSON with device, versions and the command.
 
-    python benchmarks/memory_breakdown.py --models vit_tiny_patch16_224 deit_base_patch16_224 \
+    python -m benchmarks.memory_breakdown --models vit_tiny_patch16_224 deit_base_patch16_224 \
         --out benchmarks/results/memory_breakdown_h100.json
 """
 from __future__ import annotations
@@ -18,22 +18,17 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import sys
-from pathlib import Path
 
+import timm
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import timm  # noqa: E402
-
-import timm_dora  # noqa: E402
-import timm_dora.engine.graphs  # noqa: E402
-from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
-from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.engine.flops import backbone_cost  # noqa: E402
-from throughput import apply, fixed_plan, setting_home, gate_forced_actor, graph_variants, schedule_for_reduction  # noqa: E402
+import timm_dora
+import timm_dora.engine.graphs
+from timm_dora import Actor, ActorPolicy, ReplayPolicy
+from timm_dora.evaluate import environment, write_json
+from timm_dora.engine.flops import backbone_cost
+from benchmarks.common import (apply, command_line, fixed_plan, gate_forced_actor, graph_variants,
+                               schedule_for_reduction)
 
 MIB = 2 ** 20
 
@@ -133,21 +128,20 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=320)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--mlp-chunks", type=int, nargs="+", default=[1], help="timm_dora.engine.segments.MLP_CHUNKS for the graph rows (each: its own row)")
+    ap.add_argument("--mlp-chunks", type=int, nargs="+", default=[1], help="EngineOptions.mlp_chunks for the graph rows (each: its own row)")
     ap.add_argument("--reserve-pool", nargs="+", choices=["on", "off"], default=["on"],
-                    help="timm_dora.engine.segments.RESERVE_POOL for the graph rows (each: its own row)")
+                    help="EngineOptions.reserve_pool for the graph rows (each: its own row)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    saved = {f: getattr(setting_home(f), f) for f in ("MLP_CHUNKS", "RESERVE_POOL")}
     try:
         return _measure(args, argv)
     finally:
-        apply(saved)
+        apply({})
 
 
 def _measure(args, argv):
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    results = {**environment(dev, " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))),
+    results = {**environment(dev, command_line("memory_breakdown", argv)),
                "dtype": "bfloat16", "batch": args.batch, "rows": []}
     for name in args.models:
         torch.manual_seed(0)

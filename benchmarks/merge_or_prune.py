@@ -11,24 +11,21 @@ images (fp32 on the CPU; the 1,000 ``sample1000`` images by default, never ``tes
 
 All three cost the same GFLOPs (the same matching, the same token counts).
 
-    python benchmarks/merge_or_prune.py --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
+    python -m benchmarks.merge_or_prune --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
         --data labels.csv --r 9 10 11 12 --out merge_or_prune_deit_tiny.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Dict, List
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timm_dora.evaluate import environment, load_model, loader_for  # noqa: E402
-from timm_dora.evaluate.baselines import ToMe, tome_gflops  # noqa: E402
-from pool_studies import POOL, paired  # noqa: E402  (the pool and the paired row of the other pool studies)
+from timm_dora.evaluate import environment, load_model, loader_for
+from timm_dora.evaluate.baselines import ToMe, tome_gflops
+from benchmarks.common import POOL, command_line, paired  # (the pool and the paired row of the other pool studies)
 
 MODES = {"merge": dict(prop_attn=True), "merge_no_prop": dict(prop_attn=False), "prune": dict(prune=True)}
 
@@ -67,7 +64,7 @@ def main(argv=None) -> Dict:
                 pred = torch.cat([method(x).argmax(1) for x in xs])
                 rows.append({"r": r, "mode": mode, **paired(pred, native, labels), "gflops": gflops})
                 print(json.dumps(rows[-1]), flush=True)
-    res = {**environment(torch.device("cpu"), " ".join(["python benchmarks/merge_or_prune.py"] + (argv or sys.argv[1:]))),
+    res = {**environment(torch.device("cpu"), command_line("merge_or_prune", argv)),
            "model": args.model, "splits": args.splits, "images": len(labels),
            "native_top1": round((native == labels).float().mean().item() * 100, 2), "rows": rows}
     Path(args.out).write_text(json.dumps(res, separators=(",", ":")))

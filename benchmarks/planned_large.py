@@ -1,43 +1,35 @@
 """Large batches: DORA's per-block executor against the planned whole graph and the compiled oracle.
 
 In one process on one GPU (bf16), interleaved rounds (``--rounds`` x 15 x 2 forwards each, median ms
-per batch) of: ``per_block`` (the default captured executor above ``whole.PLANNED_MAX_BATCH``),
-``planned`` (the same wrapped model with ``whole.PLANNED = True``: one graph per plan, no host
+per batch) of: ``per_block`` (the default captured executor above ``EngineOptions.planned_max_batch``),
+``planned`` (the same wrapped model under ``EngineOptions(planned=True)``: one graph per plan, no host
 waits, rows bounded by the plan) and ``oracle_compiled`` (the dense slicing oracle at DORA's
 realised per-block removal, ``torch.compile``), for ``vit`` (ViT-Ti, the published actor, ``test``
 images: speed only) and ``deit`` (DeiT-B, random weights, the gate forced open at blocks 3/6/9),
 at each ``--batches`` size. Also each plan's row bounds (``plans``) against the visual tokens the
 batch kept (``seen_visual_tokens_sum``), to read the plan's padding.
 
-    python benchmarks/planned_large.py --vit-weights W.safetensors --data labels.csv --batches 64 128 320 --out r.json
+    python -m benchmarks.planned_large --vit-weights W.safetensors --data labels.csv --batches 64 128 320 --out r.json
 """
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import timm_dora  # noqa: E402
-from timm_dora.engine import whole  # noqa: E402
-from timm_dora.evaluate import environment, loader_for  # noqa: E402
-from default_speed import deit_forced, vit_published  # noqa: E402
-from kernel_profile import ms_per_batch  # noqa: E402
-from throughput import oracle_forward  # noqa: E402
+import timm_dora
+from timm_dora import EngineOptions
+from timm_dora.engine.options import using
+from timm_dora.evaluate import environment, loader_for
+from benchmarks.common import command_line, deit_forced, ms_per_batch, oracle_forward, vit_published
 
 
 def planned(model):
     """``model`` run as one planned graph per forward, whatever the batch size."""
     def forward(x):
-        whole.PLANNED = True
-        try:
+        with using(EngineOptions(planned=True)):
             return model(x)
-        finally:
-            whole.PLANNED = None
     return forward
 
 
@@ -56,7 +48,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    res = environment(dev, " ".join(["python benchmarks/planned_large.py"] + (argv or sys.argv[1:])))
+    res = environment(dev, command_line("planned_large", argv))
     for cfg in args.configs:
         if cfg == "vit":
             model, actor = vit_published(args, dev, dtype)

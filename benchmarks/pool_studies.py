@@ -20,7 +20,7 @@ read here, the pool is the training side of the data):
   proportional attention on it); it counts as a kept token in the engine's token counts and the
   GFLOPs.
 
-    python benchmarks/pool_studies.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
+    python -m benchmarks.pool_studies --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
         --weights W.safetensors --data labels.csv --actors A1 A2 --out study.json
 """
 from __future__ import annotations
@@ -28,21 +28,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import timm_dora
+from timm_dora.engine import blocks, eager, run
+from timm_dora.evaluate import environment, load_model, loader_for
+from timm_dora.evaluate.baselines.selectors import SELECTORS
+from benchmarks.common import POOL, ClsSimSelector, command_line, paired
 
-import timm_dora  # noqa: E402
-from timm_dora.engine import blocks, eager, run  # noqa: E402
-from timm_dora.evaluate import environment, load_model, loader_for  # noqa: E402
-from timm_dora.evaluate.baselines.selectors import SELECTORS, RecordedSelector  # noqa: E402
-
-POOL = ("rollout", "qc", "dev")  # the default partition of sample1000: all 1,000 images
 MERGE_MODES = ("delete", "merge_x", "merge_keys", "merge_keys_prop")
 FUSE_MODES = ("delete", "fuse", "fuse_prop")
 
@@ -169,24 +166,6 @@ def _substitution(mode: str):
     return Merging("x" if mode == "merge_x" else "keys", mode == "merge_keys_prop")
 
 
-class ClsSimSelector(RecordedSelector):
-    """The static baseline's rule as a substitution: the visual tokens whose key (heads
-    concatenated) is least cosine-similar to the CLS key go first."""
-
-    name = "cls_sim"
-
-    def scores(self, ctx, pad):
-        p = ctx.packed.num_prefix
-        k = F.normalize(pad.pad(ctx.keys.float()), dim=-1)
-        return -(k[:, p:] * k[:, :1]).sum(-1), None
-
-
-def paired(pred: torch.Tensor, native: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
-    d = (native == labels).float() - (pred == labels).float()
-    return {"drop_pp": round(d.mean().item() * 100, 2), "drop_se_pp": round(d.std().item() / len(d) ** 0.5 * 100, 2),
-            "agreement": round((pred == native).float().mean().item() * 100, 2)}
-
-
 def study(model, actor: str, xs: List[torch.Tensor], native, labels, what: str) -> Dict[str, object]:
     timm_dora.wrap(model, actor, cuda_graphs=False)  # (outside inference mode: the actor's own tensors)
     with torch.inference_mode():
@@ -246,7 +225,7 @@ def main(argv=None) -> dict:
     labels = torch.cat(ys)
     with torch.inference_mode():
         native = torch.cat([model(x).argmax(1) for x in xs])
-    res = {**environment(torch.device("cpu"), " ".join(["python benchmarks/pool_studies.py"] + (argv or sys.argv[1:]))),
+    res = {**environment(torch.device("cpu"), command_line("pool_studies", argv)),
            "model": args.model, "images": len(labels), "splits": list(POOL),
            "native_top1": round((native == labels).float().mean().item() * 100, 2), "actors": {}}
     for actor in args.actors:

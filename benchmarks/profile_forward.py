@@ -1,7 +1,7 @@
 """Where the wrapped forward's time goes (torch profiler), and how often it synchronises.
 
 For each backbone (random weights, bf16, batch 320 on CUDA) and configuration (``gate_off``: the
-actor's gate never opens; ``fixed``: the replay policy of benchmarks/throughput.py at about 37 %
+actor's gate never opens; ``fixed``: the replay policy of ``benchmarks.throughput`` at about 37 %
 fewer GFLOPs; ``actor``: an untrained actor whose gate is forced open at the same blocks), reports:
 
 - ``ms_per_forward``: median wall time of a forward (CUDA events), next to native timm;
@@ -17,31 +17,22 @@ fewer GFLOPs; ``actor``: an untrained actor whose gate is forced open at the sam
   GFLOPs; no gate, no controller) over the actor's forward, both from graphs on the same batch
   (``--graphs-only``: these rows alone).
 
-    python benchmarks/profile_forward.py --out benchmarks/results/profile_h100.json
+    python -m benchmarks.profile_forward --out benchmarks/results/profile_h100.json
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import warnings
-from pathlib import Path
 
+import timm
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import timm  # noqa: E402
-
-import timm_dora  # noqa: E402
-from throughput import fixed_plan, gate_forced_actor, schedule_for_reduction  # noqa: E402
-from helpers import recorded_plan  # noqa: E402
-from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
-from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.engine.flops import backbone_cost  # noqa: E402
+import timm_dora
+from timm_dora import Actor, ActorPolicy, ReplayPolicy
+from timm_dora.evaluate import environment, write_json
+from timm_dora.engine.flops import backbone_cost
+from benchmarks.common import command_line, fixed_plan, gate_forced_actor, recorded_plan, schedule_for_reduction
 
 SCOPES = ("dora.attention", "dora.policy", "dora.compact", "dora.mlp", "dora.readout")
 
@@ -99,14 +90,19 @@ def main():
     ap.add_argument("--graph-configs", nargs="+", default=["gate_off", "actor", "actor_modules"],
                     choices=["gate_off", "actor", "actor_modules"], help="which cuda_graphs=True rows")
     ap.add_argument("--fused-interventions", choices=["on", "off"], default="on",
-                    help="timm_dora.engine.graphs.FUSED_INTERVENTIONS: the controller in the attention's graph (NOTES change 32)")
+                    help="EngineOptions.fused_interventions: the controller in the attention's graph")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import timm_dora.engine.graphs
+    from timm_dora import EngineOptions
+    from timm_dora.engine.options import using
 
-    timm_dora.engine.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
+    with using(EngineOptions(fused_interventions=args.fused_interventions == "on")):  # (every model wrapped here)
+        return _profile(args)
+
+
+def _profile(args):
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    res = {**environment(dev, "python benchmarks/profile_forward.py " + " ".join(sys.argv[1:])),
+    res = {**environment(dev, command_line("profile_forward")),
            "batch": args.batch, "rows": []}
     for name in args.models:
         torch.manual_seed(0)

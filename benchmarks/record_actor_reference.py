@@ -1,6 +1,6 @@
 """Record a published actor's decisions on a fixed slice of the test split (CPU, fp32).
 
-    python benchmarks/record_actor_reference.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
+    python -m benchmarks.record_actor_reference --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
         --actor timm_dora/hub/actors/vit_tiny_patch16_224.augreg_in21k_ft_in1k --images 64 \\
         --out tests/data/actor_reference_vit_tiny.json
 
@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-_REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_REPO))
+from timm_dora.data import eval_transform, open_split
+from timm_dora.evaluate import environment, write_json
+from timm_dora.engine.patch import run, unwrap
+from timm_dora.api import wrap
+from timm_dora.backbone import create_backbone
+from benchmarks.common import command_line
 
-from timm_dora.data import eval_transform, open_split  # noqa: E402
-from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.engine.patch import run, unwrap  # noqa: E402
-from timm_dora.api import wrap  # noqa: E402
-from timm_dora.backbone import create_backbone  # noqa: E402
-
-SHARED = _REPO.parent / "shared"
+SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
 def reference_decisions(model_name: str, weights: Path, actor, labels_csv: Path, n: int) -> Dict:
@@ -71,7 +68,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ref = reference_decisions(args.model, weights, args.actor, Path(args.data), args.images)
     digest = hashlib.sha256((Path(args.actor) / "model.safetensors").read_bytes()).hexdigest()
     payload = {
-        **environment(torch.device("cpu"), " ".join(["record_actor_reference.py"] + (argv or sys.argv[1:]))),
+        **environment(torch.device("cpu"), command_line("record_actor_reference", argv)),
         "model": args.model, "weights": weights.name, "actor": args.actor, "actor_sha256": digest,
         "split": "test", "dtype": "float32", **ref,
     }

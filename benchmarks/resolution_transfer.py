@@ -6,7 +6,7 @@ images (``timm_dora.evaluate``). The actor keeps its budget grid as fractions of
 was trained with (``Actor.grid``), so at 192 px (144 patches) budget ``k`` of its 196-patch grid
 removes ``round(k * 144 / 196)`` tokens.
 
-    python benchmarks/resolution_transfer.py --weights W.safetensors --data labels.csv \\
+    python -m benchmarks.resolution_transfer --weights W.safetensors --data labels.csv \\
         --sizes 192 224 256 --out benchmarks/results/resolution_transfer.json
 
 bf16 on CUDA, fp32 on the CPU (``--device``).
@@ -14,11 +14,11 @@ bf16 on CUDA, fp32 on the CPU (``--device``).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
 from timm_dora.evaluate import build_method, environment, evaluate, inference_device, load_model, loader_for, write_json
+from benchmarks.common import command_line
 
 MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 
@@ -38,8 +38,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device(args.device)  # bf16 on CUDA (TF32 off), fp32 on the CPU
-    res = {**environment(dev, " ".join(["python benchmarks/resolution_transfer.py"]
-                                       + (argv if argv is not None else sys.argv[1:]))),
+    res = {**environment(dev, command_line("resolution_transfer", argv)),
            "model": args.model, "actor": args.actor or "published", "split": args.split,
            "dtype": str(dtype).replace("torch.", ""), "rows": []}
     for size in args.sizes:

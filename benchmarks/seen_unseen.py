@@ -1,7 +1,7 @@
 """Do trained actors do better on the images their policy was trained on? (ours; inference only,
 on the 1,000 ``sample1000`` pool images, never ``test``)
 
-    python benchmarks/seen_unseen.py --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
+    python -m benchmarks.seen_unseen --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
         --data labels.csv --actors c3=RUN/selected st3=STUDENT ... --out seen_unseen.json
 
 PPO trains on the ``rollout`` split only (700 images, about 430 visits each in a 1,171-update stage
@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from typing import Any, Dict
 
 import torch
 
 from timm_dora.evaluate import build_method, environment, inference_device, load_model, write_json
-from tradeoff import CUDA_GRAPHS, _batches, _predict, _row, interpolate, rounded
+from benchmarks.common import CUDA_GRAPHS, command_line, interpolate, paired_row, predict, preload_batches, rounded
 
 SPLITS = ("rollout", "qc", "dev")
 GROUPS = {"rollout": ("rollout",), "qc": ("qc",), "dev": ("dev",), "unseen": ("qc", "dev")}
@@ -57,7 +56,7 @@ def main(argv=None) -> Dict[str, Any]:
     dev, dtype, _ = inference_device(args.device)
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
     depth = len(model.blocks)
-    per_split = {s: _batches(model, args.data, [s], dev, dtype, args.batch, args.workers, args.limit) for s in SPLITS}
+    per_split = {s: preload_batches(model, args.data, [s], dev, dtype, args.batch, args.workers, args.limit) for s in SPLITS}
     batches = [b for s in SPLITS for b in per_split[s]]  # one pass of each method over all splits
     n_images = {s: sum(len(y) for _, y in per_split[s]) for s in SPLITS}
     starts = dict(zip(SPLITS, [0, *itertools.accumulate(n_images[s] for s in SPLITS)]))
@@ -65,7 +64,7 @@ def main(argv=None) -> Dict[str, Any]:
     labels = torch.cat([y for _, y in batches])
 
     def run(kind: str, **kw):  # (predictions, per-image GFLOPs) over all splits
-        return next(iter(_predict(build_method(model, kind, **kw), batches).values()))
+        return next(iter(predict(build_method(model, kind, **kw), batches).values()))
 
     def group(res, g):  # the rows of a group of splits
         return tuple(t[rows_of[g].to(t.device)] for t in res)
@@ -77,14 +76,14 @@ def main(argv=None) -> Dict[str, Any]:
     res: Dict[str, Any] = {"static": {}, "actors": {}}
     sweep = {}
     for g in GROUPS:
-        rows = {k: _row(*group(static[k], g), *ref[g], nat_g) for k in args.static_k}
+        rows = {k: paired_row(*group(static[k], g), *ref[g], nat_g) for k in args.static_k}
         res["static"][g] = [{"schedule": every_block(k, depth), **r} for k, r in rows.items()]
         sweep[g] = [(r["gflops"], r["agreement"]) for r in rows.values()]
     for name, folder in actors.items():
         out = run("dora", actor=folder, cuda_graphs=CUDA_GRAPHS)  # the test tables' executor
         per: Dict[str, Any] = {"actor": folder}
         for g in GROUPS:
-            row = _row(*group(out, g), *ref[g], nat_g)
+            row = paired_row(*group(out, g), *ref[g], nat_g)
             at = interpolate(sweep[g], row["gflops"])
             per[g] = {**row, "n_images": int(ref[g][1].numel()), "static_agreement": at,
                       "advantage_pp": None if at is None else row["agreement"] - at}
@@ -93,7 +92,7 @@ def main(argv=None) -> Dict[str, Any]:
         res["actors"][name] = per
         print(f"{name}: advantage over static {a if a is None else round(a, 2)} pp (rollout), "
               f"{b if b is None else round(b, 2)} pp (qc + dev) at {per['unseen']['gflops']:.3f} GFLOPs", flush=True)
-    cmd = " ".join(["python benchmarks/seen_unseen.py"] + (argv if argv is not None else sys.argv[1:]))
+    cmd = command_line("seen_unseen", argv)
     res = {**environment(dev, cmd), "model": args.model, "dtype": str(dtype).replace("torch.", ""),
            "n_images": n_images, "native_gflops": nat_g, **res}
     write_json(args.out, rounded(res))

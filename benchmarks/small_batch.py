@@ -1,6 +1,6 @@
 """Small batches: the whole-forward graphs against the per-block executor and native (not a test).
 
-For each configuration of ``default_speed.py`` (``deit_tiny_published`` with ``--deit-weights``: the
+For each configuration of ``benchmarks.default_speed`` (``deit_tiny_published`` with ``--deit-weights``: the
 merging DeiT-Ti actor) and each batch size of ``--batches``, in one process
 on one GPU (bf16, the timing protocol of :func:`timm_dora.evaluate.bench.time_forward`):
 ``native_compiled_ips`` and ``native_compiled_ro_ips`` (the timm model under ``torch.compile``,
@@ -10,26 +10,21 @@ forward as one graph at ``B*S`` rows), ``planned_ips`` (one graph per plan, chec
 forward) and ``per_block_ips`` (:mod:`timm_dora.engine.graphs`), with ``same_decisions_pct``, the
 images whose per-block removals agree between the whole graph and the per-block executor
 (``planned_same_decisions_pct``: the planned graph and the per-block executor). The crossovers set
-:data:`~timm_dora.engine.whole.MAX_BATCH` and :data:`~timm_dora.engine.whole.PLANNED_MAX_BATCH`.
+``EngineOptions.whole_max_batch`` and ``planned_max_batch``.
 
-    python benchmarks/small_batch.py --vit-weights W.safetensors --data labels.csv --out <json>
+    python -m benchmarks.small_batch --vit-weights W.safetensors --data labels.csv --out <json>
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import timm_dora  # noqa: E402
-from timm_dora.engine import whole  # noqa: E402
-from timm_dora.evaluate import inference_device, loader_for, write_json  # noqa: E402
-from default_speed import add_common_args, deit_forced, header, published, timed  # noqa: E402
+import timm_dora
+from timm_dora import EngineOptions
+from timm_dora.evaluate import inference_device, loader_for, write_json
+from benchmarks.common import add_common_args, deit_forced, header, published, timed
 
 
 def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
@@ -38,17 +33,13 @@ def rows(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
     torch._dynamo.reset()
     row["native_compiled_ro_ips"] = timed(torch.compile(model, mode="reduce-overhead"), inputs, args)
     removed = {}
-    for name, modes in (("whole", (True, False)), ("planned", (False, True)), ("per_block", (False, False))):
-        whole.WHOLE, whole.PLANNED = modes
-        try:
-            timm_dora.wrap(model, actor)
-            row[f"{name}_ips"] = timed(model, inputs, args)
-            with torch.inference_mode():
-                model(inputs[0])
-            removed[name] = model.dora_stats.removed.clone()
-            timm_dora.unwrap(model)
-        finally:
-            whole.WHOLE = whole.PLANNED = None
+    for name, (whole, planned) in (("whole", (True, False)), ("planned", (False, True)), ("per_block", (False, False))):
+        timm_dora.wrap(model, actor, options=EngineOptions(whole=whole, planned=planned))
+        row[f"{name}_ips"] = timed(model, inputs, args)
+        with torch.inference_mode():
+            model(inputs[0])
+        removed[name] = model.dora_stats.removed.clone()
+        timm_dora.unwrap(model)
     same = lambda a: 100.0 * float((removed[a] == removed["per_block"]).all(1).float().mean())
     row["same_decisions_pct"], row["planned_same_decisions_pct"] = same("whole"), same("planned")
     return row
@@ -63,7 +54,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device("cuda", "bf16")
-    res: Dict[str, Any] = header(dev, "small_batch.py", argv, args)
+    res: Dict[str, Any] = header(dev, "small_batch", argv, args)
     for config in args.configs:
         if config == "deit_base_forced_369":
             model, actor, make = deit_forced(dev, dtype)

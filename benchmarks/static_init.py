@@ -14,7 +14,7 @@ policy than from a random actor. This script makes that start by imitation, no l
 - **selector**: the static rule's token order (``cls_sim``: least cosine-similar to the CLS key
   first; Plackett-Luce likelihood of the first ``k``), the distributions PPO trains.
 
-    python benchmarks/static_init.py --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
+    python -m benchmarks.static_init --model deit_tiny_patch16_224.fb_in1k --weights W.safetensors \\
         --data labels.csv --schedule 1:12,2:12,3:12,4:12,5:12,6:12,7:12,8:12,9:12,10:12,11:12 \\
         --width 64 --out runs/static_init
     timm-dora-train ... --init-actor runs/static_init
@@ -27,28 +27,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timm_dora import data as D  # noqa: E402
-from timm_dora.engine import run, wrap  # noqa: E402
-from timm_dora.evaluate import load_model  # noqa: E402
-from timm_dora.evaluate.baselines.static import parse_schedule  # noqa: E402
-from timm_dora.hub import save_pretrained  # noqa: E402
-from timm_dora.policy import Actor, ActorPolicy, NoPrune, encoder_sizes  # noqa: E402
-from timm_dora.train.distill import removal_sets  # noqa: E402
-from timm_dora.train.rollout import evaluate_controller  # noqa: E402
-from pool_studies import ClsSimSelector  # noqa: E402  (benchmarks/: the static rule's scores)
+from timm_dora import data as D
+from timm_dora.engine import run, wrap
+from timm_dora.evaluate import load_model
+from timm_dora.evaluate.baselines.static import parse_schedule
+from timm_dora.hub import save_pretrained
+from timm_dora.policy import Actor, ActorPolicy, NoPrune, encoder_sizes
+from timm_dora.train.distill import removal_sets
+from timm_dora.train.rollout import evaluate_controller
+from benchmarks.common import ClsSimSelector  # (the static rule's scores)
 
 
 class ClsSimSchedule(ClsSimSelector):
-    """The static ``cls_sim`` rule as a policy (:class:`pool_studies.ClsSimSelector`'s scores: the same
+    """The static ``cls_sim`` rule as a policy (:class:`benchmarks.common.ClsSimSelector`'s scores: the same
     removals as the static baseline's), recording what an actor would observe at every block
     (``gate``) and at every removal (``steps``)."""
 

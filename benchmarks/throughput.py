@@ -27,7 +27,7 @@ loop, 5 repeats, median (:func:`timm_dora.evaluate.bench.time_forward`). Configu
   launch-bound on small backbones).
 - ``actor_oracle`` / ``actor_oracle_graphs``: the same two at the actor rows' realized mean GFLOPs,
   the actor's own FLOPs included (its removals per block scaled until the GFLOPs match,
-  :func:`matched_counts`): the ceiling for the ``actor*`` rows at equal GFLOPs.
+  :func:`benchmarks.common.matched_counts`): the ceiling for the ``actor*`` rows at equal GFLOPs.
 
 Each row also records on CUDA ``peak_memory_mib``, the peak allocated memory over the whole row
 (weights and the cycled input batches included, so rows of one backbone compare; graph rows'
@@ -42,48 +42,24 @@ it: what the row's own forwards add (the actor's weights, allocated before the r
 
 Usage (prints a table; writes JSON with device, versions and the command):
 
-    python benchmarks/throughput.py --models deit_base_patch16_224 vit_tiny_patch16_224 \
+    python -m benchmarks.throughput --models deit_base_patch16_224 vit_tiny_patch16_224 \
         --out benchmarks/results/throughput_h100.json
 """
 from __future__ import annotations
 
 import argparse
-import gc
-import sys
-from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List
 
+import timm
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import timm  # noqa: E402
-
-import timm_dora  # noqa: E402
-import timm_dora.engine.graphs  # noqa: E402
-import timm_dora.engine.segments  # noqa: E402
-from timm_dora import Actor, ActorPolicy, ReplayPolicy  # noqa: E402
-from timm_dora.evaluate import bench  # noqa: E402
-from timm_dora.evaluate import environment, write_json  # noqa: E402
-from timm_dora.engine.flops import backbone_cost  # noqa: E402
-
-
-def fixed_plan(batch: int, n0: int, blocks: List[int], mean_k: List[int], spread: int, seed: int, device):
-    """Per-image variable budgets: image i removes ``mean_k[j] + u_i`` at ``blocks[j]``, u_i uniform
-    in ``[-spread, spread]`` (even), random columns."""
-    g = torch.Generator().manual_seed(seed)
-    n = [n0] * batch
-    plan = {}
-    for l, mk in zip(blocks, mean_k):
-        imgs, cols = [], []
-        for i in range(batch):
-            k = mk + 2 * int(torch.randint(-spread // 2, spread // 2 + 1, (1,), generator=g))
-            k = max(0, min(k, n[i] - 4))
-            imgs += [i] * k
-            cols += torch.randperm(n[i], generator=g)[:k].tolist()
-            n[i] -= k
-        plan[l] = (torch.tensor(imgs, device=device), torch.tensor(cols, device=device))
-    return plan
+import timm_dora
+import timm_dora.engine.graphs
+from timm_dora import Actor, ActorPolicy, ReplayPolicy
+from timm_dora.evaluate import environment, write_json
+from timm_dora.engine.flops import backbone_cost
+from benchmarks.common import (apply, captured, command_line, fixed_plan, gate_forced_actor, graph_variants,
+                               matched_counts, measure_row, oracle_forward, oracle_gflops, schedule_for_reduction)
 
 
 def parse_reduction(target: str, default_blocks: List[int]):
@@ -99,154 +75,10 @@ def parse_reduction(target: str, default_blocks: List[int]):
     return value, chosen
 
 
-def schedule_for_reduction(model, target: float, blocks: List[int]):
-    """Equal per-intervention removal counts reaching about ``target`` GFLOPs reduction."""
-    cost = backbone_cost(model)
-    n0 = cost.num_patches
-    native = 2 * cost.native_macs() / 1e9
-    best = None
-    for k in range(0, n0 // len(blocks) + 1, 2):
-        n, ks = n0, {}
-        for l in sorted(blocks):
-            ks[l] = min(k, n - 4)
-            n -= ks[l]
-        red = 1 - oracle_gflops(model, ks) / native
-        if best is None or abs(red - target) < abs(best[0] - target):
-            best = (red, [ks[l] for l in blocks])
-    return best[1]
-
-
-def oracle_gflops(model, ks: Dict[int, int]) -> float:
-    """GFLOPs of the dense static schedule removing ``ks[l]`` tokens after block ``l``'s attention."""
-    cost = backbone_cost(model)
-    n, macs = cost.num_patches, cost.patch_macs + cost.head_macs
-    for l in range(len(cost.qkv_macs)):
-        kk = ks.get(l, 0)
-        macs += float(cost.block_macs(l, torch.tensor([n + cost.num_prefix]), torch.tensor([n + cost.num_prefix - kk])))
-        n -= kk
-    return 2 * macs / 1e9
-
-
-def matched_counts(model, per_block: Dict[int, float], target_gflops: float) -> Dict[int, int]:
-    """A static schedule of the same shape as ``per_block`` (mean removals per block) scaled to
-    ``target_gflops``: counts ``round(m * per_block[l])`` (each leaving at least 4 patch tokens),
-    with the factor ``m`` found by bisection. For a policy whose own work adds FLOPs (the actor's),
-    this is the dense oracle at its realized GFLOPs, the policy's FLOPs included."""
-    n0 = backbone_cost(model).num_patches
-
-    def counts(m):
-        n, ks = n0, {}
-        for l in sorted(per_block):
-            ks[l] = max(0, min(int(round(m * per_block[l])), n - 4))
-            n -= ks[l]
-        return ks
-
-    lo, hi = 0.0, 1.0
-    while oracle_gflops(model, counts(hi)) > target_gflops and hi < 64:
-        hi *= 2
-    for _ in range(40):  # GFLOPs fall as m grows
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if oracle_gflops(model, counts(mid)) > target_gflops else (lo, mid)
-    return min((counts(lo), counts(hi)), key=lambda ks: abs(oracle_gflops(model, ks) - target_gflops))
-
-
 def static_counts(stats, blocks: List[int]) -> Dict[int, int]:
     """The oracle's removal count per block: the fixed policy's mean count there, rounded."""
     per_block = stats.removed.float().mean(0)
     return {l: int(round(float(per_block[l]))) for l in blocks}
-
-
-def gate_forced_actor(model, blocks: List[int]) -> Actor:
-    """An untrained actor whose gate opens exactly at ``blocks`` (budgets and tokens still chosen by
-    its random budget head and selector): hidden unit 0 of the gate reads gate-embedding channel 0,
-    set to 10 at those blocks only."""
-    actor = Actor.for_model(model)
-    with torch.no_grad():
-        hidden, out = actor.gate_mlp[0], actor.gate_mlp[2]
-        hidden.weight.zero_()
-        hidden.bias.zero_()
-        hidden.weight[0, actor.embed_dim] = 1.0
-        actor.gate_embed.zero_()
-        actor.gate_embed[blocks, 0] = 10.0
-        out.weight.zero_()
-        out.weight[0, 0] = 10.0
-        out.bias.fill_(-5.0)
-    return actor
-
-
-def oracle_forward(model, ks: Dict[int, int], patch_embed: Optional[Callable] = None):
-    """Dense static schedule: the same blocks' own submodules, tokens dropped by slicing;
-    ``patch_embed``: instead of the model's own (e.g. the engine's matrix-product form)."""
-    embed = model.patch_embed if patch_embed is None else patch_embed
-
-    def fwd(x):
-        x = model.norm_pre(model.patch_drop(model._pos_embed(embed(x))))
-        for l, blk in enumerate(model.blocks):
-            x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))
-            if ks.get(l):
-                x = x[:, : x.shape[1] - ks[l]]
-            x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
-        return model.forward_head(model.norm(x))
-
-    return fwd
-
-
-def captured(fn: Callable, example: torch.Tensor) -> Callable:
-    """``fn`` on a fixed-shape batch as one CUDA graph (input copied into a fixed buffer, output
-    cloned): the launch-free ceiling of a static schedule."""
-    from timm_dora.engine.segments import _side_stream
-
-    static_in = example.clone()
-    side = _side_stream(example.device)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.inference_mode(), torch.cuda.stream(side):
-        fn(static_in)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(g, stream=side):  # (as timm_dora.engine.graphs: one cuBLAS
-        static_out = fn(static_in)  # workspace for all captures, not one more stream's)
-
-    def replay(x):
-        static_in.copy_(x)
-        g.replay()
-        return static_out.clone()
-
-    return replay
-
-
-def time_forward(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: int, repeats: int):
-    """The App. E.5 protocol of :func:`timm_dora.evaluate.bench.time_forward`, keeping this script's row fields."""
-    r = bench.time_forward(fn, inputs, warmup=warmup, iters=iters, repeats=repeats)
-    keep = ("ms_per_batch", "images_per_s", "repeats_images_per_s", "warmup_peak_memory_mib", "steady_peak_memory_mib")
-    return {k: r[k] for k in keep if k in r}
-
-
-def measure_row(fn: Callable, inputs: List[torch.Tensor], warmup: int, iters: int, repeats: int):
-    """One row: :func:`time_forward` and, on CUDA, the row's memory (see the module docstring): the
-    peaks over the whole row and after the first warm-up, the reserved peak, what was allocated
-    when the row started and the peaks above it. Collects garbage and empties the allocator's
-    cache first (graphs of unwrapped rows hold memory pools until collected)."""
-    cuda = inputs[0].device.type == "cuda"
-    if cuda:
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    r = time_forward(fn, inputs, warmup, iters, repeats)
-    if cuda:
-        # over the whole row (captures of new sizes included) and after the first warm-up
-        r["peak_memory_mib"] = max(r["warmup_peak_memory_mib"], r["steady_peak_memory_mib"])
-        # CUDA graphs allocate their pools once, at capture; the reserved peak (cache emptied
-        # before the row, reset after the first warm-up) counts them
-        r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
-        # what the row's forwards add to what was allocated when it started: the model, its
-        # inputs and what earlier rows left (the cuBLAS workspace of the graph captures' stream,
-        # allocated once per process) are in base_memory_mib
-        r["base_memory_mib"] = base
-        r["peak_over_base_mib"] = r["peak_memory_mib"] - base
-        r["steady_peak_over_base_mib"] = r["steady_peak_memory_mib"] - base
-    return r
 
 
 def gflops_of(model, plan, inputs):
@@ -254,34 +86,6 @@ def gflops_of(model, plan, inputs):
     with torch.inference_mode():
         model(inputs[0])
     return model.dora_stats
-
-
-def graph_variants(args, graphs: bool, run_ahead: bool = True):
-    """The module settings a row is measured under, with its name suffix: for ``*_graphs`` rows
-    every combination of ``--run-ahead`` (only where ``run_ahead``: the actor's rows),
-    ``--mlp-chunks`` and ``--reserve-pool``; a setting given once adds no suffix (several: an A/B
-    in one run, suffix ``[name=value]``)."""
-    if not graphs:
-        return [("", {})]
-    dims = [("mlp_chunks", "MLP_CHUNKS", args.mlp_chunks, int),
-            ("reserve_pool", "RESERVE_POOL", args.reserve_pool, lambda v: v == "on")]
-    if run_ahead:
-        dims.insert(0, ("run_ahead", "RUN_AHEAD", args.run_ahead, lambda v: v == "on"))
-    out = [("", {})]
-    for name, flag, values, convert in dims:
-        out = [(sfx + (f"[{name}={v}]" if len(values) > 1 else ""), {**settings, flag: convert(v)})
-               for sfx, settings in out for v in values]
-    return out
-
-
-def setting_home(name: str):
-    """The engine module that holds the setting ``name``."""
-    return timm_dora.engine.segments if name in ("MLP_CHUNKS", "RESERVE_POOL") else timm_dora.engine.graphs
-
-
-def apply(settings: dict) -> None:
-    for name, value in settings.items():
-        setattr(setting_home(name), name, value)
 
 
 def main(argv=None):
@@ -308,29 +112,26 @@ def main(argv=None):
                     help="the actor rows once per controller: auto (the fused Triton kernels where the triton "
                          "backend runs) and/or modules (fused_controller=False); suffix [c] when more than one")
     ap.add_argument("--fused-interventions", choices=["on", "off"], default="on",
-                    help="timm_dora.engine.graphs.FUSED_INTERVENTIONS for the *_graphs rows (the actor's controller in "
-                         "its block's attention graph; NOTES change 32)")
+                    help="EngineOptions.fused_interventions for the *_graphs rows (the actor's controller in "
+                         "its block's attention graph)")
     ap.add_argument("--run-ahead", nargs="+", choices=["on", "off"], default=["on"],
-                    help="timm_dora.engine.graphs.RUN_AHEAD for the gate-off and actor *_graphs rows (the dense "
-                         "blocks before the first open gate as one graph; NOTES change 37); both: an A/B in "
+                    help="EngineOptions.run_ahead for the gate-off and actor *_graphs rows (the dense "
+                         "blocks before the first open gate as one graph); both: an A/B in "
                          "one run, suffix [run_ahead=...]")
     ap.add_argument("--mlp-chunks", nargs="+", type=int, default=[1],
-                    help="timm_dora.engine.segments.MLP_CHUNKS for the *_graphs rows (each graph's MLP in this many row "
+                    help="EngineOptions.mlp_chunks for the *_graphs rows (each graph's MLP in this many row "
                          "chunks: a smaller memory pool); several: an A/B in one run, suffix [mlp_chunks=...]")
     ap.add_argument("--reserve-pool", nargs="+", choices=["on", "off"], default=["on"],
-                    help="timm_dora.engine.segments.RESERVE_POOL for the *_graphs rows (one segment of the graphs' memory "
-                         "pool reserved before the first capture; NOTES change 39); both: suffix [reserve_pool=...]")
+                    help="EngineOptions.reserve_pool for the *_graphs rows (one segment of the graphs' memory "
+                         "pool reserved before the first capture); both: suffix [reserve_pool=...]")
     ap.add_argument("--img-size", type=int, default=None, help="override the model's input size (smoke tests)")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", type=str, default=None)
     args = ap.parse_args(argv)
-    flags = ("FUSED_INTERVENTIONS", "RUN_AHEAD", "MLP_CHUNKS", "RESERVE_POOL")
-    saved = {f: getattr(setting_home(f), f) for f in flags}
-    timm_dora.engine.graphs.FUSED_INTERVENTIONS = args.fused_interventions == "on"
     try:
         return _measure(args, argv)
-    finally:  # (module settings: a caller in the same process gets its own back)
-        apply(saved)
+    finally:  # (a caller in the same process measures with the defaults again)
+        apply({})
 
 
 def _measure(args, argv) -> dict:
@@ -338,7 +139,7 @@ def _measure(args, argv) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {
-        **environment(dev, " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))),
+        **environment(dev, command_line("throughput", argv)),
         "protocol": {k: getattr(args, k) for k in ("batch", "batches", "warmup", "iters", "repeats")},
         "dtype": str(dtype).replace("torch.", ""),
         "rows": [],

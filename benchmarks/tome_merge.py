@@ -12,7 +12,7 @@ weights). With ``--accuracy-models MODEL=WEIGHTS`` and ``--data``, also each rea
 drop against native with each form, twice, on the images of ``--splits`` (default: the 1,000 pool
 images; ``test`` is not needed for this).
 
-    python benchmarks/tome_merge.py --accuracy-models deit_tiny_patch16_224.fb_in1k=W1.safetensors \\
+    python -m benchmarks.tome_merge --accuracy-models deit_tiny_patch16_224.fb_in1k=W1.safetensors \\
         vit_tiny_patch16_224.augreg_in21k_ft_in1k=W2.safetensors --data labels.csv \\
         --out benchmarks/results/tome_merge_h100.json
 """
@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
-from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timm_dora.evaluate import environment, inference_device, load_model, loader_for, write_json  # noqa: E402
-from timm_dora.evaluate.baselines import tome  # noqa: E402
-from timm_dora.evaluate.bench import time_forward  # noqa: E402
+from timm_dora.evaluate import environment, inference_device, load_model, loader_for, write_json
+from timm_dora.evaluate.baselines import tome
+from timm_dora.evaluate.bench import time_forward
+from benchmarks.common import command_line
 
 PORT = tome.bipartite_soft_matching
 
@@ -129,7 +126,7 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev, dtype, _ = inference_device(args.device)
-    cmd = " ".join(["python benchmarks/tome_merge.py"] + (argv if argv is not None else sys.argv[1:]))
+    cmd = command_line("tome_merge", argv)
     res: Dict[str, Any] = {**environment(dev, cmd), "dtype": str(dtype).replace("torch.", ""), "rows": []}
     g = torch.Generator().manual_seed(0)
     for name in args.models:

@@ -3,7 +3,7 @@ and the checkpoints of their runs), the static sweep, ToMe r = 4..14 and DORA's 
 with random token choice, all paired against native on the same images, with and without the
 dead compute of a CLS readout (``skip_dead``).
 
-    python benchmarks/tradeoff.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k --weights W.safetensors \\
+    python -m benchmarks.tradeoff --model vit_tiny_patch16_224.augreg_in21k_ft_in1k --weights W.safetensors \\
         --data labels.csv --split test --seed-actors 0=run0/selected 1=run1/selected 2=run2/selected \\
         --checkpoints run1/checkpoints/u* --publish-as timm_dora/hub/actors/<model> \\
         --out benchmarks/results/tradeoff_vit_tiny.json
@@ -11,7 +11,7 @@ dead compute of a CLS readout (``skip_dead``).
 Which seed's actor is published is chosen on the development split, never on ``--split``: each
 seed's selected actor carries its dev record (``training`` in its config) and the paper's selection
 rule (lowest dev GFLOPs within the target drop, App. E.2) is applied across the seeds; or, with
-``--choice``, the seed ``benchmarks/choose_seed.py`` chose on the whole labelled pool. Where the
+``--choice``, the seed ``benchmarks.choose_seed`` chose on the whole labelled pool. Where the
 records carry the dev per-image spread (``dev_spread_pct``, written by ``timm-dora distill``), seeds
 below ``--min-dev-spread`` (the per-image target, 5 % of native GFLOPs) are left out first: on ViT-Ti
 one distillation seed took the teacher's rarer block-5 budget for 6 % of dev images instead of the
@@ -38,91 +38,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from timm_dora.evaluate import build_method, environment, inference_device, load_model, loader_for, write_json
+from timm_dora.evaluate import build_method, environment, inference_device, load_model, write_json
 from timm_dora.evaluate.baselines.static import schedule_for_reduction
 from timm_dora.train.selection import CheckpointRecord, select_checkpoint
+from benchmarks.common import (CUDA_GRAPHS, command_line, interpolate, native_row, paired_gap, paired_row, predict,
+                               preload_batches, rounded)
 
 MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
-# every DORA row (seeds, the published seed beside its random selector, checkpoints) runs as
-# timm_dora.wrap(model) does by default: captured on CUDA wherever it can be (eager on the CPU and
-# with skip_dead). The eager and captured executors run different kernels, so in bf16 a few near-tie
-# decisions differ between them (a DeiT-Ti actor's `test` drop read 1.08 pp captured, 0.92 eager):
-# one executor for all rows keeps the seeds comparable (choose_seed.py and seen_unseen.py use it too).
-CUDA_GRAPHS = None
-
-
-def _batches(model, data: str, splits: Sequence[str], dev, dtype, batch: int, workers: int,
-             limit: Optional[int] = None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """The images of ``splits`` (in that order; the first ``limit`` of each), preprocessed once and
-    kept on the device."""
-    return [(x.to(dev, dtype), torch.as_tensor(y).to(dev)) for split in splits
-            for x, y, *_ in loader_for(model, data, split, batch=batch, workers=workers, limit=limit)]
-
-
-@torch.inference_mode()
-def _predict(method, batches) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """Per row of ``method``: top-1 predictions and per-image GFLOPs over all images."""
-    out: Dict[str, Tuple[list, list]] = {}
-    try:
-        for x, _ in batches:
-            for name, o in method.outputs(x).items():
-                p, g = out.setdefault(name, ([], []))
-                p.append(o.logits.float().argmax(1))
-                g.append(o.gflops.double())
-    finally:
-        method.close()
-    return {k: (torch.cat(p), torch.cat(g)) for k, (p, g) in out.items()}
-
-
-def paired_gap(pred: torch.Tensor, other: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
-    """How much more ``pred`` drops than ``other`` on the same images (``other``'s top-1 minus
-    ``pred``'s, pp; equal to the difference of their ``drop_pp``) and the standard error of that
-    per-image difference: the comparison of two methods with the images' shared noise taken out."""
-    diff = (other == labels).double() - (pred == labels).double()  # per image in {-1, 0, 1}
-    n = diff.numel()
-    return {"drop_gap_pp": 100.0 * float(diff.mean()), "drop_gap_se_pp": 100.0 * float(diff.std(unbiased=False)) / n ** 0.5}
-
-
-def _row(pred: torch.Tensor, gfl: torch.Tensor, native_pred: torch.Tensor, labels: torch.Tensor,
-         native_gflops: float, spread: bool = False) -> Dict[str, Any]:
-    gap = paired_gap(pred, native_pred, labels)  # the drop is the gap to native
-    row = {"top1": 100.0 * float((pred == labels).double().mean()), "drop_pp": gap["drop_gap_pp"],
-           "drop_se_pp": gap["drop_gap_se_pp"],
-           "agreement": 100.0 * float((pred == native_pred).double().mean()),
-           "gflops": float(gfl.mean()), "gflops_reduction_pct": 100.0 * (1.0 - float(gfl.mean()) / native_gflops)}
-    if spread:
-        q = torch.quantile(gfl.float().cpu(), torch.tensor([0.1, 0.9]))
-        row.update(gflops_p10=float(q[0]), gflops_p90=float(q[1]),
-                   spread_pct_of_native=100.0 * float(q[1] - q[0]) / native_gflops)
-    return row
-
-
-def rounded(obj: Any, digits: int = 6) -> Any:
-    """``obj`` with every float rounded to ``digits`` significant digits (the JSON records: a drop's
-    standard error is 0.5 pp, so the digits past the sixth are noise that only takes space)."""
-    if isinstance(obj, float):
-        return float(f"{obj:.{digits}g}")
-    if isinstance(obj, (list, tuple)):
-        return [rounded(v, digits) for v in obj]
-    if isinstance(obj, dict):
-        return {k: rounded(v, digits) for k, v in obj.items()}
-    return obj
-
-
-def interpolate(points: Sequence[Tuple[float, float]], at: float) -> Optional[float]:
-    """The drop of a sweep ``[(gflops, drop), ...]`` linearly interpolated at ``at`` GFLOPs
-    (``None`` outside the sweep's range)."""
-    pts = sorted(points)
-    for (g0, d0), (g1, d1) in zip(pts, pts[1:]):
-        if g0 <= at <= g1:
-            return d0 if g1 == g0 else d0 + (d1 - d0) * (at - g0) / (g1 - g0)
-    return None
+# every DORA row runs on the executor benchmarks.common.CUDA_GRAPHS names (wrap's default; why: there)
 
 
 def _dev_record(actor_dir: str, name: str) -> Tuple[CheckpointRecord, Optional[float]]:
@@ -147,7 +75,7 @@ def choose_seed(actors: Dict[str, str], target_pp: float, min_spread: float):
 
 
 def read_choice(path: str, seeds) -> Tuple[str, Dict[str, Any]]:
-    """The seed a ``benchmarks/choose_seed.py`` record chose and the record, after checking that it chose among
+    """The seed a ``benchmarks.choose_seed`` record chose and the record, after checking that it chose among
     exactly ``seeds`` (``ValueError`` otherwise)."""
     with open(path) as f:
         rec = json.load(f)
@@ -157,22 +85,16 @@ def read_choice(path: str, seeds) -> Tuple[str, Dict[str, Any]]:
     return str(rec["chosen"]["seed"]), rec
 
 
-def native_row(model, batches, labels: torch.Tensor, skip_dead: bool = False) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """Native's top-1 predictions over ``batches`` and its row (``top1``, mean ``gflops``)."""
-    nat_p, nat_g = _predict(build_method(model, "native", skip_dead=skip_dead), batches)["native"]
-    return nat_p, {"top1": 100.0 * float((nat_p == labels).double().mean()), "gflops": float(nat_g.mean())}
-
-
 def _table(model, batches, labels, args, actors: Dict[str, str], published: str, skip_dead: bool,
            checkpoints: Sequence[str]) -> Dict[str, Any]:
     nat_p, nat = native_row(model, batches, labels, skip_dead)
     ng = nat["gflops"]
-    row = lambda p, g, **kw: _row(p, g, nat_p, labels, ng, **kw)  # noqa: E731
+    row = lambda p, g, **kw: paired_row(p, g, nat_p, labels, ng, **kw)  # noqa: E731
     t: Dict[str, Any] = {"native": nat}
 
     seeds, by_seed, seed_preds = [], {}, {}
     for seed, path in actors.items():
-        rows = _predict(build_method(model, "random" if seed == published else "dora", actor=path, seed=args.random_seed,
+        rows = predict(build_method(model, "random" if seed == published else "dora", actor=path, seed=args.random_seed,
                                      cuda_graphs=CUDA_GRAPHS, skip_dead=skip_dead), batches)
         by_seed[seed], seed_preds[seed] = row(*rows["dora"], spread=True), rows["dora"][0]
         seeds.append({"seed": int(seed), "actor": path, **by_seed[seed]})
@@ -198,7 +120,7 @@ def _table(model, batches, labels, args, actors: Dict[str, str], published: str,
             seen.add(key)
             spec = ",".join(f"{b}:{k}" for b, k in sorted(sched.items()))
             method = build_method(model, "static", schedule=spec, rule="cls_sim", skip_dead=skip_dead)
-            p, g = next(iter(_predict(method, batches).values()))
+            p, g = next(iter(predict(method, batches).values()))
             t["static"].append({"schedule": spec, "family": fam, "rule": "cls_sim", **row(p, g)})
     t["static_at_dora"] = {}
     for fam in args.static_blocks:
@@ -207,7 +129,7 @@ def _table(model, batches, labels, args, actors: Dict[str, str], published: str,
 
     t["tome"], tome_preds = [], {}
     for r in range(args.tome_r[0], args.tome_r[1] + 1):
-        p, g = next(iter(_predict(build_method(model, "tome", r=r, skip_dead=skip_dead), batches).values()))
+        p, g = next(iter(predict(build_method(model, "tome", r=r, skip_dead=skip_dead), batches).values()))
         t["tome"].append({"r": r, **row(p, g)})
         tome_preds[r] = p
     # DORA against ToMe image by image: every r for the published seed, the r nearest in GFLOPs for each seed
@@ -219,7 +141,7 @@ def _table(model, batches, labels, args, actors: Dict[str, str], published: str,
 
     t["checkpoints"] = []
     for path in checkpoints:
-        p, g = _predict(build_method(model, "dora", actor=path, cuda_graphs=CUDA_GRAPHS, skip_dead=skip_dead), batches)["dora"]
+        p, g = predict(build_method(model, "dora", actor=path, cuda_graphs=CUDA_GRAPHS, skip_dead=skip_dead), batches)["dora"]
         t["checkpoints"].append({"actor": path, **row(p, g)})
     return t
 
@@ -258,7 +180,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--min-dev-spread", type=float, default=5.0,
                     help="only seeds whose dev record shows this per-image spread (p90 - p10 GFLOPs, %% of native) "
                          "are selected, where records carry it (all seeds when none qualifies)")
-    ap.add_argument("--choice", default=None, help="a benchmarks/choose_seed.py record: publish the seed it chose on the "
+    ap.add_argument("--choice", default=None, help="a benchmarks.choose_seed record: publish the seed it chose on the "
                     "pool (among exactly --seed-actors) instead of applying the dev rule")
     ap.add_argument("--publish-as", default=None, help="the hub folder the chosen seed's actor is published to")
     ap.add_argument("--checkpoints", nargs="*", default=[], help="more actors to place on the picture (run checkpoints)")
@@ -293,9 +215,9 @@ def main(argv=None) -> dict:
                           "min_dev_spread_pct": args.min_dev_spread, "dev": dev_records}
 
     model = load_model(args.model, args.weights, img_size=args.img_size, num_classes=args.num_classes).to(dev, dtype)
-    batches = _batches(model, args.data, [args.split], dev, dtype, args.batch, args.workers, args.limit)
+    batches = preload_batches(model, args.data, [args.split], dev, dtype, args.batch, args.workers, args.limit)
     labels = torch.cat([y for _, y in batches])
-    cmd = " ".join(["python benchmarks/tradeoff.py"] + (argv if argv is not None else sys.argv[1:]))
+    cmd = command_line("tradeoff", argv)
     res: Dict[str, Any] = {**environment(dev, cmd), "model": args.model, "split": args.split,
                            "n_images": int(labels.numel()), "dtype": str(dtype).replace("torch.", ""),
                            "dora_cuda_graphs": CUDA_GRAPHS, "published_seed": published_seed}

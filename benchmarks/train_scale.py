@@ -30,12 +30,12 @@ capturing) and ``scaling``, images per second relative to one GPU (the same 256 
 (``collect``, host-bound) against the plain forward of the same images, its kernel launches and
 host waits, and one replay of each captured PPO minibatch step, on a set whose rollout split is held.
 
-    python benchmarks/train_scale.py make --sources CARRY/sample1000 --root /data/scale
-    python benchmarks/train_scale.py run --root /data/scale --run /data/run --model M --weights W \\
+    python -m benchmarks.train_scale make --sources CARRY/sample1000 --root /data/scale
+    python -m benchmarks.train_scale run --root /data/scale --run /data/run --model M --weights W \\
         --max-minutes 8 --out benchmarks/results/train_scale_h100.json
-    python benchmarks/train_scale.py ddp --root /data/ddp --model deit_base_patch16_224 --gpus 2 \\
+    python -m benchmarks.train_scale ddp --root /data/ddp --model deit_base_patch16_224 --gpus 2 \\
         --updates 40 --out OUT/ddp_deit_base.json
-    python benchmarks/train_scale.py profile --root /data/small --model deit_base_patch16_224 --batch 128 \\
+    python -m benchmarks.train_scale profile --root /data/small --model deit_base_patch16_224 --batch 128 \\
         --out OUT/profile_deit_base.json
 """
 from __future__ import annotations
@@ -250,6 +250,8 @@ def summarise(args, run_dir: Path, segments: List[Dict], metrics: List[Dict]) ->
     import torch
     import timm
 
+    from benchmarks.common import command_line  # (torch and the package only where a step needs them)
+
     made = json.loads((Path(args.root) / "made.json").read_text())
     update_s = [m["update_s"] for m in metrics]
     data_s = [m["phases"].get("data", 0.0) for m in metrics]
@@ -258,7 +260,7 @@ def summarise(args, run_dir: Path, segments: List[Dict], metrics: List[Dict]) ->
     result = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "timm": timm.__version__,
-        "command": " ".join(sys.argv) if not args.command_line else args.command_line,
+        "command": command_line("train_scale") if not args.command_line else args.command_line,
         "train_command": segments[0]["command"],
         "rollout_files": made["sizes"]["rollout"], "qc_files": made["sizes"]["qc"], "dev_files": made["sizes"]["dev"],
         "files_made": made["files"], "set_gb": round(made["bytes"] / 1e9, 2), "make_s": made["make_s"],
@@ -314,6 +316,7 @@ def profile(args) -> None:
     from timm_dora.train import Trainer, build_parser, config_from_args
     from timm_dora.train.rollout import collect
     from timm_dora.train.runtime import eager_attention
+    from benchmarks.common import command_line
 
     flags = _train_flags(args, Path(tempfile.mkdtemp())) + ["--rollout-data", "held"]
     tr = Trainer(config_from_args(build_parser().parse_args(flags)), sync_phases=True)
@@ -333,7 +336,7 @@ def profile(args) -> None:
         return round(statistics.median(times) * 1e3, 2)
 
     out: Dict = {"model": args.model, "batch": args.batch, "device": torch.cuda.get_device_name(0),
-                 "torch": torch.__version__, "command": " ".join(sys.argv),
+                 "torch": torch.__version__, "command": command_line("train_scale"),
                  "phases_synchronised_s": {k: round(v, 4) for k, v in m["phases"].items()}}
     with torch.no_grad(), eager_attention():
         z = forward(tr.model, x, NoPrune())[0].float()

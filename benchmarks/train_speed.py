@@ -16,7 +16,7 @@ Configurations (each a list of CLI flags; ``--data``/``--weights-dir`` fill in t
 - ``vit_tiny_strong``: the same with ``--augment strong`` (the published actors' recipe).
 - ``deit_base_random``: DeiT-B/16 with random weights (speed only).
 
-    python benchmarks/train_speed.py --data CARRY/data/labels.csv --weights-dir CARRY \\
+    python -m benchmarks.train_speed --data CARRY/data/labels.csv --weights-dir CARRY \\
         --configs vit_tiny_paper vit_tiny_strong deit_base_random --updates 23 --warmup 3 \\
         --out benchmarks/results/train_speed_h100.json [--profile OUT/profile.txt]
 
@@ -41,6 +41,7 @@ import torch
 
 from timm_dora.evaluate import environment
 from timm_dora.train import Trainer, build_parser, config_from_args
+from benchmarks.common import command_line
 
 VIT = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 CONFIGS: Dict[str, List[str]] = {
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.extra = shlex.split(args.extra)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    res = {**environment(dev, " ".join(["python", "benchmarks/train_speed.py"] + list(argv if argv is not None else sys.argv[1:]))),
+    res = {**environment(dev, command_line("train_speed", argv)),
            "configs": {}}
     for name in args.configs:
         res["configs"][name] = measure(name, args)

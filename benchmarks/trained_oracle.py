@@ -5,29 +5,26 @@ Real weights, the actor from ``--actor`` (e.g. ``timm_dora/hub/actors/<model>``)
 the trained actor's decisions depend on real keys, so random inputs would not do. Rows (same
 inputs, same run): native; the wrapped model eagerly and from CUDA graphs; the dense static oracle
 at the actor's realized mean GFLOPs (its own FLOPs included, its removals spread over the blocks
-as the actor's mean removals: ``throughput.matched_counts``), eagerly and as one CUDA graph.
-Timing and memory fields as ``throughput.py`` (``throughput.measure_row``: warm-up, median of
-repeats; peaks and the memory allocated when the row started).
+as the actor's mean removals: ``benchmarks.common.matched_counts``), eagerly and as one CUDA graph.
+Timing and memory fields as ``benchmarks.throughput`` (``benchmarks.common.measure_row``: warm-up,
+median of repeats; peaks and the memory allocated when the row started).
 
-    python benchmarks/trained_oracle.py --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
+    python -m benchmarks.trained_oracle --model vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
         --weights W.safetensors --actor timm_dora/hub/actors/vit_tiny_patch16_224.augreg_in21k_ft_in1k \\
         --data labels.csv --out benchmarks/results/trained_oracle_h100_vit.json
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import timm_dora  # noqa: E402
-import timm_dora.engine.graphs  # noqa: E402
-from throughput import captured, matched_counts, measure_row, oracle_forward, oracle_gflops  # noqa: E402
-from timm_dora.evaluate.bench import bench_inputs  # noqa: E402
-from timm_dora.evaluate import environment, inference_device, load_model, write_json  # noqa: E402
-from timm_dora.engine.flops import backbone_cost  # noqa: E402
+import timm_dora
+import timm_dora.engine.graphs
+from timm_dora.evaluate.bench import bench_inputs
+from timm_dora.evaluate import environment, inference_device, load_model, write_json
+from timm_dora.engine.flops import backbone_cost
+from benchmarks.common import captured, command_line, matched_counts, measure_row, oracle_forward, oracle_gflops
 
 
 def main(argv=None):
@@ -43,7 +40,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--run-ahead", choices=["on", "off"], default="on",
-                    help="timm_dora.engine.graphs.RUN_AHEAD for the graph row (NOTES change 37)")
+                    help="EngineOptions.run_ahead for the graph row")
     ap.add_argument("--device", default="cuda", help="cuda for real numbers; cpu only to smoke-test the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -51,7 +48,7 @@ def main(argv=None):
     model = load_model(args.model, args.weights).eval().to(dev, dtype)
     inputs, info = bench_inputs(model, batch=args.batch, batches=args.batches, device=dev, dtype=dtype,
                                 data=args.data, split=args.split, workers=2)
-    res = {**environment(dev, " ".join(["trained_oracle.py"] + (argv if argv is not None else sys.argv[1:]))),
+    res = {**environment(dev, command_line("trained_oracle", argv)),
            "inputs": info, "protocol": {k: getattr(args, k) for k in ("warmup", "iters", "repeats")}, "rows": []}
     native_gflops = 2 * backbone_cost(model).native_macs() / 1e9
 
@@ -75,12 +72,9 @@ def main(argv=None):
 
     wrapped = {}  # graphs: its row
     for graphs in (False, True):
-        timm_dora.wrap(model, actor=args.actor, cuda_graphs=graphs)
-        saved, timm_dora.engine.graphs.RUN_AHEAD = timm_dora.engine.graphs.RUN_AHEAD, args.run_ahead == "on"
-        try:
-            removed_l, gflops_l = decisions()
-        finally:  # (read when the runner is made, in the first forward)
-            timm_dora.engine.graphs.RUN_AHEAD = saved
+        timm_dora.wrap(model, actor=args.actor, cuda_graphs=graphs,
+                       options=timm_dora.EngineOptions(run_ahead=args.run_ahead == "on"))
+        removed_l, gflops_l = decisions()
         if not graphs:  # the oracle is matched to the eager path's decisions
             removed, gflops = removed_l, gflops_l
         wrapped[graphs] = add("actor_graphs" if graphs else "actor", model, gflops_l,

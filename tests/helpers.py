@@ -4,12 +4,15 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
 import huggingface_hub.constants
 import pytest
 import timm
 import torch
+
+# replay plans drawn for or recorded from a policy, and the forced actor: shared with the benchmarks
+from benchmarks.common import Recorder, gate_forced_actor, random_plan, recorded_plan  # noqa: F401
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 # tests on the real backbones and images of ../shared (absent on the GPU machine and elsewhere)
@@ -111,23 +114,6 @@ def images(model, batch: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(batch, 3, size[0], size[1], generator=g)
 
 
-def random_plan(batch: int, n0: int, depth: int, blocks: Sequence[int], seed: int = 0, min_keep: int = 4):
-    """Random deletions varied per image: per block, each image removes 0..(N-min_keep) tokens."""
-    g = torch.Generator().manual_seed(seed)
-    n = [n0] * batch
-    plan: Dict[int, tuple] = {}
-    for l in blocks:
-        imgs, cols = [], []
-        for i in range(batch):
-            k = int(torch.randint(0, max(n[i] - min_keep, 0) + 1, (1,), generator=g))
-            chosen = torch.randperm(n[i], generator=g)[:k]
-            imgs += [i] * k
-            cols += chosen.tolist()
-            n[i] -= k
-        plan[l] = (torch.tensor(imgs, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
-    return plan
-
-
 def plan_for_image(plan, i: int) -> Dict[int, List[int]]:
     return {l: col[img == i].tolist() for l, (img, col) in plan.items()}
 
@@ -152,40 +138,6 @@ def reference_forward(model, img: torch.Tensor, deletions: Dict[int, List[int]],
     if readout == "lc1":
         return model.head(torch.cat([x[:, 0], x[:, p:].mean(1)], dim=-1))
     return model.forward_head(x)
-
-
-class Recorder:
-    """Wraps a policy and records its deletions as a replay plan (image, column) per block."""
-
-    def __init__(self, policy):
-        self.policy = policy
-        self.plan: Dict[int, tuple] = {}
-        self.contexts = []
-
-    def __call__(self, ctx):
-        dec = self.policy(ctx)
-        self.contexts.append(ctx)
-        if dec.remove is not None:
-            rows = dec.remove.nonzero().squeeze(1)
-            img = ctx.packed.seg[rows]
-            col = ctx.packed.pos[rows] - ctx.packed.num_prefix
-            self.plan[ctx.block] = (img, col)
-        return dec
-
-
-def recorded_plan(model, policy, x):
-    """The replay plan of ``policy``'s deletions on ``x`` (one forward of the wrapped ``model``,
-    unwrapped afterwards)."""
-    import timm_dora
-
-    rec = Recorder(policy)
-    timm_dora.wrap(model, policy=rec)
-    try:
-        with torch.inference_mode():
-            model(x)
-    finally:
-        timm_dora.unwrap(model)
-    return rec.plan
 
 
 def hub_cache(cache_dir, repo_id, commits, refs):
@@ -217,15 +169,10 @@ def offline(monkeypatch):
 def kind_actor(model, kind: str):
     """A random-weight actor for ``model`` whose gate is ``"closed"`` everywhere, ``"biased"``
     (opens on some images and blocks) or ``"forced"`` open at blocks 1, 4 and 7."""
-    import sys
-
     from timm_dora import Actor
 
     torch.manual_seed(3)
     if kind == "forced":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-        from throughput import gate_forced_actor
-
         return gate_forced_actor(model, [1, 4, 7])
     actor = Actor.for_model(model)
     with torch.no_grad():

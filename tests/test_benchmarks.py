@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import throughput  # noqa: E402
-from helpers import needs_shared  # noqa: E402
+from benchmarks import throughput
+from benchmarks.common import interpolate, matched_counts, oracle_gflops, paired_gap, rounded
+from helpers import needs_shared
 
 
 def test_throughput_script_runs_every_configuration(tmp_path):
@@ -37,8 +36,8 @@ def test_throughput_script_runs_every_configuration(tmp_path):
 
 def test_throughput_run_ahead_ab(tmp_path):
     """``--run-ahead on off`` measures the graph rows with and without the run ahead in one run (same
-    decisions, so the same GFLOPs) and gives the module its setting back."""
-    from timm_dora.engine import graphs
+    decisions, so the same GFLOPs) and gives the defaults back."""
+    from timm_dora.engine.options import EngineOptions, active
 
     out = tmp_path / "t.json"
     throughput.main(["--models", "vit_tiny_patch16_224", "--img-size", "96", "--batch", "8", "--batches", "2",
@@ -51,13 +50,13 @@ def test_throughput_run_ahead_ab(tmp_path):
     for config in ("gate_off_graphs", "actor_graphs(random)"):
         on, off = rows[config + "[run_ahead=on]"], rows[config + "[run_ahead=off]"]
         assert on["gflops"] == off["gflops"]
-    assert graphs.RUN_AHEAD is True
+    assert active() == EngineOptions()  # (the defaults again after the A/B)
 
 
 def test_throughput_mlp_chunks_ab(tmp_path):
     """``--mlp-chunks 1 2``: every graph row once per setting (the eager rows once), with the same
-    GFLOPs, and the module's setting given back."""
-    from timm_dora.engine import segments
+    GFLOPs, and the defaults given back."""
+    from timm_dora.engine.options import EngineOptions, active
 
     out = tmp_path / "t.json"
     throughput.main(["--models", "vit_tiny_patch16_224", "--img-size", "96", "--batch", "8", "--batches", "2",
@@ -70,7 +69,7 @@ def test_throughput_mlp_chunks_ab(tmp_path):
                             "gate_off_graphs[mlp_chunks=2]"]
     for config in ("gate_off_graphs", "fixed_graphs", "actor_graphs(random)"):
         assert rows[config + "[mlp_chunks=1]"]["gflops"] == rows[config + "[mlp_chunks=2]"]["gflops"]
-    assert segments.MLP_CHUNKS == 1
+    assert active() == EngineOptions()
 
 
 def test_throughput_reduction_with_its_own_blocks(tmp_path):
@@ -100,16 +99,18 @@ def test_matched_oracle_counts():
     search over the same family of schedules (``round(m * base)``), and unchanged at its own GFLOPs."""
     import timm
 
+    from timm_dora.engine.flops import backbone_cost
+
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=96)  # 36 patches
     base = {1: 6.0, 2: 3.0}
-    assert throughput.matched_counts(model, base, throughput.oracle_gflops(model, {1: 6, 2: 3})) == {1: 6, 2: 3}
-    native = throughput.oracle_gflops(model, {})
+    assert matched_counts(model, base, oracle_gflops(model, {1: 6, 2: 3})) == {1: 6, 2: 3}
+    native = oracle_gflops(model, {})
     for target in (0.9 * native, 0.7 * native, 0.5 * native):
-        got = throughput.matched_counts(model, base, target)
+        got = matched_counts(model, base, target)
         family = [{1: min(round(m / 100 * 6), 32), 2: max(0, min(round(m / 100 * 3), 32 - min(round(m / 100 * 6), 32)))}
                   for m in range(0, 2000)]
-        best = min(abs(throughput.oracle_gflops(model, ks) - target) for ks in family)
-        assert abs(throughput.oracle_gflops(model, got) - target) == best
+        best = min(abs(oracle_gflops(model, ks) - target) for ks in family)
+        assert abs(oracle_gflops(model, got) - target) == best
         assert got[1] >= got[2]  # the shape of the base schedule is kept
     # the GFLOPs of a schedule, by hand: the MLP (and everything after block 1's attention) runs on
     # the survivors; 36 patches + CLS, embed 192, MLP 768, 3 heads
@@ -118,9 +119,9 @@ def test_matched_oracle_counts():
     def block(n_in, n_out):
         return n_in * 3 * d * d + 2 * n_in * n_in * d + n_in * d * d + 2 * n_out * d * h
 
-    cost = throughput.backbone_cost(model)
+    cost = backbone_cost(model)
     macs = cost.patch_macs + cost.head_macs + block(37, 37) + block(37, 31) + 10 * block(31, 31)
-    assert throughput.oracle_gflops(model, {1: 6}) == 2 * macs / 1e9
+    assert oracle_gflops(model, {1: 6}) == 2 * macs / 1e9
 
 
 def test_throughput_rows_per_attention_backend(tmp_path):
@@ -156,7 +157,7 @@ def test_trained_oracle_matches_the_published_actors_gflops(tmp_path):
     """The published ViT-Ti actor on real rollout images (CPU, a smoke run of the timing): its
     eager and graph rows decide alike (same GFLOPs), and the oracle is the dense static schedule
     at its GFLOPs: within one token of one block, at the blocks where the actor removed tokens."""
-    import trained_oracle
+    from benchmarks import trained_oracle
     from helpers import SHARED
 
     name = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
@@ -179,7 +180,7 @@ def test_trained_oracle_matches_the_published_actors_gflops(tmp_path):
 
 def test_train_speed_script_runs_and_splits_updates_into_phases(tmp_path):
     """benchmarks/train_speed.py on a small DeiT-B (CPU smoke test; real numbers come from the GPU)."""
-    import train_speed
+    from benchmarks import train_speed
     labels = tmp_path / "labels.csv"
     root = tmp_path
     from PIL import Image
@@ -220,7 +221,7 @@ def test_train_speed_script_runs_and_splits_updates_into_phases(tmp_path):
 def test_resolution_transfer_script_runs_the_published_actor_at_other_sizes(tmp_path):
     """A smoke run (CPU, 8 test images): at 192 px the published ViT-Ti actor removes counts from its
     grid scaled to 144 patches, and native is counted at 144 patches."""
-    import resolution_transfer
+    from benchmarks import resolution_transfer
     from helpers import SHARED
 
     from timm_dora import Actor, native_gflops
@@ -240,24 +241,21 @@ def test_resolution_transfer_script_runs_the_published_actor_at_other_sizes(tmp_
 
 
 def test_tradeoff_interpolates_a_sweep_by_hand():
-    import tradeoff
-
     pts = [(2.0, 1.5), (1.0, 5.0), (2.5, 0.5)]  # unsorted on purpose
-    assert tradeoff.interpolate(pts, 1.5) == pytest.approx(3.25)
-    assert tradeoff.interpolate(pts, 2.25) == pytest.approx(1.0)
-    assert tradeoff.interpolate(pts, 2.5) == pytest.approx(0.5)
-    assert tradeoff.interpolate(pts, 0.9) is None and tradeoff.interpolate(pts, 2.6) is None
+    assert interpolate(pts, 1.5) == pytest.approx(3.25)
+    assert interpolate(pts, 2.25) == pytest.approx(1.0)
+    assert interpolate(pts, 2.5) == pytest.approx(0.5)
+    assert interpolate(pts, 0.9) is None and interpolate(pts, 2.6) is None
 
 
 def test_paired_gap_by_hand():
     """Correct per image: the method [1, 1, 0, 0], the other [1, 0, 1, 1]: the other's top-1 minus
     the method's is (0 - 1 + 1 + 1) / 4 = 25 pp; the per-image differences' population sd is
     sqrt(2.75 / 4), so the standard error is 100 * sqrt(0.6875) / 2 pp."""
-    import tradeoff
     import torch
 
     labels = torch.tensor([1, 2, 0, 0])
-    gap = tradeoff.paired_gap(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 0, 0, 0]), labels)
+    gap = paired_gap(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 0, 0, 0]), labels)
     assert gap["drop_gap_pp"] == pytest.approx(25.0)
     assert gap["drop_gap_se_pp"] == pytest.approx(100 * 0.6875 ** 0.5 / 2)
 
@@ -286,7 +284,7 @@ def test_average_checkpoints_saves_the_mean_of_the_weights(tmp_path):
     """benchmarks/average_checkpoints.py: the saved actor's every tensor is the element-wise mean of
     the inputs' (three random actors of one configuration), it loads and runs, its record names the
     folders; actors of another width, or a single actor, are refused in one line."""
-    import average_checkpoints
+    from benchmarks import average_checkpoints
     import torch
 
     from timm_dora import Actor
@@ -324,7 +322,7 @@ def test_static_init_imitates_the_static_schedule(tmp_path):
     """benchmarks/static_init.py: its recording policy removes what the static baseline's cls_sim rule
     removes (the same logits as ``static_forward``); the fitted actor's deterministic gate and budget
     follow the schedule on held-out images; bad schedules and flags are refused in one line."""
-    import static_init
+    from benchmarks import static_init
     import torch
 
     from timm_dora import Actor, run, wrap
@@ -368,7 +366,7 @@ def test_merge_or_prune_pairs_three_forms_of_tome_at_equal_gflops(tmp_path):
     """benchmarks/merge_or_prune.py on a tiny random backbone: r = 0 is native in every form, each r's
     three rows cost the same GFLOPs (tome_gflops) and are paired on the same images; the test split
     is refused in one line."""
-    import merge_or_prune
+    from benchmarks import merge_or_prune
 
     from timm_dora.evaluate.baselines import tome_gflops
 
@@ -388,7 +386,7 @@ def test_merge_or_prune_pairs_three_forms_of_tome_at_equal_gflops(tmp_path):
 
 
 def test_the_static_sweep_must_span_half_to_twice_the_dora_saving_in_one_family():
-    import tradeoff
+    from benchmarks import tradeoff
 
     rows = [{"family": "a", "gflops_reduction_pct": r} for r in (10, 30, 45)] + \
            [{"family": "b", "gflops_reduction_pct": r} for r in (20, 70)]
@@ -398,17 +396,15 @@ def test_the_static_sweep_must_span_half_to_twice_the_dora_saving_in_one_family(
 
 
 def test_tradeoff_rounds_records_to_six_significant_digits():
-    import tradeoff
-
     rec = {"a": 79.84615384615384, "b": [0.0012345678, 3, "x", (1.0, 2.5e-12)], "c": {"d": 123456789.0, "e": True}}
-    assert tradeoff.rounded(rec) == {"a": 79.8462, "b": [0.00123457, 3, "x", [1.0, 2.5e-12]], "c": {"d": 123457000.0, "e": True}}
+    assert rounded(rec) == {"a": 79.8462, "b": [0.00123457, 3, "x", [1.0, 2.5e-12]], "c": {"d": 123457000.0, "e": True}}
 
 
 def test_tradeoff_script_tables_are_paired_and_publish_by_dev(tmp_path, monkeypatch):
     """benchmarks/tradeoff.py on a tiny random backbone (CPU): the seed published is the dev rule's
     (never the test split's), every row is paired against the same native predictions, GFLOPs are
     the accounting's own, and the skip_dead tables change GFLOPs only."""
-    import tradeoff
+    from benchmarks import tradeoff
     import torch
 
     from timm_dora import Actor, native_gflops
@@ -479,7 +475,7 @@ def test_choose_seed_rule_by_hand():
     """benchmarks/choose_seed.py's rule: the lowest pool drop among the seeds with the spread and the
     reduction (ties: fewer GFLOPs); else the largest reduction among those with the spread (violates);
     else among all."""
-    import choose_seed
+    from benchmarks import choose_seed
 
     def row(drop, red, spread, gflops=1.6):
         return {"drop_pp": drop, "gflops_reduction_pct": red, "spread_pct_of_native": spread, "gflops": gflops}
@@ -501,8 +497,8 @@ def test_choose_seed_script_chooses_on_the_pool_and_tradeoff_publishes_its_choic
     """benchmarks/choose_seed.py on a tiny random backbone (CPU) reads the pool splits only, pairs
     every seed against native on them and records the rule's choice; tradeoff.py --choice publishes
     that seed on test, and refuses a record made for other seeds or a pool with test in it."""
-    import choose_seed
-    import tradeoff
+    from benchmarks import choose_seed
+    from benchmarks import tradeoff
     import torch
 
     from timm_dora import Actor
@@ -550,7 +546,7 @@ def test_seen_unseen_compares_each_split_with_the_static_rule_at_the_same_gflops
     (qc + dev) paired against native; the unseen agreement is the image-weighted mean of qc's and
     dev's; the advantage is the actor's agreement minus the static sweep's, interpolated at the
     actor's GFLOPs from the recorded rows; the seen-minus-unseen gap is the difference of two."""
-    import seen_unseen
+    from benchmarks import seen_unseen
     import torch
 
     from timm_dora import Actor
@@ -585,7 +581,7 @@ def test_seen_unseen_compares_each_split_with_the_static_rule_at_the_same_gflops
 def test_tradeoff_publishes_among_the_seeds_with_the_dev_spread(tmp_path):
     """The dev rule runs among the seeds whose recorded dev spread reaches the minimum (records
     without one count as qualifying); with none qualifying, among all of them."""
-    import tradeoff
+    from benchmarks import tradeoff
 
     def seed(name, gflops, spread, top1=72.0):
         (tmp_path / name).mkdir()
@@ -608,7 +604,7 @@ def test_tradeoff_publishes_among_the_seeds_with_the_dev_spread(tmp_path):
 def test_pool_studies_merge_averages_by_size_into_the_most_similar_survivor():
     """benchmarks/pool_studies.py's merge: a removed row goes into the kept visual row of its image
     with the highest cosine similarity, averaged by size (hand-computed), and the sizes follow."""
-    import pool_studies
+    from benchmarks import pool_studies
     import torch
 
     from timm_dora.engine.packing import Packed
@@ -628,7 +624,7 @@ def test_pool_studies_fusion_keeps_one_size_weighted_row_per_image():
     """benchmarks/pool_studies.py's fuse: the first removal revives the image's first removed row
     as the size-weighted mean of all it removes (one removal fewer, in the engine's counts too); a
     later removal is averaged into that row (hand-computed)."""
-    import pool_studies
+    from benchmarks import pool_studies
     import torch
 
     from timm_dora.engine.packing import Packed
@@ -652,7 +648,7 @@ def test_pool_studies_script_runs_both_studies_on_the_pool(tmp_path):
     """benchmarks/pool_studies.py on a tiny random backbone: all three pool splits are read, the
     selector study's DORA row and the merge and fuse studies' deletion rows are the same forward;
     a fused row costs GFLOPs."""
-    import pool_studies
+    from benchmarks import pool_studies
     import torch
     from PIL import Image
     from safetensors.torch import save_file
@@ -687,7 +683,7 @@ def test_pool_studies_script_runs_both_studies_on_the_pool(tmp_path):
 def test_tome_merge_group_sums_by_hand_and_the_fixed_order_merge_equals_the_port():
     """Rows 0, 2 and 4 go to target 2, row 1 to 0, row 3 to 1, none to 3; on random data the
     fixed-order sums equal ``scatter_add``'s, and the fixed-order merge the port's (fp64)."""
-    import tome_merge
+    from benchmarks import tome_merge
     import torch
 
     index = torch.tensor([[2, 0, 2, 1, 2]])
@@ -708,7 +704,7 @@ def test_tome_merge_script_compares_the_two_forms_on_cpu(tmp_path):
     """benchmarks/tome_merge.py on a small random model (CPU, fp32): both forms repeat bit for bit
     (CPU scatter_add is sequential) and agree to rounding; the accuracy part reads the pool splits
     and gives the same drop in both runs; every field is there."""
-    import tome_merge
+    from benchmarks import tome_merge
     import torch
     from PIL import Image
     from safetensors.torch import save_file
@@ -739,7 +735,7 @@ def test_tome_merge_script_compares_the_two_forms_on_cpu(tmp_path):
 
 def test_fold_profile_script_times_the_fold_on_cpu(tmp_path):
     """``fold_profile.py`` (the cost of merging's fold) runs off CUDA: the eager time only, at the shape asked."""
-    import fold_profile
+    from benchmarks import fold_profile
 
     res = fold_profile.main(["--batch", "3", "--tokens", "9", "--dim", "8", "--heads", "2", "--iters", "1", "--repeats", "1",
                     "--device", "cpu", "--out", str(tmp_path / "f.json")])
@@ -767,10 +763,9 @@ def test_train_scale_makes_a_set_runs_the_recipe_in_segments_and_summarises(tmp_
     for c in range(5):  # noise: every crop of it a file of its own
         Image.fromarray((torch.rand(48, 64, 3, generator=g) * 255).to(torch.uint8).numpy()).save(sources / f"n0000000{c}.jpg")
     root, run = tmp_path / "set", tmp_path / "run"
-    script = str(Path(__file__).resolve().parents[1] / "benchmarks" / "train_scale.py")
     import argparse
 
-    import train_scale
+    from benchmarks import train_scale
 
     train_scale.make(argparse.Namespace(sources=str(sources), root=str(root), rollout=24, qc=8, dev=8, seed=0, workers=2))
     splits = {s: LabelsCSVDataset(root / "splits.csv", s) for s in ("rollout", "qc", "dev")}
@@ -782,10 +777,11 @@ def test_train_scale_makes_a_set_runs_the_recipe_in_segments_and_summarises(tmp_
              "--qc-shards 2 --data-workers 1 --gate-minibatch 16 --controller-minibatch 4 --critic-minibatch 16 "
              "--actor-epochs 1 --critic-epochs 1")
     out = tmp_path / "result.json"
-    argv = [sys.executable, script, "run", "--root", str(root), "--run", str(run), "--model", "vit_tiny_patch16_224",
-            "--extra", extra, "--out", str(out)]
-    subprocess.run(argv, check=True, capture_output=True)
+    argv = [sys.executable, "-m", "benchmarks.train_scale", "run", "--root", str(root), "--run", str(run),
+            "--model", "vit_tiny_patch16_224", "--extra", extra, "--out", str(out)]
+    subprocess.run(argv, check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1])  # as documented
     res = json.loads(out.read_text())
+    assert res["command"] == "python -m benchmarks.train_scale " + " ".join(argv[3:])
     assert res["updates"] == 2 and len(res["segments"]) == 1 and res["segments"][0]["updates"] == [1, 2]
     assert res["rollout_files"] == 24 and res["wall_min"] > 0 and 0 <= res["data_wait_fraction"] < 1
     assert res["first_update_s"] > 0 and res["peak_host_gb"] > 0 and res["s_per_update"] > 0

@@ -1,25 +1,15 @@
 """Smoke test of benchmarks/compare.py on the CPU: random tiny backbone, tiny timing settings."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
+from benchmarks import compare
 from timm_dora import Actor
 from timm_dora.evaluate import load_model
 
 from test_evaluate import make_dataset
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_compare_smoke(tmp_path):
@@ -31,7 +21,7 @@ def test_compare_smoke(tmp_path):
         actor.gate_mlp[2].bias.fill_(0.0)
     actor.save_pretrained(tmp_path / "actor", backbone=model)
     out = tmp_path / "out"
-    results = _load().main([
+    results = compare.main([
         "--models", "vit_tiny_patch16_224", "--random-weights", "--img-size", "64", "--device", "cpu",
         "--data", str(csv_path), "--r", "1", "3", "--static-reductions", "0.3", "--static-blocks", "2", "5",
         "--batch", "4", "--warmup", "1", "--iters", "1", "--repeats", "1", "--workers", "0",
@@ -48,7 +38,7 @@ def test_compare_smoke(tmp_path):
     assert any(n.startswith("static-cls_sim(") for n in names) and any(n.startswith("static-slice(") for n in names)
     for r in res["rows"]:
         assert r["images"] == 6 and r["images_per_s"] > 0 and r["gflops"] > 0 and r["attention_ops"]
-    assert "compare.py" in res["command"] and res["torch"] == torch.__version__
+    assert res["command"].startswith("python -m benchmarks.compare --models ") and res["torch"] == torch.__version__
     assert "| Backbone | Method |" in res["matched"]["table"]
     assert [r["method"] for r in res["matched"]["rows"]][-2:] == ["Average of baselines", "DORA"]
     # App. F.1: every substitution keeps DORA's gates and budgets: identical per-block statistics
@@ -69,7 +59,7 @@ def test_compare_graph_row_of_a_merging_actor(tmp_path):
     with torch.no_grad():
         actor.gate_mlp[2].bias.fill_(0.0)
     actor.save_pretrained(tmp_path / "actor", backbone=model)
-    (res,) = _load().main([
+    (res,) = compare.main([
         "--models", "vit_tiny_patch16_224", "--random-weights", "--img-size", "64", "--device", "cpu",
         "--data", str(csv_path), "--r", "1", "--static-reductions", "0.3", "--static-blocks", "2", "--selectors",
         "--batch", "4", "--warmup", "1", "--iters", "1", "--repeats", "1", "--workers", "0",

@@ -6,30 +6,23 @@ lazily recomputed keys, speculation, padded packed rows, the deletion into fixed
 the default forward: every output must be identical.
 """
 import dataclasses
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from throughput import gate_forced_actor  # noqa: E402
-
-import timm_dora  # noqa: E402
-from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
-from timm_dora.engine import graphs as graphs_module  # noqa: E402
-from timm_dora.engine import segments as segments_module  # noqa: E402
-from timm_dora.engine import whole as whole_module  # noqa: E402
-from timm_dora.engine.graphs import GraphRunner  # noqa: E402
-from timm_dora.engine.options import EngineOptions  # noqa: E402
-
-MAX_CACHED = EngineOptions().max_cached
-from timm_dora.policy import Decision  # noqa: E402
+import timm_dora
+from benchmarks.common import gate_forced_actor
+from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy
+from timm_dora.engine import graphs as graphs_module
+from timm_dora.engine.graphs import GraphRunner
+from timm_dora.engine.options import EngineOptions
+from timm_dora.policy import Decision
 
 from helpers import engine_options  # noqa: F401 (fixture)
-from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan  # noqa: E402
+from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan
+
+MAX_CACHED = EngineOptions().max_cached
 
 FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers", "vit_gap", "vit_reg4_gap", "siglip_map"]
 

@@ -1,19 +1,13 @@
 """Structural properties of the wrapped forward's host work (issue #8): which policies make the host
 wait for the device, and that the shortcuts taken to avoid host work compute the same values."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from throughput import fixed_plan, gate_forced_actor  # noqa: E402
-
-import sync_counter  # noqa: E402
-import timm_dora  # noqa: E402
-from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
-from timm_dora.engine.packing import Packed, delete_rows  # noqa: E402
+import sync_counter
+import timm_dora
+from benchmarks.common import fixed_plan, gate_forced_actor
+from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy
+from timm_dora.engine.packing import Packed, delete_rows
 
 BLOCKS = [3, 6, 9]
 

@@ -1,22 +1,16 @@
 """Speculative gate read (``wrap(..., speculate=True)``, issue #8): the MLP of the unpruned batch is
 enqueued before the host reads the gate and is kept only when nothing is removed. Everything a
 forward returns must be identical to the default path."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import timm_dora
+from benchmarks.common import gate_forced_actor
+from timm_dora import ActorPolicy, NoPrune, ReplayPolicy
+from timm_dora.policy import RolloutNoise
+from timm_dora.policy.actor_policy import host_reader
 
-from throughput import gate_forced_actor  # noqa: E402
-
-import timm_dora  # noqa: E402
-from timm_dora import ActorPolicy, NoPrune, ReplayPolicy  # noqa: E402
-from timm_dora.policy import RolloutNoise  # noqa: E402
-from timm_dora.policy.actor_policy import host_reader  # noqa: E402
-
-from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan  # noqa: E402
+from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan
 
 FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers", "vit_gap", "vit_reg4_gap", "siglip_map"]
 

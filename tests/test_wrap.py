@@ -1,7 +1,4 @@
 """The wrapped forward against native timm and against an independent per-image reference."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -320,8 +317,7 @@ def test_speculation_keeps_keys_only_until_the_gate_is_read():
             alive.setdefault(l, []).append(state)
         return hook
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from throughput import gate_forced_actor
+    from benchmarks.common import gate_forced_actor
 
     timm_dora.wrap(model, policy=Spy(ActorPolicy(gate_forced_actor(model, [1, 3]), speculate=True)))
     hooks = [model.norm_pre.register_forward_hook(embed_hook)]
@@ -346,8 +342,7 @@ def test_actor_encoder_runs_with_the_blocks_qkv_output_freed():
 
     from timm_dora import ActorPolicy
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from throughput import gate_forced_actor
+    from benchmarks.common import gate_forced_actor
 
     model = make_model("deit_tiny_patch16_224", img_size=64)
     x = images(model, 3)
