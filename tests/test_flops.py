@@ -82,7 +82,7 @@ def test_controller_terms_under_compile_do_not_touch_the_weak_cache():
     """The controller's MAC terms by hand (width 128, as above); eagerly they are cached per actor,
     under ``torch.compile`` read off the modules with the cache untouched (Dynamo guards on what it
     reads, and a weak dictionary's length changes whenever the garbage collector runs)."""
-    from timm_dora.engine import flops
+    from timm_dora.policy import actor_flops as flops
 
     a = Actor(16, 4, 12)
     by_hand = (16 * 128 + 128 * 3 * 128 + 128 * 128 + 128 * 256 + 256 * 128,

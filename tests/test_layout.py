@@ -172,3 +172,38 @@ def test_engine_settings_are_options_not_module_switches():
             if m.group(2) in constants or m.group(1) in modules:
                 offenders.append(f"{path.name}: assigns {m.group(1)}.{m.group(2)}")
     assert offenders == []
+
+
+def _policy_accesses(tree: ast.AST) -> Set[str]:
+    """Attributes read of a policy object (``policy.x``, ``self.policy.x``, ``getattr(policy, "x")``)."""
+    def is_policy(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "policy") or (
+            isinstance(node, ast.Attribute) and node.attr == "policy")
+
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_policy(node.value):
+            out.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and is_policy(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+            out.add(node.args[1].value)
+    return out
+
+
+def test_the_engine_asks_of_a_policy_only_what_the_protocol_declares():
+    from timm_dora.engine.protocol import OPTIONAL_ATTRIBUTES, CapturedPolicy
+
+    declared = {n for n in vars(CapturedPolicy) if not n.startswith("_")} | set(OPTIONAL_ATTRIBUTES) | {"__call__"}
+    assert {"probe", "decide", "prepare", "controller_fixed", "probes_in_graphs", "fused_gate", "context_width"} <= declared
+    asked = {}
+    for name, path in MODULES.items():
+        if name.startswith("timm_dora.engine"):
+            for attr in _policy_accesses(ast.parse(path.read_text())):
+                asked.setdefault(attr, []).append(name)
+    assert {"probe", "speculate"} <= set(asked)  # (the walk sees the executors' calls)
+    assert {a: m for a, m in asked.items() if a not in declared} == {}
+
+
+def test_the_code_cites_no_notebook():
+    """Code comments cite results files and guides, not the speed work's notebook."""
+    assert [n for n, p in MODULES.items() if "speed_notes" in p.read_text() or "speed notes" in p.read_text()] == []

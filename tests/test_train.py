@@ -629,7 +629,7 @@ def test_actor_width_sizes_the_trained_actor(data, tmp_path, capsys):
     import timm
 
     import timm_dora
-    from timm_dora.engine.flops import actor_controller_macs
+    from timm_dora.policy.actor_flops import actor_controller_macs
     from timm_dora.policy import encoder_sizes
 
     assert encoder_sizes(128) == {"width": 128, "num_heads": 4, "ffn_dim": 256, "selector_hidden": 64}

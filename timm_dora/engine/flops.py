@@ -4,7 +4,8 @@ One multiply-accumulate is two FLOPs. Counted per image, following that image's 
 trajectory: patch embedding, every block (attention projections and the two attention matmuls on
 the ``P + N_l`` tokens entering the block, the MLP on the ``P + N_l - k_l`` tokens surviving it,
 ``P`` being the prefix tokens: CLS, registers, distillation token), the classifier, and the
-actor's own computation (the gate at every block, the controller only where the gate opened).
+policy's own computation as its decisions report it (DORA's actor: the gate at every block, the
+controller only where the gate opened; counted by :mod:`timm_dora.policy.actor_flops`).
 An attention-pool (MAP) head counts its query, key/value projections over the tokens reaching it,
 its attention matmuls, output projection and MLP. Costs follow the input: a model taking another
 input size (``dynamic_img_size``) is counted at the patch count of each forward.
@@ -18,16 +19,15 @@ With this rule native DeiT-B/16 at 224 is 35.13 GFLOPs and DINOv2-B/14 at 224 (2
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
-__all__ = ["BackboneCost", "backbone_cost", "actor_gate_macs", "actor_controller_macs", "native_gflops"]
+__all__ = ["BackboneCost", "backbone_cost", "linear_macs_per_row", "native_gflops"]
 
 
-def _linear_macs_per_row(module: nn.Module) -> int:
+def linear_macs_per_row(module: nn.Module) -> int:
     """Sum of ``in * out`` over the ``nn.Linear`` layers inside ``module`` (MACs per token row)."""
     return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
 
@@ -114,21 +114,21 @@ def backbone_cost(model: nn.Module, num_patches: Optional[int] = None) -> Backbo
     pool_terms = {}
     if pool is not None:  # the latent queries' projection, output projection and MLP: per latent row
         q = getattr(pool, "q", None)
-        per_latent = (_linear_macs_per_row(q) if isinstance(q, nn.Module) else 0) + _linear_macs_per_row(pool.proj)
+        per_latent = (linear_macs_per_row(q) if isinstance(q, nn.Module) else 0) + linear_macs_per_row(pool.proj)
         mlp = getattr(pool, "mlp", None)
         if mlp is not None:
-            per_latent += _linear_macs_per_row(mlp)
+            per_latent += linear_macs_per_row(mlp)
         latent = pool.latent.shape[1]
         head_macs += latent * per_latent
-        pool_terms = dict(pool_kv_macs=_linear_macs_per_row(pool.kv), pool_attn=latent * pool.kv.out_features // 2,
+        pool_terms = dict(pool_kv_macs=linear_macs_per_row(pool.kv), pool_attn=latent * pool.kv.out_features // 2,
                           pool_include_prefix=bool(getattr(model, "pool_include_prefix", False)))
     blocks = list(model.blocks)
     return BackboneCost(
         patch_macs=patch_macs,
-        qkv_macs=[_linear_macs_per_row(b.attn.qkv) for b in blocks],
-        proj_macs=[_linear_macs_per_row(b.attn.proj) for b in blocks],
+        qkv_macs=[linear_macs_per_row(b.attn.qkv) for b in blocks],
+        proj_macs=[linear_macs_per_row(b.attn.proj) for b in blocks],
         attn_dim=[b.attn.qkv.out_features // 3 for b in blocks],
-        mlp_macs=[_linear_macs_per_row(b.mlp) for b in blocks],
+        mlp_macs=[linear_macs_per_row(b.mlp) for b in blocks],
         head_macs=head_macs,
         num_prefix=model.num_prefix_tokens,
         num_patches=n0,
@@ -142,46 +142,3 @@ def native_gflops(model: nn.Module, num_patches: Optional[int] = None, skip_dead
     another input size of a ``dynamic_img_size`` model; ``skip_dead``: without the last block's MLP
     on the tokens a CLS-token readout never reads)."""
     return 2 * backbone_cost(model, num_patches).native_macs(skip_dead) / 1e9
-
-
-def actor_gate_macs(actor) -> int:
-    """Gate MACs per image per block: ``(d+19)*64 + 64*1``."""
-    return sum(m.in_features * m.out_features for m in actor.gate_mlp if isinstance(m, nn.Linear))
-
-
-def actor_controller_macs(actor, n_visual: torch.Tensor) -> torch.Tensor:
-    """Controller MACs for gate-active images with ``n_visual`` surviving visual tokens.
-
-    ``n = N_l + 1`` tokens (CLS included) go through ``W_in`` and the encoder block (QKV,
-    attention matmuls, output projection, FFN); ``W_h`` runs on CLS; the budget head on ``Z_CLS``;
-    ``W_k`` once per image and the selector MLP on the ``N_l`` visual tokens:
-    ``n * per_token + 2 n^2 w + fixed + (n - 1) * selector``, computed as
-    ``n * (2 w n + per_token + selector) + fixed - selector`` (integer-valued float64, exact).
-    """
-    per_token, fixed, selector, w = controller_macs_terms(actor)
-    n = n_visual.double() + 1
-    return n * (n * (2 * w) + (per_token + selector)) + (fixed - selector)
-
-
-_CONTROLLER_TERMS: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, int, int, int]]" = weakref.WeakKeyDictionary()
-
-
-def controller_macs_terms(actor) -> Tuple[int, int, int, int]:
-    """``(per_token, fixed, selector, width)`` MACs of an actor's controller, read off its modules
-    once: the terms of :func:`actor_controller_macs` (which the fused controller's budget kernel
-    evaluates on the GPU, :mod:`timm_dora.policy.actor_kernels`). Under ``torch.compile`` they are
-    read off the modules without the cache: Dynamo would guard on the weak dictionary's length,
-    which the garbage collector changes at any time (a flaky "guard failed on the same frame")."""
-    if torch.compiler.is_compiling():
-        return _controller_terms(actor)
-    terms = _CONTROLLER_TERMS.get(actor)
-    if terms is None:
-        terms = _CONTROLLER_TERMS[actor] = _controller_terms(actor)
-    return terms
-
-
-def _controller_terms(actor) -> Tuple[int, int, int, int]:
-    w = actor.width
-    per_token = actor.w_in.in_features * w + _linear_macs_per_row(actor.encoder)
-    fixed = actor.w_h.in_features * w + _linear_macs_per_row(actor.budget_head) + actor.w_k.in_features * w
-    return per_token, fixed, _linear_macs_per_row(actor.selector), w

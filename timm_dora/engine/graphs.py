@@ -134,9 +134,8 @@ def decides_in_graphs(policy, num_patches: int, dtype: torch.dtype) -> bool:
     plain deterministic ActorPolicy (a subclass may decide differently: it is called as a policy)
     of the CLS form at its own input size, in the activations' dtype, whose keys are kept (the
     packed gate reads them)."""
-    actor, probes = getattr(policy, "actor", None), getattr(policy, "probes_in_graphs", None)
-    return (probes is not None and probes(num_patches) and actor is not None
-            and actor.w_in.weight.dtype == dtype and bool(getattr(policy, "reads_keys", True)))
+    probes = getattr(policy, "probes_in_graphs", None)  # (a CapturedPolicy, engine.protocol)
+    return probes is not None and probes(num_patches, dtype) and bool(getattr(policy, "reads_keys", True))
 
 
 class GraphRunner(Segments):
@@ -161,20 +160,20 @@ class GraphRunner(Segments):
             raise ValueError("merge=True is captured for a deterministic CLS actor only")
         # the actor's gate runs in line on the graph's stream, right after qkv: the Triton gate
         # (one kernel) where the fused kernels run, else the modules' (about ten small kernels; not
-        # on a second stream: speed notes, changes 27, 29, 30)
-        self.triton_gate = self.probing and policy._use_fused(backend, self.x[0].dtype)
+        # on a second stream: there its small kernels waited behind the backbone's GEMMs)
+        self.triton_gate = self.probing and policy.fused_gate(backend, self.x[0].dtype)
         # the keys of packed blocks, kept for a policy that reads them and for the modules' gate
         # (zeros: with the actor only the open images' rows are copied in; the others keep finite
         # values). Not with the Triton gate and fused_interventions: the gate reads the CLS keys in
         # place, a controller where the gate opened in the last forward reads the keys in place
         # too, and one where it opened unexpectedly recomputes them from the block input (norm1
-        # and qkv again, only then): one [B*S, d] buffer less (speed notes, change 39)
+        # and qkv again, only then): one [B*S, d] buffer less
         if self.copy_keys and not (self.triton_gate and active().fused_interventions):
             with torch.inference_mode(False):
                 self.k = torch.zeros_like(self.x[0])
         if self.probing:
             with torch.inference_mode(False):
-                self.context_out = torch.zeros(self.depth, self.batch, policy.actor.gate_hidden,
+                self.context_out = torch.zeros(self.depth, self.batch, policy.context_width,
                                                dtype=self.x[0].dtype, device=dev)  # (the actor's dtype)
                 self.context_packed = torch.zeros_like(self.context_out)
                 # the speculative MLP must not overwrite the attention output (a gate that opens

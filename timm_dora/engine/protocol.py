@@ -19,21 +19,74 @@ does not call the policy at those blocks and replays each run of them as one seg
 ``reads_keys = False``: the policy never reads ``ctx.keys`` (the graphs then keep no keys for it).
 ``exportable = True``: its decisions are fixed before the forward (a recorded plan, nothing), never
 read from the tensors, so ``torch.export`` and ``torch.jit.trace`` can follow the wrapped forward
-(for the batch size traced); for any other policy they are refused in one line.
+(for the batch size traced); for any other policy they are refused in one line
+(:data:`OPTIONAL_ATTRIBUTES`).
+
+Decisions inside CUDA graphs (optional): a policy that can decide without host reads until the gate
+vector implements :class:`CapturedPolicy` (DORA's deterministic actor does); the captured executor
+(:mod:`timm_dora.engine.graphs`) then records its gate, and its controller, in the graphs. The
+engine asks of a policy nothing beyond this module's declarations (a test walks its code).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
 
 from .lazy import lazy
 from .packing import Packed
 
-__all__ = ["BlockContext", "Decision", "ForwardConstants", "LazyKeysContext", "Policy"]
+__all__ = ["BlockContext", "CapturedPolicy", "Decision", "ForwardConstants", "LazyKeysContext", "OPTIONAL_ATTRIBUTES",
+           "Policy"]
 
 Policy = Callable[["BlockContext"], "Decision"]
+
+# what the engine reads of any policy when it is there (see the module docstring)
+OPTIONAL_ATTRIBUTES = ("speculate", "begin", "prunes_nothing_at", "reads_keys", "exportable")
+
+
+@runtime_checkable
+class CapturedPolicy(Protocol):
+    """A policy whose gate and controller the captured executor records inside its CUDA graphs.
+
+    Per block the graph runs :meth:`prepare` (what needs no keys), then :meth:`probe` (the gate, on
+    the device); the host reads the gate vector once and :meth:`decide` turns the step into the
+    :class:`Decision`. Where the gate opened in the last forward the graph also runs
+    :meth:`controller_fixed`, the controller in fixed shapes on every image, masked by the gate.
+    """
+
+    def __call__(self, ctx: "BlockContext") -> "Decision": ...
+
+    def probes_in_graphs(self, num_patches: int, dtype: torch.dtype) -> bool:
+        """Whether this policy decides inside the graphs for a forward of ``num_patches`` patches in
+        activations of ``dtype`` (else it is called as an ordinary policy between replays)."""
+
+    def fused_gate(self, backend: str, dtype: torch.dtype) -> bool:
+        """Whether its gate runs as one kernel in line after ``qkv`` for this backend and dtype
+        (reading the CLS keys in place, so the graphs keep no keys for it)."""
+
+    @property
+    def context_width(self) -> int:
+        """The width of the per-image context :meth:`prepare` leaves for :meth:`probe`."""
+
+    def prepare(self, ctx: "BlockContext") -> None:
+        """The part of the gate that needs no keys, memoised in ``ctx.constants``."""
+
+    def probe(self, ctx: "BlockContext", cls_key: Optional[torch.Tensor] = None) -> Any:
+        """The gate on the device, no host reads: a step for :meth:`decide` (its ``gate`` a ``[B]``
+        bool tensor)."""
+
+    def decide(self, step: Any, gate_host: List[bool], ctx: Optional["BlockContext"] = None) -> "Decision":
+        """The decision from a :meth:`probe` step and its gate vector on the host."""
+
+    def controller_fixed(self, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, num_prefix: int,
+                         h: torch.Tensor, n_visual: torch.Tensor, gate: torch.Tensor, block: int, backend: str,
+                         lengths_host: Optional[List[int]] = None,
+                         out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The controller on every image of a packed, padded layout, masked by ``gate``: ``(remove
+        [rows] bool, removed [B], flops [B])`` (into ``out`` where given)."""
 
 
 class ForwardConstants:

@@ -15,7 +15,7 @@ Graphs share one memory pool, so their number costs little memory. Before the fi
 segment of that pool is reserved for the largest expected scratch (``EngineOptions.reserve_pool``), and the
 captures carve their intermediates out of it (H100, batch 320: the pool 9.0 ``[B*S, d]`` tensors
 instead of 14.1-14.4, and the steady reserved memory of every graph row below native timm's;
-speed notes, change 39). ``EngineOptions.mlp_chunks`` runs each graph's MLP in row chunks: a smaller pool, for
+``docs/performance.md``, Memory). ``EngineOptions.mlp_chunks`` runs each graph's MLP in row chunks: a smaller pool, for
 0.6-2 % of throughput.
 
 Keys: in the dense phase the graphs keep them (copied into ``k``) only at the actor's blocks
@@ -469,7 +469,7 @@ class Segments:
         g = torch.cuda.CUDAGraph()
         # captured on the warm-up's stream, not torch's own capture stream: cuBLAS allocates a
         # workspace (33 MiB on the H100, never returned) for every stream it runs on, and the
-        # capture stream would be a second one (speed notes, change 36)
+        # capture stream would be a second one
         with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
             fn()
         self.graphs[key] = g

@@ -3,8 +3,8 @@
 Pruned ViT blocks attend within sequences of at most a few hundred tokens (197 for a /16 model at
 224 px). The FlashAttention-2 varlen kernel that ``torch_varlen`` calls is written for Ampere's
 tensor-core instructions and works in 128-row query tiles; on an H100 it takes about 1.4x the time
-of the dense cuDNN kernel that timm's unpruned blocks use on the same rows (``docs/speed_notes.md``,
-the varlen-kernel probe). This kernel is the textbook online-softmax attention (one program per
+of the dense cuDNN kernel that timm's unpruned blocks use on the same rows (measured on an H100).
+This kernel is the textbook online-softmax attention (one program per
 query tile, head and sequence; keys and values streamed in tiles, running max and sum in fp32),
 compiled by Triton for whatever GPU runs it (on Hopper its dot products become wgmma
 instructions), with tiles sized for short sequences.
@@ -163,7 +163,7 @@ def copy_open_keys(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, g
     """Copy the keys of the images whose ``gate`` is open into ``out`` (``[rows, d]``, heads
     concatenated, the rows of ``cu_seqlens``' layout); the other images' rows keep what they held.
     One Triton kernel, no host read: what the CUDA graphs capture instead of copying every image's
-    keys for a controller that reads only the gate-active ones (``docs/speed_notes.md``, change 29).
+    keys for a controller that reads only the gate-active ones.
 
     ``keys``: ``[B, H, S, hd]`` (a dense batch, e.g. attention's key tensor) or ``[rows, H, hd]``
     (packed rows), any strides with unit channel stride; ``cu_seqlens``: ``[B+1]`` int32 (a dense

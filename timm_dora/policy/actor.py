@@ -26,7 +26,7 @@ Beyond the paper (ours), for the backbones timm users pick today:
 
 This module holds the networks and the distributions over their outputs (Bernoulli gate, masked
 categorical budget, Plackett-Luce ordered selection). Turning them into per-block decisions on a
-packed batch is :mod:`timm_dora.policy`; counting their FLOPs is :mod:`timm_dora.engine.flops`.
+packed batch is :mod:`timm_dora.policy`; counting their FLOPs is :mod:`timm_dora.policy.actor_flops`.
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def auto_width(model: nn.Module, budget: float = AUTO_WIDTH_BUDGET) -> int:
     """The widest encoder width of 128 (the paper's), 64 and 32 at which one intervention of the
     controller on all ``N0`` visual tokens costs at most ``budget`` of ``model``'s forward (32 when
     none does). Ours: ``timm-dora-train`` picks it unless ``--actor-width`` is given."""
-    from ..engine.flops import actor_controller_macs, native_gflops
+    from ..engine.flops import native_gflops
+    from .actor_flops import actor_controller_macs
 
     with torch.device("meta"):  # sizes only: no memory, no initialisation
         actors = [(w, Actor.for_model(model, **encoder_sizes(w))) for w in (128, 64)]

@@ -5,7 +5,7 @@ kernel per block instead of about ten (``c_l``: the first layer's context part,
 :meth:`timm_dora.policy.actor.Actor.gate_bias`, computed once per history). Inside a CUDA graph the
 small kernels of the module path each waited for a whole backbone kernel on the other stream (the
 persistent GEMMs hold every SM), so the gate vector reached the host only at the end of the
-block's graph, and the GPU idled while the host decided (``docs/speed_notes.md``, change 26).
+block's graph, and the GPU idled while the host decided (measured on an H100; git history keeps the runs).
 
 **Controller** (:func:`fused_controller`): where a gate opens, the controller (``W_in`` and the
 shared encoder block, the budget head, the selector, the ``k`` highest scores) runs over every
@@ -45,7 +45,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from ..engine.flops import actor_gate_macs, controller_macs_terms
+from .actor_flops import actor_gate_macs, controller_macs_terms
 from ..engine.varlen_kernel import TILE, triton, varlen_attention_triton
 
 __all__ = ["fused_gate", "fused_controller", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH", "ROW_LAUNCH"]
@@ -55,8 +55,7 @@ if triton is not None:
 
 # rows per program of each row-wise kernel and its warps, fixed (no autotuning inside a capture):
 # 128 rows, 8 warps the fastest of five tiles for all three together on an H100 at every shape of
-# a sweep (10-14 % faster than 64 rows, 4 warps); then, per kernel (docs/speed_notes.md, change
-# 31), _embed_qkv at 64 rows, where it spills no registers, 4-15 us faster at every shape, while
+# a sweep (10-14 % faster than 64 rows, 4 warps); then, per kernel, _embed_qkv at 64 rows, where it spills no registers, 4-15 us faster at every shape, while
 # _out_ffn at 64 rows was 25-45 us slower. (The sweep and register-count scripts and their results
 # left the tree with issue #31; git history keeps them.)
 TILE_ROWS = {"embed": (64, 8), "out_ffn": (128, 8), "scores": (128, 8)}
@@ -64,7 +63,7 @@ TILE_ROWS = {"embed": (64, 8), "out_ffn": (128, 8), "scores": (128, 8)}
 # hidden units per step): module constants so that benchmarks can sweep them
 # gate: 16 images per program, the key width in blocks of 256 (64 below that width), no software
 # pipelining: DeiT-B's d=768 17.5 -> 6.0 us, ViT-Ti's 192 3.6 -> 3.2 us at batch 320 (H100; the
-# fastest of 72 configurations, .scratch sweep in docs/speed_notes.md, change 29)
+# fastest of 72 configurations; the sweep is in git history)
 GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
 ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
 
@@ -356,8 +355,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     flags are written for the block's own layout: ``cu_out`` (``[B+1]``, its sequence starts),
     ``num_prefix`` prefix rows per sequence, ``total`` rows. Returns ``(remove [total] bool,
     k [B] int64, flops [B] float64)``: the flags, the budgets (0 where the gate is closed) and the
-    actor's FLOPs per image (:func:`timm_dora.engine.flops.actor_gate_macs` at every image plus
-    :func:`~timm_dora.engine.flops.actor_controller_macs` where the gate is open, doubled), into ``out``
+    actor's FLOPs per image (:func:`timm_dora.policy.actor_flops.actor_gate_macs` at every image plus
+    :func:`~timm_dora.policy.actor_flops.actor_controller_macs` where the gate is open, doubled), into ``out``
     when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
     written). ``tile``: ``(rows per program, warps)`` for all three row-wise kernels instead of
     :data:`TILE_ROWS`, or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,

@@ -15,7 +15,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..engine.flops import actor_controller_macs, actor_gate_macs
+from .actor_flops import actor_controller_macs, actor_gate_macs
 from ..engine.packing import Packed, removal_mask, rows_where, segment_and_position, segment_ids, select_backend
 from ..engine.protocol import BlockContext, Decision
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
@@ -213,11 +213,25 @@ class ActorPolicy:
                     for m in ("__call__", "_gate", "_decide", "prepare", "probe", "decide"))
         return plain and not (self.sample or self.record)
 
-    def probes_in_graphs(self, num_patches: int) -> bool:
-        """:attr:`graph_probe` for a forward of ``num_patches`` patches: also the paper's CLS form at
-        the actor's own ``N0`` (the graphs read the CLS key in place and the grid as built; a
-        summary-key actor, or one at another input size, decides eagerly between replays)."""
-        return self.graph_probe and self.actor.summary == "cls" and num_patches == self.actor.num_patches
+    def probes_in_graphs(self, num_patches: int, dtype: torch.dtype) -> bool:
+        """:attr:`graph_probe` for a forward of ``num_patches`` patches in activations of ``dtype``
+        (:class:`~timm_dora.engine.protocol.CapturedPolicy`): also the paper's CLS form at the
+        actor's own ``N0`` (the graphs read the CLS key in place and the grid as built; a
+        summary-key actor, or one at another input size, decides eagerly between replays), in the
+        actor's own dtype."""
+        return (self.graph_probe and self.actor.summary == "cls" and num_patches == self.actor.num_patches
+                and self.actor.w_in.weight.dtype == dtype)
+
+    @property
+    def context_width(self) -> int:
+        """The width of the gate's per-image context that :meth:`prepare` leaves for :meth:`probe`
+        (the gate MLP's hidden width; the graphs keep a buffer of it per block)."""
+        return self.actor.gate_hidden
+
+    def fused_gate(self, backend: str, dtype: torch.dtype) -> bool:
+        """Whether the deterministic gate runs the Triton kernel in line after ``qkv`` (and the
+        controller its fused kernels) for this backend and dtype (:meth:`_use_fused`)."""
+        return self._use_fused(backend, dtype)
 
     def prepare(self, ctx: BlockContext) -> None:
         """The gate's history part (``h_l`` and its share of the first layer), memoised in
@@ -421,7 +435,7 @@ class ActorPolicy:
         ctrl = Packed(ctrl_keys, n_act + 1, [n + 1 for n in n_act_host], num_prefix=1)
         # the keys are not read again: on the eager path they are a view of the block's whole qkv
         # output, which would otherwise stay alive through the actor's encoder (a memory peak above
-        # native's; docs/speed_notes.md change 35). Drop every reference: this frame's, the step's
+        # native's, measured on an H100). Drop every reference: this frame's, the step's
         # and the context's (the caller's frames hold only those two objects).
         del keys
         step.keys = None
