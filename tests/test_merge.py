@@ -186,8 +186,10 @@ def _forwards(model, batches, **wrap_kw):
 @pytest.mark.parametrize("family", ["deit", "dinov2_registers", "vit_avgpool"])
 def test_merging_graph_runner_equals_the_eager_forward(family, kind, bucket, monkeypatch, engine_options):
     """The graph runner folds in the controller's segment (fixed shapes, sizes in a fixed buffer,
-    gathered with the survivors): off CUDA its segments run uncaptured, and every logit, decision
-    and GFLOPs count equals the eager merging forward's, over forwards that reuse its buffers."""
+    gathered with the survivors): off CUDA its segments run uncaptured, and every decision and
+    GFLOPs count equals the eager merging forward's, over forwards that reuse its buffers; the
+    logits up to float32 rounding (products over padded rows may sum in another order: bit-equal
+    on 2 cores, not on a 16-core host's BLAS)."""
     from timm_dora.engine import graphs
 
     engine_options(rows_bucket=bucket)
@@ -200,7 +202,7 @@ def test_merging_graph_runner_equals_the_eager_forward(family, kind, bucket, mon
     deleting = _forwards(model, batches[:1], actor=actor, cuda_graphs=True)
     for (a, sa, ea, _), (b, sb, eb, why) in zip(eager, runner):
         assert (ea, eb, why) == ("eager", "captured", None)
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         for name in ("gate", "removed", "gflops"):
             assert torch.equal(getattr(sa, name), getattr(sb, name)), name
     assert eager[0][1].removed.sum() > 0 and (deleting[0][0] - runner[0][0]).abs().max() > 1e-3

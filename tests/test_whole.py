@@ -46,7 +46,9 @@ def _forwards(model, xs, **wrap_kw):
 
 def _assert_same(got, ref):
     for (oa, sa), (ob, sb) in zip(got, ref, strict=True):
-        torch.testing.assert_close(oa, ob, rtol=0, atol=2e-6)  # (the controller's products over every image)
+        # (the controller's products over every image, and padded rows: float32 sums in another
+        # order; 2.03e-6 seen on a 16-core host)
+        torch.testing.assert_close(oa, ob, rtol=0, atol=1e-5)
         for field in ("tokens", "gate", "removed", "gflops", "policy_gflops"):
             assert torch.equal(getattr(sa, field), getattr(sb, field)), field
         for pa, pb in zip(sa.removed_patches, sb.removed_patches, strict=True):
