@@ -118,7 +118,8 @@ def _closed(actor):
 
 def aten_vs_varlen_attn():
     """The ``torch_varlen`` backend's direct aten call against ``varlen_attn`` (bf16, ragged)."""
-    from timm_dora.engine.packing import Packed, _ATEN_FLASH, _torch_varlen, varlen_attention
+    from timm_dora.engine.attention import _ATEN_FLASH, _torch_varlen, varlen_attention
+    from timm_dora.engine.packing import Packed
 
     lengths = [197, 150, 77, 5, 120]
     t, h, hd = sum(lengths), 12, 64

@@ -207,3 +207,16 @@ def test_the_engine_asks_of_a_policy_only_what_the_protocol_declares():
 def test_the_code_cites_no_notebook():
     """Code comments cite results files and guides, not the speed work's notebook."""
     assert [n for n, p in MODULES.items() if "speed_notes" in p.read_text() or "speed notes" in p.read_text()] == []
+
+
+def test_attention_backends_are_named_in_one_table():
+    """The backends' properties live in ``engine.attention.BACKEND_INFO``: outside that module and
+    its kernel no engine or policy module names a backend to decide what it may do."""
+    from timm_dora.engine.attention import BACKEND_INFO
+
+    names = "|".join(BACKEND_INFO)
+    for name, path in MODULES.items():
+        if name.startswith(("timm_dora.engine", "timm_dora.policy")) and name not in (
+                "timm_dora.engine.attention", "timm_dora.engine.varlen_kernel"):
+            code = re.sub(r'"""(?:.|\n)*?"""|#.*', "", path.read_text())  # (docstrings and comments out)
+            assert re.findall(rf"backend\s*(?:==|!=|in|not in)\s*\(?[\"'](?:{names})[\"']", code) == [], name

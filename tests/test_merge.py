@@ -11,7 +11,8 @@ import torch
 
 import timm_dora
 from timm_dora import Actor
-from timm_dora.engine.packing import Packed, delete_rows, merge_removed, varlen_attention
+from timm_dora.engine.attention import varlen_attention
+from timm_dora.engine.packing import Packed, delete_rows, merge_removed
 from timm_dora.evaluate.baselines import proportional_attention
 from timm_dora.policy import ReplayPolicy
 from timm_dora.policy.actor import encoder_sizes

@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from timm_dora.engine.packing import Packed, delete_rows, gather_survivors, select_backend, varlen_attention, bucket_rows, row_bucket
+from timm_dora.engine.attention import select_backend, varlen_attention
+from timm_dora.engine.packing import Packed, delete_rows, gather_survivors, bucket_rows, row_bucket
 
 
 def block_diagonal_reference(q, k, v, lengths, scale):

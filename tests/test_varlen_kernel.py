@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import capture_graph, run_interpreted, triton_version
-from timm_dora.engine.packing import Packed, select_backend, varlen_attention
+from timm_dora.engine.attention import select_backend, varlen_attention
+from timm_dora.engine.packing import Packed
 
 pytest.importorskip("triton")  # a dependency of torch's CUDA wheels (the CI's PyPI torch)
 
@@ -124,7 +125,8 @@ def test_kernel_input_errors():
 
 
 def test_triton_backend_refused_off_cuda():
-    with pytest.raises(ValueError, match="'triton' needs the triton package, CUDA"):
+    with pytest.raises(ValueError, match=r"^attention backend 'triton' cannot run on device 'cpu' with torch.bfloat16: "
+                                         r"it needs the triton package, CUDA and fp16/bf16$"):
         select_backend("cpu", torch.bfloat16, "triton")
 
 

@@ -12,7 +12,8 @@ of training, evaluation, actors' files or the Hub.
 - :mod:`~timm_dora.engine.protocol`: what a policy sees and returns;
 - :mod:`~timm_dora.engine.options`: :class:`EngineOptions`, how the engine runs a wrapped model
   (carried by it; :func:`set_options` changes them);
-- :mod:`~timm_dora.engine.packing`: packed batches, row deletion, attention backends;
+- :mod:`~timm_dora.engine.packing`: packed batches, row deletion; :mod:`~timm_dora.engine.attention`:
+  attention within their sequences, the backends and their table;
   :mod:`~timm_dora.engine.varlen_kernel`: the Triton varlen attention kernel;
 - :mod:`~timm_dora.engine.flops`: GFLOPs accounting (App. E.4).
 """

@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .dense_kernels import layer_norm, patch_embed
-from .packing import Packed, bucket_rows, rows_where, varlen_attention
+from .attention import varlen_attention
+from .packing import Packed, bucket_rows, rows_where
 
 __all__ = ["embed", "attention_keys", "attention_residual", "mlp_residual", "final_norm", "readout"]
 
@@ -33,7 +34,7 @@ def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 def _dense(packed: Packed) -> bool:
     """The dense ``[B, H, S, hd]`` layout and timm's fused attention: a uniform batch of unmerged rows
-    (merged rows attend with their sizes, :func:`~timm_dora.engine.packing.varlen_attention`)."""
+    (merged rows attend with their sizes, :func:`~timm_dora.engine.attention.varlen_attention`)."""
     return packed.uniform and getattr(packed, "sizes", None) is None
 
 

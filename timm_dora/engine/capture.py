@@ -32,6 +32,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
+from .attention import BACKEND_INFO
 from .graphs import decides_in_graphs, graph_mode_reason, release_all
 from .options import EngineOptions, active
 
@@ -70,8 +71,9 @@ def capture_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Opti
 def _merge_reason(model: nn.Module, images: torch.Tensor, backend: str) -> Optional[str]:
     """Why a merging forward is not captured (``None``: it is): the fold runs in the actor's
     controller graph, and on CUDA the proportional attention in the Triton kernel."""
-    if images.is_cuda and backend != "triton":
-        return f"merge=True is captured on the 'triton' attention backend only, not {backend!r}"
+    if images.is_cuda and not BACKEND_INFO[backend].folds_in_graphs:
+        folds = [name for name, b in BACKEND_INFO.items() if b.folds_in_graphs]
+        return f"merge=True is captured on the {', '.join(map(repr, folds))} attention backend only, not {backend!r}"
     grid = [n // p for n, p in zip(images.shape[-2:], model.patch_embed.patch_size)]
     if not decides_in_graphs(model._dora.policy, grid[0] * grid[1], next(model.parameters()).dtype):
         return "merge=True is captured for a deterministic CLS actor in the model's dtype only"

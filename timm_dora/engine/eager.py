@@ -31,7 +31,8 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from .blocks import attention_residual, embed, final_norm, mlp_residual
-from .packing import Packed, delete_rows, merge_removed, select_backend
+from .attention import select_backend
+from .packing import Packed, delete_rows, merge_removed
 from .protocol import BlockContext, Decision, ForwardConstants, Policy
 
 __all__ = ["EagerExecutor", "scope"]

@@ -88,6 +88,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .attention import BACKEND_INFO
 from .blocks import attention_keys, embed
 from .options import active
 from .packing import Packed, delete_rows
@@ -124,7 +125,7 @@ def graph_mode_reason(model: nn.Module, images: torch.Tensor, backend: str) -> O
     if images.device.type == "cuda":
         if torch.is_autocast_enabled("cuda"):
             return "autocast is enabled (cast the model to bf16/fp16 instead)"
-        if backend not in ("triton", "flash", "torch_varlen"):
+        if not BACKEND_INFO[backend].captured:
             return f"the {backend!r} attention backend reads sequence lengths on the host (use bf16/fp16)"
     return None
 

@@ -1,4 +1,4 @@
-"""Packed ragged token batches, row deletion and variable-length attention.
+"""Packed ragged token batches and row deletion (attention on them: :mod:`~timm_dora.engine.attention`).
 
 After the first deletion a batch of images no longer has one sequence length. DORA keeps it as
 one ``[total_tokens, d]`` tensor plus ``cu_seqlens`` (the layout of FlashAttention's varlen API):
@@ -10,41 +10,14 @@ the same number of tokens) the packed tensor is also a dense ``[B, S, d]`` view,
 the dense fused SDPA path that timm itself uses, so the unpruned blocks cost what native blocks
 cost.
 
-Attention backends, chosen once per (device type, dtype) by :func:`select_backend`:
-
-``triton``
-    this package's Triton kernel (:mod:`timm_dora.engine.varlen_kernel`; CUDA, fp16/bf16, head dims 32,
-    64, 128, forward only: other head dims, and inputs that need a gradient, fall back to
-    ``torch_varlen``'s kernel). ``"auto"`` picks it on GPUs
-    of compute capability 9 or higher (Hopper), where it was measured: on an H100 it takes 0.5-0.8x
-    the time of the FlashAttention-2 varlen kernel on pruned-block shapes
-    (``benchmarks/results/attention_kernels_h100.json``). Elsewhere it is opt-in.
-``flash``
-    ``flash_attn.flash_attn_varlen_func`` (optional dependency, CUDA, fp16/bf16).
-``torch_varlen``
-    ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA, fp16/bf16).
-``sdpa_loop``
-    exact reference path for any device and dtype: one ``scaled_dot_product_attention`` call per
-    sequence. Used on CPU and for fp32 on CUDA.
-
-Training-only backend (never chosen by ``"auto"``, refused by :func:`timm_dora.wrap`):
-
-``padded``
-    scatters the sequences into a zero-padded ``[B, S_max]`` batch and runs one masked SDPA call
-    (padded keys masked out, padded query rows dropped). Same maths, one kernel instead of one per
-    sequence; the actor and critic use it for their many small fp32 PPO minibatches, where the
-    per-sequence loop is launch-bound.
+Attention within the sequences: :mod:`timm_dora.engine.attention`.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import itertools
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from .lazy import lazy
@@ -52,10 +25,6 @@ from .options import active
 
 __all__ = [
     "Packed",
-    "BACKENDS",
-    "TRAINING_BACKENDS",
-    "select_backend",
-    "varlen_attention",
     "delete_rows",
     "merge_removed",
     "fold_removed",
@@ -66,12 +35,7 @@ __all__ = [
     "lookup",
     "row_bucket",
     "bucket_rows",
-    "PackedTransformerBlock",
 ]
-
-BACKENDS = ("triton", "flash", "torch_varlen", "sdpa_loop")  # inference backends, in "auto" order
-TRAINING_BACKENDS = BACKENDS + ("padded",)
-
 
 def segment_ids(lengths: torch.Tensor, total: int) -> torch.Tensor:
     """Sequence index of every packed row (``[total]`` int64), without a host sync."""
@@ -369,228 +333,3 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     acc.index_add_(0, target, torch.where(fold[:, None], acc, 0.0))  # (padding may hold anything)
     folded = acc / mass[:, None]
     return (folded.to(x.dtype) if out is None else out.copy_(folded)), mass
-
-
-# --------------------------------------------------------------------------------------------
-# attention backends
-
-
-def _flash_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _triton_kernel_available() -> bool:
-    from . import varlen_kernel  # imports triton: only asked for on CUDA
-
-    return varlen_kernel.triton is not None
-
-
-def _torch_varlen():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except Exception:
-        return None
-    return varlen_attn
-
-
-@functools.lru_cache(maxsize=None)
-def select_backend(device_type: str, dtype: torch.dtype, preference: str = "auto") -> str:
-    """Pick the variable-length attention backend once per (device type, dtype).
-
-    ``preference`` is ``"auto"`` or one of :data:`BACKENDS`; an explicit backend that cannot run
-    on this device or dtype raises ``ValueError`` instead of silently falling back.
-    """
-    half = dtype in (torch.float16, torch.bfloat16)
-    cuda = device_type == "cuda"
-    usable = {
-        "triton": cuda and half and _triton_kernel_available(),
-        "flash": cuda and half and _flash_available(),
-        "torch_varlen": cuda and half and _torch_varlen() is not None,
-        "sdpa_loop": True,
-        "padded": True,
-    }
-    if preference == "auto":
-        for name in BACKENDS:
-            if name == "triton" and not (usable[name] and torch.cuda.get_device_capability()[0] >= 9):
-                continue  # measured faster than FlashAttention-2 on Hopper only
-            if usable[name]:
-                return name
-    if preference not in usable:
-        raise ValueError(f"unknown attention backend {preference!r}; choose 'auto' or one of {TRAINING_BACKENDS}")
-    if not usable[preference]:
-        raise ValueError(
-            f"attention backend {preference!r} cannot run on device {device_type!r} with {dtype}: "
-            "'triton' needs the triton package, CUDA and fp16/bf16; 'flash' needs flash-attn installed, CUDA and fp16/bf16; 'torch_varlen' needs "
-            "torch>=2.10, CUDA and fp16/bf16; 'sdpa_loop' runs anywhere"
-        )
-    return preference
-
-
-@functools.lru_cache(maxsize=None)
-def _varlen_accepts_scale() -> bool:
-    fn = _torch_varlen()
-    return fn is not None and "scale" in inspect.signature(fn).parameters
-
-
-_ATEN_FLASH = {"ok": None}  # None: not tried yet; False: this torch's op refused our call
-
-
-def _aten_flash_varlen(q, k, v, cu, max_len, scale):
-    """The FlashAttention varlen kernel that ``varlen_attn`` runs, called as the aten op directly.
-
-    ``torch.nn.attention.varlen.varlen_attn`` is a ``torch.library`` custom op behind a
-    ``torch._dynamo`` guard: about 150 us of Python per call on the host (measured with cProfile on
-    the H100 machine), more than a ViT-Ti block's whole GPU time. The op underneath,
-    ``aten::_flash_attention_forward`` with cumulative sequence lengths, costs one dispatcher
-    call. Returns ``None`` (and ``varlen_attn`` is used from then on) if this torch's op does not
-    accept the call; ``benchmarks/gpu_check.py`` compares the two on the GPU.
-    """
-    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
-    if op is None:
-        _ATEN_FLASH["ok"] = False
-        return None
-    try:
-        out = op(q, k, v, cu, cu, max_len, max_len, 0.0, False, False, scale=scale)[0]
-    except (RuntimeError, TypeError) as e:
-        oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-        if _ATEN_FLASH["ok"] or isinstance(e, oom):  # a real error, not an unsupported signature
-            raise
-        _ATEN_FLASH["ok"] = False
-        return None
-    _ATEN_FLASH["ok"] = True
-    return out
-
-
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    packed: Packed,
-    scale: float,
-    backend: str,
-) -> torch.Tensor:
-    """Softmax attention within each sequence of a packed batch.
-
-    ``q, k, v``: ``[T, H, hd]``. Returns ``[T, H, hd]``. Sequences never attend to each other.
-    A uniform batch takes the dense fused SDPA path regardless of ``backend``. Merged rows
-    (``packed.sizes``) add ``log(size)`` to their keys' logits; ``triton`` reads the sizes in its
-    kernel, the kernels without a key bias (``flash``, ``torch_varlen``) give way to ``padded``.
-    """
-    sizes = getattr(packed, "sizes", None)  # (other layouts, e.g. the captured controller's, have none)
-    in_kernel = backend == "triton" and not packed.uniform  # (the kernel reads the sizes itself)
-    bias = None if sizes is None or in_kernel else sizes.log().to(q.dtype)  # ToMe's proportional attention, per key
-    if packed.uniform:
-        qd, kd, vd = (packed.dense(t).transpose(1, 2) for t in (q, k, v))  # [B, H, S, hd]
-        mask = None if bias is None else bias.view(packed.batch_size, 1, 1, packed.max_len)
-        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
-        return out.transpose(1, 2).reshape(q.shape)
-    if bias is not None and backend in ("flash", "torch_varlen"):
-        backend = "padded"  # (kernels without a key bias)
-    cu, n = packed.cu_seqlens, packed.max_len
-    if backend == "triton":
-        from .varlen_kernel import TILE, varlen_attention_triton
-
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if q.shape[-1] in TILE and not grad:
-            if torch.compiler.is_compiling():  # one opaque op for Dynamo and Inductor
-                return torch.ops.timm_dora.varlen_attention(q, k, v, cu, n, scale, sizes)
-            return varlen_attention_triton(q, k, v, cu, n, scale, sizes=sizes)
-        # a head dim without tuned tiles, or a gradient to carry (the kernel is forward-only):
-        # the FlashAttention-2 kernel, which has a backward (padded where keys carry sizes)
-        backend = "torch_varlen" if sizes is None else "padded"
-        bias = None if sizes is None else sizes.log().to(q.dtype)
-    if backend == "flash":
-        from flash_attn import flash_attn_varlen_func
-
-        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, softmax_scale=scale)
-    if backend == "torch_varlen":
-        if _ATEN_FLASH["ok"] is not False:
-            out = _aten_flash_varlen(q, k, v, cu, n, scale)
-            if out is not None:
-                return out
-        varlen_attn = _torch_varlen()
-        if _varlen_accepts_scale():
-            return varlen_attn(q, k, v, cu, cu, n, n, scale=scale)
-        # older signature: fold the scale into q (default scale is hd ** -0.5)
-        return varlen_attn(q * (scale * q.shape[-1] ** 0.5), k, v, cu, cu, n, n)
-    if backend == "padded":
-        b, n = packed.batch_size, packed.max_len
-        seg, pos = packed.seg, packed.pos
-        qp, kp, vp = (t.new_zeros(b, n, *t.shape[1:]).index_put_((seg, pos), t) for t in (q, k, v))
-        if bias is None:
-            mask = torch.arange(n, device=q.device)[None, :] < packed.lengths[:, None]  # [B, S] keys
-        else:  # the bias on real keys, -inf on the padding
-            mask = bias.new_full((b, n), float("-inf")).index_put_((seg, pos), bias)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale
-        )
-        return out.transpose(1, 2)[seg, pos]
-    if backend != "sdpa_loop":
-        raise ValueError(f"unknown attention backend {backend!r}")
-    # one [1, H, T, hd] view per tensor, split into the sequences' [1, H, n, hd] views
-    masks = itertools.repeat(None) if bias is None else [m.view(1, 1, 1, -1) for m in bias.split(packed.lengths_host)]
-    outs = [F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mi, scale=scale)
-            for qi, ki, vi, mi in zip(*(t.transpose(0, 1)[None].split(packed.lengths_host, 2) for t in (q, k, v)), masks)]
-    return torch.cat(outs, 2)[0].transpose(0, 1)
-
-
-class PackedTransformerBlock(nn.Module):
-    """Pre-LN Transformer block (attention + GELU FFN) on packed sequences, no padding.
-
-    The actor's shared encoder (width 128, 4 heads, FFN 256) and the critic's token branch (width
-    256, 4 heads, FFN 512) are made of it.
-    """
-
-    def __init__(self, width: int, num_heads: int, ffn_dim: int) -> None:
-        super().__init__()
-        if width % num_heads:
-            raise ValueError(f"width={width} is not divisible by num_heads={num_heads}")
-        self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, width)
-
-    def forward(self, x: torch.Tensor, packed: Packed, backend: str) -> torch.Tensor:
-        t, w = x.shape
-        hd = w // self.num_heads
-        q, k, v = bucket_rows(self.qkv, self.norm1(x)).view(t, 3, self.num_heads, hd).unbind(1)
-        x = x + bucket_rows(self.proj, varlen_attention(q, k, v, packed, hd ** -0.5, backend).reshape(t, w))
-        return x + bucket_rows(self._ffn, self.norm2(x))
-
-    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-    def forward_padded(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """The same block on a padded batch ``x`` ``[S, N, w]``; ``valid`` ``[S, N]`` marks each
-        sequence's real rows (a prefix of every row, at least one). Padded keys are masked out, so
-        real rows get exactly the maths of :meth:`forward`; padded rows are computed and meaningless.
-        Shapes do not depend on the lengths (PPO minibatches of fixed shape, no host reads)."""
-        return self._padded(x, valid, x.shape[1])
-
-    def forward_padded_first(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Row 0 of :meth:`forward_padded` (``[S, w]``) at the cost of row 0: keys and values come
-        from every row, the query, attention output, projection and FFN only from row 0 (each row's
-        output depends on the other rows through their keys and values alone). The critic's value
-        token after its last block."""
-        return self._padded(x, valid, 1)[:, 0]
-
-    def _padded(self, x: torch.Tensor, valid: torch.Tensor, rows: int) -> torch.Tensor:
-        """:meth:`forward_padded`'s output at the first ``rows`` rows."""
-        s, n, w = x.shape
-        hd = w // self.num_heads
-        h = self.norm1(x)
-        if rows == n:
-            q, k, v = self.qkv(h).view(s, n, 3, self.num_heads, hd).permute(2, 0, 3, 1, 4)
-        else:  # the query projection only where it is read
-            q = F.linear(h[:, :rows], self.qkv.weight[:w], self.qkv.bias[:w]).view(s, rows, self.num_heads, hd).transpose(1, 2)
-            k, v = F.linear(h, self.qkv.weight[w:], self.qkv.bias[w:]).view(s, n, 2, self.num_heads, hd).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=hd ** -0.5)
-        x = x[:, :rows] + self.proj(o.transpose(1, 2).reshape(s, rows, w))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))

@@ -42,7 +42,8 @@ from .flops import BackboneCost, backbone_cost
 from .options import EngineOptions, active, using
 from .capture import batch_bucket, capture_reason, captures_under_compile, fell_back, pad_batch
 from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all, rows_bucket
-from .packing import BACKENDS, rows_where, segment_ids, select_backend
+from .attention import BACKENDS, select_backend
+from .packing import rows_where, segment_ids
 from .protocol import ForwardConstants, Policy
 from .whole import forward_whole, plan_from, plans, runs_whole
 

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 
 from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
 from .options import active
-from .packing import fold_removed, gather_survivors, varlen_attention
+from .attention import varlen_attention
+from .packing import fold_removed, gather_survivors
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
 from .whole import whole_segment

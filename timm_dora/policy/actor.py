@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..engine.packing import Packed, PackedTransformerBlock, bucket_rows, lookup
+from ..engine.packing import Packed, bucket_rows, lookup
+from .encoder import PackedTransformerBlock
 
 __all__ = [
     "Actor",

@@ -16,7 +16,8 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .actor_flops import actor_controller_macs, actor_gate_macs
-from ..engine.packing import Packed, removal_mask, rows_where, segment_and_position, segment_ids, select_backend
+from ..engine.attention import BACKEND_INFO, select_backend
+from ..engine.packing import Packed, removal_mask, rows_where, segment_and_position, segment_ids
 from ..engine.protocol import BlockContext, Decision
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
 from .actor_kernels import fused_controller, fused_controller_reason, fused_gate
@@ -333,7 +334,7 @@ class ActorPolicy:
         if reason is None and num_patches not in (None, self.actor.num_patches):
             reason = f"the kernels use the budget grid as built for {self.actor.num_patches} patches, not {num_patches}"
         if self.fused_controller is None:
-            return backend == "triton" and reason is None
+            return BACKEND_INFO[backend].actor_kernels and reason is None
         if reason is not None:
             raise ValueError(f"fused_controller=True: {reason}")
         return True

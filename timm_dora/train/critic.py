@@ -21,7 +21,7 @@ Choices where the paper is silent (ours):
 
 - Variable-length sequences are attended **without padding**: the value token is inserted at the
   start of each sequence of a :class:`~timm_dora.engine.packing.Packed` batch and attention runs through
-  :func:`~timm_dora.engine.packing.varlen_attention` (the ``sdpa_loop`` reference path on CPU/fp32;
+  :func:`~timm_dora.engine.attention.varlen_attention` (the ``sdpa_loop`` reference path on CPU/fp32;
   flash/varlen kernels on CUDA half precision). No mask, so padding can never leak.
 - Prefix tokens other than CLS (registers, distillation token; absent from the paper's
   backbones) get the CLS-type embedding; patch tokens get the visual-type embedding.
@@ -38,7 +38,9 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..engine.packing import Packed, PackedTransformerBlock, lookup, select_backend
+from ..engine.attention import select_backend
+from ..engine.packing import Packed, lookup
+from ..policy.encoder import PackedTransformerBlock
 from ..policy.actor import budget_grid
 from .rewards import compression_before
 
@@ -174,8 +176,8 @@ class Critic(nn.Module):
         head_hidden: hidden width of the value MLPs (128).
         budget_embed_dim: ``e(k)`` width (32).
         final_norm: LayerNorm on the value-token output (our choice, see module docstring).
-        backend: attention backend for :func:`~timm_dora.engine.packing.varlen_attention` (``"auto"``:
-            :func:`~timm_dora.engine.packing.select_backend` for the input's device and dtype).
+        backend: attention backend for :func:`~timm_dora.engine.attention.varlen_attention` (``"auto"``:
+            :func:`~timm_dora.engine.attention.select_backend` for the input's device and dtype).
     """
 
     def __init__(
@@ -292,7 +294,7 @@ class Critic(nn.Module):
         ``[S]`` on the tokens' device. The same ``u_l`` up to float rounding (padded keys are
         masked out of attention); every shape is fixed by ``S`` and ``N``, so PPO minibatches need
         no host reads. The last block computes only the value token's row, the one row read
-        (:meth:`~timm_dora.engine.packing.PackedTransformerBlock.forward_padded_first`). Returns ``[S, 384]``."""
+        (:meth:`~timm_dora.policy.encoder.PackedTransformerBlock.forward_padded_first`). Returns ``[S, 384]``."""
         s, n, _ = tokens.shape
         self._check_per_sequence(s, q, z_native)
         torch._assert_async(((block >= 0) & (block < self.depth)).all(), f"block index out of range [0, {self.depth})")
