@@ -90,7 +90,9 @@ def wrap(
             backend; other policies and backends merge eagerly.
         options: how the engine runs the model, an :class:`~timm_dora.engine.options.EngineOptions`
             (speed and memory only: kernels, graph caching, run ahead, the whole-forward graphs);
-            ``None``: the defaults. :func:`timm_dora.set_options` changes them later.
+            ``None``: the active ones at each forward (the defaults, unless a
+            ``timm_dora.engine.options.using(...)`` block says otherwise).
+            :func:`timm_dora.set_options` changes them later.
         hub_kwargs: ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
             ``force_download`` when the actor is loaded from the Hub.
 
