@@ -70,7 +70,7 @@ def count_ops(fn, x):
     replay each on CUDA; uncaptured on the CPU, so counted here) and the segment count."""
     from timm_dora.engine.graphs import GraphRunner
 
-    original = GraphRunner._run
+    original = GraphRunner.run_segment
 
     def run(runner, key):
         c.in_segment += 1
@@ -80,12 +80,12 @@ def count_ops(fn, x):
         finally:
             c.in_segment -= 1
 
-    GraphRunner._run = run
+    GraphRunner.run_segment = run
     try:
         with torch.inference_mode(), OpCounter() as c:
             fn(x)
     finally:
-        GraphRunner._run = original
+        GraphRunner.run_segment = original
     return c
 
 

@@ -290,8 +290,8 @@ with torch.inference_mode():
     for i in range(2):  # the second forward: the runner's state from the first one (history, opened)
         if i == 1:
             runner = next(iter(model._dora.graphs.values()))
-            run_segment = runner._run
-            runner._run = lambda key: (ran.append((key[0], key[1] if len(key) > 1 else None)), run_segment(key))[1]
+            run_segment = runner.run_segment
+            runner.run_segment = lambda key: (ran.append((key[0], key[1] if len(key) > 1 else None)), run_segment(key))[1]
             if __FUSED__:  # also guess wrong: blocks 1 (dense) and 3 (packed) open for no image
                 runner.opened[1] = runner.opened[3] = True
         got, stats = P.run(model, x, model._dora.policy)

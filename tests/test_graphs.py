@@ -16,6 +16,7 @@ from benchmarks.common import gate_forced_actor
 from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy
 from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine.graphs import GraphRunner
+from timm_dora.engine.segments import Segments
 from timm_dora.engine.options import EngineOptions
 from timm_dora.policy import Decision
 
@@ -164,8 +165,8 @@ def test_blocks_a_policy_skips_run_as_chains(monkeypatch):
     depth, n0 = len(model.blocks), model.patch_embed.num_patches
     x = images(model, 3)
     segments, called = [], []
-    run = GraphRunner._run
-    monkeypatch.setattr(GraphRunner, "_run", lambda self, key: (segments.append(key), run(self, key))[1])
+    run = GraphRunner.run_segment
+    monkeypatch.setattr(GraphRunner, "run_segment", lambda self, key: (segments.append(key), run(self, key))[1])
 
     class Spy(ReplayPolicy):
         def __call__(self, ctx):
@@ -203,8 +204,8 @@ def test_dense_blocks_run_ahead_in_one_segment_until_a_gate_opened(monkeypatch, 
     depth = len(model.blocks)
     xs = [images(model, 3, seed=s) for s in (1, 2)]
     segments, embeds = [], []
-    run = GraphRunner._run
-    monkeypatch.setattr(GraphRunner, "_run", lambda self, key: (segments.append(key), run(self, key))[1])
+    run = GraphRunner.run_segment
+    monkeypatch.setattr(GraphRunner, "run_segment", lambda self, key: (segments.append(key), run(self, key))[1])
     hook = model.patch_embed.register_forward_hook(lambda *a: embeds.append(1))
 
     closed = kind_actor(model, "closed")
@@ -432,7 +433,7 @@ def test_no_reference_to_a_captured_qkv_output_outlives_its_graph(monkeypatch, e
                 model(images(model, 6, seed=s).to("cuda", torch.bfloat16))
         runner = next(iter(model._dora.graphs.values()))
         assert runner.triton_gate and any(k[0] == "attention_controller" for k in runner.graphs)
-        assert runner._keys_in_place is None
+        assert runner.keys_in_place is None
     finally:
         timm_dora.unwrap(model)
 
@@ -557,7 +558,7 @@ def test_a_garbage_collection_inside_a_capture_destroys_no_graph(monkeypatch, en
     runner.graphs.clear()
     del runner
     timm_dora.unwrap(old)
-    segment = GraphRunner._segment
+    segment = Segments.build
 
     def segment_dropping_graphs(self, key):
         fn = segment(self, key)
@@ -579,7 +580,7 @@ def test_a_garbage_collection_inside_a_capture_destroys_no_graph(monkeypatch, en
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     wrap_kw = dict(actor=kind_actor(model, "closed").to("cuda", torch.bfloat16))
     ref = _run(model, [x], **wrap_kw)
-    monkeypatch.setattr(GraphRunner, "_segment", segment_dropping_graphs)
+    monkeypatch.setattr(Segments, "build", segment_dropping_graphs)
     got = _run(model, [x], **wrap_kw, cuda_graphs=True)
     assert not dropped  # the garbage was made inside a capture
     gc.collect()  # ...and is collected outside it

@@ -83,6 +83,9 @@ autograd, no autocast, a half-precision varlen backend on CUDA.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -95,8 +98,45 @@ from .packing import Packed, delete_rows
 from .protocol import BlockContext, Decision, ForwardConstants, LazyKeysContext
 from .segments import Segments
 
-__all__ = ["GraphRunner", "RunAheadMissed", "decides_in_graphs", "graph_runner", "release_all", "graph_mode_reason",
-           "rows_bucket"]
+__all__ = ["GraphRunner", "RunAheadMissed", "capture_stream", "decides_in_graphs", "graph_runner", "release_all",
+           "graph_mode_reason", "rows_bucket"]
+
+# EngineOptions.reserve_pool: before a runner's first capture, one segment of its graphs' memory pool
+# is reserved, as large as the largest segment's scratch is expected to be
+# (:meth:`GraphRunner._scratch_bytes`), so that every capture carves its intermediates out of it.
+# Without it the pool grew one allocator segment per intermediate size (qkv, the MLP's hidden
+# activations, ...), and a segment's memory could not serve a larger intermediate of a later capture.
+
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One warm-up stream per device for all captures: cuBLAS keeps a workspace (allocated memory,
+    never returned) for every stream it has run on, so a new stream per capture leaked about 1 GB
+    over a benchmark's captures (H100, peak-memory rows)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """Python's cyclic garbage collector off for the duration (a capture): a collection inside a
+    capture can destroy an unreachable :class:`torch.cuda.CUDAGraph` (a wrapped model dropped
+    with its graphs: model and runner reference each other), and destroying a graph is not
+    permitted while a stream captures: it invalidates the capture
+    (``cudaErrorStreamCaptureInvalidated``, seen on an H100 in ``profile_forward.py``).
+    ``torch.cuda.graph`` collects before capturing only with
+    ``torch.compiler.config.force_cudagraph_gc``, and an automatic collection can start at any
+    allocation of Python objects during the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class RunAheadMissed(Exception):
@@ -139,15 +179,22 @@ def decides_in_graphs(policy, num_patches: int, dtype: torch.dtype) -> bool:
     return probes is not None and probes(num_patches, dtype) and bool(getattr(policy, "reads_keys", True))
 
 
-class GraphRunner(Segments):
+class GraphRunner:
     """The graph-replayed forward of one wrapped model for one batch shape and policy.
 
     :func:`timm_dora.engine.patch.run` drives it block by block, as it drives the eager executor
-    (:mod:`~timm_dora.engine.eager`: the interface)."""
+    (:mod:`~timm_dora.engine.eager`: the interface). What each segment records is
+    :attr:`segments`' (:class:`~timm_dora.engine.segments.Segments`); the runner captures and replays
+    them (:meth:`run_segment`)."""
+
+    # the packed gate and the controller copy the gate vector and the new lengths to pinned host
+    # memory for the host's decisions (False: the whole forward, which decides on the device)
+    host_reads = True
 
     def __init__(self, model: nn.Module, policy, images: torch.Tensor, backend: str, readout_mode: str,
                  merge: bool = False):
         self.model, self.policy, self.backend, self.readout_mode = model, policy, backend, readout_mode
+        self.segments = Segments(self)  # what each graph records
         self.merge = merge  # removed rows folded into survivors (the controller's graph), sizes kept in ``sizes``
         self.copy_keys = bool(getattr(policy, "reads_keys", True))
         dev = self.device = images.device
@@ -196,7 +243,7 @@ class GraphRunner(Segments):
         # unless its gate opened for some image in the last forward that reached it (there the
         # speculative MLP was wasted; a wrong guess the other way costs one gate read's latency)
         self.opened = [False] * self.depth
-        self._keys_in_place: Optional[torch.Tensor] = None  # the keys a fused intervention graph reads
+        self.keys_in_place: Optional[torch.Tensor] = None  # the keys a fused intervention graph reads
         self._fused_at: Optional[int] = None  # the block whose graph ran the controller too
         # blocks where the policy says, before they run, that it prunes nothing (a replay plan's
         # other blocks, NoPrune's every block) run as chains of whole blocks: one segment each
@@ -207,16 +254,17 @@ class GraphRunner(Segments):
 
     def release(self) -> None:
         """Destroy the captured graphs now (their memory pool goes back to the allocator's cache)
-        and drop the gate's callbacks into this runner, the only references from its own objects
-        back to it, so that its buffers are freed as soon as it is dropped, without waiting for a
+        and drop the gate's callbacks and the segment builder, the only references from its own
+        objects back to it, so that its buffers are freed as soon as it is dropped, without waiting for a
         garbage collection. Called when a wrapped model drops a runner (unwrap, set_policy, the
         cache's least recent entry); the runner must not be used afterwards."""
         self.graphs.clear()
+        self.segments = None  # (it refers back to the runner)
         self.consts.keep = None
         if getattr(self, "packed_consts", None) is not None:
             self.packed_consts.keep = None
 
-    def _attn_out(self, l: int) -> torch.Tensor:
+    def attn_out(self, l: int) -> torch.Tensor:
         """Where block ``l``'s attention residual goes: ``xa`` for the actor (see ``__init__``),
         else the next block's input buffer (the MLP then runs in place there)."""
         return self.xa if self.probing else self.x[(l + 1) % 2]
@@ -292,7 +340,7 @@ class GraphRunner(Segments):
         self.cur: Optional[Packed] = None  # the packed phase's current rows (real layout), else None
         self.scale = [blk.attn.scale for blk in model.blocks]
 
-    def _gate_copied(self, l: int) -> None:
+    def gate_copied(self, l: int) -> None:
         """Mark that block ``l``'s gate vector reached pinned memory: in a capture an event-record
         node of the graph, so the host can wait for the gate alone while the rest of the graph
         (attention, MLP) still runs."""
@@ -312,6 +360,91 @@ class GraphRunner(Segments):
         total = self.batch * self.seq
         bucket = rows_bucket(total)
         return min(-(-rows // bucket) * bucket, total)
+
+    # ------------------------------------------------------------------------------------------
+    # capture and replay
+
+    def run_segment(self, key: tuple) -> None:
+        """Run segment ``key`` (:meth:`Segments.build`): replayed from its graph, captured on first
+        use; off CUDA run directly."""
+        if not self.capture:
+            self.segments.build(key)()
+            return
+        g = self.graphs.get(key)
+        if g is not None and torch.cuda.current_device() == self.device.index:
+            g.replay()  # (the common case: no device switch, about 10 us of host time less per replay)
+            return
+        with torch.cuda.device(self.device):  # the model's GPU, whichever is current
+            self._replay_or_capture(key)
+
+    def _replay_or_capture(self, key: tuple) -> None:
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+            return
+        fn = self.segments.build(key)
+        start = time.perf_counter()
+        # the warm-up, outside the capture (lazy initialisations); the capture only records, and
+        # the replay gives this call's result, except for segments that consume their input: the
+        # controller (its deletion overwrites the block input and layout it read) and, without the
+        # actor, the MLP (in place): they must run once, and the warm-up's result is kept
+        side = capture_stream(self.device)
+        if active().reserve_pool and not self.graphs:
+            self._reserve_pool(side)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        if key[:2] == ("attention", 0) or key[0] in ("run_ahead", "whole"):
+            # the gate's context (history and block embeddings) is memoised per forward constants:
+            # made again inside block 0's capture, so that every replay recomputes it from the
+            # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read
+            self.consts.memo.clear()
+        g = torch.cuda.CUDAGraph()
+        # captured on the warm-up's stream, not torch's own capture stream: cuBLAS allocates a
+        # workspace (33 MiB on the H100, never returned) for every stream it runs on, and the
+        # capture stream would be a second one
+        with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
+            fn()
+        self.graphs[key] = g
+        if not self._consumes_input(key):
+            g.replay()
+        torch.cuda.current_stream(self.device).synchronize()
+        self.capture_s += time.perf_counter() - start
+
+    def _scratch_bytes(self) -> int:
+        """The largest scratch space a segment is expected to need: a dense block's attention (its
+        input's ``norm1``, ``qkv``, the attention output and its reshaped copy: ``6 d`` per row) or
+        its MLP (``norm2``, the first linear's output and its activation: ``d + 2 h`` per row, ``h``
+        the MLP's widest linear layer, over ``EngineOptions.mlp_chunks`` row chunks)."""
+        d = self.x[0].shape[1]
+        hidden = max((m.out_features for blk in self.model.blocks for m in blk.mlp.modules()
+                      if isinstance(m, nn.Linear)), default=4 * d)
+        per_row = max(6 * d, -(-(d + 2 * hidden) // active().mlp_chunks))
+        return self.batch * self.seq * per_row * self.x[0].element_size()
+
+    def _reserve_pool(self, side: "torch.cuda.Stream") -> None:
+        """Reserve :meth:`_scratch_bytes` in the graphs' pool as one allocator segment
+        (``EngineOptions.reserve_pool``): a tensor allocated in a capture of its own (one memset node; the
+        graph is kept with the others, never replayed) and freed at once, so that the captures
+        after it split their intermediates out of that free block instead of growing the pool
+        one segment per intermediate size; what does not fit still gets segments of its own."""
+        g = torch.cuda.CUDAGraph()
+        with _no_gc(), torch.cuda.graph(g, pool=self.pool, stream=side):
+            block = torch.empty(self._scratch_bytes(), dtype=torch.uint8, device=self.device)
+            block[:1].zero_()
+        del block
+        self.graphs[("reserve",)] = g
+
+    def _consumes_input(self, key: tuple) -> bool:
+        """Segments that overwrite what they read, so must run exactly once: the controller (its
+        deletion gathers into the block input), alone or after the attention in the same graph
+        (``EngineOptions.fused_interventions``), a chain of blocks, a run ahead or the whole
+        forward (the second block writes into the first one's input) and, without the actor, the
+        in-place MLP."""
+        return (key[0] in ("controller", "chain", "run_ahead", "attention_controller", "attention_packed_controller",
+                           "whole")
+                or (key[0] == "mlp" and not self.probing))
 
     # ------------------------------------------------------------------------------------------
     # one forward
@@ -365,7 +498,7 @@ class GraphRunner(Segments):
         if self.dense:
             fused = self._fuses(l)
             self._fused_at = l if fused else None
-            self._run(("attention_controller", l) if fused else ("attention", l, spec))
+            self.run_segment(("attention_controller", l) if fused else ("attention", l, spec))
             self._check_ahead()  # (the block right after a run ahead: its graph is enqueued)
             src = self.dense_inputs[l % 2]
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
@@ -390,7 +523,7 @@ class GraphRunner(Segments):
         else:
             ctx = LazyKeysContext(lambda: attention_keys(blk, src), packed=src, **kw)
         if not self.probing:
-            return self.policy(ctx), src.with_x(self._attn_out(l)[:t]), False
+            return self.policy(ctx), src.with_x(self.attn_out(l)[:t]), False
         # the gate ran in the attention graph (in line, right after qkv): it wrote
         # the gate (also to pinned memory) and the controller's inputs; its vector travels to the
         # host while the same graph's MLP of the unpruned rows runs (speculation, as when dense)
@@ -414,7 +547,7 @@ class GraphRunner(Segments):
             fresh = False
         fused = self._fuses(l)
         self._fused_at = l if fused else None
-        self._run(("attention_packed_controller" if fused else "attention_packed", l, rows, spec, fresh))
+        self.run_segment(("attention_packed_controller" if fused else "attention_packed", l, rows, spec, fresh))
 
     def _launch_ahead(self) -> None:
         """Replay the run-ahead graph: dense blocks 0 up to the first block whose gate opened in the
@@ -422,7 +555,7 @@ class GraphRunner(Segments):
         waiting: :meth:`_check_ahead` reads the gates later."""
         end = next((i for i in range(1, self.depth) if self.opened[i]), self.depth)
         with_readout = end == self.depth and self._captured_readout
-        self._run(("run_ahead", 0, end, with_readout))
+        self.run_segment(("run_ahead", 0, end, with_readout))
         self._ahead, self._ahead_unread, self._ahead_logits = end, True, with_readout
 
     @property
@@ -478,7 +611,7 @@ class GraphRunner(Segments):
             while last + 1 < self.depth and self.skips(last + 1):
                 last += 1
             rows = self.batch * self.seq if self.dense else self._padded(self.cur.total)
-            self._run(("chain", l, last, rows, self.dense))
+            self.run_segment(("chain", l, last, rows, self.dense))
             self._chained_to = last
         nothing = consts.nothing()
         if self.dense:
@@ -488,7 +621,7 @@ class GraphRunner(Segments):
     def _controller(self, l: int, rows: int, dense: bool, gate: torch.Tensor, kept: bool = False) -> Decision:
         """The controller segment (captured per block and rows, the deletion included: see
         :meth:`delete`) and its decision. ``kept``: the dense attention graph kept the keys."""
-        self._run(("controller", l, rows, dense, kept))
+        self.run_segment(("controller", l, rows, dense, kept))
         return self._decision(gate, rows)
 
     def _decision(self, gate: torch.Tensor, rows: int) -> Decision:
@@ -509,7 +642,7 @@ class GraphRunner(Segments):
         attended = self.attended
         t = attended.total
         if not done:
-            self._run(("mlp", l, t if self.dense else self._padded(t)))
+            self.run_segment(("mlp", l, t if self.dense else self._padded(t)))
         if not self.dense:
             self.cur = attended.with_x(self.x[(l + 1) % 2][:t])
 
@@ -533,7 +666,7 @@ class GraphRunner(Segments):
             lengths_host = self.lengths_host.tolist()
             total = sum(lengths_host)
             rows = self._padded(total)
-            self._run(("mlp_compacted", l, rows))
+            self.run_segment(("mlp_compacted", l, rows))
             # (merge) the sizes as a view: only the uncaptured attention reads them, before the next fold
             self.cur = Packed(self.x[(l + 1) % 2][:total], lengths, lengths_host, attended.num_prefix, ids[:total],
                               self.sizes[:total] if self.merge else None)
@@ -546,7 +679,7 @@ class GraphRunner(Segments):
         after = delete_rows(attended, dec.remove, dec.removed, dec.removed_host, out=self.x[l % 2])
         self.cur = after
         self.cu.copy_(after.cu_seqlens)
-        self._run(("mlp_compacted", l, self._padded(after.total)))
+        self.run_segment(("mlp_compacted", l, self._padded(after.total)))
         self.cur = after.with_x(self.x[(l + 1) % 2][: after.total])
         return after.total
 
@@ -559,7 +692,7 @@ class GraphRunner(Segments):
             return self.logits["ahead"].clone(), None
         if self._captured_readout:
             kind = "dense" if self.dense else "packed"
-            self._run(("readout",) if self.dense else ("readout_packed",))
+            self.run_segment(("readout",) if self.dense else ("readout_packed",))
             return self.logits[kind].clone(), None
         return None, self.dense_inputs[self.depth % 2] if self.dense else self.cur
 

@@ -384,7 +384,8 @@ def run(model: nn.Module, x: torch.Tensor, policy: Policy) -> Tuple[torch.Tensor
         return _run_with_options(model, x, policy, state)
 
 
-def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: "_DoraState") -> Tuple:
+def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: "_DoraState"
+                      ) -> Tuple[torch.Tensor, DoraStats]:
     if x.shape[0] == 0:
         return _empty_batch(model, x)
     backend = select_backend(x.device.type, x.dtype, state.attn_backend)

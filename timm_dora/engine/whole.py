@@ -149,14 +149,14 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     # planned, the blocks up to the first controller run dense (cuDNN's attention on equal lengths,
     # the MLP in the attention's graph where no controller follows); the rest packed
     n_dense = (controls.index(True) + 1 if True in controls else depth) if checked else 0
-    attend = [r._segment(("attention", l, not controls[l], fused and controls[l], None) if l < n_dense else
+    attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None) if l < n_dense else
                          ("attention_packed", l, rows[l], False, True, fused and controls[l])) for l in range(depth)]
-    control = [r._segment(("controller", l, rows[l], l < n_dense, "in_place" if fused else False)) if controls[l]
+    control = [r.segments.build(("controller", l, rows[l], l < n_dense, "in_place" if fused else False)) if controls[l]
                else None for l in range(depth)]
     # the MLP: of the deletion's output (x[l % 2]) or, with no controller, of the attention's (xa)
     mlp = [None if l < n_dense and not controls[l] else
-           r._segment(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1])) for l in range(depth)]
-    read = r._segment(("readout_packed",))
+           r.segments.build(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1])) for l in range(depth)]
+    read = r.segments.build(("readout_packed",))
     dense, rec = r.dense_inputs[0], r.record
     n_visual, rho, interventions = r.history_in
     remove, removed, flops = r.ctrl_out
@@ -195,7 +195,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             torch.div(removed, n_visual, out=rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
             n_visual.sub_(removed)
             interventions.add_(gates[l])
-            r._keys_in_place = None  # (a view of this block's qkv output)
+            r.keys_in_place = None  # (a view of this block's qkv output)
             if not r.capture:
                 t = int(r.lengths.sum())
                 r.cur = Packed(r.x[l % 2][:t], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:t].clone(),
@@ -229,7 +229,7 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
     r.host_reads = False  # (decisions stay on the device: no gate or length copies to the host)
     try:
         r.start(images, run_ahead=False)  # the embedding, eagerly, into the first block's input
-        r._run(("whole", bool(r.triton_gate and fused)) + ((plan,) if plan is not None else ()))
+        r.run_segment(("whole", bool(r.triton_gate and fused)) + ((plan,) if plan is not None else ()))
     except _Missed:
         return None
     finally:

@@ -44,7 +44,7 @@ from ..data import HeldImages
 from ..engine import Packed, run, wrap
 from ..policy import Actor, ActorPolicy, NoPrune, RolloutNoise, encoder_sizes
 from . import pool as P
-from .checkpoints import Checkpoints, actor_width, warm_start
+from .checkpoints import CheckpointLog, actor_width, warm_start
 from .config import TrainConfig
 from .critic import Critic, native_features, trajectory_scalar_states
 from .feedback import FeedbackController
@@ -57,6 +57,7 @@ from .ppo import (
 from .rewards import step_rewards, token_layer_compression
 from .rollout import Trajectory, collect, evaluate_controller, evaluate_gate, shadow_divergences
 from .runtime import Comm, PhaseClock, eager_attention
+from .selection import CheckpointRecord
 
 __all__ = ["Trainer"]
 
@@ -72,7 +73,7 @@ class _Minibatch:
     idx: Optional[torch.Tensor] = None
 
 
-class Trainer(Checkpoints):
+class Trainer:
     """Holds the frozen wrapped backbone, the actor, the critic, optimisers and all training state."""
 
     def __init__(self, cfg: TrainConfig, sync_phases: bool = False):
@@ -143,7 +144,7 @@ class Trainer(Checkpoints):
         self.gen = torch.Generator(device=self.dev).manual_seed(p.seed)  # rollout noise, same on every process
         self.cpu_gen = torch.Generator().manual_seed(p.seed + 1)  # minibatch order
         self.u = 0
-        self.checkpoints: List[Dict] = []
+        self.checkpoints = CheckpointLog(self.out, self.comm.main)
         # Native references on the checks and dev (fixed backbone); the sizes and native counts of
         # all processes' shares
         im = self.images
@@ -527,6 +528,70 @@ class Trainer(Checkpoints):
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
 
+    # ------------------------------------------------------------------------------------------
+    # checkpoints: dev evaluation, the training state, saving (CheckpointLog)
+
+    def evaluate_dev(self) -> CheckpointRecord:
+        """The actor on the dev split: each process its share, the counts summed (every process
+        calls it)."""
+        dev = self.images.dev
+        pred, gflops = self._predict(dev, ActorPolicy(self.actor))
+        sums = self.comm.sum_(torch.stack([(pred == dev.labels).sum().double(), gflops.double().sum(),
+                                           (pred != self.dev_native_pred).sum().double()]).cpu())
+        top1, mean_gflops, disagreement = (float(v) / self.dev_size for v in sums)
+        return CheckpointRecord(f"u{self.u:05d}", 100.0 * top1, self.dev_native_top1, mean_gflops, 100.0 * disagreement)
+
+    def state_dict(self) -> Dict:
+        self._finish_critic()  # (overlap: the critic's last steps may still be running)
+        return {
+            "u": self.u,
+            "actor": self.actor.state_dict(),
+            "critic": self.critic.state_dict(),
+            "opts": {k: o.state_dict() for k, o in self.opts.items()},
+            "rms": self.rms.state_dict(),
+            "feedback": self.feedback.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "gen": self.gen.get_state(),
+            "cpu_gen": self.cpu_gen.get_state(),
+            "checkpoints": self.checkpoints.records,
+            "config": dataclasses.asdict(self.cfg),
+            "cpu_threads": torch.get_num_threads(),
+        }
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.stop_prefetch()  # its batches follow the sampler state being replaced
+        self.u = int(state["u"])
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        for k, o in self.opts.items():
+            o.load_state_dict(state["opts"][k])
+        self.rms.load_state_dict(state["rms"])
+        self.feedback.load_state_dict(state["feedback"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.gen.set_state(state["gen"])
+        self.cpu_gen.set_state(state["cpu_gen"])
+        self.checkpoints.records = list(state["checkpoints"])
+        threads = state.get("cpu_threads")
+        if self.dev.type == "cpu" and threads and threads != torch.get_num_threads():
+            # CPU float reductions split their work by thread count: the same count continues exactly
+            print(f"--resume: using {threads} CPU threads, as the saved run did (this process had "
+                  f"{torch.get_num_threads()})", file=sys.stderr)
+            torch.set_num_threads(threads)
+
+    def save_checkpoint(self) -> CheckpointRecord:
+        """Evaluate on dev (every process its share) and save actor + training state (first process)."""
+        rec = self.evaluate_dev()
+        cfg = self.cfg
+        facts = {
+            "updates": self.u, "target_drop": cfg.target_drop, "a_u": self.feedback.coefficient,
+            "dev_top1": rec.top1, "dev_native_top1": rec.native_top1, "dev_gflops": rec.gflops,
+            "model": cfg.model, "data": cfg.data, **({"skip_dead": True} if cfg.skip_dead else {}),
+            **({"init_actor": cfg.init_actor, "init_training": self.init_training} if cfg.init_actor else {}),
+        }
+        self.checkpoints.save(rec, self.actor, self.model, facts, self.state_dict)
+        self.comm.barrier()
+        return rec
+
     def fit(self) -> Dict:
         """Run (or resume) to ``total_updates``; checkpoint, log, select."""
         cfg, main = self.cfg, self.comm.main
@@ -575,7 +640,7 @@ class Trainer(Checkpoints):
                 log.close()
             if bar is not None:
                 bar.close()
-        summary = self.select() if main else None
+        summary = self.checkpoints.select(cfg.target_drop, cfg.selection, self.model) if main else None
         return self.comm.broadcast_object(summary)
 
     def _tensorboard(self, m: Dict) -> None:
