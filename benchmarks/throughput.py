@@ -259,7 +259,7 @@ def _measure(args, argv) -> dict:
                     add("oracle(actor)" + tag, fwd, oracle_gflops(model, ks), static_k=ks)
                 if "actor_oracle_graphs" in args.configs and dev.type == "cuda":
                     add("oracle_graphs(actor)" + tag, captured(fwd, inputs[0]), oracle_gflops(model, ks), static_k=ks)
-        del model, inputs
+        model = inputs = None  # freed before the next backbone
         torch.cuda.empty_cache()
     write_json(args.out, results)
     return results
