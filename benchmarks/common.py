@@ -149,10 +149,10 @@ def oracle_forward(model, ks: Dict[int, int], patch_embed: Optional[Callable] = 
 def captured(fn: Callable, example: torch.Tensor) -> Callable:
     """``fn`` on a fixed-shape batch as one CUDA graph (input copied into a fixed buffer, output
     cloned): the launch-free ceiling of a static schedule."""
-    from timm_dora.engine.segments import _side_stream
+    from timm_dora.engine.graphs import capture_stream
 
     static_in = example.clone()
-    side = _side_stream(example.device)
+    side = capture_stream(example.device)
     side.wait_stream(torch.cuda.current_stream())
     with torch.inference_mode(), torch.cuda.stream(side):
         fn(static_in)  # warm-up outside the capture

@@ -54,7 +54,6 @@ import timm
 import torch
 
 import timm_dora
-import timm_dora.engine.graphs
 from timm_dora import Actor, ActorPolicy, ReplayPolicy
 from timm_dora.evaluate import environment, write_json
 from timm_dora.engine.flops import backbone_cost
