@@ -8,13 +8,11 @@ edit)::
 
 Grouped by what uses them: the command recorded in a result (:func:`command_line`); the dense
 static-schedule oracle and the fixed and forced policies of the throughput rows (``throughput``,
-``memory_breakdown``, ``profile_forward``, ``trained_oracle``, ``default_speed``, ``kernel_profile``,
-``planned_large``; the tests); the engine settings a graph row is measured under (``throughput``,
-``memory_breakdown``); the configurations and timing of ``default_speed`` and ``small_batch``
-(``kernel_profile``, ``planned_large``); the pool and its paired row (``pool_studies``,
-``merge_or_prune``, ``static_init``); the paired accuracy rows of ``tradeoff``, ``choose_seed`` and
-``seen_unseen``; replay plans recorded from or drawn for a policy (``gpu_check``, ``profile_forward``;
-the tests).
+``memory_breakdown``, ``profile_forward``, ``trained_oracle``, ``default_speed``; the tests); the
+engine settings a graph row is measured under (``throughput``, ``memory_breakdown``); the
+configurations and timing of ``default_speed`` and ``small_batch``; the pool and its paired row
+(``pool_studies``); the paired accuracy rows of ``tradeoff``, ``choose_seed`` and ``seen_unseen``;
+replay plans recorded from or drawn for a policy (``gpu_check``, ``profile_forward``; the tests).
 """
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ import argparse
 import contextlib
 import gc
 import sys
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -299,17 +296,6 @@ def deit_forced(dev, dtype):
     g = torch.Generator(device=dev).manual_seed(0)
     make = lambda b: [torch.randn(b, 3, 224, 224, device=dev, generator=g).to(dtype) for _ in range(2)]
     return model, forced, make
-
-
-def ms_per_batch(fn, xs, n: int = 25) -> float:
-    """Milliseconds per batch of ``n`` passes over ``xs`` between two synchronisations (CUDA)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        for x in xs:
-            fn(x)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (n * len(xs)) * 1e3
 
 
 # ------------------------------------------------------------------- the pool's paired studies

@@ -118,7 +118,9 @@ def _closed(actor):
 
 def aten_vs_varlen_attn():
     """The ``torch_varlen`` backend's direct aten call against ``varlen_attn`` (bf16, ragged)."""
-    from timm_dora.engine.attention import _ATEN_FLASH, _torch_varlen, varlen_attention
+    from torch.nn.attention.varlen import varlen_attn
+
+    from timm_dora.engine.attention import aten_flash_used, varlen_attention
     from timm_dora.engine.packing import Packed
 
     lengths = [197, 150, 77, 5, 120]
@@ -126,8 +128,8 @@ def aten_vs_varlen_attn():
     q, k, v = (torch.randn(t, h, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     packed = Packed(torch.zeros(t, 1, device="cuda"), torch.tensor(lengths, device="cuda"), lengths, 1)
     ours = varlen_attention(q, k, v, packed, 0.125, "torch_varlen")
-    ref = _torch_varlen()(q, k, v, packed.cu_seqlens, packed.cu_seqlens, max(lengths), max(lengths), scale=0.125)
-    return {"aten_flash_used": bool(_ATEN_FLASH["ok"]), "max_abs_diff": float((ours.float() - ref.float()).abs().max()),
+    ref = varlen_attn(q, k, v, packed.cu_seqlens, packed.cu_seqlens, max(lengths), max(lengths), scale=0.125)
+    return {"aten_flash_used": aten_flash_used(), "max_abs_diff": float((ours.float() - ref.float()).abs().max()),
             "bitwise": bool(torch.equal(ours, ref))}
 
 

@@ -7,8 +7,9 @@
 
 For each state: allocated and reserved memory above ``base`` (allocated before the configuration:
 model and input batches), split by memory pool (the default pool, the graph runners' private
-pools), and for graph rows the runner's fixed buffers (tensors the runner holds outside its pool).
-Native timm is the reference. Writes JSON with device, versions and the command.
+pools), and for graph rows what :func:`timm_dora.engine_info` reports: the runners' fixed buffers
+(``runner_buffers_mib``: what they allocated outside their pools), ``graphs`` and ``graph_memory_mib``
+(buffers and pools). Native timm is the reference. Writes JSON with device, versions and the command.
 
     python -m benchmarks.memory_breakdown --models vit_tiny_patch16_224 deit_base_patch16_224 \
         --out benchmarks/results/memory_breakdown_h100.json
@@ -23,7 +24,6 @@ import timm
 import torch
 
 import timm_dora
-import timm_dora.engine.graphs
 from timm_dora import Actor, ActorPolicy, ReplayPolicy
 from timm_dora.evaluate import environment, write_json
 from timm_dora.engine.flops import backbone_cost
@@ -31,38 +31,6 @@ from benchmarks.common import (apply, command_line, fixed_plan, gate_forced_acto
                                schedule_for_reduction)
 
 MIB = 2 ** 20
-
-
-def runner_buffers(model) -> int:
-    """Bytes of the CUDA tensors the graph runners of ``model`` hold as attributes (their fixed
-    buffers; storages counted once)."""
-    seen, total = set(), 0
-
-    def visit(obj, depth=0):
-        nonlocal total
-        if isinstance(obj, torch.Tensor):
-            if obj.is_cuda:
-                s = obj.untyped_storage()
-                if s.data_ptr() not in seen:
-                    seen.add(s.data_ptr())
-                    total += s.nbytes()
-        elif depth < 3 and isinstance(obj, (list, tuple)):
-            for o in obj:
-                visit(o, depth + 1)
-        elif depth < 3 and isinstance(obj, dict):
-            for o in obj.values():
-                visit(o, depth + 1)
-        elif depth < 3 and hasattr(obj, "__dict__") and type(obj).__module__.startswith("timm_dora") \
-                and not isinstance(obj, torch.nn.Module):
-            for o in vars(obj).values():
-                visit(o, depth + 1)
-
-    state = getattr(model, "_dora", None)
-    for runner in (state.graphs.values() if state is not None else []):
-        for name, o in vars(runner).items():
-            if name not in ("model", "policy", "graphs"):
-                visit(o)
-    return total
 
 
 def pools() -> dict:
@@ -114,8 +82,10 @@ def measure(fn, inputs, warmup: int, iters: int, model=None) -> dict:
         torch.cuda.synchronize()
         r["steady"] = {"peak_allocated_over_base_mib": (torch.cuda.max_memory_allocated() - base) / MIB,
                        "peak_reserved_over_base_mib": (torch.cuda.max_memory_reserved() - base) / MIB}
-    if model is not None:
-        r["runner_buffers_mib"] = runner_buffers(model) / MIB
+    if model is not None:  # what the engine reports of its graphs (timm_dora.engine_info)
+        info = timm_dora.engine_info(model)
+        r["runner_buffers_mib"] = sum(s["buffers_mb"] for s in info["batch_shapes"])
+        r["graphs"], r["graph_memory_mib"] = info["graphs"], info["memory_mb"]
     return r
 
 
@@ -179,8 +149,6 @@ def _measure(args, argv):
                 print(f"      {pname:22s} {p['segments']:4d} segs  reserved {p['reserved_mib']:8.1f}  allocated {p['allocated_mib']:8.1f}"
                       f"  segments {[round(v) for v in p['segment_mib'][:8]]}", flush=True)
             if wrapped is not None:
-                keys = list(next(iter(wrapped._dora.graphs.values())).graphs) if wrapped._dora.graphs else []
-                row["graph_keys"] = [repr(k) for k in keys]
                 timm_dora.unwrap(wrapped)
             del fn, wrapped
             if args.out:

@@ -185,7 +185,7 @@ def _forwards(model, xs: List[torch.Tensor], what: str):
                 "random": lambda st: SELECTORS["random"].from_stats(st, model=model,
                                                                     generator=torch.Generator().manual_seed(0))}
         for x in xs:
-            logits, st = run(model, x, model._dora.policy)
+            logits, st = run(model, x, timm_dora.policy_of(model))
             preds.setdefault("dora", []).append(logits.argmax(1))
             gflops.setdefault("dora", []).append(st.gflops.float())
             for name, selector in make.items():
@@ -196,7 +196,7 @@ def _forwards(model, xs: List[torch.Tensor], what: str):
         for mode in FUSE_MODES if what == "fuse" else MERGE_MODES:
             for x in xs:
                 with _substitution(mode):
-                    logits, st = run(model, x, model._dora.policy)
+                    logits, st = run(model, x, timm_dora.policy_of(model))
                 preds.setdefault(mode, []).append(logits.argmax(1))
                 gflops.setdefault(mode, []).append(st.gflops.float())
     return preds, gflops

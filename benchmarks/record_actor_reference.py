@@ -21,8 +21,7 @@ import torch
 
 from timm_dora.data import eval_transform, open_split
 from timm_dora.evaluate import environment, write_json
-from timm_dora.engine.patch import run, unwrap
-from timm_dora.api import wrap
+from timm_dora import policy_of, run, unwrap, wrap
 from timm_dora.backbone import create_backbone
 from benchmarks.common import command_line
 
@@ -39,7 +38,7 @@ def reference_decisions(model_name: str, weights: Path, actor, labels_csv: Path,
     with torch.no_grad():
         native = model(x).argmax(1)
         wrap(model, actor)
-        logits, stats = run(model, x, model._dora.policy)
+        logits, stats = run(model, x, policy_of(model))
         unwrap(model)
     pred = logits.argmax(1)
     return {

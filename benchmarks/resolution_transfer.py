@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from timm_dora.evaluate import build_method, environment, evaluate, inference_device, load_model, loader_for, write_json
 from benchmarks.common import command_line
 

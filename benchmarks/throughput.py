@@ -54,7 +54,6 @@ import timm
 import torch
 
 import timm_dora
-import timm_dora.engine.graphs
 from timm_dora import Actor, ActorPolicy, ReplayPolicy
 from timm_dora.evaluate import environment, write_json
 from timm_dora.engine.flops import backbone_cost
@@ -259,7 +258,7 @@ def _measure(args, argv) -> dict:
                     add("oracle(actor)" + tag, fwd, oracle_gflops(model, ks), static_k=ks)
                 if "actor_oracle_graphs" in args.configs and dev.type == "cuda":
                     add("oracle_graphs(actor)" + tag, captured(fwd, inputs[0]), oracle_gflops(model, ks), static_k=ks)
-        del model, inputs
+        model = inputs = None  # freed before the next backbone
         torch.cuda.empty_cache()
     write_json(args.out, results)
     return results

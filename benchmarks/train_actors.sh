@@ -59,7 +59,7 @@ for name in $NAMES; do
   fi
   resume=""
   [ -f "$RUNS/$name/state.pt" ] && resume="--resume"
-  OMP_NUM_THREADS=3 PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
+  OMP_NUM_THREADS=3 PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
     --model "${m%%-approx}" --weights "$CARRY/$m.bf16.safetensors" --data "$CARRY/data/labels.csv" \
     --out "$RUNS/$name" --target-drop "${TARGET[$base]}" --augment "${AUGMENT:-light}" --qc-shards 1 \
     --checkpoint-every ${EVERY:-25} --max-minutes "$MINUTES" --no-progress --recipe paper --actor-width 128 $resume ${EXTRA:-} \

@@ -37,7 +37,7 @@ for i in "${!names[@]}"; do
   name=${names[$i]}; bb=${bbs[$i]}
   w="$CARRY/${WEIGHTS[$bb]}.bf16.safetensors"
   [ -f "$w" ] || gunzip -k "$w.gz"
-  CUDA_VISIBLE_DEVICES=$((i % gpus)) OMP_NUM_THREADS=4 PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
+  CUDA_VISIBLE_DEVICES=$((i % gpus)) OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 python3 -m timm_dora.train \
     --model "${MODEL[$bb]}" --weights "$w" --data "$CARRY/data/labels.csv" --out "$RUNS/$name" --seed "${seeds[$i]}" \
     --max-minutes "$MINUTES" --no-progress $RECIPE ${extras[$i]} > "$RUNS/$name.log" 2>&1 &
   pids+=($!)

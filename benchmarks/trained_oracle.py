@@ -20,7 +20,6 @@ import argparse
 import torch
 
 import timm_dora
-import timm_dora.engine.graphs
 from timm_dora.evaluate.bench import bench_inputs
 from timm_dora.evaluate import environment, inference_device, load_model, write_json
 from timm_dora.engine.flops import backbone_cost

@@ -189,6 +189,7 @@ def test_by_default_a_half_precision_cuda_forward_is_captured_and_bucketed():
     assert info["executor"] == "captured" and [s["batch"] for s in info["batch_shapes"]] == [10]
     assert info["batch_shapes"][0]["plan_misses"] == 0
     assert info["graphs"] > 0 and info["capture_s"] > 0 and info["memory_mb"] > 0
+    assert 0 < info["batch_shapes"][0]["buffers_mb"] <= info["batch_shapes"][0]["memory_mb"]
     same = (stats.removed == ref_stats.removed).all(1)
     assert same.float().mean() >= 0.75  # bf16 near-ties may decide otherwise
     torch.testing.assert_close(out[same].float(), ref[same].float(), rtol=0.05, atol=0.05)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import timm_dora
-from timm_dora import Actor, NoPrune, ReplayPolicy
+from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy
 
 from helpers import (FULL_FAMILIES, SMALL_FAMILIES, Recorder, half_open_actor, images, make_model, plan_for_image, random_plan,
                      reference_forward)
@@ -137,6 +137,27 @@ def test_wrap_twice_is_idempotent_or_errors():
         timm_dora.wrap(model, Actor.for_model(model))
     with pytest.raises(ValueError, match="already wrapped"):
         timm_dora.wrap(model, actor, readout="lc1")
+
+
+def test_policy_of_returns_the_policy_the_model_runs():
+    """``policy_of``: the actor's policy that ``wrap`` built, a ``policy=`` as given, the one
+    ``set_policy`` put in; a one-line ``ValueError`` on a model that is not wrapped."""
+    model = make_model("deit_tiny_patch16_224", img_size=64)
+    with pytest.raises(ValueError, match="^model is not wrapped by timm_dora$"):
+        timm_dora.policy_of(model)
+    actor = Actor.for_model(model)
+    timm_dora.wrap(model, actor)
+    policy = timm_dora.policy_of(model)
+    assert isinstance(policy, ActorPolicy) and policy.actor is actor and policy.actor is model.dora_actor
+    no_prune = NoPrune()
+    timm_dora.set_policy(model, no_prune)
+    assert timm_dora.policy_of(model) is no_prune
+    timm_dora.unwrap(model)
+    timm_dora.wrap(model, policy=no_prune)
+    assert timm_dora.policy_of(model) is no_prune
+    timm_dora.unwrap(model)
+    with pytest.raises(ValueError, match="not wrapped"):
+        timm_dora.policy_of(model)
 
 
 @pytest.mark.parametrize("field,kwargs", [("embed_dim", dict(embed_dim=64)), ("depth", dict(depth=6))])

@@ -14,8 +14,8 @@ the published actors), then the applications: :mod:`~timm_dora.train` (PPO),
 """
 from . import hub  # noqa: F401  (attaches Actor.from_pretrained / save_pretrained / push_to_hub)
 from .api import wrap
-from .engine import (DoraStats, EngineOptions, Packed, engine_info, is_wrapped, native_gflops, release_graphs, run,
-                     set_options, set_policy, unwrap)
+from .engine import (DoraStats, EngineOptions, Packed, engine_info, is_wrapped, native_gflops, policy_of,
+                     release_graphs, run, set_options, set_policy, unwrap)
 from .policy import Actor, ActorPolicy, BlockContext, Decision, NoPrune, ReplayPolicy
 from .version import __version__
 
@@ -33,6 +33,7 @@ __all__ = [
     "engine_info",
     "is_wrapped",
     "native_gflops",
+    "policy_of",
     "release_graphs",
     "run",
     "set_options",

@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
+from .engine.capture import policy_of
 from .engine.options import EngineOptions
 from .engine.patch import check_skip_dead, check_supported, is_wrapped, is_wrapped_as
 from .engine.patch import wrap as engine_wrap
@@ -133,7 +134,7 @@ def _wrap_again(model: nn.Module, actor, speculate: bool, merge: Optional[bool],
     """:func:`wrap` of a wrapped model: a no-op with the same actor (the same object, or the same
     registered actor, folder or Hub id, or an equal :class:`Actor`) and options; else a
     ``ValueError`` saying what differs."""
-    current = model._dora.policy
+    current = policy_of(model)
     if not isinstance(current, ActorPolicy):
         raise ValueError("model is already wrapped with a policy, not an actor; call timm_dora.unwrap(model) first")
     if actor is not current.actor:

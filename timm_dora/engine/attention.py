@@ -29,6 +29,7 @@ Training-only backend (never chosen by ``"auto"``, refused by :func:`timm_dora.w
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import itertools
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 
 from .packing import Packed
 
-__all__ = ["Backend", "BACKEND_INFO", "BACKENDS", "TRAINING_BACKENDS", "select_backend", "varlen_attention"]
+__all__ = ["Backend", "BACKEND_INFO", "BACKENDS", "TRAINING_BACKENDS", "aten_flash_used", "select_backend",
+           "varlen_attention"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ TRAINING_BACKENDS = tuple(BACKEND_INFO)
 
 def _flash_available() -> bool:
     try:
-        import flash_attn  # noqa: F401
+        importlib.import_module("flash_attn")
     except Exception:
         return False
     return True
@@ -124,6 +126,13 @@ def _varlen_accepts_scale() -> bool:
 _ATEN_FLASH = {"ok": None}  # None: not tried yet; False: this torch's op refused our call
 
 
+def aten_flash_used() -> bool:
+    """Whether the ``torch_varlen`` backend runs FlashAttention through the direct
+    ``aten::_flash_attention_forward`` call: ``True`` once a call went through it; ``False`` before
+    its first call, or once this torch's op refused the call (``varlen_attn`` from then on)."""
+    return bool(_ATEN_FLASH["ok"])
+
+
 def _aten_flash_varlen(q, k, v, cu, max_len, scale):
     """The FlashAttention varlen kernel that ``varlen_attn`` runs, called as the aten op directly.
 
@@ -132,7 +141,7 @@ def _aten_flash_varlen(q, k, v, cu, max_len, scale):
     the H100 machine), more than a ViT-Ti block's whole GPU time. The op underneath,
     ``aten::_flash_attention_forward`` with cumulative sequence lengths, costs one dispatcher
     call. Returns ``None`` (and ``varlen_attn`` is used from then on) if this torch's op does not
-    accept the call; ``benchmarks/gpu_check.py`` compares the two on the GPU.
+    accept the call (:func:`aten_flash_used`); ``benchmarks/gpu_check.py`` compares the two on the GPU.
     """
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)
     if op is None:

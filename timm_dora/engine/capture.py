@@ -35,8 +35,10 @@ import torch.nn as nn
 from .attention import BACKEND_INFO
 from .graphs import decides_in_graphs, graph_mode_reason, release_all
 from .options import EngineOptions, active
+from .protocol import Policy
 
-__all__ = ["batch_bucket", "capture_reason", "pad_batch", "engine_info", "release_graphs", "set_options", "fell_back"]
+__all__ = ["batch_bucket", "capture_reason", "pad_batch", "engine_info", "policy_of", "release_graphs", "set_options",
+           "fell_back"]
 
 
 def batch_bucket(batch: int) -> int:
@@ -115,9 +117,10 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
     - ``reason``: why the last forward ran eagerly (``None`` when captured);
     - ``failed``: why capturing was given up for this model, or ``None``;
     - ``batch_shapes``: per cached batch bucket (at most ``max_cached``), ``batch``, ``graphs``,
-      ``capture_s`` (warm-ups and captures, device-synchronised) and ``memory_mb`` (its fixed
-      buffers and the segments of its graphs' private memory pool), ``plan_misses`` (forwards whose
-      plan did not hold and ran again eagerly: :mod:`~timm_dora.engine.whole`);
+      ``capture_s`` (warm-ups and captures, device-synchronised), ``memory_mb`` (its fixed
+      buffers and the segments of its graphs' private memory pool) and ``buffers_mb`` (the fixed
+      buffers alone), ``plan_misses`` (forwards whose plan did not hold and ran again eagerly:
+      :mod:`~timm_dora.engine.whole`);
     - ``graphs``, ``capture_s``, ``memory_mb``: their sums.
 
     Free that memory with :func:`release_graphs` (and ``torch.cuda.empty_cache()`` to return it to
@@ -132,12 +135,20 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
             pools[key] = pools.get(key, 0) + seg["total_size"]
     shapes = [{"batch": r.batch, "graphs": len(r.graphs), "capture_s": round(r.capture_s, 3),
                "memory_mb": round((r.buffer_bytes + pools.get(tuple(r.pool or ()), 0)) / 2**20, 1),
-               "plan_misses": r.plan_misses}
+               "buffers_mb": round(r.buffer_bytes / 2**20, 1), "plan_misses": r.plan_misses}
               for r in state.graphs.values()]
     return {"cuda_graphs": state.cuda_graphs, "executor": state.executor, "reason": state.reason,
             "failed": state.failed, "max_cached": (state.engine or active()).max_cached, "batch_shapes": shapes,
             "graphs": sum(s["graphs"] for s in shapes), "capture_s": round(sum(s["capture_s"] for s in shapes), 3),
             "memory_mb": round(sum(s["memory_mb"] for s in shapes), 1)}
+
+
+def policy_of(model: nn.Module) -> Policy:
+    """The policy a wrapped ``model`` runs: the one :func:`timm_dora.wrap` built from its actor (or
+    was given as ``policy=``), or the last :func:`~timm_dora.engine.patch.set_policy`."""
+    if not hasattr(model, "_dora"):
+        raise ValueError("model is not wrapped by timm_dora")
+    return model._dora.policy
 
 
 def release_graphs(model: nn.Module) -> int:

@@ -37,7 +37,7 @@ except Exception:  # pragma: no cover - depends on the installation
 
 # (BLOCK_M query rows, BLOCK_N key rows, warps, pipeline stages) per head dimension, fixed so that
 # a call inside a CUDA-graph capture never autotunes. Head dim 64 chosen on an H100 among 12
-# configurations (benchmarks/attention_kernels.py, results/attention_kernels_h100.json: the
+# configurations (benchmarks/results/attention_kernels_h100.json, its script in git history: the
 # best on 6 of 12 shapes, within 9 % of the best on the others); 32 (the actor's encoder) takes the same tiles;
 # 128 two stages instead of three (shared memory of smaller GPUs), not measured
 TILE = {32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2)}

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..api import wrap
-from ..engine import is_wrapped, native_gflops, run, unwrap
+from ..engine import is_wrapped, native_gflops, policy_of, run, unwrap
 from ..engine.blocks import embed, mlp_residual
 from ..engine.patch import check_skip_dead
 from .baselines.selectors import SELECTORS
@@ -159,7 +159,7 @@ class SelectorMethod(DoraMethod):
                        "wpr_iters": wpr_iters if selector == "attention-wpr" else None}
 
     def outputs(self, x):
-        logits_d, st_d = run(self.model, x, self.model._dora.policy)
+        logits_d, st_d = run(self.model, x, policy_of(self.model))
         policy = self.cls.from_stats(st_d, **self.kwargs)
         logits_s, st_s = run(self.model, x, policy)
         return {"dora": self._output(logits_d, st_d), self.name: self._output(logits_s, st_s)}
