@@ -322,7 +322,7 @@ def profile(args) -> None:
     tr = Trainer(config_from_args(build_parser().parse_args(flags)), sync_phases=True)
     for _ in range(args.warmup):  # compiling, capturing; the last one's phases are recorded
         m = tr.step()
-    tr._finish_critic()
+    tr.finish_critic()
     x = tr.images.rollout(tr.u + 1, next(tr.sampler), list(range(args.batch)))
 
     def ms(fn, n: int) -> float:

@@ -614,3 +614,13 @@ def test_train_scale_makes_a_set_runs_the_recipe_in_segments_and_summarises(tmp_
     assert res["updates"] == 2 and len(res["segments"]) == 1 and res["segments"][0]["updates"] == [1, 2]
     assert res["rollout_files"] == 24 and res["wall_min"] > 0 and 0 <= res["data_wait_fraction"] < 1
     assert res["first_update_s"] > 0 and res["peak_host_gb"] > 0 and res["s_per_update"] > 0
+
+
+def test_serving_latency_summary_by_hand():
+    from benchmarks.serving_latency import summary
+
+    times = [float(t) for t in range(1, 101)]  # 1 .. 100 ms, 100 requests of 4 images
+    row = summary(times[::-1], 4)
+    # median of 1..100 is 50.5; p99: the element at rank round(0.99 * 99) = 98 (0-based) is 99;
+    # 400 images in 5,050 ms
+    assert row == {"p50_ms": 50.5, "p99_ms": 99.0, "max_ms": 100.0, "images_per_s": round(400 / 5.05, 1)}

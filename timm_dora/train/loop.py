@@ -229,12 +229,12 @@ class Trainer:
             rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
             m.update(self._ppo_update(traj, d, rewards, a_u))
             if self.background.busy:
-                self._critic_record = m  # its loss_value comes with _finish_critic
+                self._critic_record = m  # its loss_value comes with finish_critic
         if comm.world > 1:
             self._share_actor()
             clock.mark("share")
         if self.dev.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # (not the critic's stream: see _finish_critic)
+            torch.cuda.current_stream().synchronize()  # (not the critic's stream: see finish_critic)
         t_all = time.perf_counter() - t0
         if comm.main:
             comp = token_layer_compression(traj.k, self.num_patches)
@@ -396,7 +396,7 @@ class Trainer:
         losses = [self._step(*self._load("critic", mb, on_h)).double().reshape(-1) for mb in mbs]
         return torch.stack(losses).mean(0)
 
-    def _finish_critic(self) -> None:
+    def finish_critic(self) -> None:
         """With ``overlap`` an update's critic steps run beside the next rollout, which does not read
         the critic (:class:`~timm_dora.train.graph_step.BackgroundSteps`). Wait for them before the
         critic is read or its buffers refilled (old values, a checkpoint); their mean loss goes
@@ -448,7 +448,7 @@ class Trainer:
         frac = self.actor.budgets[traj.budget_index].float() / n_ctrl.clamp_min(1).float()  # k_l / N_l
         # the critic's inputs, padded: H_l of each transition in P + N0 rows (one scatter per update)
         tokens = Packed(traj.tokens, traj.token_lengths, tok_len_h, traj.num_prefix).padded(traj.num_prefix + self.num_patches)
-        self._finish_critic()  # the last update's critic steps, if still running
+        self.finish_critic()  # the last update's critic steps, if still running
         cb = self.critic_batch
         fresh = cb.load(n_t, tokens=tokens, lengths=traj.token_lengths, block=traj.block, q=q,
                         zn=traj.z_native.repeat(depth, 1), ctrl_of=traj.ctrl_of, budget_index=traj.budget_index, frac=frac)
@@ -498,7 +498,7 @@ class Trainer:
         if not (self.graphs and cfg.overlap):
             for mb in critic_mbs:
                 logs["critic"].append(self._step(*self._load("critic", mb, on_h)).double().reshape(-1))
-        else:  # left running beside the next update's rollout (see _finish_critic)
+        else:  # left running beside the next update's rollout (see finish_critic)
             replays = all(self._critic_key(mb, on_h)[1] in self.captured for mb in critic_mbs)
             self.background.launch(functools.partial(self._critic_steps, critic_mbs, on_h), replays, reads=[flat])
         self.clock.mark("critic_update")
@@ -522,7 +522,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the data workers and release the captured steps (before the process group goes:
         graphs that hold collectives must not outlive their communicators)."""
-        self._finish_critic()
+        self.finish_critic()
         self.stop_prefetch()
         self.captured.clear()
         if self.dev.type == "cuda":
@@ -542,7 +542,7 @@ class Trainer:
         return CheckpointRecord(f"u{self.u:05d}", 100.0 * top1, self.dev_native_top1, mean_gflops, 100.0 * disagreement)
 
     def state_dict(self) -> Dict:
-        self._finish_critic()  # (overlap: the critic's last steps may still be running)
+        self.finish_critic()  # (overlap: the critic's last steps may still be running)
         return {
             "u": self.u,
             "actor": self.actor.state_dict(),
@@ -607,7 +607,7 @@ class Trainer:
 
         def write(final: bool = False) -> None:
             if final:
-                self._finish_critic()
+                self.finish_critic()
             while unwritten and unwritten[0] is not self._critic_record:
                 m = unwritten.pop(0)
                 if main:

@@ -1,0 +1,148 @@
+"""Serving latency: a stream of small requests, as a server sees it (not a test).
+
+For each configuration (``vit_tiny_published`` and ``deit_tiny_published``: the published actors on
+the ``test`` images; ``deit_base_forced``: DeiT-B with random weights and the actor forced open at
+blocks 3, 6 and 9, on random images) and each request size of ``--batches``, one GPU, bf16: a
+stream of ``--warmup-requests`` then ``--requests`` requests, each a batch already on the GPU
+(successive images of a pool, so the actor sees new images), timed on the host from the call to
+the logits readable on the host (``logits.cpu()``). Per executor:
+
+- ``native_eager``, ``native_compiled`` (``torch.compile``, default mode), ``native_reduce_overhead``
+  (``mode="reduce-overhead"``: CUDA graphs, the one-line baseline a server would pick);
+- ``dora_default``: ``timm_dora.wrap(model, actor)`` with no options;
+- ``dora_compiled_ro``: ``torch.compile(wrapped, mode="reduce-overhead")`` (its ``error`` when it
+  cannot run);
+
+with ``p50_ms``, ``p99_ms``, ``max_ms``, ``images_per_s`` (images over the summed request times:
+one request at a time) and, for the DORA rows, ``plan_misses`` and ``captures`` (the planned
+graph's misses and the graphs captured during the timed requests, from
+:func:`timm_dora.engine_info`: a steady state pays neither). The result file is rewritten after
+each batch size; ``--resume`` skips what it already holds.
+
+    python -m benchmarks.serving_latency --vit-weights W --deit-weights W2 --data labels.csv \\
+        --out benchmarks/results/serving_latency_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+
+import timm_dora
+from timm_dora.evaluate import inference_device, loader_for, write_json
+from benchmarks.common import deit_forced, header, published
+
+CONFIGS = ("vit_tiny_published", "deit_tiny_published", "deit_base_forced")
+EXECUTORS = ("native_eager", "native_compiled", "native_reduce_overhead", "dora_default", "dora_compiled_ro")
+
+
+def stream(fn: Callable, pool: torch.Tensor, batch: int, first: int, count: int) -> List[float]:
+    """Milliseconds of each of ``count`` requests of ``batch`` images, requests ``first`` onwards of
+    the stream that takes the images of ``pool`` in turn."""
+    n = pool.shape[0] - pool.shape[0] % batch
+    times = []
+    with torch.inference_mode():
+        for i in range(first, first + count):
+            start = (i * batch) % n
+            x = pool[start:start + batch]
+            t = time.perf_counter()
+            fn(x).float().cpu()  # (the logits readable on the host: synchronises)
+            times.append(1e3 * (time.perf_counter() - t))
+    return times
+
+
+def summary(times: List[float], batch: int) -> Dict[str, float]:
+    ordered = sorted(times)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"p50_ms": round(statistics.median(ordered), 4), "p99_ms": round(p99, 4), "max_ms": round(ordered[-1], 4),
+            "images_per_s": round(1e3 * batch * len(times) / sum(times), 1)}
+
+
+def graph_counts(model) -> Dict[str, int]:
+    info = timm_dora.engine_info(model)
+    return {"plan_misses": sum(s["plan_misses"] for s in info["batch_shapes"]), "graphs": info["graphs"]}
+
+
+def measure(name: str, model, actor, pool: torch.Tensor, batch: int, args) -> Dict[str, Any]:
+    """One executor's row at one request size."""
+    w, n = args.warmup_requests, args.requests
+    if name.startswith("native"):
+        fn = model
+        if name != "native_eager":
+            torch._dynamo.reset()
+            fn = torch.compile(model, mode="reduce-overhead" if name == "native_reduce_overhead" else "default",
+                               dynamic=False)
+        stream(fn, pool, batch, 0, w)
+        return summary(stream(fn, pool, batch, w, n), batch)
+    timm_dora.wrap(model, actor)
+    try:
+        fn = model
+        if name == "dora_compiled_ro":
+            torch._dynamo.reset()
+            fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        stream(fn, pool, batch, 0, w)
+        before = graph_counts(model)
+        row = summary(stream(fn, pool, batch, w, n), batch)
+        after = graph_counts(model)
+        row["plan_misses"] = after["plan_misses"] - before["plan_misses"]
+        row["captures"] = after["graphs"] - before["graphs"]
+        row["executor"] = timm_dora.engine_info(model)["executor"]
+        return row
+    finally:
+        timm_dora.unwrap(model)
+        torch._dynamo.reset()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vit-weights", default=None, help="ViT-Ti weights (vit_tiny_published)")
+    ap.add_argument("--deit-weights", default=None, help="DeiT-Ti weights (deit_tiny_published)")
+    ap.add_argument("--data", default=None, help="labels CSV with a test split (the published configs)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--executors", nargs="+", default=list(EXECUTORS), choices=EXECUTORS)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--warmup-requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--pool-images", type=int, default=640, help="images the requests cycle through")
+    ap.add_argument("--resume", action="store_true", help="keep the rows --out already holds")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev, dtype, _ = inference_device("cuda", "bf16")
+    res: Dict[str, Any] = header(dev, "serving_latency", argv, argparse.Namespace(warmup=args.warmup_requests,
+                                 iters=args.requests, repeats=1), timing="per request, host clock, to logits on the host")
+    if args.resume and args.out and os.path.exists(args.out):
+        res.update({k: v for k, v in json.load(open(args.out)).items() if k in CONFIGS})
+    for config in args.configs:
+        if config == "deit_base_forced":
+            model, actor, make = deit_forced(dev, dtype)
+            pool = torch.cat(make(args.pool_images // 2))
+        else:
+            if not args.data:
+                ap.error(f"{config} needs --data")
+            model, actor = published(ap, config, args, dev, dtype)
+            pool = torch.cat([x for x, *_ in loader_for(model, args.data, "test", batch=64, workers=4,
+                                                        limit=args.pool_images)]).to(dev, dtype)
+        rows = res.setdefault(config, {})
+        for b in args.batches:
+            row = rows.setdefault(str(b), {})
+            for name in args.executors:
+                if name in row:
+                    continue
+                try:
+                    row[name] = measure(name, model, actor, pool, b, args)
+                except Exception as e:  # (a compiled wrapped model may not run: say why)
+                    row[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
+                print(config, b, name, row[name], flush=True)
+                if args.out:
+                    write_json(args.out, res)
+        del model, actor, pool
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
