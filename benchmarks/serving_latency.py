@@ -16,7 +16,9 @@ the logits readable on the host (``logits.cpu()``). Per executor:
 with ``p50_ms``, ``p99_ms``, ``max_ms``, ``images_per_s`` (images over the summed request times:
 one request at a time) and, for the DORA rows, ``plan_misses`` and ``captures`` (the planned
 graph's misses and the graphs captured during the timed requests, from
-:func:`timm_dora.engine_info`: a steady state pays neither). The result file is rewritten after
+:func:`timm_dora.engine_info`: a steady state pays neither). ``--kernels`` adds, from 10 more
+requests under the profiler, ``kernels_per_request``, ``kernel_ms_per_request`` and
+``cudaGraphLaunch_ms`` (a graph's launch costs host time per node). The result file is rewritten after
 each batch size; ``--resume`` skips what it already holds.
 
     python -m benchmarks.serving_latency --vit-weights W --deit-weights W2 --data labels.csv \\
@@ -63,6 +65,22 @@ def summary(times: List[float], batch: int) -> Dict[str, float]:
             "images_per_s": round(1e3 * batch * len(times) / sum(times), 1)}
 
 
+def kernel_profile(fn: Callable, pool: torch.Tensor, batch: int, first: int, count: int = 10) -> Dict[str, float]:
+    """Device kernels (CUDA graph nodes included, each counted) and their summed time per request,
+    over ``count`` requests under the profiler; ``cudaGraphLaunch_ms``: the host time of graph
+    launches per request (it grows with a graph's node count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        stream(fn, pool, batch, first, count)
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    launch = sum(e.self_cpu_time_total for e in events if e.key == "cudaGraphLaunch")
+    return {"kernels_per_request": sum(e.count for e in kernels) / count,
+            "kernel_ms_per_request": round(sum(e.self_device_time_total for e in kernels) / count / 1e3, 4),
+            "cudaGraphLaunch_ms": round(launch / count / 1e3, 4)}
+
+
 def graph_counts(model) -> Dict[str, int]:
     info = timm_dora.engine_info(model)
     return {"plan_misses": sum(s["plan_misses"] for s in info["batch_shapes"]), "graphs": info["graphs"]}
@@ -78,7 +96,9 @@ def measure(name: str, model, actor, pool: torch.Tensor, batch: int, args) -> Di
             fn = torch.compile(model, mode="reduce-overhead" if name == "native_reduce_overhead" else "default",
                                dynamic=False)
         stream(fn, pool, batch, 0, w)
-        return summary(stream(fn, pool, batch, w, n), batch)
+        row = summary(stream(fn, pool, batch, w, n), batch)
+        row.update(kernel_profile(fn, pool, batch, w + n) if args.kernels else {})
+        return row
     timm_dora.wrap(model, actor)
     try:
         fn = model
@@ -92,6 +112,7 @@ def measure(name: str, model, actor, pool: torch.Tensor, batch: int, args) -> Di
         row["plan_misses"] = after["plan_misses"] - before["plan_misses"]
         row["captures"] = after["graphs"] - before["graphs"]
         row["executor"] = timm_dora.engine_info(model)["executor"]
+        row.update(kernel_profile(fn, pool, batch, w + n) if args.kernels else {})
         return row
     finally:
         timm_dora.unwrap(model)
@@ -109,6 +130,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup-requests", type=int, default=200)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--pool-images", type=int, default=640, help="images the requests cycle through")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile 10 more requests: device kernels and their time per request")
     ap.add_argument("--resume", action="store_true", help="keep the rows --out already holds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -624,3 +624,21 @@ def test_serving_latency_summary_by_hand():
     # median of 1..100 is 50.5; p99: the element at rank round(0.99 * 99) = 98 (0-based) is 99;
     # 400 images in 5,050 ms
     assert row == {"p50_ms": 50.5, "p99_ms": 99.0, "max_ms": 100.0, "images_per_s": round(400 / 5.05, 1)}
+
+
+def test_serving_latency_stream_takes_the_pool_in_turn_and_profiles_on_cpu():
+    import torch
+
+    from benchmarks.serving_latency import kernel_profile, stream
+
+    seen = []
+    pool = torch.arange(10.0)[:, None]  # 10 one-number "images"; batches of 4 use the first 8
+
+    def fn(x):
+        seen.append(x[:, 0].tolist())
+        return x
+
+    assert len(stream(fn, pool, 4, 1, 3)) == 3
+    assert seen == [[4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]]  # requests 1, 2, 3 of the stream
+    prof = kernel_profile(lambda x: x * 2, pool, 4, 0, count=2)
+    assert prof["kernels_per_request"] == 0 and prof["kernel_ms_per_request"] == 0  # no device kernels on a CPU
