@@ -10,7 +10,7 @@ Grouped by what uses them: the command recorded in a result (:func:`command_line
 static-schedule oracle and the fixed and forced policies of the throughput rows (``throughput``,
 ``memory_breakdown``, ``profile_forward``, ``trained_oracle``, ``default_speed``; the tests); the
 engine settings a graph row is measured under (``throughput``, ``memory_breakdown``); the
-configurations and timing of ``default_speed`` and ``small_batch``; the pool and its paired row
+configurations and timing of ``default_speed``, ``small_batch`` and ``serving_latency``; the pool and its paired row
 (``pool_studies``); the paired accuracy rows of ``tradeoff``, ``choose_seed`` and ``seen_unseen``;
 replay plans recorded from or drawn for a policy (``gpu_check``, ``profile_forward``; the tests).
 """
