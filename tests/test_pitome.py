@@ -211,7 +211,7 @@ def test_build_method_and_names():
         build_method(model, "pitome")
 
 
-def test_eval_cli_with_pitome(tmp_path):
+def test_eval_and_bench_cli_with_pitome(tmp_path):
     from test_evaluate import CLASSES, IMG, MODEL, make_dataset, save_weights
 
     csv_path = make_dataset(tmp_path, n_test=4, n_dev=1)
@@ -224,3 +224,9 @@ def test_eval_cli_with_pitome(tmp_path):
     native, pitome = json.loads(out.read_text())["rows"]
     assert native["method"] == "native" and pitome["method"] == "pitome(r=2)" and pitome["images"] == 4
     assert pitome["gflops"] < native["gflops"] and pitome["config"]["margin"] == 0.75
+    bench = tmp_path / "bench.json"
+    rc = main(["bench", "--model", MODEL, "--weights", str(weights), "--img-size", str(IMG), "--num-classes", str(CLASSES),
+               "--device", "cpu", "--method", "pitome", "--r", "2", "--data", str(csv_path), "--batch", "4", "--batches", "1",
+               "--warmup", "0", "--iters", "1", "--repeats", "1", "--workers", "0", "--out", str(bench)])
+    assert rc == 0
+    assert [row["method"] for row in json.loads(bench.read_text())["rows"]] == ["native", "pitome(r=2)"]
