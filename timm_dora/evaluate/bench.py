@@ -7,7 +7,7 @@ before and after the timed loop; ``repeats`` repeats; ``t_r = 1000 T_r / iters``
 ``q_r = batch * iters / T_r`` images/s; the medians are reported. Defaults are the paper's: batch
 320, 200 + 200 forwards, 5 repeats, bf16 weights and activations, TF32 off, no ``torch.compile``,
 all under ``torch.inference_mode``. The timed callable includes everything a method does online
-(DORA: actor, selection, packing, compaction; ToMe: matching and merging).
+(DORA: actor, selection, packing, compaction; ToMe, PiToMe: matching and merging).
 
 Inputs (:func:`bench_inputs`): real images of a dataset split when ``data`` is given (the
 model's eval preprocessing, then moved to the device in the timing dtype): as many full batches as
@@ -18,7 +18,8 @@ pixel values; DORA's does, through its decisions, so prefer real images for DORA
 
 The JSON records device, torch, CUDA, timm, the protocol and, per row, the attention operators the
 forward actually dispatched (one profiled forward: e.g. ``aten::_scaled_dot_product_flash_attention``
-for native timm, ``..._efficient_attention`` for ToMe's biased SDPA) and, for DORA, its varlen backend.
+for native timm, ``..._efficient_attention`` for ToMe's and PiToMe's biased SDPA) and, for DORA,
+its varlen backend.
 """
 from __future__ import annotations
 

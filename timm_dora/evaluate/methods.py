@@ -1,5 +1,5 @@
 """The methods ``timm-dora eval`` / ``bench`` compare: native timm, DORA, the App. F.1 selector
-substitutions, ToMe and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
+substitutions, ToMe, PiToMe and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
 a lean ``timing_fn`` for timing, ``close`` to give the model back), made by :func:`build_method`."""
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ from ..engine.blocks import embed, mlp_residual
 from ..engine.patch import check_skip_dead
 from .baselines.selectors import SELECTORS
 from .baselines.static import StaticPrune
+from .baselines.pitome import PiToMe
 from .baselines.tome import ToMe
 
-__all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ToMeMethod", "StaticMethod", "Output",
+__all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ToMeMethod", "PiToMeMethod", "StaticMethod",
+           "Output",
            "build_method", "native_forward"]
 
-METHODS = ("native", "dora", "tome", "static", "random", "similarity", "attention-wpr")
+METHODS = ("native", "dora", "tome", "pitome", "static", "random", "similarity", "attention-wpr")
 
 
 def native_forward(model: nn.Module, x: torch.Tensor, skip_dead: bool = False) -> torch.Tensor:
@@ -185,6 +187,21 @@ class ToMeMethod(Method):
         return self.fn
 
 
+class PiToMeMethod(ToMeMethod):
+    def __init__(self, model: nn.Module, r, prop_attn: bool = True, skip_dead: bool = False):
+        self.fn = PiToMe(model, r, prop_attn=prop_attn, skip_dead=skip_dead)
+        self.name = self.fn.name
+        self.n0 = model.patch_embed.num_patches
+        self.config = {"r": r if isinstance(r, int) else list(r), "prop_attn": prop_attn, "r_effective": self.fn.cost.r,
+                       "margin": self.fn.margin, "alpha": self.fn.alpha, "matching_gflops": self.fn.cost.matching_gflops,
+                       **({"skip_dead": True} if skip_dead else {})}
+
+    def outputs(self, x):
+        _own_size(self.fn.model, x, "PiToMe")
+        logits = self.fn(x)
+        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.cost.gflops, self.fn.cost.r, self.n0))}
+
+
 class StaticMethod(Method):
     def __init__(self, model: nn.Module, schedule, rule: str = "cls_sim", skip_dead: bool = False):
         self.fn = StaticPrune(model, schedule, rule, skip_dead)
@@ -203,9 +220,9 @@ class StaticMethod(Method):
         return self.fn
 
 
-def _parse_r(r):
+def _parse_r(r, method: str = "tome"):
     if r is None:
-        raise ValueError("--method tome needs --r (one value, or one per block)")
+        raise ValueError(f"--method {method} needs --r (one value, or one per block)")
     if isinstance(r, (list, tuple)):
         return int(r[0]) if len(r) == 1 else [int(v) for v in r]
     return int(r)
@@ -240,6 +257,8 @@ def build_method(
         return DoraMethod(model, actor, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead, merge=merge)
     if method == "tome":
         return ToMeMethod(model, _parse_r(r), prop_attn, skip_dead)
+    if method == "pitome":
+        return PiToMeMethod(model, _parse_r(r, method), prop_attn, skip_dead)
     if method == "static":
         if not schedule:
             raise ValueError("--method static needs --schedule block:count[,block:count...]")

@@ -2,6 +2,10 @@
 
 - :mod:`~timm_dora.evaluate.baselines.tome`: ToMe token merging (bipartite soft matching, proportional
   attention, size tracking), dense and input-uniform: :func:`tome_forward`, :class:`ToMe`.
+- :mod:`~timm_dora.evaluate.baselines.pitome`: PiToMe (spectrum-preserving token merging): ToMe's
+  merging and proportional attention, but the merge candidates are the highest-energy tokens (large
+  clusters of similar keys) and the lowest-energy ones are protected: :func:`pitome_forward`,
+  :class:`PiToMe`.
 - :mod:`~timm_dora.evaluate.baselines.static`: dense static pruning schedules (fixed counts at fixed
   blocks; tokens chosen per image by CLS-key similarity, or sliced for a zero-overhead speed
   reference): :func:`static_forward`, :class:`StaticPrune`.
@@ -10,6 +14,7 @@
 
 Every baseline reports GFLOPs per image under the same App. E.4 accounting as DORA.
 """
+from .pitome import PiToMe, energy_scores, pitome_forward, pitome_gflops, pitome_merge
 from .selectors import SELECTORS, AttentionWPRSelector, RandomSelector, RecordedSelector, SimilaritySelector
 from .static import StaticPrune, parse_schedule, schedule_for_reduction, static_forward, static_gflops
 from .tome import ToMe, bipartite_prune, bipartite_soft_matching, proportional_attention, tome_forward, tome_gflops, tome_schedule
@@ -17,6 +22,7 @@ from .tome import ToMe, bipartite_prune, bipartite_soft_matching, proportional_a
 __all__ = [
     "SELECTORS",
     "AttentionWPRSelector",
+    "PiToMe",
     "RandomSelector",
     "RecordedSelector",
     "SimilaritySelector",
@@ -24,7 +30,11 @@ __all__ = [
     "ToMe",
     "bipartite_prune",
     "bipartite_soft_matching",
+    "energy_scores",
     "parse_schedule",
+    "pitome_forward",
+    "pitome_gflops",
+    "pitome_merge",
     "proportional_attention",
     "schedule_for_reduction",
     "static_forward",
