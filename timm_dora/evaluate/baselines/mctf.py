@@ -87,6 +87,7 @@ from .tome import attention_with_keys, head, tome_schedule
 __all__ = [
     "MCTF",
     "mctf_attraction",
+    "mctf_block",
     "mctf_forward",
     "mctf_gflops",
     "mctf_matching",
