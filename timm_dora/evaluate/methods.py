@@ -1,5 +1,5 @@
 """The methods ``timm-dora eval`` / ``bench`` compare: native timm, DORA, the App. F.1 selector
-substitutions, ToMe, PiToMe and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
+substitutions, ToMe, PiToMe, MCTF and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
 a lean ``timing_fn`` for timing, ``close`` to give the model back), made by :func:`build_method`."""
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ from ..engine.blocks import embed, mlp_residual
 from ..engine.patch import check_skip_dead
 from .baselines.selectors import SELECTORS
 from .baselines.static import StaticPrune
+from .baselines.mctf import MCTF
 from .baselines.pitome import PiToMe
 from .baselines.tome import ToMe
 
-__all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ToMeMethod", "PiToMeMethod", "StaticMethod",
+__all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ToMeMethod", "PiToMeMethod", "MCTFMethod", "StaticMethod",
            "Output",
            "build_method", "native_forward"]
 
-METHODS = ("native", "dora", "tome", "pitome", "static", "random", "similarity", "attention-wpr")
+METHODS = ("native", "dora", "tome", "pitome", "mctf", "static", "random", "similarity", "attention-wpr")
 
 
 def native_forward(model: nn.Module, x: torch.Tensor, skip_dead: bool = False) -> torch.Tensor:
@@ -202,6 +203,24 @@ class PiToMeMethod(ToMeMethod):
         return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.cost.gflops, self.fn.cost.r, self.n0))}
 
 
+class MCTFMethod(ToMeMethod):
+    """MCTF off the shelf (:mod:`~timm_dora.evaluate.baselines.mctf`): an integer ``r`` fuses in
+    blocks 1 to L-1 (block 0 runs unfused, as the authors' evaluation does); proportional attention
+    is part of the method."""
+
+    def __init__(self, model: nn.Module, r, skip_dead: bool = False):
+        self.fn = MCTF(model, r, skip_dead=skip_dead)
+        self.name = self.fn.name
+        self.n0 = model.patch_embed.num_patches
+        self.config = {"r": r if isinstance(r, int) else list(r), "r_effective": self.fn.cost.r,
+                       "extra_gflops": self.fn.cost.extra_gflops, **({"skip_dead": True} if skip_dead else {})}
+
+    def outputs(self, x):
+        _own_size(self.fn.model, x, "MCTF")
+        logits = self.fn(x)
+        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.cost.gflops, self.fn.cost.r, self.n0))}
+
+
 class StaticMethod(Method):
     def __init__(self, model: nn.Module, schedule, rule: str = "cls_sim", skip_dead: bool = False):
         self.fn = StaticPrune(model, schedule, rule, skip_dead)
@@ -259,6 +278,10 @@ def build_method(
         return ToMeMethod(model, _parse_r(r), prop_attn, skip_dead)
     if method == "pitome":
         return PiToMeMethod(model, _parse_r(r, method), prop_attn, skip_dead)
+    if method == "mctf":
+        if not prop_attn:
+            raise ValueError("--no-prop-attn applies to tome and pitome; MCTF's fusion always uses proportional attention")
+        return MCTFMethod(model, _parse_r(r, method), skip_dead)
     if method == "static":
         if not schedule:
             raise ValueError("--method static needs --schedule block:count[,block:count...]")

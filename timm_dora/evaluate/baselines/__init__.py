@@ -6,6 +6,9 @@
   merging and proportional attention, but the merge candidates are the highest-energy tokens (large
   clusters of similar keys) and the lowest-energy ones are protected: :func:`pitome_forward`,
   :class:`PiToMe`.
+- :mod:`~timm_dora.evaluate.baselines.mctf`: MCTF (multi-criteria token fusion with one-step-ahead
+  attention) off the shelf: similarity, informativeness and size attraction, bidirectional matching,
+  attention- and size-weighted fusion: :func:`mctf_forward`, :class:`MCTF`.
 - :mod:`~timm_dora.evaluate.baselines.static`: dense static pruning schedules (fixed counts at fixed
   blocks; tokens chosen per image by CLS-key similarity, or sliced for a zero-overhead speed
   reference): :func:`static_forward`, :class:`StaticPrune`.
@@ -14,6 +17,7 @@
 
 Every baseline reports GFLOPs per image under the same App. E.4 accounting as DORA.
 """
+from .mctf import MCTF, mctf_forward, mctf_gflops
 from .pitome import PiToMe, energy_scores, pitome_forward, pitome_gflops, pitome_merge
 from .selectors import SELECTORS, AttentionWPRSelector, RandomSelector, RecordedSelector, SimilaritySelector
 from .static import StaticPrune, parse_schedule, schedule_for_reduction, static_forward, static_gflops
@@ -22,6 +26,7 @@ from .tome import ToMe, bipartite_prune, bipartite_soft_matching, proportional_a
 __all__ = [
     "SELECTORS",
     "AttentionWPRSelector",
+    "MCTF",
     "PiToMe",
     "RandomSelector",
     "RecordedSelector",
@@ -32,6 +37,8 @@ __all__ = [
     "bipartite_soft_matching",
     "energy_scores",
     "parse_schedule",
+    "mctf_forward",
+    "mctf_gflops",
     "pitome_forward",
     "pitome_gflops",
     "pitome_merge",
