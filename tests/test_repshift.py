@@ -182,3 +182,25 @@ def test_name_and_skip_dead():
     avg = make_model(*SMALL_FAMILIES["vit_avgpool"][:1], **SMALL_FAMILIES["vit_avgpool"][1])
     with pytest.raises(ValueError):
         RepShift(avg, 2, skip_dead=True)
+
+
+@pytest.mark.parametrize("where", ["mlp", "attn"])
+def test_attention_is_plain_fused_sdpa(monkeypatch, where):
+    """Every attention call is SDPA without a mask (FlashAttention-eligible): no attention map, no bias."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((q.shape[2], attn_mask, kw))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    with torch.no_grad():
+        repshift_forward(model, images(model, 2), 3, where=where)
+    assert len(calls) == len(model.blocks)
+    assert all(mask is None and not extra for _, mask, extra in calls)
+    assert [n for n, _, _ in calls] == [1 + n for n in repshift_schedule(model, 3)[1]]

@@ -1,8 +1,10 @@
 """Representation Shift (Choi et al., ICCV 2025), training-free token pruning on a frozen timm ViT.
 
 Implemented from the paper's description (arXiv 2508.00367, "Representation Shift: Unifying Token
-Compression with FlashAttention"; the authors' README at github.com/mlvlab/Representation-Shift for
-the off-the-shelf DeiT command; no code read or copied). The point of the method: a token-importance
+Compression with FlashAttention": its abstract, its definition ``dx = D(F(x), x)`` and the caption of
+its Fig. 2, as quoted by the arXiv page and paper summaries; the authors' README at
+github.com/mlvlab/Representation-Shift for the off-the-shelf DeiT command; their code was not read,
+nothing copied). The point of the method: a token-importance
 score that needs no attention map, so attention stays a fused kernel (FlashAttention). The score of a
 token is its *representation shift* through a layer, ``dx = D(F(x), x)``: the distance between the
 token entering a sub-layer and the token leaving it, with ``D`` the L2 distance and ``F`` the MLP (the
