@@ -1,7 +1,9 @@
 """Zero-TPrune (Wang, Dedhia and Jha, CVPR 2024), zero-shot token pruning on a frozen timm ViT.
 
-Implemented from the paper's description (arXiv 2305.17328; no code copied), composing each block's
-own timm submodules as :mod:`~timm_dora.evaluate.baselines.tome` does. Tokens are *deleted* (no
+Implemented from the paper's description (arXiv 2305.17328: its WPR recursion, EIR/VHF formulas,
+iteration counts, VHF range, CLS initialisation, S-stage partition/feature/metric ablation winners and
+the I'-S-I order, as stated in public summaries of the paper; the authors' code was not available
+here; no code copied), composing each block's own timm submodules as :mod:`~timm_dora.evaluate.baselines.tome` does. Tokens are *deleted* (no
 merging, no sizes). A block ``l`` that prunes ``r_l > 0`` of its ``N_l`` visual tokens (``P`` prefix
 tokens, ``T = P + N_l`` tokens in all) runs:
 
