@@ -44,6 +44,7 @@ from ...engine.packing import removal_mask, rows_where
 from ...engine.protocol import BlockContext, Decision
 from ...policy import NoPrune, StepRecord
 from ...policy.actor import ordered_topk
+from .zerotprune import weighted_pagerank
 
 __all__ = ["SELECTORS", "RandomSelector", "SimilaritySelector", "AttentionWPRSelector", "RecordedSelector"]
 
@@ -226,8 +227,7 @@ class AttentionWPRSelector(RecordedSelector):
         probs = torch.softmax(logits, dim=-1).mean(1)  # [A, S, S] head-averaged, row-stochastic
         probs = probs * pad.valid[:, :, None]  # padded queries attend nowhere
         score = pad.valid.float() / pad.lengths[:, None].float()  # uniform start
-        for _ in range(self.iters):
-            score = (score[:, None, :] @ probs).squeeze(1)  # s <- A^T s
+        score = weighted_pagerank(probs, score, self.iters)  # s <- A^T s, iters times
         n = pad.lengths.double()
         flops = 2.0 * (n * attn.qkv.in_features * dim + n * n * dim + self.iters * n * n)
         return -score[:, p:], flops
