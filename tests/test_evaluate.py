@@ -15,7 +15,7 @@ from timm_dora.cli import main
 from timm_dora.data import eval_transform, open_split, preload
 from timm_dora.evaluate import load_model
 
-from helpers import make_model
+from helpers import SMALL_FAMILIES, images, make_model
 
 MODEL = "vit_tiny_patch16_224"
 IMG = 64  # 16 patches: enough for the actor's budget grid
@@ -360,3 +360,25 @@ def test_eval_with_skip_dead_lowers_every_row_by_the_dead_mlp(setup_files):
     # DORA: that MLP on the tokens surviving its last block, and its actor's decision there (none now)
     assert dora["gflops"] - lean_dora["gflops"] >= 2 * mlp * dora["per_block"][-1]["tokens_mean"] / 1e9 - 1e-12
     assert lean_dora["per_block"][-1]["gate_rate"] == 0.0 and lean_dora["config"]["skip_dead"] is True
+
+
+@pytest.mark.parametrize("method", ["tome", "pitome", "mctf", "repshift", "zerotprune"])
+def test_every_reduction_baseline_is_built_by_name_with_its_own_logits_and_gflops(method):
+    """``build_method`` gives each token-reduction baseline's own forward and cost, refuses a
+    missing ``--r`` in one line, and ``--no-prop-attn`` only where it means something."""
+    from timm_dora.evaluate import ReductionMethod, build_method
+    from timm_dora.evaluate.baselines import MCTF, PiToMe, RepShift, ToMe, ZeroTPrune
+
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    m = build_method(model, method, r=[2])
+    fn = {"tome": ToMe, "pitome": PiToMe, "mctf": MCTF, "repshift": RepShift, "zerotprune": ZeroTPrune}[method](model, 2)
+    assert isinstance(m, ReductionMethod) and m.name == fn.name and m.config["r_effective"] == fn.cost.r
+    x = images(model, 2)
+    out = m.outputs(x)[m.name]
+    assert torch.equal(out.logits, fn(x)) and out.gflops.tolist() == [fn.cost.gflops] * 2
+    with pytest.raises(ValueError, match=f"--method {method} needs --r"):
+        build_method(model, method)
+    if method in ("mctf", "repshift", "zerotprune"):
+        with pytest.raises(ValueError, match=f"--no-prop-attn applies to tome and pitome, not {method}"):
+            build_method(model, method, r=2, prop_attn=False)

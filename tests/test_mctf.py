@@ -186,19 +186,3 @@ def test_name_and_precise_variant():
     with pytest.raises(ValueError):
         MCTF(make_model(*SMALL_FAMILIES["vit_avgpool"][:1], **SMALL_FAMILIES["vit_avgpool"][1]), 2, skip_dead=True)
 
-
-def test_build_method_with_mctf():
-    from timm_dora.evaluate import MCTFMethod, build_method
-
-    name, kw = SMALL_FAMILIES["deit"]
-    model = make_model(name, **kw)
-    m = build_method(model, "mctf", r=[2])
-    assert isinstance(m, MCTFMethod) and m.name == "mctf(r=2)" and m.config["r_effective"][0] == 0
-    x = images(model, 2)
-    out = m.outputs(x)["mctf(r=2)"]
-    assert torch.equal(out.logits, MCTF(model, 2)(x))
-    assert out.gflops.tolist() == [m.fn.cost.gflops] * 2
-    with pytest.raises(ValueError, match="--method mctf needs --r"):
-        build_method(model, "mctf")
-    with pytest.raises(ValueError, match="--no-prop-attn applies to tome and pitome"):
-        build_method(model, "mctf", r=2, prop_attn=False)

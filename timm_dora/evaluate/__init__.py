@@ -1,7 +1,7 @@
 """Evaluating and comparing: accuracy and GFLOPs against native on the same images
 (``timm-dora eval``), timing with the paper's protocol (``timm-dora bench``), the baselines DORA is
-compared with (:mod:`~timm_dora.evaluate.baselines`: ToMe, PiToMe, MCTF, static schedules, selector
-substitutions) and accuracy-matched tables (:mod:`~timm_dora.evaluate.matching`).
+compared with (:mod:`~timm_dora.evaluate.baselines`: ToMe, PiToMe, MCTF, Representation Shift,
+Zero-TPrune, static schedules, selector substitutions) and accuracy-matched tables (:mod:`~timm_dora.evaluate.matching`).
 
 Library use::
 
@@ -9,10 +9,12 @@ Library use::
     rows = evaluate(model, [build_method(model, "tome", r=8)], loader_for(model, "labels.csv", "test"))
 """
 from .accuracy import Tally, evaluate, format_rows, loader_for, tensor_batches
-from .methods import METHODS, DoraMethod, Method, MCTFMethod, NativeMethod, Output, PiToMeMethod, SelectorMethod, StaticMethod, ToMeMethod
-from .methods import build_method, native_forward
+from .methods import (METHODS, DoraMethod, MCTFMethod, Method, NativeMethod, Output, PiToMeMethod, ReductionMethod,
+                      RepShiftMethod, SelectorMethod, StaticMethod, ToMeMethod, ZeroTPruneMethod, build_method,
+                      native_forward)
 from .setup import PRECISIONS, environment, inference_device, load_model, precision_for, write_json
 
-__all__ = ["METHODS", "PRECISIONS", "DoraMethod", "Method", "NativeMethod", "Output", "SelectorMethod", "StaticMethod",
-           "MCTFMethod", "PiToMeMethod", "Tally", "ToMeMethod", "build_method", "environment", "evaluate", "format_rows", "inference_device", "load_model", "loader_for",
+__all__ = ["METHODS", "PRECISIONS", "DoraMethod", "MCTFMethod", "Method", "NativeMethod", "Output", "PiToMeMethod",
+           "ReductionMethod", "RepShiftMethod", "SelectorMethod", "StaticMethod", "Tally", "ToMeMethod", "ZeroTPruneMethod",
+           "build_method", "environment", "evaluate", "format_rows", "inference_device", "load_model", "loader_for",
            "native_forward", "precision_for", "tensor_batches", "write_json"]

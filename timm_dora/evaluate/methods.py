@@ -1,5 +1,5 @@
 """The methods ``timm-dora eval`` / ``bench`` compare: native timm, DORA, the App. F.1 selector
-substitutions, ToMe, PiToMe, MCTF and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
+substitutions, ToMe, PiToMe, MCTF, Representation Shift, Zero-TPrune and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
 a lean ``timing_fn`` for timing, ``close`` to give the model back), made by :func:`build_method`."""
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ from .baselines.selectors import SELECTORS
 from .baselines.static import StaticPrune
 from .baselines.mctf import MCTF
 from .baselines.pitome import PiToMe
+from .baselines.repshift import RepShift
+from .baselines.zerotprune import ZeroTPrune
 from .baselines.tome import ToMe
 
-__all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ToMeMethod", "PiToMeMethod", "MCTFMethod", "StaticMethod",
-           "Output",
-           "build_method", "native_forward"]
+__all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ReductionMethod", "ToMeMethod",
+           "PiToMeMethod", "MCTFMethod", "RepShiftMethod", "ZeroTPruneMethod", "StaticMethod", "Output", "build_method",
+           "native_forward"]
 
-METHODS = ("native", "dora", "tome", "pitome", "mctf", "static", "random", "similarity", "attention-wpr")
+METHODS = ("native", "dora", "tome", "pitome", "mctf", "repshift", "zerotprune", "static", "random", "similarity", "attention-wpr")
 
 
 def native_forward(model: nn.Module, x: torch.Tensor, skip_dead: bool = False) -> torch.Tensor:
@@ -171,16 +173,21 @@ class SelectorMethod(DoraMethod):
         raise ValueError("selector substitutions are an accuracy study (App. F.1); they have no deployment timing")
 
 
-class ToMeMethod(Method):
-    def __init__(self, model: nn.Module, r, prop_attn: bool = True, skip_dead: bool = False):
-        self.fn = ToMe(model, r, prop_attn, skip_dead)
-        self.name = self.fn.name
-        self.n0 = model.patch_embed.num_patches
-        self.config = {"r": r if isinstance(r, int) else list(r), "prop_attn": prop_attn, "r_effective": self.fn.cost.r,
-                       "matching_gflops": self.fn.cost.matching_gflops, **({"skip_dead": True} if skip_dead else {})}
+class ReductionMethod(Method):
+    """A dense baseline that reduces every image alike, ``r`` tokens per block (ToMe, PiToMe, MCTF,
+    Representation Shift, Zero-TPrune): ``fn(x) -> logits`` with ``fn.cost`` (``gflops`` per
+    image, the effective ``r`` per block) and ``fn.name``."""
+
+    label = "a token-reduction baseline"
+
+    def __init__(self, fn, r, **config):
+        self.fn, self.name = fn, fn.name
+        self.n0 = fn.model.patch_embed.num_patches
+        self.config = {"r": r if isinstance(r, int) else list(r), "r_effective": fn.cost.r, **config,
+                       **({"skip_dead": True} if fn.skip_dead else {})}
 
     def outputs(self, x):
-        _own_size(self.fn.model, x, "ToMe")
+        _own_size(self.fn.model, x, self.label)
         logits = self.fn(x)
         return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.cost.gflops, self.fn.cost.r, self.n0))}
 
@@ -188,37 +195,55 @@ class ToMeMethod(Method):
         return self.fn
 
 
-class PiToMeMethod(ToMeMethod):
+class ToMeMethod(ReductionMethod):
+    label = "ToMe"
+
     def __init__(self, model: nn.Module, r, prop_attn: bool = True, skip_dead: bool = False):
-        self.fn = PiToMe(model, r, prop_attn=prop_attn, skip_dead=skip_dead)
-        self.name = self.fn.name
-        self.n0 = model.patch_embed.num_patches
-        self.config = {"r": r if isinstance(r, int) else list(r), "prop_attn": prop_attn, "r_effective": self.fn.cost.r,
-                       "margin": self.fn.margin, "alpha": self.fn.alpha, "matching_gflops": self.fn.cost.matching_gflops,
-                       **({"skip_dead": True} if skip_dead else {})}
-
-    def outputs(self, x):
-        _own_size(self.fn.model, x, "PiToMe")
-        logits = self.fn(x)
-        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.cost.gflops, self.fn.cost.r, self.n0))}
+        fn = ToMe(model, r, prop_attn, skip_dead)
+        super().__init__(fn, r, prop_attn=prop_attn, matching_gflops=fn.cost.matching_gflops)
 
 
-class MCTFMethod(ToMeMethod):
+class PiToMeMethod(ReductionMethod):
+    label = "PiToMe"
+
+    def __init__(self, model: nn.Module, r, prop_attn: bool = True, skip_dead: bool = False):
+        fn = PiToMe(model, r, prop_attn=prop_attn, skip_dead=skip_dead)
+        super().__init__(fn, r, prop_attn=prop_attn, margin=fn.margin, alpha=fn.alpha,
+                         matching_gflops=fn.cost.matching_gflops)
+
+
+class MCTFMethod(ReductionMethod):
     """MCTF off the shelf (:mod:`~timm_dora.evaluate.baselines.mctf`): an integer ``r`` fuses in
     blocks 1 to L-1 (block 0 runs unfused, as the authors' evaluation does); proportional attention
     is part of the method."""
 
-    def __init__(self, model: nn.Module, r, skip_dead: bool = False):
-        self.fn = MCTF(model, r, skip_dead=skip_dead)
-        self.name = self.fn.name
-        self.n0 = model.patch_embed.num_patches
-        self.config = {"r": r if isinstance(r, int) else list(r), "r_effective": self.fn.cost.r,
-                       "extra_gflops": self.fn.cost.extra_gflops, **({"skip_dead": True} if skip_dead else {})}
+    label = "MCTF"
 
-    def outputs(self, x):
-        _own_size(self.fn.model, x, "MCTF")
-        logits = self.fn(x)
-        return {self.name: Output(logits, **_uniform(x.shape[0], x.device, self.fn.cost.gflops, self.fn.cost.r, self.n0))}
+    def __init__(self, model: nn.Module, r, skip_dead: bool = False):
+        fn = MCTF(model, r, skip_dead=skip_dead)
+        super().__init__(fn, r, extra_gflops=fn.cost.extra_gflops)
+
+
+class RepShiftMethod(ReductionMethod):
+    """Representation Shift (:mod:`~timm_dora.evaluate.baselines.repshift`): the ``r`` least-shifted
+    tokens pruned after each block; attention stays fused SDPA."""
+
+    label = "Representation Shift"
+
+    def __init__(self, model: nn.Module, r, skip_dead: bool = False):
+        fn = RepShift(model, r, skip_dead=skip_dead)
+        super().__init__(fn, r, where=fn.where)
+
+
+class ZeroTPruneMethod(ReductionMethod):
+    """Zero-TPrune (:mod:`~timm_dora.evaluate.baselines.zerotprune`): ``r`` tokens pruned per block
+    by attention-graph importance and similarity."""
+
+    label = "Zero-TPrune"
+
+    def __init__(self, model: nn.Module, r, skip_dead: bool = False):
+        fn = ZeroTPrune(model, r, skip_dead=skip_dead)
+        super().__init__(fn, r, extra_gflops=fn.cost.extra_gflops)
 
 
 class StaticMethod(Method):
@@ -278,10 +303,11 @@ def build_method(
         return ToMeMethod(model, _parse_r(r), prop_attn, skip_dead)
     if method == "pitome":
         return PiToMeMethod(model, _parse_r(r, method), prop_attn, skip_dead)
-    if method == "mctf":
+    if method in ("mctf", "repshift", "zerotprune"):
         if not prop_attn:
-            raise ValueError("--no-prop-attn applies to tome and pitome; MCTF's fusion always uses proportional attention")
-        return MCTFMethod(model, _parse_r(r, method), skip_dead)
+            raise ValueError(f"--no-prop-attn applies to tome and pitome, not {method}")
+        cls = {"mctf": MCTFMethod, "repshift": RepShiftMethod, "zerotprune": ZeroTPruneMethod}[method]
+        return cls(model, _parse_r(r, method), skip_dead)
     if method == "static":
         if not schedule:
             raise ValueError("--method static needs --schedule block:count[,block:count...]")

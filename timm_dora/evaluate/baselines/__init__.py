@@ -9,6 +9,12 @@
 - :mod:`~timm_dora.evaluate.baselines.mctf`: MCTF (multi-criteria token fusion with one-step-ahead
   attention) off the shelf: similarity, informativeness and size attraction, bidirectional matching,
   attention- and size-weighted fusion: :func:`mctf_forward`, :class:`MCTF`.
+- :mod:`~timm_dora.evaluate.baselines.repshift`: Representation Shift: the tokens whose
+  representation a block's MLP changed least are pruned; no attention map, so attention stays fused
+  SDPA: :func:`repshift_forward`, :class:`RepShift`.
+- :mod:`~timm_dora.evaluate.baselines.zerotprune`: Zero-TPrune: weighted PageRank on the attention
+  graph (emphasised informative region, variance head filter) and a similarity stage pick the
+  tokens to prune: :func:`zerotprune_forward`, :class:`ZeroTPrune`.
 - :mod:`~timm_dora.evaluate.baselines.static`: dense static pruning schedules (fixed counts at fixed
   blocks; tokens chosen per image by CLS-key similarity, or sliced for a zero-overhead speed
   reference): :func:`static_forward`, :class:`StaticPrune`.
@@ -18,6 +24,8 @@
 Every baseline reports GFLOPs per image under the same App. E.4 accounting as DORA.
 """
 from .mctf import MCTF, mctf_forward, mctf_gflops
+from .repshift import RepShift, repshift_forward, repshift_gflops
+from .zerotprune import ZeroTPrune, zerotprune_forward, zerotprune_gflops
 from .pitome import PiToMe, energy_scores, pitome_forward, pitome_gflops, pitome_merge
 from .selectors import SELECTORS, AttentionWPRSelector, RandomSelector, RecordedSelector, SimilaritySelector
 from .static import StaticPrune, parse_schedule, schedule_for_reduction, static_forward, static_gflops
@@ -28,6 +36,8 @@ __all__ = [
     "AttentionWPRSelector",
     "MCTF",
     "PiToMe",
+    "RepShift",
+    "ZeroTPrune",
     "RandomSelector",
     "RecordedSelector",
     "SimilaritySelector",
@@ -43,10 +53,14 @@ __all__ = [
     "pitome_gflops",
     "pitome_merge",
     "proportional_attention",
+    "repshift_forward",
+    "repshift_gflops",
     "schedule_for_reduction",
     "static_forward",
     "static_gflops",
     "tome_forward",
     "tome_gflops",
     "tome_schedule",
+    "zerotprune_forward",
+    "zerotprune_gflops",
 ]
