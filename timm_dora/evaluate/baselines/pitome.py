@@ -62,9 +62,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...engine.blocks import embed, mlp_residual
-from ...engine.flops import backbone_cost
 from ...engine.patch import check_skip_dead, check_supported
-from .tome import RSchedule, attention_with_keys, head, tome_schedule
+from .tome import RSchedule, attention_with_keys, head, merging_gflops, tome_schedule
 
 __all__ = ["PiToMe", "energy_scores", "pitome_edges", "pitome_forward", "pitome_gflops", "pitome_margins", "pitome_merge"]
 
@@ -139,20 +138,12 @@ class PiToMeCost:
 
 
 def pitome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> PiToMeCost:
-    """GFLOPs per image of :func:`pitome_forward` (the same for every image); ``skip_dead``: the last
-    block's MLP on the prefix tokens only."""
-    cost = backbone_cost(model)
-    p = cost.num_prefix
-    eff, entering = tome_schedule(model, r)
-    macs = float(cost.patch_macs + cost.head_macs)
-    match = 0.0
-    for l, (rl, n) in enumerate(zip(eff, entering)):
-        n_mlp = p if skip_dead and l == len(eff) - 1 else n + p - rl
-        macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n_mlp])))
-        if rl > 0:
-            match += n * n * (cost.attn_dim[l] // model.blocks[l].attn.num_heads)
-    tokens = [n - rl for rl, n in zip(eff, entering)]
-    return PiToMeCost(2 * (macs + match) / 1e9, 2 * match / 1e9, eff, tokens)
+    """GFLOPs per image of :func:`pitome_forward` (the same for every image): ToMe's accounting
+    (:func:`~timm_dora.evaluate.baselines.tome.merging_gflops`) with the energy's ``N x N``
+    similarity matmul on head-averaged keys at each merging block; ``skip_dead``: the last block's
+    MLP on the prefix tokens only."""
+    cost = merging_gflops(model, r, skip_dead, lambda c, l, n: n * n * (c.attn_dim[l] // model.blocks[l].attn.num_heads))
+    return PiToMeCost(cost.gflops, cost.matching_gflops, cost.r, cost.tokens)
 
 
 def pitome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, margin: float = MARGIN, alpha: float = ALPHA,

@@ -65,7 +65,7 @@ import torch.nn as nn
 from ...engine.blocks import embed, mlp_residual
 from ...engine.flops import backbone_cost
 from ...engine.patch import check_skip_dead, check_supported
-from .tome import RSchedule, attention_with_keys, head
+from .tome import RSchedule, attention_with_keys, head, r_per_block
 
 __all__ = [
     "RepShift",
@@ -108,26 +108,13 @@ def repshift_prune(x: torch.Tensor, shift: torch.Tensor, r: int, num_prefix: int
     return torch.cat([x[:, :p], kept], dim=1)
 
 
-def _r_list(model: nn.Module, r: RSchedule) -> List[int]:
-    depth = len(model.blocks)
-    if isinstance(r, int):
-        rs = [r] * depth
-    else:
-        rs = [int(v) for v in r]
-        if len(rs) != depth:
-            raise ValueError(f"r schedule has {len(rs)} entries but the model has {depth} blocks")
-    if any(v < 0 for v in rs):
-        raise ValueError(f"r must be >= 0, got {rs}")
-    return rs
-
-
 def repshift_schedule(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> Tuple[List[int], List[int]]:
     """``(effective r per block, visual tokens entering each block)``; ``r_l`` is capped at
     ``N_l - 1`` (at least one visual token survives every block); ``skip_dead``: the last block
     removes nothing (its MLP runs on the prefix tokens only, nothing is scored)."""
     n = model.patch_embed.num_patches
     eff, entering = [], []
-    rs = _r_list(model, r)
+    rs = r_per_block(model, r)
     if skip_dead:
         rs[-1] = 0
     for rl in rs:

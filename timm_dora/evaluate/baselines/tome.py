@@ -52,14 +52,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ...engine.blocks import embed, mlp_residual
-from ...engine.flops import backbone_cost
+from ...engine.flops import BackboneCost, backbone_cost
 from ...engine.patch import check_skip_dead, check_supported
 
 __all__ = [
@@ -69,7 +69,9 @@ __all__ = [
     "bipartite_prune",
     "bipartite_soft_matching",
     "head",
+    "merging_gflops",
     "proportional_attention",
+    "r_per_block",
     "tome_forward",
     "tome_gflops",
     "tome_schedule",
@@ -196,7 +198,8 @@ def bipartite_prune(x: torch.Tensor, metric: torch.Tensor, r: int, num_prefix: i
 # schedule, forward, GFLOPs
 
 
-def _r_list(model: nn.Module, r: RSchedule) -> List[int]:
+def r_per_block(model: nn.Module, r: RSchedule) -> List[int]:
+    """``r`` as one value per block (an int repeated; a list checked against the depth, all >= 0)."""
     depth = len(model.blocks)
     if isinstance(r, int):
         rs = [r] * depth
@@ -214,7 +217,7 @@ def tome_schedule(model: nn.Module, r: RSchedule) -> Tuple[List[int], List[int]]
     ``floor(N_l / 2)`` (at most half the visual tokens are merged in one block)."""
     n = model.patch_embed.num_patches
     eff, entering = [], []
-    for rl in _r_list(model, r):
+    for rl in r_per_block(model, r):
         entering.append(n)
         rl = min(rl, n // 2)
         eff.append(rl)
@@ -230,8 +233,12 @@ class ToMeCost:
     tokens: List[int]  # visual tokens after each block
 
 
-def tome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> ToMeCost:
-    """GFLOPs per image of :func:`tome_forward` (same for every image: ToMe is input-uniform);
+def merging_gflops(model: nn.Module, r: RSchedule, skip_dead: bool,
+                   match_macs: Callable[[BackboneCost, int, int], float]) -> ToMeCost:
+    """GFLOPs per image of a merging forward on ToMe's schedule (:func:`tome_schedule`): the
+    backbone on the tokens entering each block (attention) and left after its merge (MLP), plus
+    ``match_macs(cost, l, n)``, the method's own matrix products at a merging block ``l`` with ``n``
+    visual tokens (``cost``: the model's :class:`~timm_dora.engine.flops.BackboneCost`);
     ``skip_dead``: the last block's MLP on the prefix tokens only."""
     cost = backbone_cost(model)
     p = cost.num_prefix
@@ -242,10 +249,17 @@ def tome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> ToMe
         n_mlp = p if skip_dead and l == len(eff) - 1 else n + p - rl
         macs += float(cost.block_macs(l, torch.tensor([n + p]), torch.tensor([n_mlp])))
         if rl > 0:
-            head_dim = cost.attn_dim[l] // model.blocks[l].attn.num_heads
-            match += math.ceil(n / 2) * (n // 2) * head_dim
+            match += match_macs(cost, l, n)
     tokens = [n - rl for rl, n in zip(eff, entering)]
     return ToMeCost(2 * (macs + match) / 1e9, 2 * match / 1e9, eff, tokens)
+
+
+def tome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> ToMeCost:
+    """GFLOPs per image of :func:`tome_forward` (same for every image: ToMe is input-uniform):
+    :func:`merging_gflops` with the bipartite similarity matmul ``ceil(N/2) x floor(N/2)`` on
+    head-averaged keys; ``skip_dead``: the last block's MLP on the prefix tokens only."""
+    return merging_gflops(model, r, skip_dead, lambda cost, l, n: math.ceil(n / 2) * (n // 2)
+                          * (cost.attn_dim[l] // model.blocks[l].attn.num_heads))
 
 
 def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: bool = True,

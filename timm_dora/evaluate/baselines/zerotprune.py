@@ -85,7 +85,7 @@ import torch.nn as nn
 from ...engine.blocks import embed, mlp_residual
 from ...engine.flops import backbone_cost
 from ...engine.patch import check_skip_dead, check_supported
-from .tome import RSchedule, _r_list, attention_with_keys, head
+from .tome import RSchedule, r_per_block, attention_with_keys, head
 
 __all__ = [
     "ZeroTPrune",
@@ -174,7 +174,7 @@ def zerotprune_schedule(model: nn.Module, r: RSchedule) -> Tuple[List[int], List
     """``(effective r per block, visual tokens entering each block)``; ``r_l <= N_l - MIN_KEEP``."""
     n = model.patch_embed.num_patches
     eff, entering = [], []
-    for rl in _r_list(model, r):
+    for rl in r_per_block(model, r):
         entering.append(n)
         rl = max(0, min(rl, n - MIN_KEEP))
         eff.append(rl)
