@@ -54,16 +54,14 @@ on :func:`pitome_forward` (tested).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...engine.blocks import embed, mlp_residual
 from ...engine.patch import check_skip_dead, check_supported
-from .tome import RSchedule, attention_with_keys, head, merging_gflops, tome_schedule
+from .tome import RSchedule, ToMeCost, merging_forward, merging_gflops, sizes_or_ones
 
 __all__ = ["PiToMe", "energy_scores", "pitome_edges", "pitome_forward", "pitome_gflops", "pitome_margins", "pitome_merge"]
 
@@ -129,21 +127,13 @@ def pitome_merge(x: torch.Tensor, metric: torch.Tensor, size: torch.Tensor, r: i
             torch.cat([size[:, :p], sv.gather(1, protected), sb_new], dim=1))
 
 
-@dataclass(frozen=True)
-class PiToMeCost:
-    gflops: float  # per image, energy similarity included
-    matching_gflops: float  # the N x N similarity matmuls' share (energy and matching)
-    r: List[int]  # effective merges per block
-    tokens: List[int]  # visual tokens after each block
-
-
-def pitome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> PiToMeCost:
+def pitome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> ToMeCost:
     """GFLOPs per image of :func:`pitome_forward` (the same for every image): ToMe's accounting
     (:func:`~timm_dora.evaluate.baselines.tome.merging_gflops`) with the energy's ``N x N``
     similarity matmul on head-averaged keys at each merging block; ``skip_dead``: the last block's
-    MLP on the prefix tokens only."""
-    cost = merging_gflops(model, r, skip_dead, lambda c, l, n: n * n * (c.attn_dim[l] // model.blocks[l].attn.num_heads))
-    return PiToMeCost(cost.gflops, cost.matching_gflops, cost.r, cost.tokens)
+    MLP on the prefix tokens only. ``matching_gflops``: the energy's similarity matmuls (the
+    matching reads its scores from them)."""
+    return merging_gflops(model, r, skip_dead, lambda c, l, n: n * n * (c.attn_dim[l] // model.blocks[l].attn.num_heads))
 
 
 def pitome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, margin: float = MARGIN, alpha: float = ALPHA,
@@ -152,22 +142,10 @@ def pitome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, margin: floa
     per block (an int, or one value per block; capped as ToMe's). ``r = 0`` is the native forward.
     ``margin``: ``m_0`` of the schedule ``m_l = margin (1 - l / L)``. ``skip_dead``: the last block's
     MLP on the prefix tokens only (all a CLS-token readout reads)."""
-    eff, _ = tome_schedule(model, r)
-    margins = pitome_margins(len(eff), margin)
+    margins = pitome_margins(len(model.blocks), margin)
     p = model.num_prefix_tokens
-    x = embed(model, x)
-    size: Optional[torch.Tensor] = None  # None while every token has size 1
-    for l, (blk, rl) in enumerate(zip(model.blocks, eff)):
-        log_size = size.log() if (size is not None and prop_attn) else None
-        x, k = attention_with_keys(blk, x, log_size)
-        if rl > 0:
-            if size is None:
-                size = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
-            x, size = pitome_merge(x, k.mean(1), size, rl, p, margins[l], alpha)
-        if skip_dead and l == len(eff) - 1:
-            x = x[:, :p]
-        x = mlp_residual(blk, x)
-    return head(model, x)
+    merge = lambda l, x, metric, size, rl: pitome_merge(x, metric, sizes_or_ones(x, size), rl, p, margins[l], alpha)
+    return merging_forward(model, x, r, merge, prop_attn, skip_dead)
 
 
 class PiToMe:

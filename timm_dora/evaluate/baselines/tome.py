@@ -69,9 +69,11 @@ __all__ = [
     "bipartite_prune",
     "bipartite_soft_matching",
     "head",
+    "merging_forward",
     "merging_gflops",
     "proportional_attention",
     "r_per_block",
+    "sizes_or_ones",
     "tome_forward",
     "tome_gflops",
     "tome_schedule",
@@ -262,12 +264,17 @@ def tome_gflops(model: nn.Module, r: RSchedule, skip_dead: bool = False) -> ToMe
                           * (cost.attn_dim[l] // model.blocks[l].attn.num_heads))
 
 
-def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: bool = True,
-                 skip_dead: bool = False, prune: bool = False) -> torch.Tensor:
-    """Logits of ``model`` (a timm ViT, not wrapped) on images ``x`` with ToMe merging ``r`` tokens
-    per block (an int, or one value per block). ``r = 0`` is the native forward. ``skip_dead``: the
-    last block's MLP on the prefix tokens only (all a CLS-token readout reads). ``prune``: delete
-    the matched tokens instead of merging them (:func:`bipartite_prune`; sizes stay 1)."""
+Merge = Callable[[int, torch.Tensor, torch.Tensor, Optional[torch.Tensor], int],
+                 Tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def merging_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, merge: Merge, prop_attn: bool = True,
+                    skip_dead: bool = False) -> torch.Tensor:
+    """Logits of a ViT whose blocks reduce ``r`` tokens on ToMe's schedule (:func:`tome_schedule`)
+    between the attention and the MLP: ``merge(l, x, metric, size, r_l) -> (x, size)`` at every
+    block with ``r_l > 0``, ``metric`` the block's keys averaged over heads, ``size`` ``None``
+    while every token stands for one patch (then no proportional attention). ``skip_dead``: the
+    last block's MLP on the prefix tokens only (all a CLS-token readout reads)."""
     eff, _ = tome_schedule(model, r)
     p = model.num_prefix_tokens
     x = embed(model, x)
@@ -275,16 +282,33 @@ def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: boo
     for l, (blk, rl) in enumerate(zip(model.blocks, eff)):
         log_size = size.log() if (size is not None and prop_attn) else None
         x, k = attention_with_keys(blk, x, log_size)
-        if rl > 0 and prune:
-            x = bipartite_prune(x, k.mean(1), rl, p)
-        elif rl > 0:
-            if size is None:
-                size = torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
-            x, size = bipartite_soft_matching(x, k.mean(1), size, rl, p)
+        if rl > 0:
+            x, size = merge(l, x, k.mean(1), size, rl)
         if skip_dead and l == len(eff) - 1:
             x = x[:, :p]
         x = mlp_residual(blk, x)
     return head(model, x)
+
+
+def sizes_or_ones(x: torch.Tensor, size: Optional[torch.Tensor]) -> torch.Tensor:
+    """``size``, or ones for every token of ``x`` before the first merge."""
+    return torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if size is None else size
+
+
+def tome_forward(model: nn.Module, x: torch.Tensor, r: RSchedule, prop_attn: bool = True,
+                 skip_dead: bool = False, prune: bool = False) -> torch.Tensor:
+    """Logits of ``model`` (a timm ViT, not wrapped) on images ``x`` with ToMe merging ``r`` tokens
+    per block (an int, or one value per block). ``r = 0`` is the native forward. ``skip_dead``: the
+    last block's MLP on the prefix tokens only (all a CLS-token readout reads). ``prune``: delete
+    the matched tokens instead of merging them (:func:`bipartite_prune`; sizes stay 1)."""
+    p = model.num_prefix_tokens
+
+    def merge(l, x, metric, size, rl):
+        if prune:
+            return bipartite_prune(x, metric, rl, p), size
+        return bipartite_soft_matching(x, metric, sizes_or_ones(x, size), rl, p)
+
+    return merging_forward(model, x, r, merge, prop_attn, skip_dead)
 
 
 class ToMe:
