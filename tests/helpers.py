@@ -114,6 +114,18 @@ def images(model, batch: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(batch, 3, size[0], size[1], generator=g)
 
 
+def assert_batch_independent(forward, model, x: torch.Tensor, tol: float = 1e-5) -> None:
+    """``forward(images) -> logits`` reduces tokens (its logits differ from native on ``x``), and
+    each image's logits do not depend on the batch: alone, and beside other images."""
+    with torch.no_grad():
+        out = forward(x)
+        assert not torch.allclose(out, model(x), atol=1e-3)  # something was reduced
+        for i in range(x.shape[0]):
+            assert (out[i] - forward(x[i:i + 1])[0]).abs().max() < tol, i
+        other = torch.cat([x[:1], images(model, 2, seed=7)])
+        assert (forward(other)[0] - out[0]).abs().max() < tol
+
+
 def plan_for_image(plan, i: int) -> Dict[int, List[int]]:
     return {l: col[img == i].tolist() for l, (img, col) in plan.items()}
 

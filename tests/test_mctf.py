@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import timm_dora
 from timm_dora.evaluate.baselines.mctf import MCTF, mctf_attraction, mctf_forward, mctf_gflops, mctf_matching, mctf_schedule
 
-from helpers import SMALL_FAMILIES, counter_flops, images, make_model
+from helpers import SMALL_FAMILIES, assert_batch_independent, counter_flops, images, make_model
 
 
 def _four_tokens():
@@ -121,16 +121,7 @@ def test_gflops_equal_hand_count_and_flop_counter(family, r, precise):
 def test_batch_independence(family, precise):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
-    x = images(model, 4)
-    with torch.no_grad():
-        out = mctf_forward(model, x, 3, precise=precise)
-        assert not torch.allclose(out, model(x), atol=1e-3)  # something was fused
-        for i in range(4):
-            alone = mctf_forward(model, x[i:i + 1], 3, precise=precise)
-            assert (out[i] - alone[0]).abs().max() < 1e-5, i
-        # another batch around image 0 does not change its logits
-        other = torch.cat([x[:1], images(model, 2, seed=7)])
-        assert (mctf_forward(model, other, 3, precise=precise)[0] - out[0]).abs().max() < 1e-5
+    assert_batch_independent(lambda x: mctf_forward(model, x, 3, precise=precise), model, images(model, 4))
 
 
 @pytest.mark.parametrize("family", ["deit_distilled", "dinov2_registers"])

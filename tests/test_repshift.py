@@ -13,7 +13,7 @@ from timm_dora.evaluate.baselines.repshift import (RepShift, repshift_forward, r
 
 from timm_dora.evaluate.baselines.tome import attention_with_keys
 
-from helpers import SMALL_FAMILIES, counter_flops, hand_vit_macs, images, make_model
+from helpers import SMALL_FAMILIES, assert_batch_independent, counter_flops, hand_vit_macs, images, make_model
 
 
 def test_shift_and_pruning_by_hand():
@@ -127,15 +127,7 @@ def test_gflops_equal_hand_count_and_flop_counter(family, r, where, skip_dead):
 def test_batch_independence(family, where):
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
-    x = images(model, 4)
-    with torch.no_grad():
-        out = repshift_forward(model, x, 3, where=where)
-        assert not torch.allclose(out, model(x), atol=1e-3)
-        for i in range(4):
-            alone = repshift_forward(model, x[i:i + 1], 3, where=where)
-            assert (out[i] - alone[0]).abs().max() < 1e-5, i
-        other = torch.cat([x[:1], images(model, 2, seed=7)])
-        assert (repshift_forward(model, other, 3, where=where)[0] - out[0]).abs().max() < 1e-5
+    assert_batch_independent(lambda x: repshift_forward(model, x, 3, where=where), model, images(model, 4))
 
 
 @pytest.mark.parametrize("family", ["deit_distilled", "dinov2_registers"])
