@@ -1,0 +1,322 @@
+"""The paper's comparison set on one backbone, as curves with bootstrap intervals (issue #61; not a test).
+
+On one GPU, for one backbone and its published DORA actor:
+
+1. **DORA's operating curve**: the published actor calibrated (``timm-dora calibrate``'s
+   :func:`~timm_dora.evaluate.calibrate.calibrate_tilt`) to each ``--dora-targets`` GFLOPs reduction
+   on the pool's ``--calibration-splits`` (never ``test``), plus the published actor itself.
+2. **Every baseline's sweep of its own knob**: ToMe, PiToMe, MCTF, Representation Shift and
+   Zero-TPrune over ``r``; DiffRate over the schedules learned on the pool's rollout split
+   (``--diffrate DIR``), V-Pruner over the masks its offline search exported (``--vpruner DIR``).
+3. For every setting, on the ``--split`` images (the 1,300 ``test`` images): per-image top-1 hits
+   and GFLOPs beside native's (top-1, paired drop and its standard error, agreement), and
+   throughput at batch ``--batch`` with the App. E.5 protocol (:func:`~timm_dora.evaluate.bench.bench`;
+   each method on its own attention path; DORA as ``timm_dora.wrap`` runs it by default).
+4. ``vs_dora`` per method: the GFLOPs difference to DORA's curve at matched paired drops of 0.5,
+   1.0 and 1.5 pp with a 95 % bootstrap interval over images (:mod:`timm_dora.evaluate.curves`).
+5. ``shift``: every method at its setting nearest ``--shift-reduction`` fewer GFLOPs, on corrupted
+   copies of the same images (:mod:`timm_dora.evaluate.corruptions`: Gaussian noise, Gaussian blur,
+   JPEG, contrast at severities ``--severities``): paired drop against native on the same corrupted
+   images, and mean GFLOPs.
+
+Per-setting results are kept in ``--state`` as they are measured, so a command stopped by a time
+limit goes on where it stopped when run again. One H100, both Tiny backbones, a few minutes each::
+
+    python -m benchmarks.baselines --model vit_tiny_patch16_224.augreg_in21k_ft_in1k --weights W \\
+        --data labels.csv --calibration-data labels_train.csv --diffrate benchmarks/baselines/diffrate \\
+        --vpruner benchmarks/baselines/vpruner --out benchmarks/results/baselines_vit_tiny.json
+
+CPU smoke test (random tiny model): ``--random-weights --img-size 64 --device cpu --batch 4
+--warmup 1 --iters 1 --repeats 1 --resamples 20``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from benchmarks.common import command_line
+from timm_dora.data import eval_transform, open_split, preload
+from timm_dora.engine.flops import native_gflops
+from timm_dora.evaluate import NativeMethod, environment, load_model, precision_for
+from timm_dora.evaluate.accuracy import loader_for
+from timm_dora.evaluate.bench import bench, bench_inputs
+from timm_dora.evaluate.calibrate import calibrate_tilt
+from timm_dora.evaluate.corruptions import corrupt
+from timm_dora.evaluate.curves import Point, compare_at_drops, paired_drop
+from timm_dora.evaluate.methods import DoraMethod, Method, build_method
+from timm_dora.hub import resolve_actor
+
+R_SWEEP = [2, 4, 6, 8, 10, 12, 14, 16, 18]
+SWEEPS: Dict[str, Tuple[str, List[int]]] = {  # method: (label, r values): about 5 % to 55 % fewer GFLOPs on ViT-Ti
+    "tome": ("ToMe", R_SWEEP),
+    "pitome": ("PiToMe", R_SWEEP),
+    "mctf": ("MCTF", R_SWEEP + [20]),  # (block 0 does not fuse: each r removes less)
+    "repshift": ("Representation Shift", R_SWEEP),
+    "zerotprune": ("Zero-TPrune", R_SWEEP),
+}
+DORA_TARGETS = [10, 15, 20, 25, 30, 35, 40, 45, 50]
+MATCHED_DROPS = (0.5, 1.0, 1.5)
+
+
+def log(msg: str, t0: float) -> None:
+    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+
+def _file_sweep(method: str, folder: Optional[str], model_name: str) -> List[str]:
+    """The knob files (DiffRate schedules, V-Pruner masks) for this backbone in ``folder``."""
+    if not folder:
+        return []
+    arch = model_name.split(".")[0]
+    return sorted(str(p) for p in Path(folder).glob(f"{arch}*.json"))
+
+
+class Run:
+    """One backbone's measurements, kept per setting in a state file as they are made."""
+
+    def __init__(self, args, t0: float):
+        self.args, self.t0 = args, t0
+        self.device = torch.device(args.device)
+        self.dtype, _ = precision_for(self.device, "auto")
+        model = load_model(args.model, args.weights, random_weights=args.random_weights, img_size=args.img_size,
+                           seed=args.seed)
+        self.model = model.to(self.device, self.dtype).eval()
+        self.n0 = self.model.patch_embed.num_patches
+        self.native_gflops = native_gflops(self.model)
+        ds = open_split(args.data, args.split, eval_transform(self.model))
+        if args.limit is not None and args.limit < len(ds):
+            ds = torch.utils.data.Subset(ds, range(args.limit))
+        self.images01, self.labels = preload(ds, device=self.device, dtype=torch.float32, batch_size=64,
+                                             num_workers=args.workers)
+        cfg = self.model.pretrained_cfg
+        self.mean = torch.tensor(cfg.get("mean", (0.5,) * 3), device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(cfg.get("std", (0.5,) * 3), device=self.device).view(1, 3, 1, 1)
+        self.images = self.images01.to(self.dtype)
+        self.images01 = self.images01 * self.std + self.mean  # back to [0, 1] for the corruptions
+        self.n = self.images.shape[0]
+        log(f"{args.model}: {self.n} {args.split} images on {self.device}", t0)
+        self.state_path = Path(args.state) if args.state else None
+        self.state: Dict[str, Dict] = {}
+        if self.state_path is not None and self.state_path.exists():
+            self.state = torch.load(self.state_path, weights_only=False)
+            log(f"resumed {len(self.state)} measured settings from {self.state_path}", t0)
+        self.inputs, self.bench_info = bench_inputs(self.model, batch=args.batch, batches=args.batches,
+                                                    device=self.device, dtype=self.dtype, images=self.images)
+
+    def save(self) -> None:
+        if self.state_path is not None:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.state, self.state_path)
+
+    @torch.inference_mode()
+    def per_image(self, m: Method, images: torch.Tensor) -> Point:
+        hits, gflops = [], []
+        for s in range(0, images.shape[0], self.args.batch):
+            x, y = images[s : s + self.args.batch], self.labels[s : s + self.args.batch]
+            out = m.outputs(x)[m.name]
+            hits.append((out.logits.float().argmax(1) == y).cpu())
+            gflops.append(out.gflops.double().cpu())
+        return Point(None, torch.cat(hits), torch.cat(gflops))
+
+    def measure(self, key: str, make: Callable[[], Method], time_it: bool = True) -> Dict:
+        """Per-image hits and GFLOPs of one setting on the clean images, and its throughput."""
+        if key in self.state:
+            return self.state[key]
+        m = make()
+        try:
+            p = self.per_image(m, self.images)
+            rec: Dict = {"correct": p.correct, "gflops": p.gflops, "config": getattr(m, "config", {})}
+            if time_it:
+                res = bench(m.timing_fn(), self.inputs, warmup=self.args.warmup, iters=self.args.iters,
+                            repeats=self.args.repeats)
+                rec.update(images_per_s=res["images_per_s"], attention_ops=res.get("attention_ops"))
+        finally:
+            if hasattr(m, "close"):
+                m.close()
+        self.state[key] = rec
+        self.save()
+        log(f"{key:34s} top-1 {100 * rec['correct'].float().mean():6.2f}  {rec['gflops'].mean():6.3f} GFLOPs  "
+            f"{rec.get('images_per_s', float('nan')):9.0f} img/s", self.t0)
+        return rec
+
+    def corrupted(self, family: str, severity: int) -> torch.Tensor:
+        out = torch.empty_like(self.images)
+        for s in range(0, self.n, 256):
+            x = corrupt(self.images01[s : s + 256], family, severity, seed=self.args.seed + s)
+            out[s : s + 256] = ((x - self.mean) / self.std).to(self.dtype)
+        return out
+
+
+def _row(rec: Dict, native: torch.Tensor, knob) -> Dict:
+    c = rec["correct"]
+    return {"knob": knob, "top1": 100.0 * float(c.float().mean()), **paired_drop(native, c),
+            "agreement": None, "gflops": float(rec["gflops"].mean()), "images_per_s": rec.get("images_per_s"),
+            "attention_ops": rec.get("attention_ops"), "config": rec.get("config")}
+
+
+def run(args, t0: float) -> Dict:
+    r = Run(args, t0)
+    native = r.measure("native", lambda: NativeMethod(r.model))
+    nat_c = native["correct"]
+
+    # DORA: the published actor and its calibrated curve
+    actor = resolve_actor(r.model, args.actor)
+    calib = []
+    if args.calibration_data:
+        cal_batches = [x.to(r.device, r.dtype) for split in args.calibration_splits
+                       for x, *_ in loader_for(r.model, args.calibration_data, split, batch=args.batch, workers=args.workers)]
+    dora_points: List[Tuple[object, Dict]] = []
+    dora_points.append(("published", r.measure("dora published", lambda: DoraMethod(r.model, actor, cuda_graphs=None))))
+    for target in (args.dora_targets if args.calibration_data else []):
+        key = f"dora calibrated {target:g}"
+        if key not in r.state:
+            tilted, record = calibrate_tilt(r.model, actor, cal_batches, float(target), steps=args.calibration_steps)
+            rec = r.measure(key, lambda: DoraMethod(r.model, tilted, cuda_graphs=None))
+            rec["calibration"] = {k: record[k] for k in ("tilt_per_token", "target_reduction_pct", "reduction_pct",
+                                                         "images") if k in record}
+            r.save()
+        dora_points.append((target, r.state[key]))
+        calib.append(target)
+
+    # the baselines' sweeps
+    methods: Dict[str, Dict] = {}
+    specs: List[Tuple[str, str, str, List]] = [(name, label, "r", args.r or vals) for name, (label, vals) in SWEEPS.items()
+                                               if name in args.methods]
+    for name, label, folder in (("diffrate", "DiffRate", args.diffrate), ("vpruner", "V-Pruner", args.vpruner)):
+        if name in args.methods:
+            specs.append((name, label, "schedule" if name == "diffrate" else "mask", _file_sweep(name, folder, args.model)))
+    for name, label, knob, vals in specs:
+        recs = []
+        for v in vals:
+            kw = {"r": v} if knob == "r" else {knob: v}
+            recs.append((v, r.measure(f"{name} {Path(str(v)).stem}", lambda: build_method(r.model, name, **kw))))
+        methods[name] = {"label": label, "knob": knob, "recs": recs}
+
+    # curves, matched comparisons
+    dora_curve = [Point(k, rec["correct"], rec["gflops"]) for k, rec in dora_points]
+    out_methods = {}
+    for name, m in methods.items():
+        pts = [Point(v, rec["correct"], rec["gflops"]) for v, rec in m["recs"]]
+        vs = compare_at_drops(pts, dora_curve, nat_c, MATCHED_DROPS, resamples=args.resamples, seed=args.seed) if pts else []
+        out_methods[name] = {"label": m["label"], "knob": m["knob"],
+                             "sweep": [_row(rec, nat_c, v if m["knob"] == "r" else Path(str(v)).name) for v, rec in m["recs"]],
+                             "vs_dora": vs}
+    log("matched comparisons done", t0)
+
+    # shift: every method at its setting nearest the reduction
+    target_g = r.native_gflops * (1 - args.shift_reduction / 100)
+    chosen = {"dora": min(dora_points, key=lambda p: abs(float(p[1]["gflops"].mean()) - target_g))}
+    for name, m in methods.items():
+        if m["recs"]:
+            chosen[name] = min(m["recs"], key=lambda p: abs(float(p[1]["gflops"].mean()) - target_g))
+    shift_rows = []
+    for fam in args.families:
+        for sev in args.severities:
+            key = f"shift {fam} {sev}"
+            if key not in r.state:
+                x = r.corrupted(fam, sev)
+                entry = {"native": r.per_image(NativeMethod(r.model), x)}
+                for name, (v, _) in chosen.items():
+                    if name == "dora":
+                        a = actor
+                        if v != "published":
+                            a = actor.tilted(r.state[f"dora calibrated {v:g}"]["calibration"]["tilt_per_token"])
+                        m = DoraMethod(r.model, a, cuda_graphs=None)
+                    else:
+                        knob = methods[name]["knob"]
+                        m = build_method(r.model, name, **({"r": v} if knob == "r" else {knob: v}))
+                    try:
+                        entry[name] = r.per_image(m, x)
+                    finally:
+                        if hasattr(m, "close"):
+                            m.close()
+                r.state[key] = {k: (p.correct, p.gflops) for k, p in entry.items()}
+                r.save()
+                log(f"{key}: native top-1 {100 * entry['native'].correct.float().mean():.2f}", t0)
+            ent = r.state[key]
+            nat_s = ent["native"][0]
+            for name, (v, _) in chosen.items():
+                c, g = ent[name]
+                shift_rows.append({"method": name, "knob": v if not isinstance(v, str) or name == "dora" else Path(v).name,
+                                   "family": fam, "severity": sev, "native_top1": 100.0 * float(nat_s.float().mean()),
+                                   **paired_drop(nat_s, c), "gflops": float(g.mean())})
+
+    payload = {
+        **environment(r.device, args.command),
+        "dtype": str(r.dtype).replace("torch.", ""),
+        "model": args.model,
+        "weights": args.weights or ("random" if args.random_weights else "timm-pretrained"),
+        "data": {"spec": str(args.data), "split": args.split, "images": r.n},
+        "protocol": {"batch": args.batch, "batches": r.bench_info["batches"], "warmup": args.warmup, "iters": args.iters,
+                     "repeats": args.repeats, "statistic": "median over repeats", "bootstrap_resamples": args.resamples,
+                     "matched_drops_pp": list(MATCHED_DROPS),
+                     "matching": "GFLOPs where each curve first reaches the paired drop, from its most expensive setting "
+                                 "(linear interpolation, no extrapolation); difference = method - DORA (positive: DORA "
+                                 "needs less); 95 % percentile interval over image resamples"},
+        "native": {"top1": 100.0 * float(nat_c.float().mean()), "gflops": r.native_gflops,
+                   "images_per_s": native.get("images_per_s"), "attention_ops": native.get("attention_ops")},
+        "dora": {"actor": str(args.actor or "published (" + args.model + ")"),
+                 "calibrated_on": {"data": args.calibration_data, "splits": args.calibration_splits} if calib else None,
+                 "curve": [{**_row(rec, nat_c, k), "calibration": rec.get("calibration")} for k, rec in dora_points]},
+        "methods": out_methods,
+        "shift": {"reduction_target_pct": args.shift_reduction, "implementation": "timm_dora.evaluate.corruptions "
+                  "(torch, torchvision blur, PIL JPEG, with ImageNet-C's parameters)", "rows": shift_rows},
+    }
+    return payload
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--random-weights", action="store_true", help="random backbone (smoke tests)")
+    ap.add_argument("--img-size", type=int, default=None, help="override the input size (smoke tests)")
+    ap.add_argument("--actor", default=None, help="DORA actor (default: the published one for --model)")
+    ap.add_argument("--data", required=True, help="labels CSV with the --split images")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--limit", type=int, default=None, help="first N images only (quick checks)")
+    ap.add_argument("--calibration-data", default=None, help="labels CSV of the pool for DORA's calibration")
+    ap.add_argument("--calibration-splits", nargs="+", default=["qc", "dev"])
+    ap.add_argument("--calibration-steps", type=int, default=10)
+    ap.add_argument("--dora-targets", type=float, nargs="+", default=DORA_TARGETS, help="GFLOPs reductions, %%")
+    ap.add_argument("--methods", nargs="+", default=list(SWEEPS) + ["diffrate", "vpruner"])
+    ap.add_argument("--r", type=int, nargs="+", default=None, help="one r sweep for every r-knob method (default: each its own)")
+    ap.add_argument("--diffrate", default=None, help="folder of DiffRate schedules (<arch>*.json)")
+    ap.add_argument("--vpruner", default=None, help="folder of V-Pruner masks (<arch>*.json)")
+    ap.add_argument("--shift-reduction", type=float, default=35.0)
+    ap.add_argument("--families", nargs="+", default=["gaussian_noise", "gaussian_blur", "jpeg", "contrast"])
+    ap.add_argument("--severities", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--resamples", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=320)
+    ap.add_argument("--batches", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--state", default=None, help="per-setting results, kept for resuming (default: OUT.state.pt)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    args.command = command_line("baselines", argv)
+    if args.split in args.calibration_splits:
+        ap.error("--calibration-splits must not include the evaluation split")
+    args.state = args.state or args.out + ".state.pt"
+    if torch.device(args.device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    t0 = time.perf_counter()
+    payload = run(args, t0)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+    log(f"wrote {args.out}", t0)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
