@@ -22,7 +22,8 @@ contract) and fp32 on the CPU; ``bf16-autocast`` keeps fp32 weights under ``torc
 
 Methods (``--method``): ``native``; ``dora`` (``--actor``: folder, ``hf-hub:org/name`` or a bare repo
 id; none: the registered actor); ``tome`` (``--r``: one value for every block or one per block;
-``--no-prop-attn``); ``pitome`` (PiToMe: the same ``--r`` and ``--no-prop-attn``); ``mctf`` (MCTF off the shelf:
+``--no-prop-attn``); ``pitome`` (PiToMe: the same ``--r``, or its authors' knob ``--ratio`` (fraction of
+tokens every block keeps); proportional attention off unless ``--prop-attn``); ``mctf`` (MCTF off the shelf:
 ``--r`` tokens fused in every block but the first); ``repshift`` (Representation Shift) and
 ``zerotprune`` (Zero-TPrune): ``--r`` tokens pruned per block; ``static``
 (``--schedule 3:40,6:40,9:40``, ``--rule cls_sim|slice``); and the App. F.1 selector substitutions
@@ -96,7 +97,10 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
                     help="DORA: fold the removed tokens into their most similar survivor (--merge) or delete "
                          "them (--no-merge); default: as the actor was trained (its config's merge)")
     ap.add_argument("--r", type=int, nargs="+", default=None, help="tokens merged (tome, pitome), fused (mctf) or pruned (repshift, zerotprune) per block: one value, or one per block")
-    ap.add_argument("--no-prop-attn", action="store_true", help="ToMe / PiToMe without proportional attention")
+    ap.add_argument("--ratio", type=float, default=None,
+                    help="pitome: fraction of its visual tokens every block keeps (the authors' knob, 0.5-1), instead of --r")
+    ap.add_argument("--prop-attn", action=argparse.BooleanOptionalAction, default=None,
+                    help="ToMe / PiToMe with or without proportional attention (default: ToMe on, PiToMe off as its authors' code)")
     ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40")
     ap.add_argument("--rule", choices=("cls_sim", "slice"), default="cls_sim", help="static schedule token rule")
     ap.add_argument("--wpr-iters", type=int, default=30, help="Attention-WPR propagation steps")
@@ -113,7 +117,7 @@ def setup(args) -> Tuple[nn.Module, torch.device, torch.dtype, bool]:
 
 
 def method_from_args(model: nn.Module, args) -> Method:
-    return build_method(model, args.method, actor=args.actor, r=args.r, prop_attn=not args.no_prop_attn,
+    return build_method(model, args.method, actor=args.actor, r=args.r, prop_attn=args.prop_attn, ratio=args.ratio,
                         schedule=args.schedule, rule=args.rule, seed=args.seed, wpr_iters=args.wpr_iters,
                         attn_backend=args.attn_backend, cuda_graphs=getattr(args, "cuda_graphs", False),
                         skip_dead=getattr(args, "skip_dead", False), merge=getattr(args, "merge", None))

@@ -16,7 +16,7 @@ from ..engine.patch import check_skip_dead
 from .baselines.selectors import SELECTORS
 from .baselines.static import StaticPrune
 from .baselines.mctf import MCTF
-from .baselines.pitome import PiToMe
+from .baselines.pitome import PROP_ATTN as PITOME_PROP_ATTN, PiToMe
 from .baselines.repshift import RepShift
 from .baselines.zerotprune import ZeroTPrune
 from .baselines.tome import ToMe
@@ -183,7 +183,7 @@ class ReductionMethod(Method):
     def __init__(self, fn, r, **config):
         self.fn, self.name = fn, fn.name
         self.n0 = fn.model.patch_embed.num_patches
-        self.config = {"r": r if isinstance(r, int) else list(r), "r_effective": fn.cost.r, **config,
+        self.config = {"r": r if r is None or isinstance(r, int) else list(r), "r_effective": fn.cost.r, **config,
                        **({"skip_dead": True} if fn.skip_dead else {})}
 
     def outputs(self, x):
@@ -206,10 +206,11 @@ class ToMeMethod(ReductionMethod):
 class PiToMeMethod(ReductionMethod):
     label = "PiToMe"
 
-    def __init__(self, model: nn.Module, r, prop_attn: bool = True, skip_dead: bool = False):
-        fn = PiToMe(model, r, prop_attn=prop_attn, skip_dead=skip_dead)
-        super().__init__(fn, r, prop_attn=prop_attn, margin=fn.margin, alpha=fn.alpha,
-                         matching_gflops=fn.cost.matching_gflops)
+    def __init__(self, model: nn.Module, r=None, prop_attn: bool = PITOME_PROP_ATTN, skip_dead: bool = False,
+                 ratio: Optional[float] = None):
+        fn = PiToMe(model, r, prop_attn=prop_attn, skip_dead=skip_dead, ratio=ratio)
+        super().__init__(fn, r, **({"ratio": ratio} if ratio is not None else {}), prop_attn=prop_attn,
+                         margin=fn.margin, alpha=fn.alpha, matching_gflops=fn.cost.matching_gflops)
 
 
 class MCTFMethod(ReductionMethod):
@@ -266,7 +267,8 @@ class StaticMethod(Method):
 
 def _parse_r(r, method: str = "tome"):
     if r is None:
-        raise ValueError(f"--method {method} needs --r (one value, or one per block)")
+        raise ValueError(f"--method {method} needs --r (one value, or one per block)"
+                         + (" or --ratio (fraction kept per block)" if method == "pitome" else ""))
     if isinstance(r, (list, tuple)):
         return int(r[0]) if len(r) == 1 else [int(v) for v in r]
     return int(r)
@@ -278,7 +280,8 @@ def build_method(
     *,
     actor=None,
     r=None,
-    prop_attn: bool = True,
+    prop_attn: Optional[bool] = None,
+    ratio: Optional[float] = None,
     schedule=None,
     rule: str = "cls_sim",
     seed: int = 0,
@@ -294,18 +297,28 @@ def build_method(
     eager, ``None`` captured wherever it can be, as ``timm_dora.wrap`` does by default). The two
     executors run different kernels, so in bf16 a few near-tie decisions can differ between them:
     rows to be compared must use the same one. ``merge``: ``dora`` folds (``True``) or deletes
-    (``False``) the removed tokens; ``None``: as the actor was trained (``wrap``'s default)."""
+    (``False``) the removed tokens; ``None``: as the actor was trained (``wrap``'s default).
+    ``prop_attn``: proportional attention for ``tome`` / ``pitome`` (``None``: the method's default,
+    on for ToMe, off for PiToMe as in its authors' code). ``ratio``: ``pitome``'s own knob, the
+    fraction of its visual tokens every block keeps (instead of ``r``)."""
+    if ratio is not None and method != "pitome":
+        raise ValueError(f"--ratio applies to pitome only, not {method}")
     if method == "native":
         return NativeMethod(model, skip_dead)
     if method == "dora":
         return DoraMethod(model, actor, attn_backend=attn_backend, cuda_graphs=cuda_graphs, skip_dead=skip_dead, merge=merge)
     if method == "tome":
-        return ToMeMethod(model, _parse_r(r), prop_attn, skip_dead)
+        return ToMeMethod(model, _parse_r(r), True if prop_attn is None else prop_attn, skip_dead)
     if method == "pitome":
-        return PiToMeMethod(model, _parse_r(r, method), prop_attn, skip_dead)
+        pa = PITOME_PROP_ATTN if prop_attn is None else prop_attn
+        if ratio is not None:
+            if r is not None:
+                raise ValueError("--method pitome takes --r or --ratio, not both")
+            return PiToMeMethod(model, None, pa, skip_dead, ratio=ratio)
+        return PiToMeMethod(model, _parse_r(r, method), pa, skip_dead)
     if method in ("mctf", "repshift", "zerotprune"):
-        if not prop_attn:
-            raise ValueError(f"--no-prop-attn applies to tome and pitome, not {method}")
+        if prop_attn is not None:
+            raise ValueError(f"--{'' if prop_attn else 'no-'}prop-attn applies to tome and pitome, not {method}")
         cls = {"mctf": MCTFMethod, "repshift": RepShiftMethod, "zerotprune": ZeroTPruneMethod}[method]
         return cls(model, _parse_r(r, method), skip_dead)
     if method == "static":

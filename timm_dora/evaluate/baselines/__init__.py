@@ -3,9 +3,10 @@
 - :mod:`~timm_dora.evaluate.baselines.tome`: ToMe token merging (bipartite soft matching, proportional
   attention, size tracking), dense and input-uniform: :func:`tome_forward`, :class:`ToMe`.
 - :mod:`~timm_dora.evaluate.baselines.pitome`: PiToMe (spectrum-preserving token merging): ToMe's
-  merging and proportional attention, but the merge candidates are the highest-energy tokens (large
-  clusters of similar keys) and the lowest-energy ones are protected: :func:`pitome_forward`,
-  :class:`PiToMe`.
+  merging (without proportional attention, as its authors' code), energy-ordered bipartite matching
+  in the first half of the blocks, then only the highest-energy tokens (large clusters of similar
+  keys) merge and the lowest-energy ones are protected; knob ``r`` or the authors' ``ratio``:
+  :func:`pitome_forward`, :class:`PiToMe`.
 - :mod:`~timm_dora.evaluate.baselines.mctf`: MCTF (multi-criteria token fusion with one-step-ahead
   attention) off the shelf: similarity, informativeness and size attraction, bidirectional matching,
   attention- and size-weighted fusion: :func:`mctf_forward`, :class:`MCTF`.

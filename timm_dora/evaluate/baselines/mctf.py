@@ -57,6 +57,20 @@ Choices where the paper is silent or where we differ (documented, tested):
   theirs (the order decides the next block's alternation). Ties go to the lower index (stable sorts).
 - The readout is the model's own head (``avg`` pooling averages fused tokens without weights).
 
+Side by side with the authors' code (run once outside the repository, fp32 on CPU): their
+``models/deit.py`` (``deit_tiny``) with ``utils/mctf.py`` of github mlvlab/MCTF commit ``2004da0``,
+unmodified, loaded with timm's ``vit_tiny_patch16_224.augreg_in21k_ft_in1k`` weights (all keys
+matched), at their evaluation setting ``mctf_type [r,0,0,1,1,1,20,40,1,1,0]``, ``activate_layer
+[1..11]``, against ``MCTF(model, r)``, on 64 pool images (the first 64 ``qc``/``dev`` rows of
+``labels_train.csv`` by path), batches of 16. The visual tokens entering every block are identical
+(r = 16: 196, 196, 180, ..., 36). The logits are **not** identical: r = 16: max |logit difference|
+3.34, top-1 agreement 61/64; r = 8: 1.48, 62/64; every image differs by more than 1e-3. Two
+differences read in their code, not yet reconciled here (open): (a) their alternation runs over
+the whole sequence with the CLS token at position 0 (``A = {CLS, v1, v3, ...}``,
+``B = {v0, v2, ...}``), ours over the visual tokens only (``A = {v0, v2, ...}``); (b) their kept
+``B`` tokens leave in descending order of their best edge, ours in original order, which changes the
+next block's alternation.
+
 GFLOPs (App. E.4 rule, 1 MAC = 2 FLOPs, matrix products only), per image. Patch embedding,
 classifier (and a MAP head's per-token part) as ToMe. A non-fusing block: ToMe's block count on
 its ``P + N_l`` tokens. A fusing block with ``T = P + N_l`` tokens in and ``M = T - r_l`` out:

@@ -45,6 +45,9 @@ Choices where the paper is silent (documented, tested):
   pruning needs no attention bias (no sizes, unlike ToMe's proportional attention).
 - The readout is the model's own head.
 
+No side-by-side run with the authors' code: github mlvlab/Representation-Shift could not be
+retrieved here (no snapshot available), so the agreement is unchecked.
+
 GFLOPs (App. E.4 rule, 1 MAC = 2 FLOPs, matrix products only), as :mod:`.tome`'s: patch embedding,
 per block the attention projections and the two attention matmuls on the ``P + N_l`` tokens entering
 it, the MLP on ``P + N_l`` tokens (``where="mlp"``: pruning happens after it) or ``P + N_l - r_l``

@@ -62,6 +62,9 @@ Choices where the paper is silent or which the comparison protocol fixes (docume
   ``B``. Scores and similarities in float32; ties go to the lower index (stable sorts).
 - The readout is the model's own head.
 
+No side-by-side run with the authors' code: none was found here (the only public
+repository named Zero-TPrune is a course project, not the authors'), so the agreement is unchecked.
+
 GFLOPs (App. E.4 rule, 1 MAC = 2 FLOPs, matrix products only), per image. Patch embedding, the
 classifier and a MAP head's per-token part as ToMe / MCTF. Every block: ``qkv`` and ``proj`` on the
 ``T`` tokens in, ``QK^T`` and ``A V`` (``T^2 attn_dim`` each), the MLP on ``T - r_l`` tokens (the
