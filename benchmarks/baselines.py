@@ -5,8 +5,8 @@ On one GPU, for one backbone and its published DORA actor:
 1. **DORA's operating curve**: the published actor calibrated (``timm-dora calibrate``'s
    :func:`~timm_dora.evaluate.calibrate.calibrate_tilt`) to each ``--dora-targets`` GFLOPs reduction
    on the pool's ``--calibration-splits`` (never ``test``), plus the published actor itself.
-2. **Every baseline's sweep of its own knob**: ToMe, PiToMe, MCTF, Representation Shift and
-   Zero-TPrune over ``r``; DiffRate over the schedules learned on the pool's rollout split
+2. **Every baseline's sweep of its own knob**: ToMe, MCTF, Representation Shift and Zero-TPrune
+   over ``r``, PiToMe over its keep ratio per block; DiffRate over the schedules learned on the pool's rollout split
    (``--diffrate DIR``), V-Pruner over the masks its offline search exported (``--vpruner DIR``).
 3. For every setting, on the ``--split`` images (the 1,300 ``test`` images): per-image top-1 hits
    and GFLOPs beside native's (top-1, paired drop and its standard error, agreement), and
@@ -53,12 +53,12 @@ from timm_dora.evaluate.methods import DoraMethod, Method, build_method
 from timm_dora.hub import resolve_actor
 
 R_SWEEP = [2, 4, 6, 8, 10, 12, 14, 16, 18]
-SWEEPS: Dict[str, Tuple[str, List[int]]] = {  # method: (label, r values): about 5 % to 55 % fewer GFLOPs on ViT-Ti
-    "tome": ("ToMe", R_SWEEP),
-    "pitome": ("PiToMe", R_SWEEP),
-    "mctf": ("MCTF", R_SWEEP + [20]),  # (block 0 does not fuse: each r removes less)
-    "repshift": ("Representation Shift", R_SWEEP),
-    "zerotprune": ("Zero-TPrune", R_SWEEP),
+SWEEPS: Dict[str, Tuple[str, str, List]] = {  # method: (label, knob, values): about 5 % to 55 % fewer GFLOPs on ViT-Ti
+    "tome": ("ToMe", "r", R_SWEEP),
+    "pitome": ("PiToMe", "ratio", [0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.91, 0.9, 0.88, 0.86]),  # its authors' knob
+    "mctf": ("MCTF", "r", R_SWEEP + [20]),  # (block 0 does not fuse: each r removes less)
+    "repshift": ("Representation Shift", "r", R_SWEEP),
+    "zerotprune": ("Zero-TPrune", "r", R_SWEEP),
 }
 DORA_TARGETS = [10, 15, 20, 25, 30, 35, 40, 45, 50]
 MATCHED_DROPS = (0.5, 1.0, 1.5)
@@ -152,6 +152,11 @@ class Run:
         return out
 
 
+def _knob(v):
+    """A knob as the JSON shows it: a number, or a schedule / mask file's name."""
+    return Path(v).name if isinstance(v, str) else v
+
+
 def _row(rec: Dict, native: torch.Tensor, knob) -> Dict:
     c = rec["correct"]
     return {"knob": knob, "top1": 100.0 * float(c.float().mean()), **paired_drop(native, c),
@@ -166,7 +171,7 @@ def run(args, t0: float) -> Dict:
 
     # DORA: the published actor and its calibrated curve
     actor = resolve_actor(r.model, args.actor)
-    calib = []
+    calib, unreachable = [], []
     if args.calibration_data:
         cal_batches = [x.to(r.device, r.dtype) for split in args.calibration_splits
                        for x, *_ in loader_for(r.model, args.calibration_data, split, batch=args.batch, workers=args.workers)]
@@ -175,7 +180,12 @@ def run(args, t0: float) -> Dict:
     for target in (args.dora_targets if args.calibration_data else []):
         key = f"dora calibrated {target:g}"
         if key not in r.state:
-            tilted, record = calibrate_tilt(r.model, actor, cal_batches, float(target), steps=args.calibration_steps)
+            try:
+                tilted, record = calibrate_tilt(r.model, actor, cal_batches, float(target), steps=args.calibration_steps)
+            except ValueError as e:  # (no tilt reaches it: the curve has no point there)
+                unreachable.append({"target_reduction_pct": target, "reason": str(e)})
+                log(f"{key}: {e}", t0)
+                continue
             rec = r.measure(key, lambda: DoraMethod(r.model, tilted, cuda_graphs=None))
             rec["calibration"] = {k: record[k] for k in ("tilt_per_token", "target_reduction_pct", "reduction_pct",
                                                          "images") if k in record}
@@ -185,15 +195,15 @@ def run(args, t0: float) -> Dict:
 
     # the baselines' sweeps
     methods: Dict[str, Dict] = {}
-    specs: List[Tuple[str, str, str, List]] = [(name, label, "r", args.r or vals) for name, (label, vals) in SWEEPS.items()
-                                               if name in args.methods]
+    specs: List[Tuple[str, str, str, List]] = [(name, label, knob, (args.r if knob == "r" else None) or vals)
+                                               for name, (label, knob, vals) in SWEEPS.items() if name in args.methods]
     for name, label, folder in (("diffrate", "DiffRate", args.diffrate), ("vpruner", "V-Pruner", args.vpruner)):
         if name in args.methods:
             specs.append((name, label, "schedule" if name == "diffrate" else "mask", _file_sweep(name, folder, args.model)))
     for name, label, knob, vals in specs:
         recs = []
         for v in vals:
-            kw = {"r": v} if knob == "r" else {knob: v}
+            kw = {knob: v}
             recs.append((v, r.measure(f"{name} {Path(str(v)).stem}", lambda: build_method(r.model, name, **kw))))
         methods[name] = {"label": label, "knob": knob, "recs": recs}
 
@@ -204,7 +214,7 @@ def run(args, t0: float) -> Dict:
         pts = [Point(v, rec["correct"], rec["gflops"]) for v, rec in m["recs"]]
         vs = compare_at_drops(pts, dora_curve, nat_c, MATCHED_DROPS, resamples=args.resamples, seed=args.seed) if pts else []
         out_methods[name] = {"label": m["label"], "knob": m["knob"],
-                             "sweep": [_row(rec, nat_c, v if m["knob"] == "r" else Path(str(v)).name) for v, rec in m["recs"]],
+                             "sweep": [_row(rec, nat_c, _knob(v)) for v, rec in m["recs"]],
                              "vs_dora": vs}
     log("matched comparisons done", t0)
 
@@ -229,7 +239,7 @@ def run(args, t0: float) -> Dict:
                         m = DoraMethod(r.model, a, cuda_graphs=None)
                     else:
                         knob = methods[name]["knob"]
-                        m = build_method(r.model, name, **({"r": v} if knob == "r" else {knob: v}))
+                        m = build_method(r.model, name, **{knob: v})
                     try:
                         entry[name] = r.per_image(m, x)
                     finally:
@@ -242,7 +252,7 @@ def run(args, t0: float) -> Dict:
             nat_s = ent["native"][0]
             for name, (v, _) in chosen.items():
                 c, g = ent[name]
-                shift_rows.append({"method": name, "knob": v if not isinstance(v, str) or name == "dora" else Path(v).name,
+                shift_rows.append({"method": name, "knob": v if name == "dora" else _knob(v),
                                    "family": fam, "severity": sev, "native_top1": 100.0 * float(nat_s.float().mean()),
                                    **paired_drop(nat_s, c), "gflops": float(g.mean())})
 
@@ -262,6 +272,7 @@ def run(args, t0: float) -> Dict:
                    "images_per_s": native.get("images_per_s"), "attention_ops": native.get("attention_ops")},
         "dora": {"actor": str(args.actor or "published (" + args.model + ")"),
                  "calibrated_on": {"data": args.calibration_data, "splits": args.calibration_splits} if calib else None,
+                 "unreachable_targets": unreachable,
                  "curve": [{**_row(rec, nat_c, k), "calibration": rec.get("calibration")} for k, rec in dora_points]},
         "methods": out_methods,
         "shift": {"reduction_target_pct": args.shift_reduction, "implementation": "timm_dora.evaluate.corruptions "
@@ -285,7 +296,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     ap.add_argument("--calibration-steps", type=int, default=10)
     ap.add_argument("--dora-targets", type=float, nargs="+", default=DORA_TARGETS, help="GFLOPs reductions, %%")
     ap.add_argument("--methods", nargs="+", default=list(SWEEPS) + ["diffrate", "vpruner"])
-    ap.add_argument("--r", type=int, nargs="+", default=None, help="one r sweep for every r-knob method (default: each its own)")
+    ap.add_argument("--r", type=int, nargs="+", default=None, help="one r sweep for the methods whose knob is r "
+                                                                   "(default: each its own)")
     ap.add_argument("--diffrate", default=None, help="folder of DiffRate schedules (<arch>*.json)")
     ap.add_argument("--vpruner", default=None, help="folder of V-Pruner masks (<arch>*.json)")
     ap.add_argument("--shift-reduction", type=float, default=35.0)
