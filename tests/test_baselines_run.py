@@ -54,6 +54,15 @@ def test_baselines_run_writes_curves_comparisons_and_shift_and_resumes(tmp_path)
     for r in rows:
         assert r["paired_drop"] == pytest.approx(r["native_top1"] - 100.0 * (r["native_top1"] / 100.0 - r["paired_drop"] / 100.0))
         assert r["gflops"] > 0
+    # the picture: every curve, its numbers as the document has them
+    from timm_dora.cli import main as cli
+
+    assert cli(["viz", "tradeoff", "--results", str(out), "--out", str(tmp_path / "viz"), "--format", "svg"]) == 0
+    drawn = json.loads((tmp_path / "viz" / "comparison.json").read_text())[0]
+    assert list(drawn["curves"]) == ["DORA", "ToMe", "MCTF"]
+    assert sorted(p["gflops"] for p in drawn["curves"]["ToMe"]) == sorted(p["gflops"] for p in res["methods"]["tome"]["sweep"])
+    svg = (tmp_path / "viz" / "comparison.svg").read_text()
+    assert "ToMe|gflops" in svg and "DORA|throughput" in svg and "native|gflops" in svg
     # a second run reads every setting from the state file and writes the same numbers
     again = baselines.main(argv)
     strip = lambda d: {k: v for k, v in d.items() if k not in ("command",)}  # noqa: E731

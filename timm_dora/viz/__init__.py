@@ -16,6 +16,7 @@ draw such a dict and return a matplotlib ``Figure``; :func:`save` writes it as P
     plot_training(training_data(read_metrics("runs/x/metrics.jsonl")))
     plot_tradeoff(tradeoff_data(read_results(["eval.json", "bench.json"])))
     plot_sweep([sweep_data(json.load(open("tradeoff_vit_tiny.json")))])   # benchmarks/tradeoff.py
+    plot_comparison([comparison_data(json.load(open("baselines_vit_tiny.json")))])  # benchmarks/baselines.py
 
 Artists carrying plotted values have a ``gid`` (``"trajectory-0-3"``, ``"a_u"``, ``"drop_mean"``,
 ...), so ``fig.findobj(lambda a: a.get_gid() == "a_u")`` finds them. Blocks are numbered from 0,
@@ -25,13 +26,13 @@ drawing functions; figures are built with ``matplotlib.figure.Figure`` (no pyplo
 The ``timm-dora viz`` command (:mod:`~timm_dora.viz.cli`): ``trajectory``, ``policy``, ``training``
 and ``tradeoff`` pictures, each written with its numbers as JSON next to it.
 """
-from .data import (concat_stats, grey_patches, is_sweep, patch_geometry, policy_data, read_metrics, read_results,
+from .data import (comparison_data, concat_stats, grey_patches, is_comparison, is_sweep, patch_geometry, policy_data, read_metrics, read_results,
                    sweep_data, to_uint8_image, tradeoff_data, training_data, trajectory_data)
-from .plots import (collect_stats, plot_policy, plot_sweep, plot_tradeoff, plot_training, plot_trajectory, plot_trajectory_grid, save,
+from .plots import (collect_stats, plot_comparison, plot_policy, plot_sweep, plot_tradeoff, plot_training, plot_trajectory, plot_trajectory_grid, save,
                     trajectory, trajectory_grid)
 
-__all__ = ["collect_stats", "concat_stats", "grey_patches", "is_sweep", "patch_geometry", "plot_policy", "plot_sweep",
-           "plot_tradeoff",
+__all__ = ["collect_stats", "comparison_data", "concat_stats", "grey_patches", "is_comparison", "is_sweep", "patch_geometry", "plot_comparison",
+           "plot_policy", "plot_sweep", "plot_tradeoff",
            "plot_training", "plot_trajectory", "plot_trajectory_grid", "policy_data", "read_metrics", "read_results",
            "save", "sweep_data", "to_uint8_image", "tradeoff_data", "training_data", "trajectory", "trajectory_grid",
            "trajectory_data"]

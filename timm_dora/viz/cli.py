@@ -16,8 +16,8 @@ from ..data import eval_transform, open_split
 from ..engine import native_gflops
 from ..hub import resolve_actor
 from ..policy import Actor
-from .data import is_sweep, policy_data, read_metrics, read_results, sweep_data, tradeoff_data, training_data
-from .plots import FORMATS, collect_stats, plot_policy, plot_sweep, plot_tradeoff, plot_training, save, trajectory_grid
+from .data import comparison_data, is_comparison, is_sweep, policy_data, read_metrics, read_results, sweep_data, tradeoff_data, training_data
+from .plots import FORMATS, collect_stats, plot_comparison, plot_policy, plot_sweep, plot_tradeoff, plot_training, save, trajectory_grid
 
 __all__ = ["add_parser"]
 
@@ -125,6 +125,13 @@ def _json_or_none(path) -> Any:
 
 def _cmd_tradeoff(args) -> int:
     docs = [_json_or_none(p) for p in args.results]
+    comparisons = [is_comparison(d) for d in docs]
+    if any(comparisons):  # benchmarks/baselines.py documents: every method's curve per backbone
+        if not all(comparisons):
+            raise ValueError("--results: give comparison runs (benchmarks/baselines.py) only, or none")
+        data = [comparison_data(d) for d in docs]
+        _write(plot_comparison(data, args.title), Path(args.out), args.name or "comparison", data, args)
+        return 0
     sweeps = [is_sweep(d) for d in docs]
     if any(sweeps):  # benchmarks/tradeoff.py documents: drop against GFLOPs per backbone
         if not all(sweeps):
@@ -189,10 +196,11 @@ def add_parser(subparsers) -> None:
     _common(r)
     r.set_defaults(func=_cmd_training)
 
-    s = sub.add_parser("tradeoff", help="top-1 vs GFLOPs and vs throughput from eval/bench JSON, or drop vs GFLOPs "
-                                        "from trade-off sweeps (benchmarks/tradeoff.py)")
+    s = sub.add_parser("tradeoff", help="top-1 vs GFLOPs and vs throughput from eval/bench JSON or comparison runs "
+                                        "(benchmarks/baselines.py), or drop vs GFLOPs from trade-off sweeps "
+                                        "(benchmarks/tradeoff.py)")
     s.add_argument("--results", nargs="+", required=True,
-                   help="eval or bench JSON files, or trade-off sweep JSON files (one panel per backbone)")
+                   help="eval or bench JSON files, comparison runs or trade-off sweeps (one panel per backbone)")
     s.add_argument("--title", default=None)
     _common(s)
     s.set_defaults(func=_cmd_tradeoff)

@@ -455,3 +455,30 @@ def sweep_data(doc: Mapping[str, Any]) -> Dict[str, Any]:
         "chosen_on": "pool" if (doc.get("published_seed") or {}).get("choice") else "dev",
         "random_selector": _pt(doc["random_selector"]) if doc.get("random_selector") else None,
     }
+
+
+def is_comparison(doc: Any) -> bool:
+    """Whether a JSON document is a comparison run of ``benchmarks/baselines.py`` (one backbone:
+    native, DORA's curve, every method's sweep)."""
+    return isinstance(doc, Mapping) and all(k in doc for k in ("native", "dora", "methods", "shift"))
+
+
+def comparison_data(doc: Mapping[str, Any]) -> Dict[str, Any]:
+    """The curves of a comparison run (``benchmarks/baselines.py``), every number as the document
+    has it: ``curves`` maps a label to its points ``{knob, gflops, top1, images_per_s}`` in order of
+    GFLOPs, DORA's calibrated curve (the published actor included) under ``"DORA"``."""
+    if not is_comparison(doc):
+        raise ValueError("not a comparison run (benchmarks/baselines.py): it needs native, dora, methods and shift")
+
+    def pts(rows: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+        keep = ("knob", "gflops", "top1", "images_per_s")
+        return sorted(({k: r.get(k) for k in keep} for r in rows), key=lambda p: float(p["gflops"]))
+
+    curves = {"DORA": pts(doc["dora"]["curve"])}
+    for m in doc["methods"].values():
+        curves[str(m["label"])] = pts(m["sweep"])
+    nat = doc["native"]
+    return {"model": str(doc.get("model", "?")), "device": doc.get("device"),
+            "split": (doc.get("data") or {}).get("split"), "n_images": (doc.get("data") or {}).get("images"),
+            "native": {"gflops": float(nat["gflops"]), "top1": float(nat["top1"]), "images_per_s": nat.get("images_per_s")},
+            "curves": curves}

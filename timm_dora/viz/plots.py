@@ -444,3 +444,49 @@ def plot_sweep(datas: Sequence[Mapping[str, Any]], title: Optional[str] = None, 
         devices = sorted({str(d["device"]) for d in datas if d.get("device")})
         _suptitle(fig, (title or "drop against GFLOPs") + (f" ({', '.join(devices)})" if devices else ""))
     return fig
+
+
+def plot_comparison(datas: Sequence[Mapping[str, Any]], title: Optional[str] = None):
+    """The comparison set (dicts of :func:`~timm_dora.viz.data.comparison_data`), one column per
+    backbone: top-1 against GFLOPs (top row) and against throughput (bottom row), every method's
+    sweep as a line, DORA's calibrated curve as stars, native as a ring. Artists have
+    ``gid = f"{model}|{label}|{panel}"`` with panel ``gflops`` or ``throughput``."""
+    import matplotlib
+
+    if not datas:
+        raise ValueError("no comparison runs to draw")
+    labels = list(dict.fromkeys(k for d in datas for k in d["curves"]))
+    colors = matplotlib.colormaps["tab10"]
+    with _rc():
+        fig = _figure(figsize=(5.6 * len(datas) + 0.4, 8.4))
+        grid = fig.subplots(2, len(datas), squeeze=False)
+        handles: Dict[str, Any] = {}
+        for j, d in enumerate(datas):
+            m = d["model"]
+            for i, (panel, key, xlabel) in enumerate((("gflops", "gflops", "GFLOPs per image"),
+                                                      ("throughput", "images_per_s", "throughput (images/s)"))):
+                ax = grid[i][j]
+                for c, label in enumerate(labels):
+                    pts = [p for p in d["curves"].get(label, []) if p.get(key) is not None and p.get("top1") is not None]
+                    if not pts:
+                        continue
+                    dora = label == "DORA"
+                    h = ax.plot([p[key] for p in pts], [p["top1"] for p in pts], marker="*" if dora else _MARKERS[c % len(_MARKERS)],
+                                ms=11 if dora else 4, lw=2.0 if dora else 1.1, color="tab:red" if dora else colors(c % colors.N),
+                                mec="k" if dora else None, mew=0.5, zorder=3 if dora else 2, gid=f"{m}|{label}|{panel}")[0]
+                    handles.setdefault(label, h)
+                nat = d["native"]
+                if nat.get(key) is not None:
+                    handles.setdefault("native", ax.plot([nat[key]], [nat["top1"]], ls="none", marker="o", ms=8, color="k",
+                                                         mfc="w", gid=f"{m}|native|{panel}")[0])
+                ax.set_ylim(nat["top1"] - 8.0, nat["top1"] + 1.0)  # the steep ends of the sweeps run off the bottom
+                ax.set_xlabel(xlabel)
+                ax.set_ylabel(f"top-1 (%), {d.get('split') or ''} {d.get('n_images') or ''} images")
+                ax.grid(alpha=0.3)
+                if i == 0:
+                    ax.set_title(m)
+        fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center", ncols=5, frameon=False)
+        devices = sorted({str(d["device"]) for d in datas if d.get("device")})
+        _suptitle(fig, (title or "token reduction: top-1 against GFLOPs and throughput") +
+                  (f" ({', '.join(devices)})" if devices else ""))
+    return fig
