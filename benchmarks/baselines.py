@@ -223,37 +223,45 @@ def run(args, t0: float) -> Dict:
     for name, m in methods.items():
         if m["recs"]:
             chosen[name] = min(m["recs"], key=lambda p: abs(float(p[1]["gflops"].mean()) - target_g))
+    sets: Dict[Tuple[str, int], torch.Tensor] = {}  # corrupted copies, made when first needed
+
+    def images_for(fam: str, sev: int) -> torch.Tensor:
+        if (fam, sev) not in sets:
+            sets[fam, sev] = r.corrupted(fam, sev)
+        return sets[fam, sev]
+
+    def shift_key(fam: str, sev: int, name: str, v) -> str:
+        return f"shift {fam} {sev} {name} {_knob(v)}"
+
+    pairs = [(fam, sev) for fam in args.families for sev in args.severities]
+    for name, v in [("native", None)] + [(n, p[0]) for n, p in chosen.items()]:
+        todo = [(f, s) for f, s in pairs if shift_key(f, s, name, v) not in r.state]
+        if not todo:
+            continue
+        if name == "native":
+            m: Method = NativeMethod(r.model)
+        elif name == "dora":
+            a = actor if v == "published" else actor.tilted(r.state[f"dora calibrated {v:g}"]["calibration"]["tilt_per_token"])
+            m = DoraMethod(r.model, a, cuda_graphs=None)
+        else:
+            m = build_method(r.model, name, **{methods[name]["knob"]: v})
+        try:
+            for fam, sev in todo:
+                p = r.per_image(m, images_for(fam, sev))
+                r.state[shift_key(fam, sev, name, v)] = (p.correct, p.gflops)
+        finally:
+            if hasattr(m, "close"):
+                m.close()
+        r.save()
+        log(f"shift: {name} {_knob(v)} on {len(todo)} corrupted sets", t0)
     shift_rows = []
-    for fam in args.families:
-        for sev in args.severities:
-            key = f"shift {fam} {sev}"
-            if key not in r.state:
-                x = r.corrupted(fam, sev)
-                entry = {"native": r.per_image(NativeMethod(r.model), x)}
-                for name, (v, _) in chosen.items():
-                    if name == "dora":
-                        a = actor
-                        if v != "published":
-                            a = actor.tilted(r.state[f"dora calibrated {v:g}"]["calibration"]["tilt_per_token"])
-                        m = DoraMethod(r.model, a, cuda_graphs=None)
-                    else:
-                        knob = methods[name]["knob"]
-                        m = build_method(r.model, name, **{knob: v})
-                    try:
-                        entry[name] = r.per_image(m, x)
-                    finally:
-                        if hasattr(m, "close"):
-                            m.close()
-                r.state[key] = {k: (p.correct, p.gflops) for k, p in entry.items()}
-                r.save()
-                log(f"{key}: native top-1 {100 * entry['native'].correct.float().mean():.2f}", t0)
-            ent = r.state[key]
-            nat_s = ent["native"][0]
-            for name, (v, _) in chosen.items():
-                c, g = ent[name]
-                shift_rows.append({"method": name, "knob": v if name == "dora" else _knob(v),
-                                   "family": fam, "severity": sev, "native_top1": 100.0 * float(nat_s.float().mean()),
-                                   **paired_drop(nat_s, c), "gflops": float(g.mean())})
+    for fam, sev in pairs:
+        nat_s = r.state[shift_key(fam, sev, "native", None)][0]
+        for name, (v, _) in chosen.items():
+            c, g = r.state[shift_key(fam, sev, name, v)]
+            shift_rows.append({"method": name, "knob": _knob(v), "family": fam, "severity": sev,
+                               "native_top1": 100.0 * float(nat_s.float().mean()), **paired_drop(nat_s, c),
+                               "gflops": float(g.mean())})
 
     payload = {
         **environment(r.device, args.command),
