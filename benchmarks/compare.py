@@ -7,8 +7,9 @@ For each backbone (default: the two real ones in ``../shared/weights``, ViT-Ti A
 2. top-1/top-5 and GFLOPs (App. E.4) of every configuration on all of them, in one pass (native,
    ToMe for every ``--r``, static schedules for every ``--static-reductions`` target at
    ``--static-blocks`` with the ``cls_sim`` rule and the zero-overhead ``slice`` speed reference,
-   DORA when ``--actor`` is given, and then the App. F.1 selector substitutions ``--selectors``
-   that keep DORA's gates and budgets);
+   V-Pruner for every ``--vpruner-masks`` file searched for the backbone's architecture, DORA when
+   ``--actor`` is given, and then the App. F.1 selector substitutions ``--selectors`` that keep
+   DORA's gates and budgets);
 3. throughput of every configuration with the App. E.5 protocol (:func:`timm_dora.evaluate.bench.time_forward`)
    on full batches of those same images (1,300 test images give 4 batches of 320);
 4. with a DORA row, the accuracy-matched table (App. E.2, :mod:`timm_dora.evaluate.matching`).
@@ -41,6 +42,7 @@ from timm_dora.evaluate import (
     SelectorMethod,
     StaticMethod,
     ToMeMethod,
+    VPrunerMethod,
     environment,
     evaluate,
     format_rows,
@@ -49,6 +51,7 @@ from timm_dora.evaluate import (
     tensor_batches,
 )
 from timm_dora.evaluate.baselines.static import schedule_for_reduction
+from timm_dora.evaluate.baselines.vpruner import VPrunerMask, architecture
 from timm_dora.engine.flops import native_gflops
 from timm_dora.evaluate.matching import table_from_results
 from benchmarks.common import command_line
@@ -65,6 +68,14 @@ def find_weights(name: str) -> Optional[str]:
         if len(hits) == 1:
             return str(hits[0])
     return None
+
+
+def vpruner_masks(specs: List[str], model: torch.nn.Module) -> List[Path]:
+    """The V-Pruner mask files among ``specs`` (files, or folders of ``*.json``) searched for
+    ``model``'s architecture, by keep count (most kept first)."""
+    files = [f for s in specs for f in (sorted(Path(s).glob("*.json")) if Path(s).is_dir() else [Path(s)])]
+    masks = [(VPrunerMask.load(f), f) for f in files]
+    return [f for m, f in sorted(masks, key=lambda mf: -mf[0].keep) if m.model == architecture(model)]
 
 
 def log(msg: str, t0: float) -> None:
@@ -93,6 +104,8 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
     for s in schedules:
         for rule in ("cls_sim", "slice"):
             methods.append(StaticMethod(model, s, rule))
+    for path in vpruner_masks(args.vpruner_masks, model):
+        methods.append(VPrunerMethod(model, path))
     dora = DoraMethod(model, actor) if actor else None  # wraps last: the others use the submodules
     if dora is not None:
         methods.append(dora)
@@ -165,6 +178,9 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--r", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 14, 16], help="ToMe sweep (r per block)")
     ap.add_argument("--static-reductions", type=float, nargs="+", default=[0.2, 0.3, 0.4], help="static GFLOPs-reduction targets")
     ap.add_argument("--static-blocks", type=int, nargs="+", default=[3, 6, 9])
+    ap.add_argument("--vpruner-masks", nargs="*", default=[],
+                    help="V-Pruner mask JSONs or folders of them (e.g. benchmarks/baselines/vpruner); each backbone "
+                         "runs those searched for its architecture")
     ap.add_argument("--selectors", nargs="*", default=["random", "similarity", "attention-wpr"],
                     help="App. F.1 selector substitutions run with the DORA actor (accuracy only)")
     ap.add_argument("--cuda-graphs", action="store_true",

@@ -1,7 +1,7 @@
 """Evaluating and comparing: accuracy and GFLOPs against native on the same images
 (``timm-dora eval``), timing with the paper's protocol (``timm-dora bench``), the baselines DORA is
 compared with (:mod:`~timm_dora.evaluate.baselines`: ToMe, PiToMe, MCTF, Representation Shift,
-Zero-TPrune, static schedules, selector substitutions) and accuracy-matched tables (:mod:`~timm_dora.evaluate.matching`).
+Zero-TPrune, V-Pruner, static schedules, selector substitutions) and accuracy-matched tables (:mod:`~timm_dora.evaluate.matching`).
 
 Library use::
 
@@ -10,11 +10,11 @@ Library use::
 """
 from .accuracy import Tally, evaluate, format_rows, loader_for, tensor_batches
 from .methods import (METHODS, DoraMethod, MCTFMethod, Method, NativeMethod, Output, PiToMeMethod, ReductionMethod,
-                      RepShiftMethod, SelectorMethod, StaticMethod, ToMeMethod, ZeroTPruneMethod, build_method,
+                      RepShiftMethod, SelectorMethod, StaticMethod, ToMeMethod, VPrunerMethod, ZeroTPruneMethod, build_method,
                       native_forward)
 from .setup import PRECISIONS, environment, inference_device, load_model, precision_for, write_json
 
 __all__ = ["METHODS", "PRECISIONS", "DoraMethod", "MCTFMethod", "Method", "NativeMethod", "Output", "PiToMeMethod",
-           "ReductionMethod", "RepShiftMethod", "SelectorMethod", "StaticMethod", "Tally", "ToMeMethod", "ZeroTPruneMethod",
+           "ReductionMethod", "RepShiftMethod", "SelectorMethod", "StaticMethod", "Tally", "ToMeMethod", "VPrunerMethod", "ZeroTPruneMethod",
            "build_method", "environment", "evaluate", "format_rows", "inference_device", "load_model", "loader_for",
            "native_forward", "precision_for", "tensor_batches", "write_json"]

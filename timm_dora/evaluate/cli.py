@@ -25,7 +25,8 @@ id; none: the registered actor); ``tome`` (``--r``: one value for every block or
 ``--no-prop-attn``); ``pitome`` (PiToMe: the same ``--r``, or its authors' knob ``--ratio`` (fraction of
 tokens every block keeps); proportional attention off unless ``--prop-attn``); ``mctf`` (MCTF off the shelf:
 ``--r`` tokens fused in every block but the first); ``repshift`` (Representation Shift) and
-``zerotprune`` (Zero-TPrune): ``--r`` tokens pruned per block; ``static``
+``zerotprune`` (Zero-TPrune): ``--r`` tokens pruned per block; ``vpruner`` (V-Pruner: ``--mask``, a mask
+JSON searched offline per backbone and budget by ``python -m timm_dora.evaluate.baselines.vpruner search``); ``static``
 (``--schedule 3:40,6:40,9:40``, ``--rule cls_sim|slice``); and the App. F.1 selector substitutions
 ``random`` / ``similarity`` / ``attention-wpr`` (they need ``--actor``: each batch first runs DORA,
 then replays its gates and budgets with the other selector; the DORA row is reported as well).
@@ -101,6 +102,7 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
                     help="pitome: fraction of its visual tokens every block keeps (the authors' knob, 0.5-1), instead of --r")
     ap.add_argument("--prop-attn", action=argparse.BooleanOptionalAction, default=None,
                     help="ToMe / PiToMe with or without proportional attention (default: ToMe on, PiToMe off as its authors' code)")
+    ap.add_argument("--mask", default=None, help="vpruner: the searched mask JSON (e.g. benchmarks/baselines/vpruner/<model>_keep<K>.json)")
     ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40")
     ap.add_argument("--rule", choices=("cls_sim", "slice"), default="cls_sim", help="static schedule token rule")
     ap.add_argument("--wpr-iters", type=int, default=30, help="Attention-WPR propagation steps")
@@ -120,7 +122,8 @@ def method_from_args(model: nn.Module, args) -> Method:
     return build_method(model, args.method, actor=args.actor, r=args.r, prop_attn=args.prop_attn, ratio=args.ratio,
                         schedule=args.schedule, rule=args.rule, seed=args.seed, wpr_iters=args.wpr_iters,
                         attn_backend=args.attn_backend, cuda_graphs=getattr(args, "cuda_graphs", False),
-                        skip_dead=getattr(args, "skip_dead", False), merge=getattr(args, "merge", None))
+                        skip_dead=getattr(args, "skip_dead", False), merge=getattr(args, "merge", None),
+                        mask=getattr(args, "mask", None))
 
 
 def run_header(args, device: torch.device, dtype: torch.dtype, autocast: bool) -> Dict[str, Any]:

@@ -1,5 +1,5 @@
 """The methods ``timm-dora eval`` / ``bench`` compare: native timm, DORA, the App. F.1 selector
-substitutions, ToMe, PiToMe, MCTF, Representation Shift, Zero-TPrune and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
+substitutions, ToMe, PiToMe, MCTF, Representation Shift, Zero-TPrune, V-Pruner and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
 a lean ``timing_fn`` for timing, ``close`` to give the model back), made by :func:`build_method`."""
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ from .baselines.zerotprune import ZeroTPrune
 from .baselines.tome import ToMe
 
 __all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ReductionMethod", "ToMeMethod",
-           "PiToMeMethod", "MCTFMethod", "RepShiftMethod", "ZeroTPruneMethod", "StaticMethod", "Output", "build_method",
+           "PiToMeMethod", "MCTFMethod", "RepShiftMethod", "ZeroTPruneMethod", "VPrunerMethod", "StaticMethod", "Output", "build_method",
            "native_forward"]
 
-METHODS = ("native", "dora", "tome", "pitome", "mctf", "repshift", "zerotprune", "static", "random", "similarity", "attention-wpr")
+METHODS = ("native", "dora", "tome", "pitome", "mctf", "repshift", "zerotprune", "vpruner", "static", "random", "similarity",
+           "attention-wpr")
 
 
 def native_forward(model: nn.Module, x: torch.Tensor, skip_dead: bool = False) -> torch.Tensor:
@@ -247,6 +248,27 @@ class ZeroTPruneMethod(ReductionMethod):
         super().__init__(fn, r, extra_gflops=fn.cost.extra_gflops)
 
 
+class VPrunerMethod(ReductionMethod):
+    """V-Pruner (:mod:`~timm_dora.evaluate.baselines.vpruner`): one mask of the patch positions,
+    searched offline for this backbone and budget, the same for every image, applied before block 0;
+    attention stays fused SDPA. ``mask``: a mask JSON file (or a
+    :class:`~timm_dora.evaluate.baselines.vpruner.VPrunerMask`, or the kept positions). The ``N - K``
+    deleted tokens are reported as removed at block 0."""
+
+    label = "V-Pruner"
+
+    def __init__(self, model: nn.Module, mask, skip_dead: bool = False):
+        from .baselines.vpruner import VPruner  # here: the module is also run as python -m (its search)
+
+        fn = VPruner(model, mask, skip_dead)
+        super().__init__(fn, fn.cost.r)
+        search = fn.mask.search_cost if fn.mask is not None else {}
+        self.config = {"mask": fn.source, "keep": fn.cost.keep,
+                       **({"search_cost": {k: search[k] for k in ("wall_s", "forward_passes", "device") if k in search}}
+                          if search else {}),
+                       **({"skip_dead": True} if skip_dead else {})}
+
+
 class StaticMethod(Method):
     def __init__(self, model: nn.Module, schedule, rule: str = "cls_sim", skip_dead: bool = False):
         self.fn = StaticPrune(model, schedule, rule, skip_dead)
@@ -290,6 +312,7 @@ def build_method(
     cuda_graphs: Optional[bool] = False,
     skip_dead: bool = False,
     merge: Optional[bool] = None,
+    mask=None,
 ) -> Method:
     """A :class:`Method` by name (see :data:`METHODS`). ``skip_dead``: every method leaves out the
     last block's MLP on the tokens a CLS-token readout never reads (and counts what runs).
@@ -300,9 +323,12 @@ def build_method(
     (``False``) the removed tokens; ``None``: as the actor was trained (``wrap``'s default).
     ``prop_attn``: proportional attention for ``tome`` / ``pitome`` (``None``: the method's default,
     on for ToMe, off for PiToMe as in its authors' code). ``ratio``: ``pitome``'s own knob, the
-    fraction of its visual tokens every block keeps (instead of ``r``)."""
+    fraction of its visual tokens every block keeps (instead of ``r``). ``mask``: ``vpruner``'s
+    searched mask (its JSON file)."""
     if ratio is not None and method != "pitome":
         raise ValueError(f"--ratio applies to pitome only, not {method}")
+    if mask is not None and method != "vpruner":
+        raise ValueError(f"--mask applies to vpruner, not {method}")
     if method == "native":
         return NativeMethod(model, skip_dead)
     if method == "dora":
@@ -321,6 +347,13 @@ def build_method(
             raise ValueError(f"--{'' if prop_attn else 'no-'}prop-attn applies to tome and pitome, not {method}")
         cls = {"mctf": MCTFMethod, "repshift": RepShiftMethod, "zerotprune": ZeroTPruneMethod}[method]
         return cls(model, _parse_r(r, method), skip_dead)
+    if method == "vpruner":
+        if mask is None:
+            raise ValueError("--method vpruner needs --mask (a mask JSON from python -m timm_dora.evaluate.baselines.vpruner search)")
+        if r is not None or prop_attn is not None:
+            raise ValueError(f"{'--r' if r is not None else '--prop-attn/--no-prop-attn'} does not apply to vpruner "
+                             "(its knob is --mask)")
+        return VPrunerMethod(model, mask, skip_dead)
     if method == "static":
         if not schedule:
             raise ValueError("--method static needs --schedule block:count[,block:count...]")

@@ -16,6 +16,12 @@
 - :mod:`~timm_dora.evaluate.baselines.zerotprune`: Zero-TPrune: weighted PageRank on the attention
   graph (emphasised informative region, variance head filter) and a similarity stage pick the
   tokens to prune: :func:`zerotprune_forward`, :class:`ZeroTPrune`.
+- :mod:`~timm_dora.evaluate.baselines.vpruner`: V-Pruner: one mask of the patch positions per backbone
+  and budget, searched offline (Fisher prior, PPO over Plackett-Luce masks) on the pool's rollout
+  images, the same for every image and applied before block 0: :func:`vpruner_forward`,
+  :class:`VPruner`, :func:`search_mask`. Imported from its module only (not re-exported here), so that
+  its command line, ``python -m timm_dora.evaluate.baselines.vpruner search``, runs a module that
+  nothing imported before.
 - :mod:`~timm_dora.evaluate.baselines.static`: dense static pruning schedules (fixed counts at fixed
   blocks; tokens chosen per image by CLS-key similarity, or sliced for a zero-overhead speed
   reference): :func:`static_forward`, :class:`StaticPrune`.
