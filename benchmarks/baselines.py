@@ -133,7 +133,8 @@ class Run:
             if time_it:
                 res = bench(m.timing_fn(), self.inputs, warmup=self.args.warmup, iters=self.args.iters,
                             repeats=self.args.repeats)
-                rec.update(images_per_s=res["images_per_s"], attention_ops=res.get("attention_ops"))
+                rec.update(images_per_s=res["images_per_s"], repeats_images_per_s=res.get("repeats_images_per_s"),
+                           attention_ops=res.get("attention_ops"))
         finally:
             if hasattr(m, "close"):
                 m.close()
@@ -160,7 +161,7 @@ def _row(rec: Dict, native: torch.Tensor, knob) -> Dict:
     c = rec["correct"]
     return {"knob": knob, "top1": 100.0 * float(c.float().mean()), **paired_drop(native, c),
             "agreement": None, "gflops": float(rec["gflops"].mean()), "images_per_s": rec.get("images_per_s"),
-            "attention_ops": rec.get("attention_ops"), "config": rec.get("config")}
+            "repeats_images_per_s": rec.get("repeats_images_per_s"), "attention_ops": rec.get("attention_ops"), "config": rec.get("config")}
 
 
 def run(args, t0: float) -> Dict:
@@ -203,7 +204,7 @@ def run(args, t0: float) -> Dict:
         recs = []
         for v in vals:
             kw = {knob: v}
-            recs.append((v, r.measure(f"{name} {Path(str(v)).stem}", lambda: build_method(r.model, name, **kw))))
+            recs.append((v, r.measure(f"{name} {_knob(v)}", lambda: build_method(r.model, name, **kw))))
         methods[name] = {"label": label, "knob": knob, "recs": recs}
 
     # curves, matched comparisons
@@ -272,9 +273,10 @@ def run(args, t0: float) -> Dict:
         "protocol": {"batch": args.batch, "batches": r.bench_info["batches"], "warmup": args.warmup, "iters": args.iters,
                      "repeats": args.repeats, "statistic": "median over repeats", "bootstrap_resamples": args.resamples,
                      "matched_drops_pp": list(MATCHED_DROPS),
-                     "matching": "GFLOPs where each curve first reaches the paired drop, from its most expensive setting "
-                                 "(linear interpolation, no extrapolation); difference = method - DORA (positive: DORA "
-                                 "needs less); 95 % percentile interval over image resamples"},
+                     "matching": "each curve's paired drops made monotone in GFLOPs (isotonic regression), then the GFLOPs "
+                                 "where it reaches the drop (linear interpolation, no extrapolation); difference = "
+                                 "method - DORA (positive: DORA needs less); 95 % percentile interval over image "
+                                 "resamples (timm_dora.evaluate.curves)"},
         "native": {"top1": 100.0 * float(nat_c.float().mean()), "gflops": r.native_gflops,
                    "images_per_s": native.get("images_per_s"), "attention_ops": native.get("attention_ops")},
         "dora": {"actor": str(args.actor or "published (" + args.model + ")"),

@@ -6,17 +6,23 @@ import pytest
 import torch
 
 from timm_dora.evaluate.corruptions import FAMILIES, corrupt
-from timm_dora.evaluate.curves import Point, compare_at_drops, gflops_at_drop, paired_drop
+from timm_dora.evaluate.curves import Point, compare_at_drops, gflops_at_drop, monotone, paired_drop
 
 
-def test_gflops_at_drop_interpolates_the_first_crossing():
-    # from the most expensive point: drops 0.2 (2.0), 0.8 (1.6), 1.4 (1.2), then 1.1 (1.0)
+def test_monotone_pools_adjacent_violators_by_hand():
+    assert monotone([0.2, 0.8, 1.4, 1.1]) == pytest.approx([0.2, 0.8, 1.25, 1.25])
+    assert monotone([1.0, 0.0, 0.5, 2.0]) == pytest.approx([0.5, 0.5, 0.5, 2.0])  # 1, 0 pool to 0.5; 0.5 ties
+    assert monotone([0.1, 0.2, 0.3]) == [0.1, 0.2, 0.3]  # already monotone: unchanged
+
+
+def test_gflops_at_drop_reads_the_monotone_curve():
+    # from the most expensive point: (2.0, 0.2), (1.6, 0.8), (1.2, 1.4), (1.0, 1.1): fitted 0.2, 0.8, 1.25, 1.25
     g, d = [1.2, 2.0, 1.0, 1.6], [1.4, 0.2, 1.1, 0.8]
     assert gflops_at_drop(g, d, 0.5) == pytest.approx(2.0 + (0.5 - 0.2) / 0.6 * (1.6 - 2.0))  # 1.8
-    assert gflops_at_drop(g, d, 1.0) == pytest.approx(1.6 + (1.0 - 0.8) / 0.6 * (1.2 - 1.6))
+    assert gflops_at_drop(g, d, 1.0) == pytest.approx(1.6 + (1.0 - 0.8) / 0.45 * (1.2 - 1.6))
+    assert gflops_at_drop(g, d, 1.25) == pytest.approx(1.2)  # reached exactly at a (pooled) point
     assert math.isnan(gflops_at_drop(g, d, 1.5))  # never reached: no extrapolation
-    assert math.isnan(gflops_at_drop(g, d, 0.1))  # the lightest setting already drops more
-    assert gflops_at_drop([2.0, 1.0], [0.0, 1.0], 1.0) == pytest.approx(1.0)  # reached exactly at a point
+    assert math.isnan(gflops_at_drop(g, d, 0.1))  # the most expensive setting already drops more
 
 
 def test_paired_drop_and_its_standard_error_by_hand():

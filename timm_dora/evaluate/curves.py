@@ -1,11 +1,14 @@
 """Operating curves compared at matched accuracy, with bootstrap intervals over images (ours).
 
 A method's *curve* is its sweep: points ``(GFLOPs, paired drop)`` measured on the same images as
-native, one per setting of its knob. Two curves are compared where they lose the same accuracy:
-:func:`gflops_at_drop` reads, along a curve, the GFLOPs at which the paired drop first reaches a
-target ``d`` (walking from the point with the most GFLOPs towards fewer, interpolating linearly
-between the two points that bracket ``d``). It is undefined (``nan``) where the curve's lightest
-setting already drops more than ``d``, or where no setting drops ``d``: no extrapolation.
+native, one per setting of its knob. Two curves are compared where they lose the same accuracy.
+Measured drops are noisy, so a cheaper setting can look better than a dearer one; each curve is
+first made monotone by isotonic regression (:func:`monotone`: the paired drops, ordered from the
+most expensive setting to the cheapest, fitted non-decreasing by pooling adjacent violators), which
+neither picks the luckiest setting nor lets one unlucky setting decide. :func:`gflops_at_drop`
+then reads the GFLOPs at which the fitted drop reaches a target ``d``, interpolating linearly
+between the two settings that bracket it. It is undefined (``nan``) where the curve's most
+expensive setting already drops ``d`` or more, or where no setting drops ``d``: no extrapolation.
 
 :func:`compare_at_drops` gives, for each target, ``method - reference`` GFLOPs (positive: the method
 needs more computation for the same accuracy, the reference wins) and its 95 % percentile interval
@@ -25,7 +28,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-__all__ = ["Point", "gflops_at_drop", "compare_at_drops", "paired_drop"]
+__all__ = ["Point", "compare_at_drops", "gflops_at_drop", "monotone", "paired_drop"]
 
 
 @dataclass
@@ -47,13 +50,31 @@ def paired_drop(native: torch.Tensor, correct: torch.Tensor) -> Dict[str, float]
     return {"paired_drop": 100.0 * mean, "paired_drop_se": 100.0 * math.sqrt(max(var, 0.0) / n)}
 
 
+def monotone(drops: Sequence[float]) -> List[float]:
+    """The non-decreasing least-squares fit to ``drops`` (pool adjacent violators, equal weights):
+    a curve's paired drops, ordered from its most expensive setting to its cheapest, with the noise
+    that makes a cheaper setting look better removed by averaging the settings that disagree."""
+    blocks: List[List[float]] = []  # [sum, count] of each pooled run
+    for d in drops:
+        blocks.append([float(d), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
 def gflops_at_drop(gflops: Sequence[float], drops: Sequence[float], target: float) -> float:
-    """The GFLOPs at which the curve ``(gflops[i], drops[i])`` first reaches a paired drop of
-    ``target``, from its most expensive point towards its cheapest (see the module docstring)."""
+    """The GFLOPs at which the curve ``(gflops[i], drops[i])``, made monotone (:func:`monotone`),
+    reaches a paired drop of ``target`` (see the module docstring)."""
     pts = sorted(zip(gflops, drops), key=lambda p: -p[0])
-    if not pts or pts[0][1] >= target:
+    if not pts:
         return math.nan
-    for (g0, d0), (g1, d1) in zip(pts, pts[1:]):
+    g = [p[0] for p in pts]
+    d = monotone([p[1] for p in pts])
+    if d[0] >= target:
+        return math.nan
+    for g0, d0, g1, d1 in zip(g, d, g[1:], d[1:]):
         if d0 < target <= d1:
             return g0 + (target - d0) / (d1 - d0) * (g1 - g0)
     return math.nan
