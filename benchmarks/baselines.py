@@ -26,6 +26,8 @@ limit goes on where it stopped when run again. One H100, both Tiny backbones, a 
         --data labels.csv --calibration-data labels_train.csv --diffrate benchmarks/baselines/diffrate \\
         --vpruner benchmarks/baselines/vpruner --out benchmarks/results/baselines_vit_tiny.json
 
+``python -m benchmarks.baselines table OUT...`` prints the README's table from such files.
+
 CPU smoke test (random tiny model): ``--random-weights --img-size 64 --device cpu --batch 4
 --warmup 1 --iters 1 --repeats 1 --resamples 20``.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -290,7 +293,44 @@ def run(args, t0: float) -> Dict:
     return payload
 
 
+def table(docs: List[Dict]) -> str:
+    """The README's table from comparison runs: per backbone native, DORA's published actor and each
+    method at its setting nearest DORA's GFLOPs (top-1, GFLOPs, images/s), and the matched
+    comparison at a 1.0 pp drop (method - DORA GFLOPs, 95 % interval, verdict; at 1.5 or 0.5 pp,
+    said so, where a curve does not reach 1.0 pp)."""
+    lines = ["| backbone | method (setting) | top-1 (%) | GFLOPs | images/s | GFLOPs - DORA's at a 1.0 pp drop [95 % CI] |",
+             "|---|---|---:|---:|---:|---|"]
+    for d in docs:
+        bb = d["model"].split("_patch")[0]
+        nat = d["native"]
+        lines.append(f"| {bb} | native | {nat['top1']:.2f} | {nat['gflops']:.3f} | {nat['images_per_s']:,.0f} | |")
+        dora = next(p for p in d["dora"]["curve"] if p["knob"] == "published")
+        lines.append(f"| {bb} | **DORA** (published) | {dora['top1']:.2f} | {dora['gflops']:.3f} | "
+                     f"{dora['images_per_s']:,.0f} | |")
+        for m in d["methods"].values():
+            if not m["sweep"]:
+                continue
+            p = min(m["sweep"], key=lambda q: abs(q["gflops"] - dora["gflops"]))
+            by_drop = {v["drop_pp"]: v for v in m["vs_dora"] if v["ci95"] is not None}
+            at = next((t for t in (1.0, 1.5, 0.5) if t in by_drop), None)
+            if at is None:
+                vs = "no drop of 0.5-1.5 pp on both curves"
+            else:
+                v = by_drop[at]
+                lo, hi = v["ci95"]
+                vs = (f"{v['gflops_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]" + ("" if at == 1.0 else f" at {at:g} pp") + ": "
+                      + {"reference wins": "DORA wins", "method wins": "DORA loses", "unresolved": "tie"}[v["verdict"]])
+            knob = str(p["knob"]).replace(d["model"].split(".")[0] + "_", "").replace(".json", "")
+            lines.append(f"| {bb} | {m['label']} ({m['knob']} {knob}) | {p['top1']:.2f} | {p['gflops']:.3f} | "
+                         f"{p['images_per_s']:,.0f} | {vs} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> Dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["table"]:  # python -m benchmarks.baselines table FILE... : the README's table
+        print(table([json.loads(Path(f).read_text()) for f in argv[1:]]))
+        return {}
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--weights", default=None)

@@ -63,6 +63,8 @@ def test_baselines_run_writes_curves_comparisons_and_shift_and_resumes(tmp_path)
     assert sorted(p["gflops"] for p in drawn["curves"]["ToMe"]) == sorted(p["gflops"] for p in res["methods"]["tome"]["sweep"])
     svg = (tmp_path / "viz" / "comparison.svg").read_text()
     assert "ToMe|gflops" in svg and "DORA|throughput" in svg and "native|gflops" in svg
+    text = baselines.table([res])  # the README's table: native, DORA, each method at DORA's GFLOPs
+    assert text.count("\n") == 1 + 4 and "| vit_tiny | **DORA** (published) |" in text and "| vit_tiny | ToMe (r " in text
     # a second run reads every setting from the state file and writes the same numbers
     again = baselines.main(argv)
     strip = lambda d: {k: v for k, v in d.items() if k not in ("command",)}  # noqa: E731
