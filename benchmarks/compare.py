@@ -1,4 +1,4 @@
-"""Accuracy, GFLOPs and throughput of native, ToMe sweeps, static schedules (and DORA) per backbone.
+"""Accuracy, GFLOPs and throughput of native, ToMe sweeps, static schedules, DiffRate (and DORA) per backbone.
 
 For each backbone (default: the two real ones in ``../shared/weights``, ViT-Ti AugReg and DeiT-Ti):
 
@@ -7,6 +7,8 @@ For each backbone (default: the two real ones in ``../shared/weights``, ViT-Ti A
 2. top-1/top-5 and GFLOPs (App. E.4) of every configuration on all of them, in one pass (native,
    ToMe for every ``--r``, static schedules for every ``--static-reductions`` target at
    ``--static-blocks`` with the ``cls_sim`` rule and the zero-overhead ``slice`` speed reference,
+   DiffRate for every learned schedule ``<--diffrate>/<arch>_*.json`` of the backbone (from
+   ``python -m timm_dora.evaluate.baselines.diffrate learn``, e.g. ``benchmarks/baselines/diffrate``),
    DORA when ``--actor`` is given, and then the App. F.1 selector substitutions ``--selectors``
    that keep DORA's gates and budgets);
 3. throughput of every configuration with the App. E.5 protocol (:func:`timm_dora.evaluate.bench.time_forward`)
@@ -36,6 +38,7 @@ import torch
 from timm_dora.evaluate.bench import bench, bench_inputs
 from timm_dora.data import eval_transform, open_split, preload
 from timm_dora.evaluate import (
+    DiffRateMethod,
     DoraMethod,
     NativeMethod,
     SelectorMethod,
@@ -93,6 +96,9 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
     for s in schedules:
         for rule in ("cls_sim", "slice"):
             methods.append(StaticMethod(model, s, rule))
+    if args.diffrate:
+        for path in sorted(Path(args.diffrate).glob(f"{name.split('.')[0]}_*.json")):
+            methods.append(DiffRateMethod(model, str(path)))
     dora = DoraMethod(model, actor) if actor else None  # wraps last: the others use the submodules
     if dora is not None:
         methods.append(dora)
@@ -165,6 +171,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--r", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 14, 16], help="ToMe sweep (r per block)")
     ap.add_argument("--static-reductions", type=float, nargs="+", default=[0.2, 0.3, 0.4], help="static GFLOPs-reduction targets")
     ap.add_argument("--static-blocks", type=int, nargs="+", default=[3, 6, 9])
+    ap.add_argument("--diffrate", default=None,
+                    help="folder of learned DiffRate schedules, <arch>_<target>.json (e.g. benchmarks/baselines/diffrate)")
     ap.add_argument("--selectors", nargs="*", default=["random", "similarity", "attention-wpr"],
                     help="App. F.1 selector substitutions run with the DORA actor (accuracy only)")
     ap.add_argument("--cuda-graphs", action="store_true",

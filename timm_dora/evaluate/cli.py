@@ -23,7 +23,8 @@ contract) and fp32 on the CPU; ``bf16-autocast`` keeps fp32 weights under ``torc
 Methods (``--method``): ``native``; ``dora`` (``--actor``: folder, ``hf-hub:org/name`` or a bare repo
 id; none: the registered actor); ``tome`` (``--r``: one value for every block or one per block;
 ``--no-prop-attn``); ``pitome`` (PiToMe: the same ``--r`` and ``--no-prop-attn``); ``mctf`` (MCTF off the shelf:
-``--r`` tokens fused in every block but the first); ``repshift`` (Representation Shift) and
+``--r`` tokens fused in every block but the first); ``diffrate`` (DiffRate: ``--schedule FILE.json``, a
+prune/merge schedule learned by ``python -m timm_dora.evaluate.baselines.diffrate learn``); ``repshift`` (Representation Shift) and
 ``zerotprune`` (Zero-TPrune): ``--r`` tokens pruned per block; ``static``
 (``--schedule 3:40,6:40,9:40``, ``--rule cls_sim|slice``); and the App. F.1 selector substitutions
 ``random`` / ``similarity`` / ``attention-wpr`` (they need ``--actor``: each batch first runs DORA,
@@ -97,7 +98,8 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
                          "them (--no-merge); default: as the actor was trained (its config's merge)")
     ap.add_argument("--r", type=int, nargs="+", default=None, help="tokens merged (tome, pitome), fused (mctf) or pruned (repshift, zerotprune) per block: one value, or one per block")
     ap.add_argument("--no-prop-attn", action="store_true", help="ToMe / PiToMe without proportional attention")
-    ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40")
+    ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40; "
+                    "diffrate: a learned schedule JSON")
     ap.add_argument("--rule", choices=("cls_sim", "slice"), default="cls_sim", help="static schedule token rule")
     ap.add_argument("--wpr-iters", type=int, default=30, help="Attention-WPR propagation steps")
     ap.add_argument("--skip-dead", action="store_true",
