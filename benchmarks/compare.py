@@ -1,4 +1,4 @@
-"""Accuracy, GFLOPs and throughput of native, ToMe sweeps, static schedules (and DORA) per backbone.
+"""Accuracy, GFLOPs and throughput of native, ToMe sweeps, static schedules, DiffRate (and DORA) per backbone.
 
 For each backbone (default: the two real ones in ``../shared/weights``, ViT-Ti AugReg and DeiT-Ti):
 
@@ -7,9 +7,11 @@ For each backbone (default: the two real ones in ``../shared/weights``, ViT-Ti A
 2. top-1/top-5 and GFLOPs (App. E.4) of every configuration on all of them, in one pass (native,
    ToMe for every ``--r``, static schedules for every ``--static-reductions`` target at
    ``--static-blocks`` with the ``cls_sim`` rule and the zero-overhead ``slice`` speed reference,
-   V-Pruner for every ``--vpruner-masks`` file searched for the backbone's architecture, DORA when
-   ``--actor`` is given, and then the App. F.1 selector substitutions ``--selectors`` that keep
-   DORA's gates and budgets);
+   V-Pruner for every ``--vpruner-masks`` file searched for the backbone's architecture,
+   DiffRate for every learned schedule ``<--diffrate>/<arch>_*.json`` of the backbone (from
+   ``python -m timm_dora.evaluate.baselines.diffrate learn``, e.g. ``benchmarks/baselines/diffrate``),
+   DORA when ``--actor`` is given, and then the App. F.1 selector substitutions ``--selectors``
+   that keep DORA's gates and budgets);
 3. throughput of every configuration with the App. E.5 protocol (:func:`timm_dora.evaluate.bench.time_forward`)
    on full batches of those same images (1,300 test images give 4 batches of 320);
 4. with a DORA row, the accuracy-matched table (App. E.2, :mod:`timm_dora.evaluate.matching`).
@@ -37,6 +39,7 @@ import torch
 from timm_dora.evaluate.bench import bench, bench_inputs
 from timm_dora.data import eval_transform, open_split, preload
 from timm_dora.evaluate import (
+    DiffRateMethod,
     DoraMethod,
     NativeMethod,
     SelectorMethod,
@@ -106,6 +109,9 @@ def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, 
             methods.append(StaticMethod(model, s, rule))
     for path in vpruner_masks(args.vpruner_masks, model):
         methods.append(VPrunerMethod(model, path))
+    if args.diffrate:
+        for path in sorted(Path(args.diffrate).glob(f"{name.split('.')[0]}_*.json")):
+            methods.append(DiffRateMethod(model, str(path)))
     dora = DoraMethod(model, actor) if actor else None  # wraps last: the others use the submodules
     if dora is not None:
         methods.append(dora)
@@ -181,6 +187,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--vpruner-masks", nargs="*", default=[],
                     help="V-Pruner mask JSONs or folders of them (e.g. benchmarks/baselines/vpruner); each backbone "
                          "runs those searched for its architecture")
+    ap.add_argument("--diffrate", default=None,
+                    help="folder of learned DiffRate schedules, <arch>_<target>.json (e.g. benchmarks/baselines/diffrate)")
     ap.add_argument("--selectors", nargs="*", default=["random", "similarity", "attention-wpr"],
                     help="App. F.1 selector substitutions run with the DORA actor (accuracy only)")
     ap.add_argument("--cuda-graphs", action="store_true",

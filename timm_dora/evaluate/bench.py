@@ -7,8 +7,8 @@ before and after the timed loop; ``repeats`` repeats; ``t_r = 1000 T_r / iters``
 ``q_r = batch * iters / T_r`` images/s; the medians are reported. Defaults are the paper's: batch
 320, 200 + 200 forwards, 5 repeats, bf16 weights and activations, TF32 off, no ``torch.compile``,
 all under ``torch.inference_mode``. The timed callable includes everything a method does online
-(DORA: actor, selection, packing, compaction; ToMe, PiToMe, MCTF, Representation Shift, Zero-TPrune:
-their scoring, matching, merging or pruning).
+(DORA: actor, selection, packing, compaction; ToMe, PiToMe, MCTF, DiffRate, Representation Shift,
+Zero-TPrune: their scoring, matching, merging or pruning).
 
 Inputs (:func:`bench_inputs`): real images of a dataset split when ``data`` is given (the
 model's eval preprocessing, then moved to the device in the timing dtype): as many full batches as

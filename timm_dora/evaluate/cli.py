@@ -24,7 +24,8 @@ Methods (``--method``): ``native``; ``dora`` (``--actor``: folder, ``hf-hub:org/
 id; none: the registered actor); ``tome`` (``--r``: one value for every block or one per block;
 ``--no-prop-attn``); ``pitome`` (PiToMe: the same ``--r``, or its authors' knob ``--ratio`` (fraction of
 tokens every block keeps); proportional attention off unless ``--prop-attn``); ``mctf`` (MCTF off the shelf:
-``--r`` tokens fused in every block but the first); ``repshift`` (Representation Shift) and
+``--r`` tokens fused in every block but the first); ``diffrate`` (DiffRate: ``--schedule FILE.json``, a
+prune/merge schedule learned by ``python -m timm_dora.evaluate.baselines.diffrate learn``); ``repshift`` (Representation Shift) and
 ``zerotprune`` (Zero-TPrune): ``--r`` tokens pruned per block; ``vpruner`` (V-Pruner: ``--mask``, a mask
 JSON searched offline per backbone and budget by ``python -m timm_dora.evaluate.baselines.vpruner search``); ``static``
 (``--schedule 3:40,6:40,9:40``, ``--rule cls_sim|slice``); and the App. F.1 selector substitutions
@@ -103,7 +104,8 @@ def add_method_args(ap: argparse.ArgumentParser, default: str = "dora") -> None:
     ap.add_argument("--prop-attn", action=argparse.BooleanOptionalAction, default=None,
                     help="ToMe / PiToMe with or without proportional attention (default: ToMe on, PiToMe off as its authors' code)")
     ap.add_argument("--mask", default=None, help="vpruner: the searched mask JSON (e.g. benchmarks/baselines/vpruner/<model>_keep<K>.json)")
-    ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40")
+    ap.add_argument("--schedule", default=None, help="static schedule block:count[,block:count...], e.g. 3:40,6:40,9:40; "
+                    "diffrate: a learned schedule JSON")
     ap.add_argument("--rule", choices=("cls_sim", "slice"), default="cls_sim", help="static schedule token rule")
     ap.add_argument("--wpr-iters", type=int, default=30, help="Attention-WPR propagation steps")
     ap.add_argument("--skip-dead", action="store_true",

@@ -1,5 +1,5 @@
 """The methods ``timm-dora eval`` / ``bench`` compare: native timm, DORA, the App. F.1 selector
-substitutions, ToMe, PiToMe, MCTF, Representation Shift, Zero-TPrune, V-Pruner and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
+substitutions, ToMe, PiToMe, MCTF, DiffRate, Representation Shift, Zero-TPrune, V-Pruner and static schedules, each a :class:`Method` (``outputs(x) -> {row: Output}``,
 a lean ``timing_fn`` for timing, ``close`` to give the model back), made by :func:`build_method`."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ..engine.blocks import embed, mlp_residual
 from ..engine.patch import check_skip_dead
 from .baselines.selectors import SELECTORS
 from .baselines.static import StaticPrune
+from .baselines.diffrate import DiffRate
 from .baselines.mctf import MCTF
 from .baselines.pitome import PROP_ATTN as PITOME_PROP_ATTN, PiToMe
 from .baselines.repshift import RepShift
@@ -22,10 +23,10 @@ from .baselines.zerotprune import ZeroTPrune
 from .baselines.tome import ToMe
 
 __all__ = ["METHODS", "Method", "NativeMethod", "DoraMethod", "SelectorMethod", "ReductionMethod", "ToMeMethod",
-           "PiToMeMethod", "MCTFMethod", "RepShiftMethod", "ZeroTPruneMethod", "VPrunerMethod", "StaticMethod", "Output", "build_method",
+           "PiToMeMethod", "MCTFMethod", "DiffRateMethod", "RepShiftMethod", "ZeroTPruneMethod", "VPrunerMethod", "StaticMethod", "Output", "build_method",
            "native_forward"]
 
-METHODS = ("native", "dora", "tome", "pitome", "mctf", "repshift", "zerotprune", "vpruner", "static", "random", "similarity",
+METHODS = ("native", "dora", "tome", "pitome", "mctf", "diffrate", "repshift", "zerotprune", "vpruner", "static", "random", "similarity",
            "attention-wpr")
 
 
@@ -176,8 +177,8 @@ class SelectorMethod(DoraMethod):
 
 class ReductionMethod(Method):
     """A dense baseline that reduces every image alike, ``r`` tokens per block (ToMe, PiToMe, MCTF,
-    Representation Shift, Zero-TPrune): ``fn(x) -> logits`` with ``fn.cost`` (``gflops`` per
-    image, the effective ``r`` per block) and ``fn.name``."""
+    DiffRate, Representation Shift, Zero-TPrune): ``fn(x) -> logits`` with ``fn.cost`` (``gflops``
+    per image, the effective ``r`` per block) and ``fn.name``."""
 
     label = "a token-reduction baseline"
 
@@ -224,6 +225,19 @@ class MCTFMethod(ReductionMethod):
     def __init__(self, model: nn.Module, r, skip_dead: bool = False):
         fn = MCTF(model, r, skip_dead=skip_dead)
         super().__init__(fn, r, extra_gflops=fn.cost.extra_gflops)
+
+
+class DiffRateMethod(ReductionMethod):
+    """DiffRate (:mod:`~timm_dora.evaluate.baselines.diffrate`): a learned per-block prune/merge
+    schedule (a JSON from ``python -m timm_dora.evaluate.baselines.diffrate learn``, or a
+    :class:`~timm_dora.evaluate.baselines.diffrate.DiffRateSchedule`), the same for every image."""
+
+    label = "DiffRate"
+
+    def __init__(self, model: nn.Module, schedule, skip_dead: bool = False):
+        fn = DiffRate(model, schedule, skip_dead=skip_dead)
+        super().__init__(fn, fn.cost.r, schedule=fn.source, prune=list(fn.schedule.prune), merge=list(fn.schedule.merge),
+                         extra_gflops=fn.cost.extra_gflops)
 
 
 class RepShiftMethod(ReductionMethod):
@@ -354,6 +368,15 @@ def build_method(
             raise ValueError(f"{'--r' if r is not None else '--prop-attn/--no-prop-attn'} does not apply to vpruner "
                              "(its knob is --mask)")
         return VPrunerMethod(model, mask, skip_dead)
+    if method == "diffrate":
+        if not schedule:
+            raise ValueError("--method diffrate needs --schedule FILE.json (a schedule learned by "
+                             "python -m timm_dora.evaluate.baselines.diffrate learn)")
+        if r is not None:
+            raise ValueError("--r applies to tome, pitome, mctf, repshift and zerotprune, not diffrate (its schedule is --schedule)")
+        if prop_attn is not None:
+            raise ValueError(f"--{'' if prop_attn else 'no-'}prop-attn applies to tome and pitome, not diffrate")
+        return DiffRateMethod(model, schedule, skip_dead)
     if method == "static":
         if not schedule:
             raise ValueError("--method static needs --schedule block:count[,block:count...]")

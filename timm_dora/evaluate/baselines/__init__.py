@@ -10,6 +10,10 @@
 - :mod:`~timm_dora.evaluate.baselines.mctf`: MCTF (multi-criteria token fusion with one-step-ahead
   attention) off the shelf: similarity, informativeness and size attraction, bidirectional matching,
   attention- and size-weighted fusion: :func:`mctf_forward`, :class:`MCTF`.
+- :mod:`~timm_dora.evaluate.baselines.diffrate`: DiffRate (per-block prune and merge counts learned
+  on the frozen backbone by a differentiable discrete proxy; at inference tokens ranked by CLS
+  attention, the least important pruned, the next merged into their most similar kept token, with
+  proportional attention): :func:`diffrate_forward`, :class:`DiffRate`, :func:`learn_schedule`.
 - :mod:`~timm_dora.evaluate.baselines.repshift`: Representation Shift: the tokens whose
   representation a block's MLP changed least are pruned; no attention map, so attention stays fused
   SDPA: :func:`repshift_forward`, :class:`RepShift`.
@@ -30,6 +34,7 @@
 
 Every baseline reports GFLOPs per image under the same App. E.4 accounting as DORA.
 """
+from .diffrate import DiffRate, DiffRateSchedule, diffrate_forward, diffrate_gflops, learn_schedule
 from .mctf import MCTF, mctf_forward, mctf_gflops
 from .repshift import RepShift, repshift_forward, repshift_gflops
 from .zerotprune import ZeroTPrune, zerotprune_forward, zerotprune_gflops
@@ -41,6 +46,8 @@ from .tome import ToMe, bipartite_prune, bipartite_soft_matching, proportional_a
 __all__ = [
     "SELECTORS",
     "AttentionWPRSelector",
+    "DiffRate",
+    "DiffRateSchedule",
     "MCTF",
     "PiToMe",
     "RepShift",
@@ -52,7 +59,10 @@ __all__ = [
     "ToMe",
     "bipartite_prune",
     "bipartite_soft_matching",
+    "diffrate_forward",
+    "diffrate_gflops",
     "energy_scores",
+    "learn_schedule",
     "parse_schedule",
     "mctf_forward",
     "mctf_gflops",

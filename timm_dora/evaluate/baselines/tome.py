@@ -64,6 +64,8 @@ from ...engine.patch import check_skip_dead, check_supported
 
 __all__ = [
     "ToMe",
+    "attention_output",
+    "attention_qk",
     "attention_with_keys",
     "bipartite_edges",
     "bipartite_prune",
@@ -72,6 +74,7 @@ __all__ = [
     "merging_forward",
     "merging_gflops",
     "proportional_attention",
+    "qkv_heads",
     "r_per_block",
     "sizes_or_ones",
     "tome_forward",
@@ -104,25 +107,46 @@ def proportional_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def attention_with_keys(
-    blk: nn.Module, x: torch.Tensor, log_size: Optional[torch.Tensor] = None
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x + drop_path1(ls1(attn(norm1(x))))`` composed from the block's submodules (the same ops
-    as timm's fused path), with optional proportional attention; also returns the keys
-    ``[B, H, N, d_h]`` (after ``k_norm``)."""
+def qkv_heads(blk: nn.Module, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)``, each ``[B, H, N, d_h]``, of the block's ``attn.qkv`` on ``y`` (its ``norm1``
+    output), ``q_norm``/``k_norm`` applied."""
     attn = blk.attn
-    b, n, _ = x.shape
-    y = blk.norm1(x)
-    gate = getattr(attn, "gate", None)
+    b, n, _ = y.shape
     qkv = attn.qkv(y).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    o = proportional_attention(q, k, v, log_size)
+    return attn.q_norm(q), attn.k_norm(k), v
+
+
+def attention_output(blk: nn.Module, x: torch.Tensor, y: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """``x + drop_path1(ls1(proj(norm(o))))``: the attention residual of the heads' output ``o``
+    (``[B, H, N, d_h]``) on the block input ``x`` (``y``: its ``norm1``, for a gated attention)."""
+    attn = blk.attn
+    b, n, _ = x.shape
     o = attn.norm(o.transpose(1, 2).reshape(b, n, -1))
+    gate = getattr(attn, "gate", None)
     if gate is not None:
         o = o * gate(y).sigmoid()
     o = attn.proj_drop(attn.proj(o))
-    return x + blk.drop_path1(blk.ls1(o)), k
+    return x + blk.drop_path1(blk.ls1(o))
+
+
+def attention_qk(
+    blk: nn.Module, x: torch.Tensor, log_size: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x + drop_path1(ls1(attn(norm1(x))))`` composed from the block's submodules (the same ops
+    as timm's fused path), with optional proportional attention; also returns the queries and the
+    keys ``[B, H, N, d_h]`` (after ``q_norm``/``k_norm``)."""
+    y = blk.norm1(x)
+    q, k, v = qkv_heads(blk, y)
+    return attention_output(blk, x, y, proportional_attention(q, k, v, log_size)), q, k
+
+
+def attention_with_keys(
+    blk: nn.Module, x: torch.Tensor, log_size: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_qk` without the queries: the attention residual and the keys."""
+    x, _, k = attention_qk(blk, x, log_size)
+    return x, k
 
 
 # --------------------------------------------------------------------------------------------
