@@ -6,8 +6,10 @@ On one GPU, for one backbone and its published DORA actor:
    :func:`~timm_dora.evaluate.calibrate.calibrate_tilt`) to each ``--dora-targets`` GFLOPs reduction
    on the pool's ``--calibration-splits`` (never ``test``), plus the published actor itself.
 2. **Every baseline's sweep of its own knob**: ToMe, MCTF, Representation Shift and Zero-TPrune
-   over ``r``, PiToMe over its keep ratio per block; DiffRate over the schedules learned on the pool's rollout split
-   (``--diffrate DIR``), V-Pruner over the masks its offline search exported (``--vpruner DIR``).
+   over ``r``, PiToMe over its keep ratio per block; DiffRate over the schedules learned on the pool's
+   rollout split (``--diffrate DIR``) and, as the paper runs it, over the authors' published
+   schedules (``--diffrate-authors DIR``: DeiT-Ti's, applied to any backbone of 196 patches and 12
+   blocks); V-Pruner over the masks its offline search exported (``--vpruner DIR``).
 3. For every setting, on the ``--split`` images (the 1,300 ``test`` images): per-image top-1 hits
    and GFLOPs beside native's (top-1, paired drop and its standard error, agreement), and
    throughput at batch ``--batch`` with the App. E.5 protocol (:func:`~timm_dora.evaluate.bench.bench`;
@@ -70,11 +72,12 @@ def log(msg: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
-def _file_sweep(method: str, folder: Optional[str], model_name: str) -> List[str]:
-    """The knob files (DiffRate schedules, V-Pruner masks) for this backbone in ``folder``."""
+def _file_sweep(folder: Optional[str], model_name: Optional[str]) -> List[str]:
+    """The knob files (DiffRate schedules, V-Pruner masks) in ``folder``: those for this backbone's
+    architecture, or every one (``model_name=None``: schedules transferred from another backbone)."""
     if not folder:
         return []
-    arch = model_name.split(".")[0]
+    arch = model_name.split(".")[0] if model_name else ""
     return sorted(str(p) for p in Path(folder).glob(f"{arch}*.json"))
 
 
@@ -107,6 +110,14 @@ class Run:
         if self.state_path is not None and self.state_path.exists():
             self.state = torch.load(self.state_path, weights_only=False)
             log(f"resumed {len(self.state)} measured settings from {self.state_path}", t0)
+        # settings measured again in this run (a resumed run's own reference timings), with their
+        # earlier throughput kept beside the new one
+        self.retimed: Dict[str, Dict] = {}
+        for key in args.retime:
+            if key in self.state:
+                old = self.state.pop(key)
+                self.retimed[key] = {"earlier_images_per_s": old.get("images_per_s"),
+                                     "earlier_repeats_images_per_s": old.get("repeats_images_per_s")}
         self.inputs, self.bench_info = bench_inputs(self.model, batch=args.batch, batches=args.batches,
                                                     device=self.device, dtype=self.dtype, images=self.images)
 
@@ -198,17 +209,22 @@ def run(args, t0: float) -> Dict:
 
     # the baselines' sweeps
     methods: Dict[str, Dict] = {}
-    specs: List[Tuple[str, str, str, List]] = [(name, label, knob, (args.r if knob == "r" else None) or vals)
-                                               for name, (label, knob, vals) in SWEEPS.items() if name in args.methods]
-    for name, label, folder in (("diffrate", "DiffRate", args.diffrate), ("vpruner", "V-Pruner", args.vpruner)):
-        if name in args.methods:
-            specs.append((name, label, "schedule" if name == "diffrate" else "mask", _file_sweep(name, folder, args.model)))
-    for name, label, knob, vals in specs:
+    specs: List[Tuple[str, str, str, str, List]] = [  # (key, method, label, knob, values)
+        (name, name, label, knob, (args.r if knob == "r" else None) or vals)
+        for name, (label, knob, vals) in SWEEPS.items() if name in args.methods]
+    for name, method, label, knob, files in (
+            ("diffrate", "diffrate", "DiffRate", "schedule", _file_sweep(args.diffrate, args.model)),
+            ("diffrate_authors", "diffrate", "DiffRate (authors' schedules)", "schedule",
+             _file_sweep(args.diffrate_authors, None)),
+            ("vpruner", "vpruner", "V-Pruner", "mask", _file_sweep(args.vpruner, args.model))):
+        if name.split("_")[0] in args.methods and files:
+            specs.append((name, method, label, knob, files))
+    for name, method, label, knob, vals in specs:
         recs = []
         for v in vals:
             kw = {knob: v}
-            recs.append((v, r.measure(f"{name} {_knob(v)}", lambda: build_method(r.model, name, **kw))))
-        methods[name] = {"label": label, "knob": knob, "recs": recs}
+            recs.append((v, r.measure(f"{name} {_knob(v)}", lambda: build_method(r.model, method, **kw))))
+        methods[name] = {"label": label, "method": method, "knob": knob, "recs": recs}
 
     # curves, matched comparisons
     dora_curve = [Point(k, rec["correct"], rec["gflops"]) for k, rec in dora_points]
@@ -248,7 +264,7 @@ def run(args, t0: float) -> Dict:
             a = actor if v == "published" else actor.tilted(r.state[f"dora calibrated {v:g}"]["calibration"]["tilt_per_token"])
             m = DoraMethod(r.model, a, cuda_graphs=None)
         else:
-            m = build_method(r.model, name, **{methods[name]["knob"]: v})
+            m = build_method(r.model, methods[name]["method"], **{methods[name]["knob"]: v})
         try:
             for fam, sev in todo:
                 p = r.per_image(m, images_for(fam, sev))
@@ -287,6 +303,8 @@ def run(args, t0: float) -> Dict:
                  "unreachable_targets": unreachable,
                  "curve": [{**_row(rec, nat_c, k), "calibration": rec.get("calibration")} for k, rec in dora_points]},
         "methods": out_methods,
+        "retimed": {k: {**v, "images_per_s": r.state[k].get("images_per_s"),
+                        "repeats_images_per_s": r.state[k].get("repeats_images_per_s")} for k, v in r.retimed.items()},
         "shift": {"reduction_target_pct": args.shift_reduction, "implementation": "timm_dora.evaluate.corruptions "
                   "(torch, torchvision blur, PIL JPEG, with ImageNet-C's parameters)", "rows": shift_rows},
     }
@@ -348,6 +366,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     ap.add_argument("--r", type=int, nargs="+", default=None, help="one r sweep for the methods whose knob is r "
                                                                    "(default: each its own)")
     ap.add_argument("--diffrate", default=None, help="folder of DiffRate schedules (<arch>*.json)")
+    ap.add_argument("--diffrate-authors", default=None, help="folder of the authors' DiffRate schedules (every *.json; "
+                                                                   "applied to any backbone of the same token count)")
     ap.add_argument("--vpruner", default=None, help="folder of V-Pruner masks (<arch>*.json)")
     ap.add_argument("--shift-reduction", type=float, default=35.0)
     ap.add_argument("--families", nargs="+", default=["gaussian_noise", "gaussian_blur", "jpeg", "contrast"])
@@ -361,6 +381,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--retime", nargs="*", default=[], help="settings of the state to measure again (e.g. native "
+                                                            "'dora published'): a resumed run's timing reference")
     ap.add_argument("--state", default=None, help="per-setting results, kept for resuming (default: OUT.state.pt)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
