@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -338,7 +339,7 @@ def table(docs: List[Dict]) -> str:
                 lo, hi = v["ci95"]
                 vs = (f"{v['gflops_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]" + ("" if at == 1.0 else f" at {at:g} pp") + ": "
                       + {"reference wins": "DORA wins", "method wins": "DORA loses", "unresolved": "tie"}[v["verdict"]])
-            knob = str(p["knob"]).replace(d["model"].split(".")[0] + "_", "").replace(".json", "")
+            knob = re.sub(r"^.*_patch\d+_\d+_", "", str(p["knob"])).replace(".json", "")  # a file: its own part
             lines.append(f"| {bb} | {m['label']} ({m['knob']} {knob}) | {p['top1']:.2f} | {p['gflops']:.3f} | "
                          f"{p['images_per_s']:,.0f} | {vs} |")
     return "\n".join(lines)

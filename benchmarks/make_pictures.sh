@@ -3,6 +3,9 @@
 #
 #   bash benchmarks/make_pictures.sh            # SHARED=../shared (real ViT-Ti weights and images)
 #
+# comparison_h200: top-1 against GFLOPs and throughput of the paper's comparison set (DORA's calibrated curve,
+#   ToMe, PiToMe, MCTF, DiffRate, Representation Shift, Zero-TPrune, V-Pruner) on `test`
+#   (benchmarks/results/baselines_{vit,deit}_tiny.json, H200);
 # tradeoff_h100: top-1 against GFLOPs and throughput of DORA (the published actors), ToMe and static
 #   schedules on `test` (benchmarks/results/compare/, H100);
 # tradeoff_vit_tiny: drop against GFLOPs on `test` of DORA's seeds (the published actor's three
@@ -28,6 +31,8 @@ R=benchmarks/results
 V=vit_tiny_patch16_224.augreg_in21k_ft_in1k
 DATA=$SHARED/data/imagenet-mini
 
+timm-dora viz tradeoff --results $R/baselines_vit_tiny.json $R/baselines_deit_tiny.json --format png --out docs \
+    --name comparison_h200
 timm-dora viz tradeoff --results $R/compare/compare_*.json --format png --out docs --name tradeoff_h100 \
     --title "test split (1,300 images), H100 bf16: DORA (published actors), ToMe, static schedules"
 timm-dora viz tradeoff --results $R/tradeoff_vit_tiny.json --format png --out docs --name tradeoff_vit_tiny \

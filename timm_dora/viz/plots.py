@@ -448,15 +448,16 @@ def plot_sweep(datas: Sequence[Mapping[str, Any]], title: Optional[str] = None, 
 
 def plot_comparison(datas: Sequence[Mapping[str, Any]], title: Optional[str] = None):
     """The comparison set (dicts of :func:`~timm_dora.viz.data.comparison_data`), one column per
-    backbone: top-1 against GFLOPs (top row) and against throughput (bottom row), every method's
-    sweep as a line, DORA's calibrated curve as stars, native as a ring. Artists have
+    backbone: top-1 against GFLOPs (top row) and against throughput (bottom row; markers only), every
+    method's sweep as a line, DORA's calibrated curve as red stars, native as a ring. Artists have
     ``gid = f"{model}|{label}|{panel}"`` with panel ``gflops`` or ``throughput``."""
     import matplotlib
 
     if not datas:
         raise ValueError("no comparison runs to draw")
     labels = list(dict.fromkeys(k for d in datas for k in d["curves"]))
-    colors = matplotlib.colormaps["tab10"]
+    cmap = matplotlib.colormaps["tab10"]
+    palette = [cmap(i) for i in range(cmap.N) if i != 3]  # (tab10's red is DORA's alone)
     with _rc():
         fig = _figure(figsize=(5.6 * len(datas) + 0.4, 8.4))
         grid = fig.subplots(2, len(datas), squeeze=False)
@@ -471,8 +472,10 @@ def plot_comparison(datas: Sequence[Mapping[str, Any]], title: Optional[str] = N
                     if not pts:
                         continue
                     dora = label == "DORA"
+                    line = panel == "gflops" or dora  # (throughput is not monotone in a knob: markers only)
                     h = ax.plot([p[key] for p in pts], [p["top1"] for p in pts], marker="*" if dora else _MARKERS[c % len(_MARKERS)],
-                                ms=11 if dora else 4, lw=2.0 if dora else 1.1, color="tab:red" if dora else colors(c % colors.N),
+                                ls="-" if line else "none", ms=11 if dora else 5, lw=2.0 if dora else 1.1,
+                                color="tab:red" if dora else palette[c % len(palette)],
                                 mec="k" if dora else None, mew=0.5, zorder=3 if dora else 2, gid=f"{m}|{label}|{panel}")[0]
                     handles.setdefault(label, h)
                 nat = d["native"]
