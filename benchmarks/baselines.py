@@ -113,6 +113,10 @@ class Run:
             log(f"resumed {len(self.state)} measured settings from {self.state_path}", t0)
         # settings measured again in this run (a resumed run's own reference timings), with their
         # earlier throughput kept beside the new one
+        for prefix in args.forget:  # settings to measure afresh (a method changed), their shift rows too
+            for key in [k for k in self.state if k.startswith(prefix) or k.startswith("shift ") and
+                        k.split(" ")[3:4] == [prefix.split(" ")[0]]]:
+                del self.state[key]
         self.retimed: Dict[str, Dict] = {}
         for key in args.retime:
             if key in self.state:
@@ -186,14 +190,16 @@ def run(args, t0: float) -> Dict:
 
     # DORA: the published actor and its calibrated curve
     actor = resolve_actor(r.model, args.actor)
-    calib, unreachable = [], []
+    unreachable: List[Dict] = []
     if args.calibration_data:
         cal_batches = [x.to(r.device, r.dtype) for split in args.calibration_splits
                        for x, *_ in loader_for(r.model, args.calibration_data, split, batch=args.batch, workers=args.workers)]
     dora_points: List[Tuple[object, Dict]] = []
     dora_points.append(("published", r.measure("dora published", lambda: DoraMethod(r.model, actor, cuda_graphs=None))))
-    for target in (args.dora_targets if args.calibration_data else []):
+    for target in args.dora_targets:
         key = f"dora calibrated {target:g}"
+        if key not in r.state and not args.calibration_data:
+            continue  # (a resumed run without the pool reuses the tilts it found before)
         if key not in r.state:
             try:
                 tilted, record = calibrate_tilt(r.model, actor, cal_batches, float(target), steps=args.calibration_steps)
@@ -202,11 +208,11 @@ def run(args, t0: float) -> Dict:
                 log(f"{key}: {e}", t0)
                 continue
             rec = r.measure(key, lambda: DoraMethod(r.model, tilted, cuda_graphs=None))
-            rec["calibration"] = {k: record[k] for k in ("tilt_per_token", "target_reduction_pct", "reduction_pct",
-                                                         "images") if k in record}
+            rec["calibration"] = {**{k: record[k] for k in ("tilt_per_token", "target_reduction_pct", "reduction_pct",
+                                                            "images") if k in record},
+                                  "data": args.calibration_data, "splits": list(args.calibration_splits)}
             r.save()
         dora_points.append((target, r.state[key]))
-        calib.append(target)
 
     # the baselines' sweeps
     methods: Dict[str, Dict] = {}
@@ -300,7 +306,9 @@ def run(args, t0: float) -> Dict:
         "native": {"top1": 100.0 * float(nat_c.float().mean()), "gflops": r.native_gflops,
                    "images_per_s": native.get("images_per_s"), "attention_ops": native.get("attention_ops")},
         "dora": {"actor": str(args.actor or "published (" + args.model + ")"),
-                 "calibrated_on": {"data": args.calibration_data, "splits": args.calibration_splits} if calib else None,
+                 "calibrated_on": next(({"data": rec["calibration"].get("data", args.calibration_data),
+                                         "splits": rec["calibration"].get("splits", args.calibration_splits)}
+                                        for k, rec in dora_points if k != "published"), None),
                  "unreachable_targets": unreachable,
                  "curve": [{**_row(rec, nat_c, k), "calibration": rec.get("calibration")} for k, rec in dora_points]},
         "methods": out_methods,
@@ -384,6 +392,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retime", nargs="*", default=[], help="settings of the state to measure again (e.g. native "
                                                             "'dora published'): a resumed run's timing reference")
+    ap.add_argument("--forget", nargs="*", default=[], help="drop the state's settings (and shift rows) of these methods "
+                                                             "(e.g. mctf: measured afresh after a change)")
     ap.add_argument("--state", default=None, help="per-setting results, kept for resuming (default: OUT.state.pt)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
