@@ -1,5 +1,6 @@
 """MCTF: hand-worked attraction and bidirectional matching, native equivalence, GFLOPs against a hand
-count and torch.utils.flop_counter, batch independence, prefix protection and size conservation."""
+count and torch.utils.flop_counter, batch independence, prefix protection and size conservation, the
+token order of the authors' code (alternation over the whole sequence, kept B by best edge)."""
 from __future__ import annotations
 
 import math
@@ -41,19 +42,73 @@ def test_attraction_hand_worked():
     assert torch.allclose(mctf_attraction(m, 3 * info, 5 * size), mctf_attraction(m, info, size), atol=1e-6)
 
 
+def test_attraction_alternates_over_the_whole_sequence():
+    m, info, size = _four_tokens()
+    # one CLS token in front: positions [CLS, v0, v1, v2, v3], A = {v1, v3} (even positions), B = {v0, v2}
+    cls_m, cls_info, cls_size = torch.tensor([[[0.0, 1.0]]]), torch.tensor([[0.8]]), torch.tensor([[1.0]])
+    w = mctf_attraction(torch.cat([cls_m, m], 1), torch.cat([cls_info, info], 1), torch.cat([cls_size, size], 1),
+                        1.0, 1.0, 1.0, num_prefix=1)
+    c = (1 + 1 / math.sqrt(2)) / 2
+    # 1/a normalised over the whole sequence = [.125, 1, .5, .25, .5]; 1/s = [1, 1, .5, 1, .25]
+    hand = torch.tensor([[[0.5 * (0.5 * 1) * (0.5 * 1), 0.5 * (0.5 * 0.25) * (0.5 * 1)],
+                          [c * (0.5 * 1) * (0.25 * 1), c * (0.5 * 0.25) * (0.25 * 1)]]])
+    assert torch.allclose(w, hand, atol=1e-6)
+    # two prefix tokens: the visual tokens' parity is the one without a prefix again
+    w2 = mctf_attraction(torch.cat([cls_m, cls_m, m], 1), torch.cat([cls_info, cls_info, info], 1),
+                         torch.cat([cls_size, cls_size, size], 1), 1.0, 0, 0, num_prefix=2)
+    assert torch.allclose(w2, mctf_attraction(m, info, size, 1.0, 0, 0), atol=1e-6)
+
+
 def test_bidirectional_matching_hand_worked():
-    # interleaved order [A0, B0, A1, B1]; slots: kept A first, then kept B
+    # slots of ([A0, A1], [B0, B1]): kept A first (original order), then kept B (descending best edge)
     w = torch.tensor([[[0.9, 0.2], [0.5, 0.6]]])
     # r=1: r1 = 0, r2 = 1: B -> A only: B0 -> A0 (.9) beats B1 -> A1 (.6); kept A0, A1, B1
-    assert mctf_matching(w, 1)[0].tolist() == [0, 0, 1, 2]
+    a, b = mctf_matching(w, 1)
+    assert a[0].tolist() == [0, 1] and b[0].tolist() == [0, 2]
     # r=2: A0 -> B0 (.9 beats A1's .6); then B -> the A left (A1): B1 (.6) beats B0 (.5)
-    assert mctf_matching(w, 2)[0].tolist() == [1, 1, 0, 0]
+    a, b = mctf_matching(w, 2)
+    assert a[0].tolist() == [1, 0] and b[0].tolist() == [1, 0]
     # a chain: A0 -> B0 (.9), then B0 (carrying A0) -> A1 (.8 beats B1's .3): three tokens in one
     w = torch.tensor([[[0.9, 0.1], [0.8, 0.3]]])
-    assert mctf_matching(w, 2)[0].tolist() == [0, 0, 0, 1]
-    assert mctf_matching(w, 0)[0].tolist() == [0, 2, 1, 3]
+    a, b = mctf_matching(w, 2)
+    assert a[0].tolist() == [0, 0] and b[0].tolist() == [0, 1]
+    a, b = mctf_matching(w, 0)
+    assert a[0].tolist() == [0, 1] and b[0].tolist() == [2, 3]
     with pytest.raises(ValueError):
         mctf_matching(w, 4)
+
+
+def test_kept_b_tokens_leave_by_descending_best_edge():
+    w = torch.tensor([[[0.3, 0.9, 0.5, 0.7], [0.2, 0.1, 0.4, 0.6]]])
+    # r=1: B1 (.9) -> A0; the kept B by best edge: B3 (.7), B2 (.5), B0 (.3) -> slots 2, 3, 4
+    a, b = mctf_matching(w, 1)
+    assert a[0].tolist() == [0, 1] and b[0].tolist() == [4, 0, 3, 2]
+    # r=2: A0 -> B1 (.9 beats A1's .6); B -> A1 only: B3 (.6) -> A1; kept B2 (.4), B0 (.2), B1 (.1)
+    a, b = mctf_matching(w, 2)
+    assert a[0].tolist() == [3, 0] and b[0].tolist() == [2, 3, 1, 0]
+
+
+def test_block_output_order_with_a_cls_token():
+    import copy
+
+    from timm_dora.evaluate.baselines.mctf import mctf_block
+
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    blk = copy.deepcopy(model.blocks[0])
+    with torch.no_grad():
+        blk.attn.proj.weight.zero_(), blk.attn.proj.bias.zero_()  # the output is the fused rows themselves
+    x = torch.randn(1, 1 + 8, model.embed_dim, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        y, s = mctf_block(blk, x, torch.ones(1, 9), 1, 1, taus=(1.0, 0, 0))  # similarity only
+    # [CLS, v0..v7]: A = {v1, v3, v5, v7}, B = {v0, v2, v4, v6}; r = 1: the B with the best edge fuses
+    v = torch.nn.functional.normalize(x[0, 1:], dim=-1)
+    best = ((v[0::2] @ v[1::2].T + 1) / 2).max(dim=1).values  # B's best edges towards A
+    order = best.argsort(descending=True)
+    kept_b = (2 * order[1:]).tolist()
+    assert torch.equal(y[0, 0], x[0, 0])
+    assert torch.allclose(y[0, 5:], x[0, 1:][kept_b], atol=1e-6)
+    assert s[0, 5:].tolist() == [1.0] * 3 and sorted(s[0, 1:5].tolist()) == [1.0, 1.0, 1.0, 2.0]
 
 
 def test_schedule_int_skips_block_zero_and_caps_at_half():

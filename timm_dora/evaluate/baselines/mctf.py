@@ -21,11 +21,14 @@ tokens, ``N_l`` visual tokens, sizes ``s``):
             * (s'_i s'_j) ** (1/tau_size),  s' = (1/s) / max(1/s)   size (large tokens resist)
 
    with the authors' defaults ``tau_sim = 1``, ``tau_info = 20``, ``tau_size = 40``.
-3. **bidirectional bipartite soft matching**: visual tokens split by alternation into ``A`` (even)
-   and ``B`` (odd); ``r1 = floor(r/2)`` ``A`` tokens with the highest best edge ``max_j W_ij`` fuse
-   into their ``B`` token; then ``r2 = r - r1`` ``B`` tokens (carrying what they absorbed) with the
-   highest best edge towards the *unfused* ``A`` tokens fuse into that ``A`` token, on the same
-   ``W`` (not recomputed, as the paper). Only one ``|A| x |B|`` similarity matmul per block.
+3. **bidirectional bipartite soft matching**: the tokens split by alternation over the *whole*
+   sequence, prefix included, as the authors' code: ``A`` = the visual tokens at even positions,
+   ``B`` = those at odd ones (with one CLS token at position 0: ``A = {v1, v3, ...}``,
+   ``B = {v0, v2, ...}``); ``r1 = floor(r/2)`` ``A`` tokens with the highest best edge
+   ``max_j W_ij`` fuse into their ``B`` token; then ``r2 = r - r1`` ``B`` tokens (carrying what
+   they absorbed) with the highest best edge towards the *unfused* ``A`` tokens fuse into that
+   ``A`` token, on the same ``W`` (not recomputed, as the paper). Only one ``|A| x |B|`` similarity
+   matmul (visual tokens only) per block.
 4. **fusion**: each group becomes ``sum_i a_i s_i x_i / sum_i a_i s_i`` (attention- and
    size-weighted average, the authors' pooling), sizes add up.
 5. **attention of the fused tokens by aggregation** (the paper's approximation, no second softmax):
@@ -49,12 +52,16 @@ Choices where the paper is silent or where we differ (documented, tested):
   runs unfused); a list gives every block's ``r`` (block 0 included). ``r_l`` is capped at
   ``floor(N_l / 2)`` (:func:`~timm_dora.evaluate.baselines.tome.tome_schedule`); the authors' extra
   floor of 10 tokens (never reached by their r = 16 on 196 patches) is not applied.
-- Prefix tokens (CLS, distillation, registers) are taken out of the alternation and never fuse
-  nor absorb (the authors keep the CLS in ``A`` with ``-inf`` scores: the same effect). The
-  normalisations ``max(1/a)``, ``max(1/s)`` run over the visual tokens; they scale every ``W_ij``
-  of an image by one positive constant, so the matching is unaffected.
-- Output order: prefix, kept ``A`` tokens in their original order, then kept ``B`` tokens in
-  theirs (the order decides the next block's alternation). Ties go to the lower index (stable sorts).
+- Prefix tokens (CLS, distillation, registers) count for the alternation's parity but never fuse
+  nor absorb (the authors keep the CLS in ``A`` with ``-inf`` scores: the same effect with one
+  CLS; their code protects the first ``A`` rows, which with two prefix tokens would be the CLS and
+  a visual token: we protect every prefix token instead). The normalisations ``max(1/a)``,
+  ``max(1/s)`` run over the whole sequence, prefix included, as theirs (a positive constant per
+  image: no ranking depends on it).
+- Output order, as their merge's gather order (it decides the next block's alternation): prefix,
+  kept ``A`` tokens in their original order, then kept ``B`` tokens in descending order of their
+  best edge towards the kept ``A`` tokens. Ties go to the lower index (stable sorts); their
+  ``argsort``/``sort`` are not stable, so exact ties may be ordered otherwise there.
 - The readout is the model's own head (``avg`` pooling averages fused tokens without weights).
 
 Side by side with the authors' code (run once outside the repository, fp32 on CPU): their
@@ -63,13 +70,14 @@ unmodified, loaded with timm's ``vit_tiny_patch16_224.augreg_in21k_ft_in1k`` wei
 matched), at their evaluation setting ``mctf_type [r,0,0,1,1,1,20,40,1,1,0]``, ``activate_layer
 [1..11]``, against ``MCTF(model, r)``, on 64 pool images (the first 64 ``qc``/``dev`` rows of
 ``labels_train.csv`` by path), batches of 16. The visual tokens entering every block are identical
-(r = 16: 196, 196, 180, ..., 36). The logits are **not** identical: r = 16: max |logit difference|
-3.34, top-1 agreement 61/64; r = 8: 1.48, 62/64; every image differs by more than 1e-3. Two
-differences read in their code, not yet reconciled here (open): (a) their alternation runs over
-the whole sequence with the CLS token at position 0 (``A = {CLS, v1, v3, ...}``,
-``B = {v0, v2, ...}``), ours over the visual tokens only (``A = {v0, v2, ...}``); (b) their kept
-``B`` tokens leave in descending order of their best edge, ours in original order, which changes the
-next block's alternation.
+(r = 16: 196, 196, 180, ..., 36; r = 8: 196, 196, 188, ..., 116). Top-1 agreement 64/64 at both
+r = 16 and r = 8; 62/64 images have logits equal to 1e-3 (median max |difference| 1e-5); on the
+other two (another pair at each ``r``) a ranking flips on a tie: two best edges equal, or within
+4 ulps, in float32 (exact ties their unstable sort orders otherwise; near ones round differently
+with the matmul shapes and the batch), after which the tokens differ: max |logit difference| 0.89
+(r = 16), 0.19 (r = 8). Run in float64 throughout (our float32 casts lifted for the check), all
+64 images agree to 5e-14 at both ``r``. Before the alternation over the whole sequence and the
+kept-``B`` order were adopted, every image differed (r = 16: 3.34, top-1 61/64; r = 8: 1.48, 62/64).
 
 GFLOPs (App. E.4 rule, 1 MAC = 2 FLOPs, matrix products only), per image. Patch embedding,
 classifier (and a MAP head's per-token part) as ToMe. A non-fusing block: ToMe's block count on
@@ -124,14 +132,24 @@ def mctf_schedule(model: nn.Module, r: RSchedule) -> Tuple[List[int], List[int]]
 # multi-criteria attraction and bidirectional matching
 
 
+def _halves(num_prefix: int) -> Tuple[int, int]:
+    """Where the ``A`` and ``B`` halves start among the visual tokens (every second token from
+    there): the alternation runs over the whole sequence, prefix included, so ``A`` holds the
+    visual tokens at even sequence positions (with one CLS token: ``v1, v3, ...``)."""
+    return num_prefix % 2, 1 - num_prefix % 2
+
+
 def mctf_attraction(metric: torch.Tensor, info: torch.Tensor, size: torch.Tensor, tau_sim: float = TAU_SIM,
-                    tau_info: float = TAU_INFO, tau_size: float = TAU_SIZE) -> torch.Tensor:
-    """The attraction ``W [B, |A|, |B|]`` between the visual tokens (no prefix here) split by
-    alternation: ``metric [B, N, D]`` (block inputs), ``info [B, N]`` (attention received, ``a``),
-    ``size [B, N]``. A ``tau`` of 0 leaves that criterion out."""
+                    tau_info: float = TAU_INFO, tau_size: float = TAU_SIZE, num_prefix: int = 0) -> torch.Tensor:
+    """The attraction ``W [B, |A|, |B|]`` between the visual tokens of the two halves (``A``: visual
+    tokens at even positions of the whole sequence, ``B``: at odd ones; prefix tokens take no part):
+    ``metric [B, P+N, D]`` (block inputs), ``info [B, P+N]`` (attention received, ``a``),
+    ``size [B, P+N]``, the whole sequence (the normalisations by the max run over it, prefix
+    included). A ``tau`` of 0 leaves that criterion out."""
+    a0, b0 = (num_prefix + h for h in _halves(num_prefix))
     m = metric.float()
     m = m / m.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    w = m[:, 0::2] @ m[:, 1::2].transpose(1, 2)  # cosine similarities (the counted matmul)
+    w = m[:, a0::2] @ m[:, b0::2].transpose(1, 2)  # cosine similarities (the counted matmul)
     w = ((w + 1) / 2).clamp_min(0)
     if tau_sim:
         w = w ** (1 / tau_sim)
@@ -139,15 +157,17 @@ def mctf_attraction(metric: torch.Tensor, info: torch.Tensor, size: torch.Tensor
         if tau:
             inv = 1 / crit.float().clamp_min(1e-12)
             inv = inv / inv.amax(dim=1, keepdim=True)
-            w = w * (inv[:, 0::2, None] * inv[:, None, 1::2]) ** (1 / tau)
+            w = w * (inv[:, a0::2, None] * inv[:, None, b0::2]) ** (1 / tau)
     return w
 
 
-def mctf_matching(w: torch.Tensor, r: int) -> torch.Tensor:
-    """Bidirectional bipartite soft matching on ``W [B, |A|, |B|]``: the slot ``[B, |A| + |B|]``
-    (visual tokens in their interleaved order) each visual token goes to, ``0 .. N - r - 1``: kept
-    ``A`` tokens first (original order), then kept ``B`` tokens. ``r1 = r // 2`` ``A -> B`` fusions
-    first, then ``r - r1`` ``B -> A`` fusions towards the ``A`` tokens left."""
+def mctf_matching(w: torch.Tensor, r: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Bidirectional bipartite soft matching on ``W [B, |A|, |B|]``: the slots ``([B, |A|], [B, |B|])``
+    each ``A`` and each ``B`` token goes to, ``0 .. |A| + |B| - r - 1``. ``r1 = r // 2`` ``A -> B``
+    fusions first (the ``A`` tokens with the highest best edge), then ``r - r1`` ``B -> A`` fusions
+    towards the ``A`` tokens left. Kept ``A`` tokens come first in their original order, then the
+    kept ``B`` tokens in descending order of their best edge towards the kept ``A`` tokens (the
+    order in which the authors' second matching ranks them). Ties go to the lower index."""
     bsz, na, nb = w.shape
     r1, r2 = r // 2, r - r // 2
     if na < 1 or nb < 1 or r1 > na or r2 > nb or na - r1 < 1:
@@ -159,20 +179,17 @@ def mctf_matching(w: torch.Tensor, r: int) -> torch.Tensor:
     if r1:
         src1 = torch.sort(best1, dim=-1, descending=True, stable=True).indices[:, :r1]
         a_gone[rows, src1] = True
-    b_gone = torch.zeros(bsz, nb, dtype=torch.bool, device=dev)
     w2 = w.transpose(1, 2).masked_fill(a_gone[:, None, :], -math.inf)  # B -> unfused A
     best2, dst2 = w2.max(dim=-1)
-    if r2:
-        src2 = torch.sort(best2, dim=-1, descending=True, stable=True).indices[:, :r2]
-        b_gone[rows, src2] = True
-    a_kept, b_kept = ~a_gone, ~b_gone
+    rank2 = torch.empty(bsz, nb, dtype=torch.long, device=dev)
+    rank2[rows, torch.sort(best2, dim=-1, descending=True, stable=True).indices] = torch.arange(nb, device=dev)
+    b_kept = rank2 >= r2  # the r2 highest best edges fuse
+    a_kept = ~a_gone
     slot_a = a_kept.long().cumsum(1) - 1
-    slot_b = a_kept.sum(1, keepdim=True) + b_kept.long().cumsum(1) - 1
+    slot_b = a_kept.sum(1, keepdim=True) + rank2 - r2  # kept B: by descending best edge
     t_b = torch.where(b_kept, slot_b, slot_a.gather(1, dst2))  # B: its own slot, or its A's
     t_a = torch.where(a_kept, slot_a, t_b.gather(1, dst1))  # A: its own slot, or where its B went
-    out = torch.empty(bsz, na + nb, dtype=torch.long, device=dev)
-    out[:, 0::2], out[:, 1::2] = t_a, t_b
-    return out
+    return t_a, t_b
 
 
 def _group_sum(t: torch.Tensor, dim: int, index: torch.Tensor, n_out: int) -> torch.Tensor:
@@ -215,8 +232,10 @@ def mctf_block(blk: nn.Module, x: torch.Tensor, size: torch.Tensor, r: int, num_
     logits = (q @ k.transpose(-2, -1)) * attn.head_dim ** -0.5 + size.log()[:, None, None, :].to(q.dtype)
     a_map = logits.softmax(dim=-1)  # [B, H, N, N] one-step-ahead attention
     info = a_map.float().mean(dim=(1, 2))  # attention received per token
-    w = mctf_attraction(x[:, p:], info[:, p:], size[:, p:], *taus)
-    slots = mctf_matching(w, r)
+    w = mctf_attraction(x, info, size, *taus, num_prefix=p)
+    a0, b0 = _halves(p)
+    slots = torch.empty(b, n - p, dtype=torch.long, device=x.device)
+    slots[:, a0::2], slots[:, b0::2] = mctf_matching(w, r)
     n_out = n - r
     index = torch.cat([torch.arange(p, device=x.device).expand(b, p), slots + p], dim=1)
     weight = torch.cat([torch.ones_like(info[:, :p]), (info * size.float())[:, p:]], dim=1)  # a_i s_i
