@@ -22,7 +22,10 @@ On one GPU, for one backbone and its published DORA actor:
    images, and mean GFLOPs.
 
 Per-setting results are kept in ``--state`` as they are measured, so a command stopped by a time
-limit goes on where it stopped when run again. One H100, both Tiny backbones, a few minutes each::
+limit goes on where it stopped when run again; ``--forget M`` measures method ``M`` afresh (after a
+change), ``--retime KEY`` times a setting again (a resumed run's reference), ``--report-only``
+writes the JSON from the state alone (on any machine; the device and versions stay the measuring
+run's). One H100, both Tiny backbones, a few minutes each::
 
     python -m benchmarks.baselines --model vit_tiny_patch16_224.augreg_in21k_ft_in1k --weights W \\
         --data labels.csv --calibration-data labels_train.csv --diffrate benchmarks/baselines/diffrate \\
@@ -145,6 +148,8 @@ class Run:
         """Per-image hits and GFLOPs of one setting on the clean images, and its throughput."""
         if key in self.state:
             return self.state[key]
+        if self.args.report_only:
+            raise ValueError(f"--report-only: {key!r} was never measured (run on the GPU first)")
         m = make()
         try:
             p = self.per_image(m, self.images)
@@ -263,7 +268,7 @@ def run(args, t0: float) -> Dict:
     pairs = [(fam, sev) for fam in args.families for sev in args.severities]
     for name, v in [("native", None)] + [(n, p[0]) for n, p in chosen.items()]:
         todo = [(f, s) for f, s in pairs if shift_key(f, s, name, v) not in r.state]
-        if not todo:
+        if not todo or args.report_only:
             continue
         if name == "native":
             m: Method = NativeMethod(r.model)
@@ -282,17 +287,26 @@ def run(args, t0: float) -> Dict:
         r.save()
         log(f"shift: {name} {_knob(v)} on {len(todo)} corrupted sets", t0)
     shift_rows = []
+    missing = []  # (only with --report-only: shift rows its GPU runs never measured)
     for fam, sev in pairs:
         nat_s = r.state[shift_key(fam, sev, "native", None)][0]
         for name, (v, _) in chosen.items():
+            if shift_key(fam, sev, name, v) not in r.state:
+                missing.append({"method": name, "knob": _knob(v), "family": fam, "severity": sev})
+                continue
             c, g = r.state[shift_key(fam, sev, name, v)]
             shift_rows.append({"method": name, "knob": _knob(v), "family": fam, "severity": sev,
                                "native_top1": 100.0 * float(nat_s.float().mean()), **paired_drop(nat_s, c),
                                "gflops": float(g.mean())})
 
+    env = environment(r.device, args.command)
+    if args.report_only:  # the numbers are the GPU runs': their device and versions, this command beside them
+        measured = json.loads(Path(args.out).read_text())
+        env = {**{k: measured[k] for k in env if k in measured}, "report_command": args.command}
+        r.retimed = r.retimed or measured.get("retimed", {})
     payload = {
-        **environment(r.device, args.command),
-        "dtype": str(r.dtype).replace("torch.", ""),
+        **env,
+        "dtype": measured["dtype"] if args.report_only else str(r.dtype).replace("torch.", ""),
         "model": args.model,
         "weights": args.weights or ("random" if args.random_weights else "timm-pretrained"),
         "data": {"spec": str(args.data), "split": args.split, "images": r.n},
@@ -314,7 +328,8 @@ def run(args, t0: float) -> Dict:
         "methods": out_methods,
         "retimed": {k: {**v, "images_per_s": r.state[k].get("images_per_s"),
                         "repeats_images_per_s": r.state[k].get("repeats_images_per_s")} for k, v in r.retimed.items()},
-        "shift": {"reduction_target_pct": args.shift_reduction, "implementation": "timm_dora.evaluate.corruptions "
+        **({"note": args.note} if args.note else {}),
+        "shift": {"reduction_target_pct": args.shift_reduction, "missing": missing, "implementation": "timm_dora.evaluate.corruptions "
                   "(torch, torchvision blur, PIL JPEG, with ImageNet-C's parameters)", "rows": shift_rows},
     }
     return payload
@@ -394,6 +409,10 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                                                             "'dora published'): a resumed run's timing reference")
     ap.add_argument("--forget", nargs="*", default=[], help="drop the state's settings (and shift rows) of these methods "
                                                              "(e.g. mctf: measured afresh after a change)")
+    ap.add_argument("--note", default=None, help="a note kept in the JSON (how the runs behind it went)")
+    ap.add_argument("--report-only", action="store_true", help="measure nothing: write --out from the state alone "
+                    "(device and versions kept from the --out the measuring run wrote; shift rows never measured "
+                    "listed in shift.missing)")
     ap.add_argument("--state", default=None, help="per-setting results, kept for resuming (default: OUT.state.pt)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

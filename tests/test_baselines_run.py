@@ -78,6 +78,13 @@ def test_baselines_run_writes_curves_comparisons_and_shift_and_resumes(tmp_path)
 
     assert json.dumps(strip(again), sort_keys=True) == json.dumps(strip(first), sort_keys=True)
     assert again["native"]["images_per_s"] == first["native"]["images_per_s"]  # (read back, not measured)
+    # --report-only writes the file from the state alone, keeping the measuring run's device and versions
+    reported = baselines.main(argv[:i] + argv[i + 2:] + ["--report-only", "--note", "n"])
+    same = {k: v for k, v in reported.items() if k != "report_command"}
+    assert json.dumps(strip(same), sort_keys=True) == json.dumps(strip({**again, "note": "n"}), sort_keys=True)
+    assert reported["report_command"].startswith("python -m benchmarks.baselines") and reported["shift"]["missing"] == []
+    with pytest.raises(ValueError, match="never measured"):
+        baselines.main(argv[:i] + argv[i + 2:] + ["--report-only", "--r", "1", "3", "5"])
 
 
 def test_baselines_refuses_to_calibrate_on_the_evaluation_split(tmp_path):
