@@ -48,7 +48,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.common import command_line
+from benchmarks.common import command_line, log
 from timm_dora.data import eval_transform, open_split, preload
 from timm_dora.engine.flops import native_gflops
 from timm_dora.evaluate import NativeMethod, environment, load_model, precision_for
@@ -70,10 +70,6 @@ SWEEPS: Dict[str, Tuple[str, str, List]] = {  # method: (label, knob, values): a
 }
 DORA_TARGETS = [10, 15, 20, 25, 30, 35, 40, 45, 50]
 MATCHED_DROPS = (0.5, 1.0, 1.5)
-
-
-def log(msg: str, t0: float) -> None:
-    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
 def _file_sweep(folder: Optional[str], model_name: Optional[str]) -> List[str]:

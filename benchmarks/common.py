@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import gc
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +36,11 @@ from timm_dora.hub.published import resolve_actor
 
 
 # ------------------------------------------------------------------------------------- command lines
+def log(msg: str, t0: float) -> None:
+    """``msg`` with the seconds since ``t0`` (``time.perf_counter()``), flushed at once."""
+    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+
 def command_line(script: str, argv: Optional[Sequence[str]] = None) -> str:
     """The command a result records: ``python -m benchmarks.<script>`` and ``argv`` (the process's
     own arguments when ``None``)."""

@@ -57,7 +57,7 @@ from timm_dora.evaluate.baselines.static import schedule_for_reduction
 from timm_dora.evaluate.baselines.vpruner import VPrunerMask, architecture
 from timm_dora.engine.flops import native_gflops
 from timm_dora.evaluate.matching import table_from_results
-from benchmarks.common import command_line
+from benchmarks.common import command_line, log
 
 MODELS = ["vit_tiny_patch16_224.augreg_in21k_ft_in1k", "deit_tiny_patch16_224.fb_in1k"]
 _REPO = Path(__file__).resolve().parents[1]
@@ -79,10 +79,6 @@ def vpruner_masks(specs: List[str], model: torch.nn.Module) -> List[Path]:
     files = [f for s in specs for f in (sorted(Path(s).glob("*.json")) if Path(s).is_dir() else [Path(s)])]
     masks = [(VPrunerMask.load(f), f) for f in files]
     return [f for m, f in sorted(masks, key=lambda mf: -mf[0].keep) if m.model == architecture(model)]
-
-
-def log(msg: str, t0: float) -> None:
-    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
 def run_backbone(name: str, weights: Optional[str], actor: Optional[str], args, t0: float) -> dict:
