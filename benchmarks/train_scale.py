@@ -24,7 +24,10 @@ the update's ``time`` in ``metrics.jsonl``), ``s_per_update`` (median), ``data_w
 
 ``ddp``: the same recipe for ``--updates`` updates on one GPU and under ``torchrun`` on ``--gpus``
 GPUs of the host, on one set: median seconds per update (after ``--skip`` updates of compiling and
-capturing) and ``scaling``, images per second relative to one GPU (the same 256 images an update).
+capturing) and ``scaling``, rollout images per second relative to one GPU. Each ``--variants``
+entry is one data-parallel run (``name:flags``): for example the paper's update of 256 images
+split over the GPUs (no flags), and each GPU keeping the one-GPU batch (``--rollout-images``
+and the minibatches times the GPUs: the update sees that many more images).
 
 ``profile`` (CUDA): where an update's time goes that more GPUs do not shorten: the rollout
 (``collect``, host-bound) against the plain forward of the same images, its kernel launches and
@@ -380,7 +383,10 @@ def _timed_run(args, name: str, cmd: List[str], env: Dict[str, str], run_dir: Pa
     if len(m) < args.updates:
         raise SystemExit(f"{name}: {len(m)} of {args.updates} updates in {args.timeout} s")
     steady = m[args.skip:]
+    ppo = json.loads((run_dir / "config.json").read_text())["ppo"]
     rec = {"command": " ".join(shlex.quote(c) for c in cmd), "wall_s": round(time.time() - start, 1),
+           "images_per_update": ppo["rollout_images"],
+           "minibatches": {k: ppo[f"{k}_minibatch"] for k in ("gate", "controller", "critic")},
            "s_per_update": round(statistics.median(r["update_s"] for r in steady), 4),
            "phases": {k: round(statistics.median(r["phases"].get(k, 0.0) for r in steady), 4) for k in steady[0]["phases"]},
            "last": {k: m[-1][k] for k in ("gflops", "compression", "a_u") if k in m[-1]}}
@@ -407,9 +413,12 @@ def ddp(args) -> None:
         if name == "one_gpu":
             env["CUDA_VISIBLE_DEVICES"] = "0"
         out[name] = _timed_run(args, name, launcher + _train_flags(args, run_dir) + extra + flags, env, run_dir)
+    def rate(r: Dict) -> float:  # rollout images per second
+        return r["images_per_update"] / r["s_per_update"]
+
     one = out["one_gpu"]["s_per_update"]
     for name, _, _ in runs[1:]:
-        out[name]["scaling"] = round(one / out[name]["s_per_update"], 3)
+        out[name]["scaling"] = round(rate(out[name]) / rate(out["one_gpu"]), 3)
     first = runs[1][0]  # the first variant: the defaults
     out.update(s_per_update=out[first]["s_per_update"], one_gpu_s_per_update=one, scaling=out[first]["scaling"])
     import torch

@@ -146,6 +146,30 @@ def test_standardize_over_eligible_only():
     assert standardize(adv, torch.tensor([False, True, False, False])).tolist() == [0.0] * 4
 
 
+def _other_process(*partials):
+    """A ``sum_`` for this process that adds another process's hand-computed partial sums, call
+    by call (what an all-reduce over the two would return)."""
+    calls = iter(partials)
+
+    def sum_(t):
+        return t.add_(torch.tensor(next(calls), dtype=t.dtype))
+    return sum_
+
+
+def test_standardize_and_running_moments_over_processes():
+    """This process holds advantages 1, 2 (eligible); the other 3 (eligible) and 100 (not): the
+    moments are those of 1, 2, 3 -- its count and sum (1, 3), then its squares about the mean
+    2: (3 - 2)^2 = 1 -- as in one process."""
+    out = standardize(torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([True, True]), 1e-8,
+                      _other_process([1.0, 3.0], [1.0]))
+    s = math.sqrt(2 / 3)
+    assert out.tolist() == pytest.approx([-1 / s, 0.0], abs=1e-7)
+    assert standardize(torch.tensor([1.0]), torch.tensor([False]), 1e-8, _other_process([0.0, 0.0])).tolist() == [0.0]
+    rms = RunningMeanStd()  # returns 1, 2, 3 here and 4, 5 there: count and sum (2, 9), squares about 3: 1 + 4
+    rms.update(torch.tensor([1.0, 2.0, 3.0]), _other_process([2.0, 9.0], [5.0]))
+    assert (rms.mean, rms.var, rms.count) == pytest.approx((3.0, 2.0, 5.0), abs=1e-12)
+
+
 def test_clipped_surrogate_by_hand():
     lo = torch.zeros(4, dtype=torch.float64)
     ln = torch.tensor([math.log(1.5), math.log(0.5), math.log(1.5), math.log(1.1)], dtype=torch.float64)

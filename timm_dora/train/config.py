@@ -88,7 +88,7 @@ class TrainConfig:
     eval_batch: int = 256  # images per batch of the QC and dev evaluations
     tensorboard: bool = False  # also log to OUT/tensorboard (needs the tensorboard package)
     progress: bool = True  # a progress line per update on stderr
-    cuda_graphs: bool = True  # ours: replay the PPO minibatch steps from CUDA graphs (CUDA, one process)
+    cuda_graphs: bool = True  # ours: replay the PPO minibatch steps from CUDA graphs (CUDA; also data parallel)
     overlap: bool = True  # ours: with cuda_graphs, an update's critic steps run on a second stream beside the next update's rollout (the same steps in the same order)
     compile: Optional[bool] = None  # ours: torch.compile (Inductor) the critic's token branch; None: on CUDA only
     critic_bf16: Optional[bool] = None  # ours: the critic's token branch under bf16 autocast (fp32 weights, Adam, heads, losses); None: on CUDA only

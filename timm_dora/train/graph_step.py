@@ -1,15 +1,14 @@
-"""A training step of fixed shapes replayed from a CUDA graph (issue #28).
+"""Training steps of fixed shapes replayed from CUDA graphs, data parallel.
 
 A PPO minibatch step (forward, loss, backward, gradient clipping, Adam) of the small critic launches
 hundreds of small kernels: on the H100 the host took about 13 ms to issue what the GPU ran in about
-1 ms. :class:`CapturedStep` captures such a step once and then replays it, one launch per step.
+1 ms. :class:`CapturedStep` captures such a step once and then replays it, in two parts around the
+one sum of its gradients over processes (data parallel: each process adds the gradients of its own
+rows of the minibatch).
 
 The step must read everything that changes from one call to the next from *static buffers* (the
 same tensors every call, refilled in place by the caller before each call), take no host decisions
-from device values, and use an optimiser created with ``capturable=True``. Capturing needs a few
-warm-up steps first (cuBLAS and autograd allocate on their first use); they run on copies of the
-parameters' and the optimiser's state, which are put back afterwards, so the first replayed step
-starts from exactly the state an eager step would have started from.
+from device values, and use an optimiser created with ``capturable=True``.
 """
 from __future__ import annotations
 
@@ -22,47 +21,108 @@ __all__ = ["CapturedStep", "StaticBatch", "BackgroundSteps"]
 
 
 class CapturedStep:
-    """``step()`` on CUDA, captured as a CUDA graph on the first call and replayed afterwards.
+    """One minibatch step in two parts around a sum over processes, each part replayed from a CUDA
+    graph on CUDA (captured on the first call).
+
+    - ``grads()`` reads the static buffers (the rows loaded now) and returns a list of tensors: the
+      step's gradients (``None`` for a parameter it does not reach) and the statistics it logs,
+      each a *sum over the loaded rows* divided by the whole minibatch's size. :meth:`add` adds
+      them into one flat buffer, so a minibatch loaded in several chunks, or spread over several
+      processes, adds up to the gradient of the whole minibatch.
+    - :meth:`finish` sums the flat buffer over processes (``reduce``, once per step: one bucket),
+      then ``apply(parts)`` takes the optimiser steps from the summed list (``None`` kept) and
+      returns the statistics to log.
+
+    A step is ``begin()``, ``add()`` once per chunk of rows, ``finish()``. Both parts must read
+    only static buffers, take no host decisions from device values, and use optimisers created
+    with ``capturable=True``. Capturing runs a few warm-up steps first (cuBLAS and autograd
+    allocate on their first use) on copies of the parameters' and optimisers' state, which are put
+    back afterwards: the first replayed step starts from exactly the state an eager step would.
 
     Args:
-        step: the training step; returns a tensor (e.g. the detached loss) that the replays refill.
+        grads, apply: the two parts (above).
         params: every parameter the step updates.
-        optimizers: the optimiser, or optimisers, ``step`` calls (each ``capturable=True``).
+        optimizers: the optimiser, or optimisers, ``apply`` calls.
+        reduce: sums a flat tensor over processes in place (``None``: one process).
+        graphs: capture and replay (CUDA); else every part runs eagerly.
         warmup: eager steps (undone afterwards) before the capture.
     """
 
-    def __init__(self, step: Callable[[], torch.Tensor], params: List[torch.nn.Parameter],
-                 optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], warmup: int = 3) -> None:
+    def __init__(self, grads: Callable[[], List[Optional[torch.Tensor]]],
+                 apply: Callable[[List[Optional[torch.Tensor]]], torch.Tensor], params: List[torch.nn.Parameter],
+                 optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+                 reduce: Optional[Callable[[torch.Tensor], object]] = None, graphs: bool = True, warmup: int = 3) -> None:
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
-        self.step, self.params, self.optimizers, self.warmup = step, list(params), list(optimizers), warmup
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.grads, self.apply, self.params, self.optimizers = grads, apply, list(params), list(optimizers)
+        self.reduce, self.graphs, self.warmup = reduce, graphs, warmup
+        self.flat: Optional[torch.Tensor] = None
+        self.layout: Optional[List[Optional[torch.Size]]] = None  # each part's shape (None: no gradient)
+        self.added: Optional[torch.cuda.CUDAGraph] = None
+        self.applied: Optional[torch.cuda.CUDAGraph] = None
         self.out: Optional[torch.Tensor] = None
 
-    def __call__(self) -> torch.Tensor:
-        if self.graph is None:
+    def begin(self) -> None:
+        if self.flat is not None:
+            self.flat.zero_()
+
+    def add(self) -> None:
+        """Add the gradients and statistics of the rows loaded now."""
+        if self.graphs and self.added is None:
             self._capture()
-        self.graph.replay()
-        return self.out
+        if self.added is not None:
+            self.added.replay()
+        else:
+            self._add()
+
+    def finish(self) -> torch.Tensor:
+        """Sum over processes, then the optimiser steps; returns the statistics (rewritten by the
+        next step: copy them before)."""
+        if self.reduce is not None:
+            self.reduce(self.flat)
+        if self.applied is not None:
+            self.applied.replay()
+            return self.out
+        return self._apply()
+
+    def _add(self) -> None:
+        parts = self.grads()
+        if self.layout is None:  # (an eager call: the first add, or the capture's warm-up)
+            self.layout = [None if t is None else t.shape for t in parts]
+            if any(t is not None and t.dtype != torch.float32 for t in parts):
+                raise TypeError("CapturedStep: gradients and statistics must be float32")
+            with torch.inference_mode(False):
+                self.flat = torch.zeros(sum(s.numel() for s in self.layout if s is not None),
+                                        device=next(t for t in parts if t is not None).device)
+        self.flat.add_(torch.cat([t.reshape(-1) for t in parts if t is not None]))
+
+    def _apply(self) -> torch.Tensor:
+        parts, at = [], 0
+        for shape in self.layout:
+            if shape is None:
+                parts.append(None)
+                continue
+            parts.append(self.flat[at : at + shape.numel()].view(shape))
+            at += shape.numel()
+        return self.apply(parts)
 
     def _capture(self) -> None:
         saved = self._snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self._zero_grad()
-                self.step()
+            for _ in range(self.warmup):  # (local: the warm-up sums over no other process)
+                self.begin()
+                self._add()
+                self._apply()
         torch.cuda.current_stream().wait_stream(side)
         self._restore(saved)
-        self._zero_grad()  # the captured backward writes fresh gradients
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.step()
-
-    def _zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        self.added, self.applied = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.added):
+            self._add()
+        with torch.cuda.graph(self.applied, pool=self.added.pool()):
+            self.out = self._apply()
+        self.flat.zero_()  # (the warm-up's sums)
 
     def _state(self, p: torch.nn.Parameter) -> Dict:
         """``p``'s optimiser state (empty before its first step)."""
@@ -78,7 +138,7 @@ class CapturedStep:
 
     @torch.no_grad()
     def _restore(self, saved: Dict) -> None:
-        """Parameters and optimiser state back to ``saved``, in place (the graph keeps addresses).
+        """Parameters and optimiser state back to ``saved``, in place (the graphs keep addresses).
         State the warm-up created (the optimiser's first step) is zeroed: Adam with a zero step
         count and zero moments is a fresh Adam."""
         for p, v in zip(self.params, saved["params"]):

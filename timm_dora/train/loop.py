@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -64,13 +64,16 @@ __all__ = ["Trainer"]
 
 @dataclass
 class _Minibatch:
-    """The transition ids of one PPO minibatch, and the rows of the step's buffers they are: on
-    the host (``rows``; the controller's buffers hold the gate-on transitions only) and on the
-    device (``idx``)."""
+    """One PPO minibatch: its transitions' ids (numbered over every process's images), and this
+    process's rows of the step's buffers among them (the controller's buffers hold the gate-on
+    transitions only): on the host (``rows``) and on the device, in chunks of at most the
+    buffers' capacity (``chunks``; one, empty, where this process holds none). ``n_on``: the
+    gate-on transitions among ``ids`` (the critic's divisor)."""
 
     ids: List[int]
     rows: List[int]
-    idx: Optional[torch.Tensor] = None
+    n_on: int = 0
+    chunks: Optional[List[torch.Tensor]] = None
 
 
 class Trainer:
@@ -78,7 +81,12 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, sync_phases: bool = False):
         self.cfg = cfg.check()
+        # data parallel: device tensors (the update's sums, the gradients) on the world's
+        # communicator; host values (counts, flags) on gloo; the critic's gradients, summed while the
+        # next rollout runs, on a communicator of their own (nothing else is in flight on it)
         self.comm = Comm()
+        self.host_comm = self.comm.subgroup("gloo")
+        self.critic_comm = self.comm.subgroup()
         self.dev = torch.device(cfg.device)
         self.clock = PhaseClock(self.dev, sync=sync_phases)  # per-phase times of each update
         if cfg.ppo.rollout_images % self.comm.world:
@@ -126,9 +134,14 @@ class Trainer:
             "selector": adam(g["selector"], lr=p.lr_selector),
             "critic": adam(self.critic.parameters(), lr=p.lr_critic),
         }
-        self.gate_batch = StaticBatch(p.gate_minibatch, self.dev)
-        self.ctrl_batch = StaticBatch(p.controller_minibatch, self.dev)
-        self.critic_batch = StaticBatch(p.critic_minibatch, self.dev)
+        # a minibatch's rows spread over the processes: each process's share (about size / world,
+        # binomial) fits its buffers but for a few minibatches, which take two chunks
+        def capacity(size: int) -> int:
+            return size if self.comm.world == 1 else min(size, -(-5 * size // (4 * self.comm.world)))
+
+        self.gate_batch = StaticBatch(capacity(p.gate_minibatch), self.dev)
+        self.ctrl_batch = StaticBatch(capacity(p.controller_minibatch), self.dev)
+        self.critic_batch = StaticBatch(capacity(p.critic_minibatch), self.dev)
         self.captured: Dict[object, CapturedStep] = {}  # minibatch steps by kind, captured on first use
         self.background = BackgroundSteps()  # overlap: the critic's steps beside the next rollout
         self._critic_record: Optional[Dict] = None  # the metrics waiting for their critic loss
@@ -151,7 +164,7 @@ class Trainer:
         self.qc_native_pred = self._predict(im.checks, NoPrune())[0]
         self.qc_native = self.qc_native_pred == im.checks.labels
         self.dev_native_pred, _ = self._predict(im.dev, NoPrune())
-        counts = self.comm.sum_(torch.tensor(im.local_sizes + [int((self.dev_native_pred == im.dev.labels).sum())],
+        counts = self.host_comm.sum_(torch.tensor(im.local_sizes + [int((self.dev_native_pred == im.dev.labels).sum())],
                                              dtype=torch.float64))
         self.check_sizes, self.dev_size = [int(c) for c in counts[:-2]], int(counts[-2])
         self.dev_native_top1 = 100.0 * float(counts[-1]) / max(1, self.dev_size)
@@ -178,8 +191,8 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------
     def step(self) -> Dict[str, float]:
-        """One PPO update (rollout, shadows, feedback, update); returns its metrics (the first
-        process's hold every process's rollout)."""
+        """One PPO update (rollout, shadows, feedback, update); returns its metrics (data parallel:
+        over every process's images, the same on every process)."""
         cfg, p, comm = self.cfg, self.cfg.ppo, self.comm
         self.u += 1
         u = self.u
@@ -212,7 +225,7 @@ class Trainer:
             sel = self.images.check_shards[shard]
             pred, _ = self._predict(self.images.checks, ActorPolicy(self.actor), sel)
             correct = pred == self.images.checks.labels[sel]
-            counts = comm.sum_(torch.stack([(self.qc_native[sel].long() - correct.long()).sum(),
+            counts = self.host_comm.sum_(torch.stack([(self.qc_native[sel].long() - correct.long()).sum(),
                                             (self.qc_native_pred[sel] != pred).sum()]).double().cpu())
             # both measures logged (the second calibrates the other's target); the signal steers
             measured = [float(c) / self.check_sizes[shard] for c in counts]
@@ -221,48 +234,29 @@ class Trainer:
             m.update(d_u=signal, d_smoothed=self.feedback.smoothed, qc_shard=shard, a_next=self.feedback.coefficient,
                      qc_drop=measured[0], qc_disagreement=measured[1])
             clock.mark("feedback")
-        skipped = self.images.skipped
-        if comm.world > 1:  # the update reads every process's rollout, merged, on the first process
-            traj, d, skipped = self._gather(traj, d)
-            clock.mark("gather")
-        if comm.main:
-            rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
-            m.update(self._ppo_update(traj, d, rewards, a_u))
-            if self.background.busy:
-                self._critic_record = m  # its loss_value comes with finish_critic
-        if comm.world > 1:
-            self._share_actor()
-            clock.mark("share")
+        # every process its own images' rewards and update rows (data parallel: _ppo_update)
+        rewards = step_rewards(traj.k, d, a_u, p.compression_scale, cfg.terminal_only, num_patches=self.num_patches)
+        m.update(self._ppo_update(traj, d, rewards, a_u))
+        if self.background.busy:
+            self._critic_record = m  # its loss_value comes with finish_critic
         if self.dev.type == "cuda":
             torch.cuda.current_stream().synchronize()  # (not the critic's stream: see finish_critic)
         t_all = time.perf_counter() - t0
-        if comm.main:
-            comp = token_layer_compression(traj.k, self.num_patches)
-            sums = torch.stack([rewards.sum(1).sum(), comp.sum(), traj.gflops.sum(), d[:, -1].sum(),
-                                traj.gate.float().sum() / self.depth, (traj.k > 0).sum().float()]).double().cpu()
-            keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions")
-            m.update({k: float(v) / batch for k, v in zip(keys, sums)})
-            m["skipped_images"] = skipped  # unreadable files met so far, all processes
+        comp = token_layer_compression(traj.k, self.num_patches)
+        sums = torch.stack([rewards.sum(1).sum(), comp.sum(), traj.gflops.sum(), d[:, -1].sum(),
+                            traj.gate.float().sum() / self.depth, (traj.k > 0).sum().float()]).double().cpu()
+        sums = self.host_comm.sum_(torch.cat([sums, torch.tensor([float(self.images.skipped)], dtype=torch.float64)]))
+        keys = ("return_mean", "compression", "gflops", "d_final", "gate_rate", "interventions")
+        m.update({k: float(v) / batch for k, v in zip(keys, sums)})
+        m["skipped_images"] = int(sums[-1])  # unreadable files met so far, all processes
         clock.mark("metrics")
         m.update(rollout_images_per_s=batch / t_rollout, update_s=t_all, phases=clock.read(), time=time.time())
         return m
 
-    def _gather(self, traj: Trajectory, d: torch.Tensor) -> Tuple[Trajectory, torch.Tensor, int]:
-        """Data parallel: every process's rollout, shadow divergences and unreadable-file count on
-        the first process, merged as one rollout of the whole batch (:meth:`Trajectory.merge`); the
-        other processes get their own back. One exchange of every tensor's bytes
-        (:meth:`Comm.gather_tensors`)."""
-        names = [f.name for f in dataclasses.fields(Trajectory) if f.name not in ("plan", "num_prefix")]
-        mine = [getattr(traj, n) for n in names] + [d, torch.tensor([self.images.skipped], device=d.device)]
-        parts = self.comm.gather_tensors(mine)
-        if not self.comm.main:
-            return traj, d, self.images.skipped
-        trajs = [Trajectory(**dict(zip(names, part)), plan={}, num_prefix=traj.num_prefix) for part in parts]
-        skipped = int(sum(part[-1] for part in parts))
-        return Trajectory.merge(trajs), torch.cat([part[-2] for part in parts]), skipped
-
     def _share_actor(self) -> None:
-        """The first process's updated actor, copied to every process (one broadcast)."""
+        """The first process's updated actor, copied to every process (one broadcast). The processes
+        took the same steps from the same summed gradients; this keeps their rollouts' actor
+        identical whatever the floats did."""
         params = list(self.actor.parameters())
         flat = self.comm.broadcast_(torch.cat([q.detach().reshape(-1) for q in params]))
         if not self.comm.main:
@@ -286,38 +280,61 @@ class Trainer:
                                           self.model.num_prefix_tokens)
         return u.float()
 
-    def _step(self, key, fn, params: List[torch.Tensor], opts: List[str]) -> torch.Tensor:
-        """One PPO minibatch step ``fn`` (reading only static buffers): eager, or (on CUDA)
-        replayed from the CUDA graph captured for ``key`` on its first call."""
-        if not self.graphs:
-            return fn()
+    def _step(self, kind: str, mb: _Minibatch) -> torch.Tensor:
+        """One PPO minibatch step of a ``kind`` (``gate``, ``controller``, ``critic``): this
+        process's rows of ``mb`` chunk by chunk through the step's static buffers, the gradients
+        summed over processes once, then the optimiser steps (:class:`CapturedStep`: on CUDA
+        replayed from the CUDA graphs captured for the step's key on its first call). Returns the
+        step's logged values (detached)."""
+        key, batch, grads, apply, params, opts, comm = self._kind(kind, mb)
         step = self.captured.get(key)
         if step is None:
-            step = self.captured[key] = CapturedStep(fn, params, [self.opts[o] for o in opts])
-        return step()
+            step = self.captured[key] = CapturedStep(grads, apply, params, [self.opts[o] for o in opts],
+                                                     reduce=comm.sum_ if comm.world > 1 else None, graphs=self.graphs)
+        step.begin()
+        for idx in mb.chunks:
+            batch.select(idx, len(mb.ids), mb.n_on)
+            step.add()
+        return step.finish()
 
-    def _gate_minibatch(self) -> torch.Tensor:
-        """Clipped PPO on the gate decisions of the minibatch in ``self.gate_batch`` (App. D.2-D.3)
-        and the gate's gradient step; returns ``[loss, entropy]`` (detached). The sums count the
-        real rows (``w``), divided by the minibatch's size."""
+    def _kind(self, kind: str, mb: _Minibatch):
+        """``(key, static buffers, grads, apply, params, optimisers, comm)`` of a ``kind`` of step."""
+        g = self.groups
+        if kind == "gate":
+            return "gate", self.gate_batch, self._gate_grads, self._gate_apply, g["gate"], ["gate"], self.comm
+        if kind == "controller":
+            return ("controller", self.ctrl_batch, self._controller_grads, self._controller_apply,
+                    g["shared"] + g["budget"] + g["selector"], ["shared", "budget", "selector"], self.comm)
+        on = mb.n_on > 0  # (no gate-on transition in the minibatch: the budget and selector heads rest)
+        return (("critic", on), self.critic_batch, functools.partial(self._critic_grads, on), self._critic_apply,
+                list(self.critic.parameters()), ["critic"], self.critic_comm)
+
+    # Each kind of step in two parts (CapturedStep): ``grads`` -- the gradients and logged values of
+    # the rows in the buffers, sums over the real rows (``w``) divided by the minibatch's size, so
+    # that chunks and processes add up -- and ``apply``, the optimiser steps on the summed gradients.
+
+    def _gate_grads(self) -> List[Optional[torch.Tensor]]:
+        """Clipped PPO on the gate decisions (App. D.2-D.3); ``[*grads, [loss, entropy]]``."""
         gb, p = self.gate_batch, self.cfg.ppo
         i = gb.idx
         lp, ent = evaluate_gate(self.actor, gb.cls_key[i], gb.h[i], gb.block[i], gb.gate[i])
         surr = clipped_surrogate(lp, gb.logp_old[i], gb.adv[i], p.clip_eps)
         loss = torch.where(gb.w, surr - p.entropy_gate * ent, 0.0).sum() / gb.n
-        params = self.groups["gate"]
-        self.opts["gate"].zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
-        self.opts["gate"].step()
-        return torch.stack([loss, torch.where(gb.w, ent, 0.0).sum() / gb.n]).detach()
+        grads = torch.autograd.grad(loss, self.groups["gate"], allow_unused=True)
+        return [*grads, torch.stack([loss, torch.where(gb.w, ent, 0.0).sum() / gb.n]).detach()]
 
-    def _controller_minibatch(self) -> torch.Tensor:
-        """Clipped PPO on the budget and selector decisions of the minibatch in ``self.ctrl_batch``
-        (App. D.2-D.4): symmetric PCGrad of the two losses' gradients on the shared encoder, each
-        head its own gradient, then the three gradient steps; returns ``[loss_B, loss_S, H_B, H_S]``
-        (detached). Each loss reaches the shared encoder and its own head only, so one backward
-        pass per loss gives every gradient."""
+    def _gate_apply(self, parts: List[Optional[torch.Tensor]]) -> torch.Tensor:
+        params = self.groups["gate"]
+        for q, g in zip(params, parts):
+            q.grad = g
+        torch.nn.utils.clip_grad_norm_(params, self.cfg.ppo.max_grad_norm)
+        self.opts["gate"].step()
+        return parts[-1]
+
+    def _controller_grads(self) -> List[Optional[torch.Tensor]]:
+        """Clipped PPO on the budget and selector decisions (App. D.2-D.4): each loss's gradient on
+        the shared encoder and its own head (one backward pass per loss reaches both);
+        ``[*g_B, *g_S, [loss_B, loss_S, H_B, H_S]]``."""
         cb, p = self.ctrl_batch, self.cfg.ppo
         i = cb.idx
         lb, hb, ls, hs = evaluate_controller(self.actor, cb.keys[i], cb.lengths[i], cb.h[i], cb.block[i],
@@ -332,9 +349,15 @@ class Trainer:
         shared, budget, selector = self.groups["shared"], self.groups["budget"], self.groups["selector"]
         g_b = torch.autograd.grad(loss_b, shared + budget, retain_graph=True, allow_unused=True)
         g_s = torch.autograd.grad(loss_s, shared + selector, allow_unused=True)
-        for name in ("shared", "budget", "selector"):
-            self.opts[name].zero_grad(set_to_none=True)
-        n = len(shared)
+        return [*g_b, *g_s, torch.stack([loss_b, loss_s, hb, hs]).detach()]
+
+    def _controller_apply(self, parts: List[Optional[torch.Tensor]]) -> torch.Tensor:
+        """Symmetric PCGrad of the two gradients on the shared encoder, each head its own
+        gradient, then the three gradient steps."""
+        p = self.cfg.ppo
+        shared, budget, selector = self.groups["shared"], self.groups["budget"], self.groups["selector"]
+        n, nb = len(shared), len(shared) + len(budget)
+        g_b, g_s = parts[:nb], parts[nb:-1]
         for q, g in zip(budget + selector, g_b[n:] + g_s[n:]):
             q.grad = g
         apply_pcgrad(shared, g_b[:n], g_s[:n], p.max_grad_norm, p.pcgrad_eps)
@@ -342,15 +365,14 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(selector, p.max_grad_norm)
         for name in ("shared", "budget", "selector"):
             self.opts[name].step()
-        return torch.stack([loss_b, loss_s, hb, hs]).detach()
+        return parts[-1]
 
-    def _critic_minibatch(self, gate_on: bool) -> torch.Tensor:
-        """Clipped value regression of every value head (App. D.2) on the minibatch in
-        ``self.critic_batch``, then the gradient step; returns the (detached) loss. The heads run on
-        every row; the losses count the real rows (``w``), the budget and selector ones only the
-        gate-on transitions, each divided by its count. ``gate_on=False`` (no gate-on
-        transition in the minibatch) leaves those heads out, so their parameters get no gradient
-        and Adam skips them."""
+    def _critic_grads(self, gate_on: bool) -> List[Optional[torch.Tensor]]:
+        """Clipped value regression of every value head (App. D.2); ``[*grads, [loss]]``. The heads
+        run on every row; the losses count the real rows (``w``), the budget and selector ones only
+        the gate-on transitions, each divided by its count. ``gate_on=False`` (no gate-on
+        transition in the minibatch) leaves those heads out: their parameters get no gradient and
+        Adam skips them."""
         cb, p = self.critic_batch, self.cfg.ppo
         critic, idx = self.critic, cb.idx
         u = self._values(cb, idx)
@@ -364,37 +386,20 @@ class Trainer:
             ls = clipped_value_loss(vsn, cb.vs[cm], cb.target[idx], p.value_clip, p.huber_delta)
             loss = loss + torch.where(on, lb, 0.0).sum() / cb.n_on
             loss = loss + torch.where(on, ls, 0.0).sum() / cb.n_on
-        params = list(critic.parameters())
-        self.opts["critic"].zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
+        grads = torch.autograd.grad(loss, list(critic.parameters()), allow_unused=True)
+        return [*grads, loss.detach()[None]]
+
+    def _critic_apply(self, parts: List[Optional[torch.Tensor]]) -> torch.Tensor:
+        params = list(self.critic.parameters())
+        for q, g in zip(params, parts):
+            q.grad = g
+        torch.nn.utils.clip_grad_norm_(params, self.cfg.ppo.max_grad_norm)
         self.opts["critic"].step()
-        return loss.detach()
+        return parts[-1]
 
-    def _load(self, kind: str, mb: _Minibatch, on_h: List[int]):
-        """Put minibatch ``mb`` of a ``kind`` of step (``gate``, ``controller``, ``critic``) in its
-        static buffers; returns ``(key, step, params, optimisers)`` for :meth:`_step`."""
-        if kind == "gate":
-            self.gate_batch.select(mb.idx, len(mb.ids))
-            return "gate", self._gate_minibatch, self.groups["gate"], ["gate"]
-        if kind == "controller":
-            self.ctrl_batch.select(mb.idx, len(mb.ids))
-            g = self.groups
-            return "controller", self._controller_minibatch, g["shared"] + g["budget"] + g["selector"], ["shared", "budget", "selector"]
-        n_on, key = self._critic_key(mb, on_h)
-        self.critic_batch.select(mb.idx, len(mb.ids), n_on)
-        return key, functools.partial(self._critic_minibatch, key[1]), list(self.critic.parameters()), ["critic"]
-
-    @staticmethod
-    def _critic_key(mb: _Minibatch, on_h: List[int]):
-        """``(loss divisor: gate-on transitions in mb, the step's key)``."""
-        n_on = sum(on_h[t] for t in mb.ids)
-        return n_on, ("critic", n_on > 0)
-
-    def _critic_steps(self, mbs: List[_Minibatch], on_h: List[int]) -> torch.Tensor:
+    def _critic_steps(self, mbs: List[_Minibatch]) -> torch.Tensor:
         """The critic's minibatch steps of an update; their mean loss."""
-        losses = [self._step(*self._load("critic", mb, on_h)).double().reshape(-1) for mb in mbs]
-        return torch.stack(losses).mean(0)
+        return torch.stack([self._step("critic", mb).double().reshape(-1) for mb in mbs]).mean(0)
 
     def finish_critic(self) -> None:
         """With ``overlap`` an update's critic steps run beside the next rollout, which does not read
@@ -409,37 +414,63 @@ class Trainer:
     def _epoch(self, pool: List[int], size: int) -> List[_Minibatch]:
         """Minibatches of one epoch over the transitions ``pool``, shuffled on the host."""
         ids = [pool[i] for i in torch.randperm(len(pool), generator=self.cpu_gen).tolist()]
-        return [_Minibatch(ids[s : s + size], ids[s : s + size]) for s in range(0, len(ids), size)]
+        return [_Minibatch(ids[s : s + size], []) for s in range(0, len(ids), size)]
 
     def _ppo_update(self, traj: Trajectory, d: torch.Tensor, rewards: torch.Tensor, a_u: float) -> Dict[str, float]:
-        """One PPO update on the whole batch's trajectory, in this process (under ``torchrun`` the
-        first process runs it on the merged rollouts of all: :meth:`_gather`).
+        """One PPO update, data parallel: every process holds its own images' trajectory and rows,
+        and the update is the one a single process would take on the whole batch.
+
+        Transitions are numbered ``t = l * B + b`` over all ``B`` images of the update (process
+        ``r`` holds images ``r * B/world ...``). Every process draws the same minibatches of those
+        numbers (the same seeded shuffles, from every process's feasible and gate-on flags: one
+        exchange) and runs its own rows of each; the advantages are standardised and the returns
+        normalised with moments summed over processes; each step's gradients are summed over
+        processes once (:meth:`_step`), so every process takes the same optimiser steps.
 
         Every minibatch step reads fixed-shape static buffers (:class:`~timm_dora.train.graph_step.StaticBatch`: the update's
         tensors, padded token sequences, the minibatch's rows and weights), so the step is the
-        same on every call: on CUDA it is replayed from a CUDA graph. The integers the minibatches
+        same on every call: on CUDA it is replayed from CUDA graphs. The integers the minibatches
         depend on come to the host in one transfer and all minibatch indices go to the device in
         one."""
-        cfg, p, dev = self.cfg, self.cfg.ppo, self.dev
-        b, depth = traj.k.shape
+        cfg, p, dev, comm = self.cfg, self.cfg.ppo, self.dev, self.comm
+        self.finish_critic()  # the last update's critic steps, if still running (before any sum here)
+        sum_ = comm.sum_ if comm.world > 1 else None
+        b, depth = traj.k.shape  # this process's images
         n_t, n_c = b * depth, traj.ctrl_t.numel()
-        # host copies of the feasible and gate-on flags, lengths and controller rows, in t order
-        host = torch.cat([traj.feasible.long(), (traj.ctrl_of >= 0).long(), traj.token_lengths, traj.ctrl_of,
-                          traj.ctrl_lengths])
-        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_len_h = (t.tolist() for t in host.cpu().split([n_t] * 4 + [n_c]))
-        # minibatches, drawn in the order the loops use them; their rows go to the device at once
+        every = b * comm.world  # the update's images
+        # the feasible and gate-on flags of every process (t order over all images), and this
+        # process's lengths and controller rows, in one transfer
+        flags = comm.gather(torch.stack([traj.feasible.long(), (traj.ctrl_of >= 0).long()]).view(1, 2, depth, b))
+        host = torch.cat([flags.permute(1, 2, 0, 3).reshape(-1), traj.token_lengths, traj.ctrl_of, traj.ctrl_lengths])
+        feas_h, on_h, tok_len_h, ctrl_of_h, ctrl_len_h = (t.tolist() for t in host.cpu().split([n_t * comm.world] * 2 + [n_t] * 2 + [n_c]))
+        first = comm.rank * b
+
+        def local(t: int) -> int:  # this process's transition number of t, or -1
+            image = t % every - first
+            return (t // every) * b + image if 0 <= image < b else -1
+
+        # minibatches, drawn in the order the loops use them; this process's rows go to the device at once
         feasible = [t for t, f in enumerate(feas_h) if f]
         gate_on = [t for t, o in enumerate(on_h) if o]
         actor_epochs = [(self._epoch(feasible, p.gate_minibatch), self._epoch(gate_on, p.controller_minibatch))
                         for _ in range(p.actor_epochs)]
-        for _, ctrl_mbs in actor_epochs:
-            for mb in ctrl_mbs:
-                mb.rows = [ctrl_of_h[t] for t in mb.ids]  # rows of the controller's buffers
-        critic_mbs = [mb for _ in range(p.critic_epochs) for mb in self._epoch(list(range(n_t)), p.critic_minibatch)]
-        mbs = [mb for gate_mbs, ctrl_mbs in actor_epochs for mb in gate_mbs + ctrl_mbs] + critic_mbs
-        flat = torch.tensor([t for mb in mbs for t in mb.rows], dtype=torch.long).to(dev)
-        for mb, idx in zip(mbs, flat.split([len(mb.rows) for mb in mbs])):
-            mb.idx = idx
+        critic_mbs = [mb for _ in range(p.critic_epochs) for mb in self._epoch(list(range(len(feas_h))), p.critic_minibatch)]
+        for gate_mbs, ctrl_mbs in actor_epochs:
+            for mb in gate_mbs:
+                mb.rows = [x for x in map(local, mb.ids) if x >= 0]
+            for mb in ctrl_mbs:  # rows of the controller's buffers
+                mb.rows = [ctrl_of_h[x] for x in map(local, mb.ids) if x >= 0]
+        for mb in critic_mbs:
+            mb.rows = [x for x in map(local, mb.ids) if x >= 0]
+            mb.n_on = sum(on_h[t] for t in mb.ids)
+        mbs = [(mb, self.gate_batch.capacity) for gate_mbs, _ in actor_epochs for mb in gate_mbs]
+        mbs += [(mb, self.ctrl_batch.capacity) for _, ctrl_mbs in actor_epochs for mb in ctrl_mbs]
+        mbs += [(mb, self.critic_batch.capacity) for mb in critic_mbs]
+        pieces = [[mb.rows[s : s + cap] for s in range(0, len(mb.rows), cap)] or [[]] for mb, cap in mbs]
+        flat = torch.tensor([t for ps in pieces for piece in ps for t in piece], dtype=torch.long).to(dev)
+        chunks = iter(flat.split([len(piece) for ps in pieces for piece in ps]))
+        for (mb, _), ps in zip(mbs, pieces):
+            mb.chunks = [next(chunks) for _ in ps]
 
         phi = native_features(traj.z_native, self.cfg.tau_b)
         q = trajectory_scalar_states(traj.k, d, phi, a_u, self.num_patches).transpose(0, 1).reshape(n_t, -1)
@@ -448,7 +479,6 @@ class Trainer:
         frac = self.actor.budgets[traj.budget_index].float() / n_ctrl.clamp_min(1).float()  # k_l / N_l
         # the critic's inputs, padded: H_l of each transition in P + N0 rows (one scatter per update)
         tokens = Packed(traj.tokens, traj.token_lengths, tok_len_h, traj.num_prefix).padded(traj.num_prefix + self.num_patches)
-        self.finish_critic()  # the last update's critic steps, if still running
         cb = self.critic_batch
         fresh = cb.load(n_t, tokens=tokens, lengths=traj.token_lengths, block=traj.block, q=q,
                         zn=traj.z_native.repeat(depth, 1), ctrl_of=traj.ctrl_of, budget_index=traj.budget_index, frac=frac)
@@ -465,11 +495,11 @@ class Trainer:
         vg_ret = self.rms.denormalize(vg)
         _, ret = gae_shared_return(rewards, vg_ret.view(depth, b).T, p.gae_lambda, p.gamma)
         ret_t = ret.T.reshape(-1)
-        adv_g = standardize(ret_t - vg_ret, traj.feasible, p.adv_eps)
+        adv_g = standardize(ret_t - vg_ret, traj.feasible, p.adv_eps, sum_)
         ones = torch.ones(n_c, dtype=torch.bool, device=dev)
-        adv_b = standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones, p.adv_eps)
-        adv_s = standardize(ret_t[ci] - self.rms.denormalize(vs), ones, p.adv_eps)
-        self.rms.update(ret_t)
+        adv_b = standardize(ret_t[ci] - self.rms.denormalize(vb[ci]), ones, p.adv_eps, sum_)
+        adv_s = standardize(ret_t[ci] - self.rms.denormalize(vs), ones, p.adv_eps, sum_)
+        self.rms.update(ret_t, sum_)
         fresh |= cb.load(n_t, vg=vg, vb=vb, vs=vs, target=self.rms.normalize(ret_t))
 
         # the actor's inputs: the gate's per transition, the controller's per gate-on transition
@@ -489,18 +519,20 @@ class Trainer:
         logs: Dict[str, List[torch.Tensor]] = {"gate": [], "controller": [], "critic": []}
         self.actor.train()
         for gate_mbs, ctrl_mbs in actor_epochs:
-            for kind, mbs in (("gate", gate_mbs), ("controller", ctrl_mbs)):
-                for mb in mbs:
-                    logs[kind].append(self._step(*self._load(kind, mb, on_h)).double().reshape(-1))
+            for kind, kind_mbs in (("gate", gate_mbs), ("controller", ctrl_mbs)):
+                for mb in kind_mbs:
+                    logs[kind].append(self._step(kind, mb).double().reshape(-1))
         self.actor.eval()
+        if comm.world > 1:
+            self._share_actor()
         self.clock.mark("actor_update")
         self.critic.train()
         if not (self.graphs and cfg.overlap):
             for mb in critic_mbs:
-                logs["critic"].append(self._step(*self._load("critic", mb, on_h)).double().reshape(-1))
+                logs["critic"].append(self._step("critic", mb).double().reshape(-1))
         else:  # left running beside the next update's rollout (see finish_critic)
-            replays = all(self._critic_key(mb, on_h)[1] in self.captured for mb in critic_mbs)
-            self.background.launch(functools.partial(self._critic_steps, critic_mbs, on_h), replays, reads=[flat])
+            replays = all(self._kind("critic", mb)[0] in self.captured for mb in critic_mbs)
+            self.background.launch(functools.partial(self._critic_steps, critic_mbs), replays, reads=[flat])
         self.clock.mark("critic_update")
         # one transfer for every logged value: per-step reads would stall the host
         names = {"gate": ("loss_gate", "entropy_gate"), "critic": ("loss_value",),
@@ -536,7 +568,7 @@ class Trainer:
         calls it)."""
         dev = self.images.dev
         pred, gflops = self._predict(dev, ActorPolicy(self.actor))
-        sums = self.comm.sum_(torch.stack([(pred == dev.labels).sum().double(), gflops.double().sum(),
+        sums = self.host_comm.sum_(torch.stack([(pred == dev.labels).sum().double(), gflops.double().sum(),
                                            (pred != self.dev_native_pred).sum().double()]).cpu())
         top1, mean_gflops, disagreement = (float(v) / self.dev_size for v in sums)
         return CheckpointRecord(f"u{self.u:05d}", 100.0 * top1, self.dev_native_top1, mean_gflops, 100.0 * disagreement)
@@ -589,7 +621,7 @@ class Trainer:
             **({"init_actor": cfg.init_actor, "init_training": self.init_training} if cfg.init_actor else {}),
         }
         self.checkpoints.save(rec, self.actor, self.model, facts, self.state_dict)
-        self.comm.barrier()
+        self.host_comm.barrier()
         return rec
 
     def fit(self) -> Dict:
@@ -621,7 +653,7 @@ class Trainer:
         try:
             while self.u < cfg.total_updates:
                 m = self.step()
-                out_of_time = self.comm.broadcast_object(cfg.max_minutes > 0 and time.perf_counter() - start > 60 * cfg.max_minutes)
+                out_of_time = self.host_comm.broadcast_object(cfg.max_minutes > 0 and time.perf_counter() - start > 60 * cfg.max_minutes)
                 if self.u % cfg.checkpoint_every == 0 or self.u == cfg.total_updates or out_of_time:
                     t = time.perf_counter()
                     rec = self.save_checkpoint()

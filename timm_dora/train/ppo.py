@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -84,16 +84,27 @@ def decision_advantages(returns: torch.Tensor, v_old: torch.Tensor) -> torch.Ten
     return returns - v_old.to(returns.dtype)
 
 
-def standardize(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def standardize(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
+                sum_: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """``(A - mean) / (std + eps)`` with mean and (population) std over ``mask``-ed entries only.
 
     App. D.2: gate advantages over transitions with a non-empty feasible budget set; budget and
     selector advantages over gate-on transitions. Entries outside ``mask`` are returned as 0.
-    With no eligible entry the result is all zeros.
+    With no eligible entry the result is all zeros. ``sum_``: sums a tensor over processes in
+    place (data parallel: each holds part of the entries; the moments are those of all of them).
     """
     if adv.shape != mask.shape:
         raise ValueError(f"adv {tuple(adv.shape)} and mask {tuple(mask.shape)} differ in shape")
     mask = mask.bool()
+    if sum_ is not None:  # two passes over all processes' entries: count and sum, then squares
+        count_sum = sum_(torch.stack([mask.sum().to(torch.float64), torch.where(mask, adv, 0).sum(dtype=torch.float64)]))
+        n = int(count_sum[0])
+        if n == 0:
+            return torch.zeros_like(adv)
+        mean = (count_sum[1] / n).to(adv.dtype)
+        square = sum_(torch.where(mask, (adv - mean).square(), 0).sum(dtype=torch.float64)[None])
+        std = (square[0] / n).sqrt().to(adv.dtype)
+        return torch.where(mask, (adv - mean) / (std + eps), torch.zeros_like(adv))
     n = int(mask.sum())
     if n == 0:
         return torch.zeros_like(adv)
@@ -131,14 +142,23 @@ class RunningMeanStd:
         self.mean = 0.0
         self.var = 1.0
 
-    def update(self, x: torch.Tensor) -> None:
-        """Merge the population moments of all entries of ``x``."""
+    def update(self, x: torch.Tensor, sum_: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        """Merge the population moments of all entries of ``x`` (``sum_``: sums a tensor over
+        processes in place; data parallel, the moments of every process's entries)."""
         x = x.detach().reshape(-1).to(torch.float64)
-        n = x.numel()
-        if n == 0:
-            return
-        b_mean = float(x.mean())
-        b_var = float(x.var(unbiased=False))
+        if sum_ is not None:
+            count_sum = sum_(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum()]))
+            n = int(count_sum[0])
+            if n == 0:
+                return
+            b_mean = float(count_sum[1]) / n
+            b_var = float(sum_((x - b_mean).square().sum()[None])[0]) / n
+        else:
+            n = x.numel()
+            if n == 0:
+                return
+            b_mean = float(x.mean())
+            b_var = float(x.var(unbiased=False))
         total = self.count + n
         delta = b_mean - self.mean
         m2 = self.var * self.count + b_var * n + delta * delta * self.count * n / total

@@ -75,68 +75,6 @@ class Trajectory:
     def depth(self) -> int:
         return self.k.shape[1]
 
-    @staticmethod
-    def merge(parts: List["Trajectory"]) -> "Trajectory":
-        """The trajectory of the images of ``parts`` in their order, as one rollout of all of them
-        would have recorded it (data-parallel processes' rollouts, gathered): transitions renumbered
-        ``t = l * B + b`` over the whole batch, the controller rows of each block in image order."""
-        if len(parts) == 1:
-            return parts[0]
-        depth, dev = parts[0].depth, parts[0].k.device
-        sizes = [p.batch for p in parts]
-        offsets = [sum(sizes[:r]) for r in range(len(parts))]
-        total = sum(sizes)
-
-        def by_block(t: torch.Tensor, b: int) -> List[torch.Tensor]:  # per-transition rows, block by block
-            return list(t.reshape(depth, b, *t.shape[1:]).unbind(0))
-
-        def interleave(pieces: List[List[torch.Tensor]]) -> torch.Tensor:  # [part][block] -> block-major
-            return torch.cat([pieces[r][l] for l in range(depth) for r in range(len(parts))])
-
-        def transitions(name: str) -> torch.Tensor:
-            return interleave([by_block(getattr(p, name), b) for p, b in zip(parts, sizes)])
-
-        # per part and block: rows of H_l, controller rows, rows of controller keys (one host read)
-        def block_counts(p: "Trajectory", b: int) -> torch.Tensor:
-            blk = p.ctrl_t // b
-            keys = torch.zeros(depth, dtype=torch.long, device=dev).index_add_(0, blk, p.ctrl_lengths)
-            return torch.stack([p.token_lengths.reshape(depth, b).sum(1), torch.bincount(blk, minlength=depth), keys])
-
-        counts = torch.stack([block_counts(p, b) for p, b in zip(parts, sizes)]).tolist()  # [part][kind][block]
-        ctrl_rows = [c[1] for c in counts]
-        kmax = max(p.order.shape[1] for p in parts)
-
-        def ctrl(name: str, pad=None) -> torch.Tensor:
-            pieces = []
-            for p, c in zip(parts, ctrl_rows):
-                t = getattr(p, name)
-                if pad is not None and t.shape[1] < kmax:
-                    t = torch.cat([t, torch.full((t.shape[0], kmax - t.shape[1]), pad, dtype=t.dtype, device=dev)], 1)
-                pieces.append(list(t.split(c)))
-            return interleave(pieces)
-
-        ctrl_t = interleave([list((p.ctrl_t // b * total + o + p.ctrl_t % b).split(c))
-                             for p, b, o, c in zip(parts, sizes, offsets, ctrl_rows)])
-        ctrl_keys = interleave([list(p.ctrl_keys.split(c[2])) for p, c in zip(parts, counts)])
-        tokens = interleave([list(p.tokens.split(c[0])) for p, c in zip(parts, counts)])
-        ctrl_of = torch.full((total * depth,), -1, dtype=torch.long, device=dev)
-        ctrl_of[ctrl_t] = torch.arange(ctrl_t.numel(), device=dev)
-        plan: Plan = {}
-        for l in sorted({l for p in parts for l in p.plan}):
-            entries = [(p.plan[l][0] + o, p.plan[l][1]) for p, o in zip(parts, offsets) if l in p.plan]
-            plan[l] = (torch.cat([e[0] for e in entries]), torch.cat([e[1] for e in entries]))
-        return Trajectory(
-            z_native=torch.cat([p.z_native for p in parts]), z_final=torch.cat([p.z_final for p in parts]),
-            k=torch.cat([p.k for p in parts]), gflops=torch.cat([p.gflops for p in parts]), plan=plan,
-            block=torch.arange(depth, device=dev).repeat_interleave(total),
-            cls_key=transitions("cls_key"), h=transitions("h"), feasible=transitions("feasible"),
-            gate=transitions("gate"), gate_logp_old=transitions("gate_logp_old"), tokens=tokens,
-            token_lengths=transitions("token_lengths"), ctrl_of=ctrl_of, ctrl_t=ctrl_t, ctrl_keys=ctrl_keys,
-            ctrl_lengths=ctrl("ctrl_lengths"), budget_index=ctrl("budget_index"),
-            budget_logp_old=ctrl("budget_logp_old"), order=ctrl("order", 0), valid=ctrl("valid", False),
-            selector_logp_old=ctrl("selector_logp_old"), num_prefix=parts[0].num_prefix,
-        )
-
 
 class _Recording:
     """Policy wrapper that keeps each block's input tokens and layout (the critic's ``H_l``)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -40,12 +40,17 @@ class Comm:
         self.rank = dist.get_rank() if self.on else 0
         self.world = dist.get_world_size() if self.on else 1
         # NCCL reduces device tensors only; gloo takes CPU tensors
-        nccl = self.on and dist.get_backend() == "nccl"
+        nccl = self.on and dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    def subgroup(self, backend: Optional[str] = None) -> "Comm":
+        """The same processes on a communicator of their own (``backend``: as the world's, or e.g.
+        ``"gloo"`` for host values). Every process must create its subgroups in the same order."""
+        return Comm(self.dist.new_group(backend=backend)) if self.on else Comm()
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) in place; returns ``t``."""
@@ -84,42 +89,6 @@ class Comm:
             if x is not t:
                 t.copy_(x)
         return t
-
-    def gather_tensors(self, tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
-        """Every process's ``tensors`` (the same dtypes in the same order, any shapes), in rank order,
-        on the first process (the others get ``[]``): the shapes all-gathered, then one flat buffer
-        of every tensor's bytes gathered."""
-        if not self.on:
-            return [list(tensors)]
-        dims = max(t.dim() for t in tensors)
-        shapes = torch.tensor([list(t.shape) + [0] * (dims - t.dim()) for t in tensors], dtype=torch.long)
-        every = self.gather(shapes.to(self.device)[None]).cpu()  # [world, n, dims]
-        def nbytes(shape, t):  # (padded to 8 bytes: each tensor starts aligned)
-            n = int(torch.Size(shape[: t.dim()]).numel()) * t.element_size()
-            return n + (-n % 8)
-        sizes = [[nbytes(every[r, i].tolist(), t) for i, t in enumerate(tensors)] for r in range(self.world)]
-        width = max(sum(s) for s in sizes)
-        flat = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        at = 0
-        for t, n in zip(tensors, sizes[self.rank]):
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[at : at + raw.numel()] = raw.to(self.device)
-            at += n
-        parts = [torch.empty_like(flat) for _ in range(self.world)] if self.main else None
-        self.dist.gather(flat, gather_list=parts, dst=0, group=self.group)
-        if not self.main:
-            return []
-        out = []
-        for r in range(self.world):
-            mine, at = [], 0
-            for i, t in enumerate(tensors):
-                shape = every[r, i].tolist()[: t.dim()]
-                count = int(torch.Size(shape).numel())
-                raw = parts[r][at : at + count * t.element_size()]
-                mine.append(raw.view(t.dtype).reshape(shape).to(t.device))
-                at += sizes[r][i]
-            out.append(mine)
-        return out
 
 
 class PhaseClock:
