@@ -26,7 +26,8 @@ class CapturedStep:
 
     - ``grads()`` reads the static buffers (the rows loaded now) and returns a list of tensors: the
       step's gradients (``None`` for a parameter it does not reach) and the statistics it logs,
-      each a *sum over the loaded rows* divided by the whole minibatch's size. :meth:`add` adds
+      each a *sum over the loaded rows* divided by the whole minibatch's divisors (its size, or
+      a count over all of it), never by the loaded rows'. :meth:`add` adds
       them into one flat buffer, so a minibatch loaded in several chunks, or spread over several
       processes, adds up to the gradient of the whole minibatch.
     - :meth:`finish` sums the flat buffer over processes (``reduce``, once per step: one bucket),
@@ -38,6 +39,8 @@ class CapturedStep:
     with ``capturable=True``. Capturing runs a few warm-up steps first (cuBLAS and autograd
     allocate on their first use) on copies of the parameters' and optimisers' state, which are put
     back afterwards: the first replayed step starts from exactly the state an eager step would.
+    The two graphs share one memory pool, so what ``apply`` leaves in ``p.grad`` beyond the flat
+    buffer's views (a new tensor) is scratch of the next ``add``: read gradients inside ``apply``.
 
     Args:
         grads, apply: the two parts (above).
@@ -117,12 +120,13 @@ class CapturedStep:
                 self._apply()
         torch.cuda.current_stream().wait_stream(side)
         self._restore(saved)
+        with torch.inference_mode(False):  # (on this stream, not the warm-up's)
+            self.flat = torch.zeros_like(self.flat)
         self.added, self.applied = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.added):
             self._add()
         with torch.cuda.graph(self.applied, pool=self.added.pool()):
             self.out = self._apply()
-        self.flat.zero_()  # (the warm-up's sums)
 
     def _state(self, p: torch.nn.Parameter) -> Dict:
         """``p``'s optimiser state (empty before its first step)."""
@@ -234,6 +238,7 @@ class BackgroundSteps:
 
         def target() -> None:
             try:
+                torch.cuda.set_device(self.stream.device)  # (a new thread starts on device 0)
                 box["out"] = run()
             except BaseException as e:  # raised again by finish()
                 box["error"] = e

@@ -81,9 +81,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, sync_phases: bool = False):
         self.cfg = cfg.check()
-        # data parallel: device tensors (the update's sums, the gradients) on the world's
-        # communicator; host values (counts, flags) on gloo; the critic's gradients, summed while the
-        # next rollout runs, on a communicator of their own (nothing else is in flight on it)
+        # data parallel: device tensors (the update's flags, sums and gradients) on the world's
+        # communicator; host counts on gloo; the critic's gradients, summed while the next rollout
+        # runs, on a communicator of their own (nothing else is in flight on it)
         self.comm = Comm()
         self.host_comm = self.comm.subgroup("gloo")
         self.critic_comm = self.comm.subgroup()
@@ -255,8 +255,9 @@ class Trainer:
 
     def _share_actor(self) -> None:
         """The first process's updated actor, copied to every process (one broadcast). The processes
-        took the same steps from the same summed gradients; this keeps their rollouts' actor
-        identical whatever the floats did."""
+        took the same steps from the same summed gradients (an all-reduce gives every process the
+        same bits), so actor and critic stay equal; the rollouts depend on the actor alone being
+        one, so it is made sure of (the critic only sets each process's baselines)."""
         params = list(self.actor.parameters())
         flat = self.comm.broadcast_(torch.cat([q.detach().reshape(-1) for q in params]))
         if not self.comm.main:
@@ -552,8 +553,7 @@ class Trainer:
         self.images.close()
 
     def close(self) -> None:
-        """Stop the data workers and release the captured steps (before the process group goes:
-        graphs that hold collectives must not outlive their communicators)."""
+        """Stop the data workers, wait for the critic's steps and release the captured steps."""
         self.finish_critic()
         self.stop_prefetch()
         self.captured.clear()
