@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -117,6 +117,7 @@ class _Record:
             self.remove = torch.zeros(depth, rows, dtype=torch.bool, device=device)  # the removed rows
             # a planned forward's check: gates opened and rows left after each block (and on the host)
             self.check = torch.zeros(2, depth, dtype=torch.long, device=device)
+        self.closed: dict = {}  # plan -> its closed blocks (an index on the device)
         self.check_host = torch.zeros(2, depth, dtype=torch.long, pin_memory=device.type == "cuda")
         self.checked = torch.cuda.Event(external=True) if device.type == "cuda" else None
 
@@ -149,8 +150,13 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     # planned, the blocks up to the first controller run dense (cuDNN's attention on equal lengths,
     # the MLP in the attention's graph where no controller follows); the rest packed
     n_dense = (controls.index(True) + 1 if True in controls else depth) if checked else 0
+    # the history (N_l, rho_l, E_<l) a gate reads changes after a controller (all three) and after
+    # the closed block that follows one (rho back to 0), nowhere else: a packed block computes the
+    # gate's history part only then (``fresh``), and only that closed block zeroes rho
+    after = [l > 0 and controls[l - 1] for l in range(depth)]
+    fresh = [l == n_dense or after[l] or (l > 1 and controls[l - 2]) for l in range(depth)]
     attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None) if l < n_dense else
-                         ("attention_packed", l, rows[l], False, True, fused and controls[l])) for l in range(depth)]
+                         ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l])) for l in range(depth)]
     control = [r.segments.build(("controller", l, rows[l], l < n_dense, "in_place" if fused else False)) if controls[l]
                else None for l in range(depth)]
     # the MLP: of the deletion's output (x[l % 2]) or, with no controller, of the attention's (xa)
@@ -162,6 +168,13 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     remove, removed, flops = r.ctrl_out
     gates = [r.gate_out[l] if l < n_dense else r.ctrl_in[2] for l in range(depth)]  # where each block's gate goes
     steps = [l if l < n_dense else ("packed", l) for l in range(depth)]
+    # the closed blocks' records (nothing removed, the gate's FLOPs) written once after the last
+    # block, by the rows of a fixed index (a graph keeps no tensor alive: the record holds it); the
+    # dense blocks' gates stay in their rows of gate_out, copied once too
+    closed = [l for l in range(depth) if control[l] is None]
+    if closed and plan not in rec.closed:
+        with torch.inference_mode(False):
+            rec.closed[plan] = torch.tensor(closed, device=r.device)
 
     def whole():
         r.cu.copy_(dense.cu_seqlens)
@@ -175,11 +188,11 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             if not r.capture and r.cur.total > rows[l]:  # (uncaptured the attention needs the real rows)
                 raise _Missed
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
-            rec.counts[0, l].copy_(gates[l])
+            if l >= n_dense:
+                rec.counts[0, l].copy_(gates[l])
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
-                rec.counts[1, l].zero_()
-                rec.flops[l].fill_(r.steps[steps[l]].gate_flops)  # (the same for every image)
-                rho.zero_()
+                if after[l]:
+                    rho.zero_()
                 if mlp[l] is not None:  # (else it ran in the attention's graph)
                     mlp[l]()
                 continue
@@ -201,6 +214,16 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                 r.cur = Packed(r.x[l % 2][:t], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:t].clone(),
                                r.sizes[:t].clone() if r.merge else None)
             mlp[l]()
+        if n_dense:
+            rec.counts[0, :n_dense].copy_(r.gate_out[:n_dense])
+        if closed:
+            gate_flops = {r.steps[steps[l]].gate_flops for l in closed}  # (the same for every image)
+            rec.counts[1].index_fill_(0, rec.closed[plan], 0)
+            if len(gate_flops) == 1:
+                rec.flops.index_fill_(0, rec.closed[plan], gate_flops.pop())
+            else:
+                for l in closed:
+                    rec.flops[l].fill_(r.steps[steps[l]].gate_flops)
         read()
         out = r.logits.get("whole")
         if out is None:  # made by the warm-up, outside the capture's memory pool
