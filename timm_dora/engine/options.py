@@ -37,6 +37,11 @@ class EngineOptions:
     # qkv output (the actor's share 4.3 -> 4.0 % on DeiT-B, 18.2 -> 17.2 % on ViT-Ti, H100); False:
     # two graphs
     fused_interventions: bool = True
+    # the captured controller graph's deletion (survivors' index, the gathers of rows and ids, the
+    # new lengths and cu_seqlens) in engine.deletion_kernel's two Triton kernels instead of about 13
+    # PyTorch ones (CUDA, not with merge, up to 8192 rows: one program holds them all); off until
+    # measured on a GPU against the PyTorch ops
+    fused_deletion: bool = False
     # with the actor, the dense blocks up to the first whose gate opened in the last forward run
     # ahead as one graph, their gates taken as closed and read once where the host must know; where
     # one opened after all the forward runs again without (graphs.RunAheadMissed)

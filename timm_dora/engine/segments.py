@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
 from .options import active
 from .attention import varlen_attention
+from .deletion_kernel import delete_rows_fused, fused_deletion_reason
 from .packing import fold_removed, gather_survivors
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
@@ -248,6 +249,11 @@ class Segments:
         rows, dense, kept = key[2], key[3], key[4]  # kept: the dense attention graph kept the keys;
         # "in_place": the attention of the same graph left a view of them (fused_interventions)
         p = model.num_prefix_tokens
+        # EngineOptions.fused_deletion: the deletion below in deletion_kernel's two Triton kernels
+        # instead of about 13 PyTorch ones; captured only (CUDA), not with merge (which gathers the
+        # sizes too), and up to the kernels' MAX_ROWS (one program over all rows)
+        fused = (active().fused_deletion and r.capture and not r.merge and r.xa is not None
+                 and fused_deletion_reason(r.xa[:rows], r.ctrl_out[0][:rows]) is None)
 
         def controller_keys(n: int) -> torch.Tensor:  # the keys of the first n rows: read in place,
             # kept in k (by the dense attention graph only where it kept them, by the packed one
@@ -292,15 +298,20 @@ class Segments:
             # removed: they follow the survivors), the new layout, and the new lengths to the
             # host, the only value it waits for before the survivors' MLP
             sizes = r.sizes[:rows] if r.merge else None
-            if dense:
-                src, before = r.dense_inputs[l % 2], r.seq
-                ids = gather_survivors(r.xa, remove, r.x[l % 2], src.ids, sizes)
+            if fused:  # the same step in two kernels (the ids and cu compacted in place)
+                src = r.dense_inputs[l % 2]
+                ids, cu = (src.ids, src.cu_seqlens) if dense else (r.ids[:rows], r.cu)
+                delete_rows_fused(r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], cu, removed, r.lengths, r.cu)
             else:
-                before = r.cu[1:] - r.cu[:-1]
-                ids = gather_survivors(r.xa[:rows], remove, r.x[l % 2], r.ids[:rows], sizes)
-            r.ids[:rows].copy_(ids)
-            r.lengths.copy_(before - removed)
-            torch.cumsum(r.lengths, 0, dtype=r.cu.dtype, out=r.cu[1:])
+                if dense:
+                    src, before = r.dense_inputs[l % 2], r.seq
+                    ids = gather_survivors(r.xa, remove, r.x[l % 2], src.ids, sizes)
+                else:
+                    before = r.cu[1:] - r.cu[:-1]
+                    ids = gather_survivors(r.xa[:rows], remove, r.x[l % 2], r.ids[:rows], sizes)
+                r.ids[:rows].copy_(ids)
+                r.lengths.copy_(before - removed)
+                torch.cumsum(r.lengths, 0, dtype=r.cu.dtype, out=r.cu[1:])
             if r.host_reads:
                 r.lengths_host.copy_(r.lengths, non_blocking=r.capture)
                 if r.capture:

@@ -1,0 +1,217 @@
+"""The controller graph's deletion in two Triton kernels (``timm_dora.engine.deletion_kernel``,
+``EngineOptions.fused_deletion``).
+
+The PyTorch fallback is compared with the code it replaces (``gather_survivors`` and the lengths and
+``cu_seqlens`` of the controller segment); the kernels, in Triton's interpreter (a subprocess:
+``TRITON_INTERPRET=1`` must be set before they are defined) and on CUDA replayed from a graph with
+new removal patterns, with the fallback. Every comparison is exact.
+"""
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import capture_graph, run_interpreted
+from timm_dora.engine.deletion_kernel import MAX_ROWS, delete_rows_fused, delete_rows_reference, fused_deletion_reason
+from timm_dora.engine.packing import gather_survivors
+
+
+def make_case(seed: int, b: int, prefix: int, max_visual: int, pad: int, d: int, dtype: torch.dtype,
+              mode: str, device: str = "cpu") -> Dict[str, torch.Tensor]:
+    """A packed batch as the controller graph sees it: ``b`` sequences of ``prefix`` rows and 1 ..
+    ``max_visual`` visual rows, ``pad`` rows past the last; ``remove`` marks visual rows only
+    (``mode``: "none"; "random", 0 .. all of each image's; "all", every visual row of image 0 and
+    some of the others), ``removed`` counts them per image."""
+    g = torch.Generator().manual_seed(seed)
+    visual = torch.randint(1, max_visual + 1, (b,), generator=g)
+    lengths = visual + prefix
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    rows = int(cu[-1]) + pad
+    remove = torch.zeros(rows, dtype=torch.bool)
+    removed = torch.zeros(b, dtype=torch.long)
+    for i in range(b):
+        n = int(visual[i])
+        if mode == "none":
+            k = 0
+        elif mode == "all" and i == 0:
+            k = n
+        else:
+            k = int(torch.randint(0, n + 1, (), generator=g))
+        cols = torch.randperm(n, generator=g)[:k]
+        remove[int(cu[i]) + prefix + cols] = True
+        removed[i] = k
+    case = dict(x=torch.randn(rows, d, generator=g).to(dtype), remove=remove, removed=removed, cu=cu,
+                ids=torch.randint(0, 1000, (rows,), generator=g))
+    return {k: v.to(device) for k, v in case.items()}
+
+
+CASES = [  # (seed, B, prefix, max visual, padded rows, d, dtype, mode)
+    (0, 1, 1, 16, 0, 40, torch.float32, "random"),
+    (1, 3, 1, 30, 7, 40, torch.bfloat16, "random"),
+    (2, 5, 2, 20, 3, 300, torch.float16, "random"),  # d > 256: several column chunks
+    (3, 4, 1, 25, 5, 64, torch.bfloat16, "none"),
+    (4, 6, 5, 12, 1, 64, torch.float32, "all"),  # image 0 keeps only its prefix
+    (5, 16, 1, 196, 0, 8, torch.bfloat16, "random"),  # up to the planned graph's 16 x 197 rows
+    (6, 2, 1, 9, 20, 24, torch.float16, "all"),
+]
+
+
+def run_step(fn, case: Dict[str, torch.Tensor], in_place: bool) -> List[torch.Tensor]:
+    """``fn`` (the fallback or the kernels) on fresh output buffers: ``[index, out, ids, lengths,
+    cu]`` after the step. ``in_place``: ids and cu compacted in their own buffers (the packed
+    phase); else into separate ones (the dense phase)."""
+    x, b = case["x"], case["removed"].shape[0]
+    out = torch.full((x.shape[0] + 3, x.shape[1]), 7.0, dtype=x.dtype, device=x.device)  # 3 rows past: untouched
+    ids, cu = case["ids"].clone(), case["cu"].clone()
+    ids_out, cu_out = (ids, cu) if in_place else (torch.zeros_like(ids), torch.zeros_like(cu))
+    lengths = torch.zeros(b, dtype=torch.long, device=x.device)
+    index = fn(x, case["remove"], out, ids, ids_out, cu, case["removed"], lengths, cu_out)
+    return [index.long(), out, ids_out, lengths, cu_out]
+
+
+def todays_step(case: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+    """What the controller segment ran before the kernels (packed phase), on fresh buffers."""
+    x = case["x"]
+    out = torch.full((x.shape[0] + 3, x.shape[1]), 7.0, dtype=x.dtype)
+    index = torch.nonzero_static(~case["remove"], size=x.shape[0], fill_value=0).squeeze(1)
+    ids = gather_survivors(x, case["remove"], out, case["ids"])
+    cu = case["cu"].clone()
+    lengths = (cu[1:] - cu[:-1]) - case["removed"]
+    torch.cumsum(lengths, 0, dtype=cu.dtype, out=cu[1:])
+    return [index, out, ids, lengths, cu]
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("spec", CASES, ids=[f"case{c[0]}" for c in CASES])
+def test_reference_is_todays_deletion(spec, in_place):
+    case = make_case(*spec)
+    got = run_step(delete_rows_reference, case, in_place)
+    for name, a, b in zip(("index", "out", "ids", "lengths", "cu"), got, todays_step(case)):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    # and what it means: the survivors in order, then row 0; the lengths are the survivors per image
+    keep = ~case["remove"]
+    total = int(keep.sum())
+    index, out, ids, lengths, cu = got
+    assert torch.equal(out[:total], case["x"][keep]) and torch.equal(ids[:total], case["ids"][keep])
+    assert torch.equal(out[total:len(keep)], case["x"][:1].expand(len(keep) - total, -1))
+    assert (out[len(keep):] == 7).all()
+    seq = torch.searchsorted(case["cu"][1:].long(), torch.arange(len(keep)), right=True)  # padding: b
+    per_image = torch.zeros(len(lengths) + 1, dtype=torch.long).index_add_(0, seq, keep.long())[:-1]
+    assert torch.equal(lengths, per_image) and int(cu[0]) == 0 and int(cu[-1]) == total - int(keep[int(case["cu"][-1]):].sum())
+
+
+def test_limits_are_checked():
+    x = torch.zeros(MAX_ROWS + 1, 8)
+    why = fused_deletion_reason(x, torch.zeros(MAX_ROWS + 1, dtype=torch.bool))
+    if why == "the triton package is not installed":
+        pytest.skip(why)
+    assert "MAX_ROWS" in why
+    assert "remove" in fused_deletion_reason(x[:10], torch.zeros(10, dtype=torch.uint8))
+    assert "float32" in fused_deletion_reason(x[:10].double(), torch.zeros(10, dtype=torch.bool))
+    assert fused_deletion_reason(x[:10], torch.zeros(10, dtype=torch.bool)) is None
+    with pytest.raises(ValueError, match="MAX_ROWS"):
+        b = torch.zeros(1, dtype=torch.long)
+        delete_rows_fused(x, torch.zeros(MAX_ROWS + 1, dtype=torch.bool), x.clone(), b, b, torch.zeros(2, dtype=torch.int32),
+                          b, b, torch.zeros(2, dtype=torch.int32))
+
+
+INTERPRETED = r"""
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_deletion_kernel import CASES, make_case, run_step
+from timm_dora.engine.deletion_kernel import delete_rows_fused, delete_rows_reference
+
+bad = []
+for spec in CASES:
+    case = make_case(*spec)
+    for in_place in (True, False):
+        got = run_step(delete_rows_fused, case, in_place)
+        ref = run_step(delete_rows_reference, case, in_place)
+        for name, a, b in zip(("index", "out", "ids", "lengths", "cu"), got, ref):
+            if a.dtype != b.dtype or not torch.equal(a, b):
+                bad.append([spec[0], in_place, name])
+print(json.dumps({{"cases": 2 * len(CASES), "bad": bad}}))
+"""
+
+
+def test_interpreted_kernels_match_reference():
+    pytest.importorskip("triton")
+    res = run_interpreted(INTERPRETED.format(tests=str(Path(__file__).resolve().parent)), timeout=600)
+    assert res["cases"] == 2 * len(CASES) and res["bad"] == [], res["bad"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_new_patterns():
+    """Captured once into fixed buffers (ids and cu compacted in place, as the controller graph
+    does), replayed with other removal patterns of the same shapes: equal to the fallback."""
+    pytest.importorskip("triton")
+    b, prefix, d, rows = 16, 1, 192, 16 * 197
+    bufs = dict(x=torch.empty(rows, d, dtype=torch.bfloat16, device="cuda"),
+                remove=torch.zeros(rows, dtype=torch.bool, device="cuda"),
+                removed=torch.zeros(b, dtype=torch.long, device="cuda"),
+                cu=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
+                ids=torch.zeros(rows, dtype=torch.long, device="cuda"))
+    out = torch.zeros(rows, d, dtype=torch.bfloat16, device="cuda")
+    lengths = torch.zeros(b, dtype=torch.long, device="cuda")
+
+    def load(case):  # a case padded to the fixed rows (padding never removed)
+        n = case["x"].shape[0]
+        for k in ("x", "remove", "ids"):
+            bufs[k].zero_()
+            bufs[k][:n].copy_(case[k])
+        bufs["removed"].copy_(case["removed"])
+        bufs["cu"].copy_(case["cu"])
+        return {k: v.clone() for k, v in bufs.items()}
+
+    load(make_case(10, b, prefix, 196, 0, d, torch.bfloat16, "random", "cuda"))
+    graph, index = capture_graph(lambda: delete_rows_fused(bufs["x"], bufs["remove"], out, bufs["ids"], bufs["ids"],
+                                                           bufs["cu"], bufs["removed"], lengths, bufs["cu"]))
+    for seed, mode in ((11, "random"), (12, "none"), (13, "all"), (14, "random")):
+        before = load(make_case(seed, b, prefix, 196, 0, d, torch.bfloat16, mode, "cuda"))
+        graph.replay()
+        ref = run_step(delete_rows_reference, before, in_place=True)
+        torch.cuda.synchronize()
+        for name, a, r in zip(("index", "out", "ids", "lengths", "cu"),
+                              [index.long(), out, bufs["ids"], lengths, bufs["cu"]], ref):
+            assert torch.equal(a, r[:rows] if name == "out" else r), (seed, name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
+@pytest.mark.parametrize("planned", [None, False])  # the planned whole graph (batch 12), the per-block executor
+def test_cuda_forward_with_fused_deletion_is_unchanged(planned, monkeypatch, engine_options):
+    """A wrapped model with ``EngineOptions(fused_deletion=True)`` runs the kernels in its controller
+    graphs and decides and computes as with the PyTorch deletion (the same rows, exactly)."""
+    pytest.importorskip("triton")
+    import timm_dora
+    from timm_dora.engine import segments as segments_module
+    from helpers import SMALL_FAMILIES, images, kind_actor, make_model
+
+    calls = []
+    real = segments_module.delete_rows_fused
+    monkeypatch.setattr(segments_module, "delete_rows_fused", lambda *a: calls.append(1) or real(*a))
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    actor = kind_actor(model, "forced").to("cuda", torch.bfloat16)
+    xs = [images(model, 12, seed=s).to("cuda", torch.bfloat16) for s in (1, 1, 2)]
+
+    def forwards():
+        timm_dora.wrap(model, actor=actor)
+        try:
+            with torch.inference_mode():
+                return [(model(x), model.dora_stats) for x in xs]  # observed, captured, replayed
+        finally:
+            timm_dora.unwrap(model)
+
+    engine_options(planned=planned)
+    ref = forwards()
+    assert not calls
+    engine_options(fused_deletion=True)
+    got = forwards()
+    assert calls  # (counted where captured: the kernels then replay without Python)
+    for (oa, sa), (ob, sb) in zip(got, ref, strict=True):
+        for field in ("tokens", "gate", "removed"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+        assert torch.equal(oa, ob)
