@@ -259,3 +259,19 @@ def engine_options():
 
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(using(dataclasses.replace(active(), **changes)))
+
+
+def spy_sdpa(monkeypatch) -> List[tuple]:
+    """Record every ``F.scaled_dot_product_attention`` call from now on (the real one still runs):
+    ``(query length, attn_mask, other keyword arguments)`` per call."""
+    import torch.nn.functional as F
+
+    calls: List[tuple] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((q.shape[2], attn_mask, kw))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls

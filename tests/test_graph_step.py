@@ -27,19 +27,21 @@ def _step(net, opt, x, y):
     return step
 
 
-def _parts(net, opt, x, y, rows, total):
+def _parts(net, opt, x, y, rows, total, w=None, forward=None, max_norm=0.5):
     """The two parts of the same step on the rows ``rows`` (static, refilled in place) of x, y:
-    the gradient of the sum over those rows divided by the minibatch's ``total`` rows."""
-    params = list(net.parameters())
+    the gradient of the sum over those rows (weighted by ``w``) divided by the minibatch's
+    ``total`` rows, through ``forward`` (default ``net``); ``None`` for a parameter it misses."""
+    params, forward = list(net.parameters()), forward or net
 
     def grads():
-        loss = (net(x[rows]) - y[rows]).square().sum() / total
-        return [*torch.autograd.grad(loss, params), loss.detach()[None]]
+        err = (forward(x[rows]) - y[rows]).square()
+        loss = (err if w is None else w[:, None] * err).sum() / total
+        return [*torch.autograd.grad(loss, params, allow_unused=True), loss.detach()[None]]
 
     def apply(parts):
         for p, g in zip(params, parts):
             p.grad = g
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
         return parts[-1]
     return grads, apply
@@ -84,19 +86,7 @@ def test_chunks_and_processes_add_up_to_the_whole_minibatch(device):
     unused, start = mine["unused"].weight.detach().clone(), mine["f"].weight.detach().clone()
 
     def parts(net, opt, rows, w):
-        params = list(net.parameters())
-
-        def grads():
-            loss = (w[:, None] * (net["f"](x[rows]) - y[rows]).square()).sum() / 48
-            return [*torch.autograd.grad(loss, params, allow_unused=True), loss.detach()[None]]
-
-        def apply(parts):
-            for p, g in zip(params, parts):
-                p.grad = g
-            torch.nn.utils.clip_grad_norm_(params, 0.05)
-            opt.step()
-            return parts[-1]
-        return grads, apply
+        return _parts(net, opt, x, y, rows, 48, w, forward=net["f"], max_norm=0.05)
 
     # the static buffer of row ids: 12 a chunk (a short chunk repeats its last row, weighted 0)
     rows = torch.zeros(12, dtype=torch.long, device=device)

@@ -13,7 +13,7 @@ from timm_dora.evaluate.baselines.repshift import (RepShift, repshift_forward, r
 
 from timm_dora.evaluate.baselines.tome import attention_with_keys
 
-from helpers import SMALL_FAMILIES, assert_batch_independent, counter_flops, hand_vit_macs, images, make_model
+from helpers import SMALL_FAMILIES, assert_batch_independent, counter_flops, hand_vit_macs, images, make_model, spy_sdpa
 
 
 def test_shift_and_pruning_by_hand():
@@ -179,16 +179,7 @@ def test_name_and_skip_dead():
 @pytest.mark.parametrize("where", ["mlp", "attn"])
 def test_attention_is_plain_fused_sdpa(monkeypatch, where):
     """Every attention call is SDPA without a mask (FlashAttention-eligible): no attention map, no bias."""
-    import torch.nn.functional as F
-
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, **kw):
-        calls.append((q.shape[2], attn_mask, kw))
-        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    calls = spy_sdpa(monkeypatch)
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     with torch.no_grad():

@@ -22,7 +22,7 @@ from timm_dora.evaluate.baselines.vpruner import (SearchConfig, VPruner, VPruner
                                                   fisher_prior, kept_from_drops, keep_for_ratio, main, pl_log_prob,
                                                   pl_sample, search_mask, vpruner_forward, vpruner_gflops)
 
-from helpers import SMALL_FAMILIES, assert_batch_independent, counter_flops, hand_vit_macs, images, make_model
+from helpers import SMALL_FAMILIES, assert_batch_independent, counter_flops, hand_vit_macs, images, make_model, spy_sdpa
 
 MASKS = Path(__file__).resolve().parents[1] / "benchmarks" / "baselines" / "vpruner"
 KEPT = [0, 3, 5, 6, 9, 10, 15]  # of the 16 patches of a 64 px /16 model (4 x 4 grid)
@@ -114,14 +114,7 @@ def test_skip_dead_and_fused_attention(monkeypatch):
     x = images(model, 2)
     with torch.no_grad():
         assert (VPruner(model, KEPT)(x) - VPruner(model, KEPT, skip_dead=True)(x)).abs().max() < 1e-5
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, **kw):
-        calls.append((q.shape[2], attn_mask, kw))
-        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    calls = spy_sdpa(monkeypatch)
     with torch.no_grad():
         vpruner_forward(model, x, KEPT)
     assert [c[0] for c in calls] == [1 + len(KEPT)] * len(model.blocks)  # every block: timm's maskless SDPA
