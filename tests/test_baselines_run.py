@@ -8,20 +8,14 @@ import pytest
 import torch
 
 from benchmarks import baselines
-from timm_dora import Actor
-from timm_dora.evaluate import load_model
 
+from test_compare import save_half_open_actor
 from test_evaluate import make_dataset
 
 
 def test_baselines_run_writes_curves_comparisons_and_shift_and_resumes(tmp_path):
     csv_path = make_dataset(tmp_path, n_test=8, n_dev=4)
-    model = load_model("vit_tiny_patch16_224", random_weights=True, img_size=64)
-    torch.manual_seed(0)
-    actor = Actor.for_model(model)
-    with torch.no_grad():
-        actor.gate_mlp[2].bias.fill_(0.0)  # gates open about half the time
-    actor.save_pretrained(tmp_path / "actor", backbone=model)
+    save_half_open_actor(tmp_path / "actor")
     out = tmp_path / "baselines.json"
     argv = ["--model", "vit_tiny_patch16_224", "--random-weights", "--img-size", "64", "--device", "cpu",
             "--actor", str(tmp_path / "actor"), "--data", str(csv_path), "--calibration-data", str(csv_path),

@@ -12,14 +12,21 @@ from timm_dora.evaluate import load_model
 from test_evaluate import make_dataset
 
 
-def test_compare_smoke(tmp_path):
-    csv_path = make_dataset(tmp_path, n_test=6, n_dev=1)
+def save_half_open_actor(folder, **actor_kw):
+    """A random actor for a random 64-px ViT-Ti whose gates open about half the time, saved in
+    ``folder``; returns the folder."""
     model = load_model("vit_tiny_patch16_224", random_weights=True, img_size=64)
     torch.manual_seed(0)
-    actor = Actor.for_model(model)
+    actor = Actor.for_model(model, **actor_kw)
     with torch.no_grad():
         actor.gate_mlp[2].bias.fill_(0.0)
-    actor.save_pretrained(tmp_path / "actor", backbone=model)
+    actor.save_pretrained(folder, backbone=model)
+    return folder
+
+
+def test_compare_smoke(tmp_path):
+    csv_path = make_dataset(tmp_path, n_test=6, n_dev=1)
+    save_half_open_actor(tmp_path / "actor")
     out = tmp_path / "out"
     results = compare.main([
         "--models", "vit_tiny_patch16_224", "--random-weights", "--img-size", "64", "--device", "cpu",
@@ -53,12 +60,7 @@ def test_compare_graph_row_of_a_merging_actor(tmp_path):
     """A merging actor runs from the graph runner too: with ``--cuda-graphs`` its graph row (off
     CUDA the same segments, uncaptured) folds as the ``dora`` row does, with the same decisions."""
     csv_path = make_dataset(tmp_path, n_test=4, n_dev=1)
-    model = load_model("vit_tiny_patch16_224", random_weights=True, img_size=64)
-    torch.manual_seed(0)
-    actor = Actor.for_model(model, merge=True)
-    with torch.no_grad():
-        actor.gate_mlp[2].bias.fill_(0.0)
-    actor.save_pretrained(tmp_path / "actor", backbone=model)
+    save_half_open_actor(tmp_path / "actor", merge=True)
     (res,) = compare.main([
         "--models", "vit_tiny_patch16_224", "--random-weights", "--img-size", "64", "--device", "cpu",
         "--data", str(csv_path), "--r", "1", "--static-reductions", "0.3", "--static-blocks", "2", "--selectors",

@@ -302,16 +302,18 @@ class Trainer:
         """``(key, static buffers, grads, apply, params, optimisers, comm)`` of a ``kind`` of step."""
         g = self.groups
         if kind == "gate":
-            return "gate", self.gate_batch, self._gate_grads, self._gate_apply, g["gate"], ["gate"], self.comm
+            return ("gate", self.gate_batch, self._gate_grads, functools.partial(self._apply, g["gate"], "gate"),
+                    g["gate"], ["gate"], self.comm)
         if kind == "controller":
             return ("controller", self.ctrl_batch, self._controller_grads, self._controller_apply,
                     g["shared"] + g["budget"] + g["selector"], ["shared", "budget", "selector"], self.comm)
         on = mb.n_on > 0  # (no gate-on transition in the minibatch: the budget and selector heads rest)
-        return (("critic", on), self.critic_batch, functools.partial(self._critic_grads, on), self._critic_apply,
-                list(self.critic.parameters()), ["critic"], self.critic_comm)
+        params = list(self.critic.parameters())
+        return (("critic", on), self.critic_batch, functools.partial(self._critic_grads, on),
+                functools.partial(self._apply, params, "critic"), params, ["critic"], self.critic_comm)
 
     # Each kind of step in two parts (CapturedStep): ``grads`` -- the gradients and logged values of
-    # the rows in the buffers, sums over the real rows (``w``) divided by the minibatch's size, so
+    # the rows in the buffers, sums over the real rows (``w``) divided by the minibatch's divisors, so
     # that chunks and processes add up -- and ``apply``, the optimiser steps on the summed gradients.
 
     def _gate_grads(self) -> List[Optional[torch.Tensor]]:
@@ -324,12 +326,12 @@ class Trainer:
         grads = torch.autograd.grad(loss, self.groups["gate"], allow_unused=True)
         return [*grads, torch.stack([loss, torch.where(gb.w, ent, 0.0).sum() / gb.n]).detach()]
 
-    def _gate_apply(self, parts: List[Optional[torch.Tensor]]) -> torch.Tensor:
-        params = self.groups["gate"]
+    def _apply(self, params: List[torch.Tensor], opt: str, parts: List[Optional[torch.Tensor]]) -> torch.Tensor:
+        """The gate's and the critic's ``apply``: the summed gradients, clipped, one optimiser step."""
         for q, g in zip(params, parts):
             q.grad = g
         torch.nn.utils.clip_grad_norm_(params, self.cfg.ppo.max_grad_norm)
-        self.opts["gate"].step()
+        self.opts[opt].step()
         return parts[-1]
 
     def _controller_grads(self) -> List[Optional[torch.Tensor]]:
@@ -389,14 +391,6 @@ class Trainer:
             loss = loss + torch.where(on, ls, 0.0).sum() / cb.n_on
         grads = torch.autograd.grad(loss, list(critic.parameters()), allow_unused=True)
         return [*grads, loss.detach()[None]]
-
-    def _critic_apply(self, parts: List[Optional[torch.Tensor]]) -> torch.Tensor:
-        params = list(self.critic.parameters())
-        for q, g in zip(params, parts):
-            q.grad = g
-        torch.nn.utils.clip_grad_norm_(params, self.cfg.ppo.max_grad_norm)
-        self.opts["critic"].step()
-        return parts[-1]
 
     def _critic_steps(self, mbs: List[_Minibatch]) -> torch.Tensor:
         """The critic's minibatch steps of an update; their mean loss."""
