@@ -642,3 +642,30 @@ def test_serving_latency_stream_takes_the_pool_in_turn_and_profiles_on_cpu():
     assert seen == [[4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]]  # requests 1, 2, 3 of the stream
     prof = kernel_profile(lambda x: x * 2, pool, 4, 0, count=2)
     assert prof["kernels_per_request"] == 0 and prof["kernel_ms_per_request"] == 0  # no device kernels on a CPU
+
+
+def test_default_speed_reads_the_best_oracle_target_by_hand():
+    from benchmarks.default_speed import targets
+
+    res = {"vit_tiny_published": {"dora_default_ips": 90.0, "oracle_compiled_ips": 80.0,
+                                  "oracle_compiled_gemm_embed_ips": 100.0},
+           "deit_tiny_published": {"dora_default_ips": 89.0, "oracle_compiled_ips": 100.0}}
+    out = targets(res)
+    assert out["vit_tiny_published_default_over_best_oracle"] == {"ratio": 0.9, "target": 0.9, "met": True}
+    assert out["deit_tiny_published_default_over_best_oracle"] == {"ratio": 0.89, "target": 0.9, "met": False}
+    assert "deit_base_forced_369_default_over_best_oracle" not in out
+
+
+def test_serving_latency_targets_by_hand():
+    from benchmarks.serving_latency import targets
+
+    row = lambda ips, p50, p99: {"images_per_s": ips, "p50_ms": p50, "p99_ms": p99}
+    res = {"deit_base_forced": {"16": {"native_reduce_overhead": row(100.0, 1.0, 1.1), "dora_default": row(101.0, 1.0, 1.6)}},
+           "vit_tiny_published": {"8": {"native_reduce_overhead": row(100.0, 1.0, 1.0), "dora_default": row(90.0, 2.0, 3.0)},
+                                  "16": {"native_reduce_overhead": row(100.0, 1.0, 1.0), "dora_default": row(95.0, 2.0, 2.0)}}}
+    out = targets(res)
+    assert out["deit_base_forced"]["16"] == {"over_reduce_overhead": {"ratio": 1.01, "target": 1.0, "met": True},
+                                             "p99_over_p50": {"ratio": 1.6, "target": 1.5, "met": False}}
+    assert out["vit_tiny_published"]["8"]["over_reduce_overhead"] == {"ratio": 0.9, "target": 0.9, "met": True}
+    assert out["vit_tiny_published"]["8"]["p99_over_p50"]["met"]  # exactly 1.5
+    assert out["vit_tiny_published"]["16"]["over_reduce_overhead"] == {"ratio": 0.95, "target": 1.0, "met": False}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import capture_graph, run_interpreted
+from helpers import capture_graph, engine_options, run_interpreted  # noqa: F401 (fixture)
 from timm_dora.engine.deletion_kernel import MAX_ROWS, delete_rows_fused, delete_rows_reference, fused_deletion_reason
 from timm_dora.engine.packing import gather_survivors
 
@@ -205,7 +205,7 @@ def test_cuda_forward_with_fused_deletion_is_unchanged(planned, monkeypatch, eng
         finally:
             timm_dora.unwrap(model)
 
-    engine_options(planned=planned)
+    engine_options(planned=planned, fused_deletion=False)
     ref = forwards()
     assert not calls
     engine_options(fused_deletion=True)

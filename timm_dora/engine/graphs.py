@@ -449,14 +449,14 @@ class GraphRunner:
     # ------------------------------------------------------------------------------------------
     # one forward
 
-    def start(self, images: torch.Tensor, run_ahead: bool = True) -> None:
+    def start(self, images: Optional[torch.Tensor], run_ahead: bool = True) -> None:
         """Embed the batch into the first block's input (the dense phase begins). Eagerly, from the
         caller's tensor: a captured embedding would need the images in a fixed buffer too, a
-        batch-sized copy per forward and the memory of that buffer. ``run_ahead=False``: not this
-        forward (it runs again after :class:`RunAheadMissed`)."""
-        self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
-        if self.merge:
-            self.sizes.fill_(1.0)
+        batch-sized copy per forward and the memory of that buffer (the whole forward's graph
+        pays that: ``images=None``, it embeds itself, :meth:`embed_into_first`).
+        ``run_ahead=False``: not this forward (it runs again after :class:`RunAheadMissed`)."""
+        if images is not None:
+            self.embed_into_first(images)
         self._ahead_now = self.run_ahead and run_ahead
         self._ahead, self._ahead_unread, self._ahead_logits = 0, False, False
         self.cur = None
@@ -464,6 +464,12 @@ class GraphRunner:
         self._history_fresh = False  # copied since the last packed block's graph
         self._launched: Optional[int] = None  # the block whose attention graph delete() already replayed
         self._chained_to = -1  # the last block that ran inside a chain segment this forward
+
+    def embed_into_first(self, images: torch.Tensor) -> None:
+        """The embedding of ``images`` into the first block's input (and, merging, the sizes reset)."""
+        self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
+        if self.merge:
+            self.sizes.fill_(1.0)
 
     @property
     def dense(self) -> bool:

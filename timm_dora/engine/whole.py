@@ -5,6 +5,8 @@ waits for each block's gate vector and, after a deletion, for the new lengths (a
 2.5 ms of Python per DeiT-B forward on an H100). Here the segments of every block are recorded back
 to back as one graph and every decision stays on the device:
 
+- the embedding, from a fixed copy of the images (one batch-sized copy before the replay: the
+  graph starts at once, where an eager embedding kept it waiting for a few launches);
 - per block, the attention residual with the actor's gate in line, then, where the graph runs the
   controller, the controller on every image masked by the gate, the deletion (with ``merge=True``
   the removed rows folded into their best match first; the survivors gathered to the front of the rows, lengths and ``cu_seqlens`` updated) and the history
@@ -107,29 +109,42 @@ def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int
 
 
 class _Record:
-    """What the statistics need, written by the graph at every block (fixed buffers)."""
+    """What the statistics need, written by the graph at every block: views of one fixed byte
+    buffer, so that a forward's record is one copy."""
 
     def __init__(self, depth: int, batch: int, rows: int, device: torch.device):
+        self.shapes = {"flops": ((depth, batch), torch.float64),  # the actor's FLOPs
+                       "counts": ((2, depth, batch), torch.long),  # gate, removed
+                       "ids": ((depth, rows), torch.long),  # the rows' ids, before
+                       "remove": ((depth, rows), torch.bool)}  # the removed rows
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in self.shapes.values()]
         with torch.inference_mode(False):
-            self.counts = torch.zeros(2, depth, batch, dtype=torch.long, device=device)  # gate, removed
-            self.flops = torch.zeros(depth, batch, dtype=torch.float64, device=device)  # the actor's
-            self.ids = torch.zeros(depth, rows, dtype=torch.long, device=device)  # the rows' ids, before
-            self.remove = torch.zeros(depth, rows, dtype=torch.bool, device=device)  # the removed rows
+            self.flat = torch.zeros(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8, device=device)
             # a planned forward's check: gates opened and rows left after each block (and on the host)
             self.check = torch.zeros(2, depth, dtype=torch.long, device=device)
+        self.counts, self.flops, self.ids, self.remove = (self.views(self.flat)[k] for k in ("counts", "flops", "ids", "remove"))
         self.closed: dict = {}  # plan -> its closed blocks (an index on the device)
         self.check_host = torch.zeros(2, depth, dtype=torch.long, pin_memory=device.type == "cuda")
         self.checked = torch.cuda.Event(external=True) if device.type == "cuda" else None
 
+    def views(self, flat: torch.Tensor) -> dict:
+        """The typed views of a byte buffer laid out as :attr:`flat` (each part 8-byte aligned)."""
+        out, at = {}, 0
+        for name, (shape, dtype) in self.shapes.items():
+            n = math.prod(shape) * dtype.itemsize
+            out[name] = flat[at:at + n].view(dtype).view(shape)
+            at += -(-n // 8) * 8
+        return out
+
     def copy(self) -> SimpleNamespace:
-        """This forward's record (the buffers are rewritten by the next replay)."""
-        counts = self.counts.clone()
-        return SimpleNamespace(gate=counts[0].t().bool(), removed=counts[1].t(), flops=self.flops.clone(),
-                               ids=self.ids.clone(), remove=self.remove.clone())
+        """This forward's record (the buffer is rewritten by the next replay): one copy."""
+        v = self.views(self.flat.clone())
+        return SimpleNamespace(gate=v["counts"][0].t().bool(), removed=v["counts"][1].t(), flops=v["flops"],
+                               ids=v["ids"], remove=v["remove"])
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.counts, self.flops, self.ids, self.remove, self.check))
+        return self.flat.numel() + self.check.numel() * self.check.element_size()
 
 
 class _Missed(Exception):
@@ -177,6 +192,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             rec.closed[plan] = torch.tensor(closed, device=r.device)
 
     def whole():
+        r.embed_into_first(r.images_in)  # (the images' fixed buffer: forward_whole)
         r.cu.copy_(dense.cu_seqlens)
         r.ids.copy_(dense.ids)
         n_visual.fill_(r.num_patches)
@@ -249,9 +265,14 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
     if getattr(r, "record", None) is None:
         r.record = _Record(r.depth, r.batch, r.batch * r.seq, r.device)
         r.buffer_bytes += r.record.nbytes
+    if getattr(r, "images_in", None) is None:  # the graph embeds the images from a fixed buffer
+        with torch.inference_mode(False):
+            r.images_in = torch.empty_like(images)
+        r.buffer_bytes += r.images_in.numel() * r.images_in.element_size()
+    r.images_in.copy_(images)
     r.host_reads = False  # (decisions stay on the device: no gate or length copies to the host)
     try:
-        r.start(images, run_ahead=False)  # the embedding, eagerly, into the first block's input
+        r.start(None, run_ahead=False)  # (the graph embeds)
         r.run_segment(("whole", bool(r.triton_gate and fused)) + ((plan,) if plan is not None else ()))
     except _Missed:
         return None
