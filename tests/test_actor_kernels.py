@@ -255,6 +255,33 @@ def test_cuda_fused_gate_matches_modules():
         got = fused_gate(actor, keys[:, :, 0], bias, n_visual)
     assert 0.2 < ref.float().mean() < 0.8
     assert (got == ref).float().mean() >= 0.98  # bf16: near-ties of the logit at 0 may differ
+    # the packed form: each image's CLS row read in place from [T, H, hd] rows
+    rows = keys[:, :, :3].permute(0, 2, 1, 3).reshape(960, 12, 64)  # three rows an image
+    starts = torch.arange(320, device="cuda", dtype=torch.int32) * 3
+    assert torch.equal(fused_gate(actor, rows, bias, n_visual, rows=starts), got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_gate_context_matches_modules():
+    from timm_dora.policy.actor_kernels import fused_gate_context
+
+    torch.manual_seed(0)
+    actor = Actor(768, 12, 196).cuda().eval()
+    with torch.no_grad():
+        for prm in (actor.gate_embed, actor.gate_mlp[0].weight, actor.gate_mlp[0].bias):
+            prm.add_(0.3 * torch.randn_like(prm))
+    actor = actor.to(torch.bfloat16)
+    n_visual = torch.randint(0, 197, (300,), device="cuda")
+    rho, interventions = torch.rand(300, device="cuda"), torch.randint(0, 12, (300,), device="cuda")
+    with torch.inference_mode():
+        h_ref = actor.history(n_visual, rho, interventions)
+        ref = actor.gate_bias(h_ref, None, torch.bfloat16)
+        h, got = fused_gate_context(actor, n_visual, rho, interventions, 196, torch.bfloat16)
+    assert torch.equal(h, h_ref)
+    diff = (got.float() - ref.float()).abs()
+    # cuBLAS rounds each product once, as the kernel: equal but for the order of the fp32 sums
+    assert (diff == 0).float().mean() >= 0.95
+    assert bool((diff <= 2 * torch.finfo(torch.bfloat16).eps * ref.float().abs().max()).all())
 
 
 GRAPH_PATH = r"""
@@ -328,3 +355,80 @@ def test_interpreted_graph_path_with_the_actor_kernels_equals_the_default_forwar
     assert res["tokens"] == res["ref_tokens"] and res["gate"] == res["ref_gate"]
     assert res["tokens"][0] == [16, 16, 12, 12, 12, 8, 8, 8, 4, 4, 4, 4]
     assert res["max_diff"] < 1e-4
+
+
+GATE_CONTEXT = r"""
+import json
+import torch
+from timm_dora import Actor
+from timm_dora.policy.actor_kernels import fused_gate_context
+
+torch.manual_seed(0)
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    actor = Actor(192, 12, 196).eval()
+    with torch.no_grad():
+        for prm in (actor.gate_embed, actor.gate_mlp[0].weight, actor.gate_mlp[0].bias):
+            prm.add_(0.3 * torch.randn(prm.shape))
+    actor = actor.to(dtype)
+    b = 37  # three programs of 16 images, the last one part-full
+    g = torch.Generator().manual_seed(1)
+    n_visual = torch.randint(0, 197, (b,), generator=g)
+    rho = torch.rand(b, generator=g)
+    interventions = torch.randint(0, 12, (b,), generator=g)
+    with torch.no_grad():
+        h_ref = actor.history(n_visual, rho, interventions)
+        ctx_ref = actor.gate_bias(h_ref, None, dtype)
+        h, ctx = fused_gate_context(actor, n_visual, rho, interventions, 196, dtype)
+        stale = (torch.full((b, 3), 7.0), torch.full((12, b, 64), 7.0, dtype=dtype))
+        into = fused_gate_context(actor, n_visual, rho, interventions, 196, dtype, out=stale)
+    diff = (ctx.float() - ctx_ref.float()).abs()
+    # the order of the sums differs (and on the CPU, bf16's F.linear rounds before adding its bias,
+    # where the kernel, as cuBLAS, rounds once): within a few units of the last place of the
+    # largest value, for fp32 within 4, for bf16 within 2
+    tol = (2 if dtype == torch.bfloat16 else 4) * torch.finfo(dtype).eps * float(ctx_ref.float().abs().max())
+    out[str(dtype)] = {"h_equal": bool(torch.equal(h, h_ref)), "shape": list(ctx.shape), "dtype": str(ctx.dtype),
+                       "within_ulp": bool((diff <= tol).all()), "equal_share": float((diff == 0).float().mean()),
+                       "into": bool(into[0] is stale[0] and into[1] is stale[1] and torch.equal(stale[1], ctx)
+                                    and torch.equal(stale[0], h))}
+# the gate reading each image's CLS row of a packed layout in place equals it on the gathered rows
+from timm_dora.policy.actor_kernels import fused_gate
+actor = Actor(192, 12, 196).eval()
+with torch.no_grad():
+    actor.gate_mlp[2].bias.zero_()
+g = torch.Generator().manual_seed(3)
+packed = 3 * torch.randn(400, 3, 64, generator=g)  # [T, H, hd] rows of 24 sequences
+starts = torch.arange(24, dtype=torch.int32) * 16 + torch.randint(0, 10, (24,), generator=g, dtype=torch.int32)
+n_visual = torch.randint(5, 100, (24,), generator=g)
+n_visual[2] = 0
+with torch.no_grad():
+    bias = actor.gate_bias(actor.history(n_visual, torch.zeros(24), torch.zeros(24)), 2, torch.float32).contiguous()
+    ref = fused_gate(actor, packed[starts.long()], bias, n_visual)
+    got = fused_gate(actor, packed, bias, n_visual, rows=starts)
+    got2 = fused_gate(actor, packed.reshape(400, 192), bias, n_visual, rows=starts.long())
+out["rows"] = {"equal": bool(torch.equal(ref, got) and torch.equal(ref, got2)), "gate": ref.tolist()}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(triton_version() < (3, 9), reason="Triton's interpreter before 3.9 cannot run these kernels")
+def test_interpreted_gate_context_equals_history_and_gate_bias():
+    res = run_interpreted(GATE_CONTEXT, timeout=300)
+    rows = res.pop("rows")
+    assert rows["equal"] and rows["gate"][2] is False, rows  # (image 2 has no feasible budget)
+    assert 3 <= sum(rows["gate"]) <= 20, rows  # some gates open, some closed
+    for dtype, case in res.items():
+        assert case["h_equal"] and case["into"], (dtype, case)
+        assert case["shape"] == [12, 37, 64] and case["dtype"] == dtype, case
+        assert case["within_ulp"] and case["equal_share"] >= 0.15, (dtype, case)
+
+
+def test_fused_gate_context_refuses_bad_buffers():
+    from timm_dora.policy.actor_kernels import fused_gate_context
+
+    actor = Actor(192, 12, 196)
+    z = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="must be a contiguous float32"):
+        fused_gate_context(actor, z, z.float(), z, 196, torch.float32, out=(torch.zeros(4, 2), torch.zeros(12, 4, 64)))
+    with pytest.raises(ValueError, match="activations' dtype"):
+        fused_gate_context(actor, z, z.float(), z, 196, torch.bfloat16)

@@ -260,9 +260,9 @@ class GraphRunner:
         cache's least recent entry); the runner must not be used afterwards."""
         self.graphs.clear()
         self.segments = None  # (it refers back to the runner)
-        self.consts.keep = None
+        self.consts.keep = self.consts.keep_into = None
         if getattr(self, "packed_consts", None) is not None:
-            self.packed_consts.keep = None
+            self.packed_consts.keep = self.packed_consts.keep_into = None
 
     def attn_out(self, l: int) -> torch.Tensor:
         """Where block ``l``'s attention residual goes: ``xa`` for the actor (see ``__init__``),
@@ -298,7 +298,9 @@ class GraphRunner:
         # gate) that the gate graph writes (N_l is the same buffer)
         self.history_in = (torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, device=dev),
                            torch.zeros(b, dtype=torch.long, device=dev))
-        self.ctrl_in = (torch.zeros(b, 3, device=dev), self.history_in[0], torch.zeros(b, dtype=torch.bool, device=dev))
+        # (h_l: the packed phase's kept history, which a packed gate graph leaves there)
+        self.h_packed = torch.zeros(b, 3, device=dev)
+        self.ctrl_in = (self.h_packed, self.history_in[0], torch.zeros(b, dtype=torch.bool, device=dev))
         self.packed_consts = ForwardConstants(b, dev)  # the packed gate graphs' own (memo cleared per run)
         for name in ("zeros", "closed", "opened", "no_rho"):
             getattr(self.packed_consts, name)
@@ -315,10 +317,10 @@ class GraphRunner:
             return self.h_out.copy_(h), self.context_out.copy_(context)
 
         self.consts.keep = keep
+        self.consts.keep_into = lambda: (self.h_out, self.context_out)
         # the packed phase's history part of the gate, kept the same way: computed by a block's
         # graph only where the history changed since the last block (after a deletion), read by
-        # the later blocks' graphs from these buffers
-        self.h_packed = torch.zeros(b, 3, device=dev)
+        # the later blocks' graphs from these buffers (h_packed: made above, the controller's h)
         self.context_packed: Optional[torch.Tensor] = None  # made with context_out
 
         def keep_packed(h: torch.Tensor, context: torch.Tensor):
@@ -327,6 +329,7 @@ class GraphRunner:
             return self.h_packed.copy_(h), self.context_packed.copy_(context)
 
         self.packed_consts.keep = keep_packed
+        self.packed_consts.keep_into = lambda: (self.h_packed, self.context_packed)
         self.ctrl_out = (torch.zeros(b * s + 1, dtype=torch.bool, device=dev),  # remove (first rows)
                          torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.float64, device=dev))
         # the controller graph's deletion: the survivors' ids and lengths (also copied to pinned

@@ -73,9 +73,10 @@ class CapturedPolicy(Protocol):
     def prepare(self, ctx: "BlockContext") -> None:
         """The part of the gate that needs no keys, memoised in ``ctx.constants``."""
 
-    def probe(self, ctx: "BlockContext", cls_key: Optional[torch.Tensor] = None) -> Any:
+    def probe(self, ctx: "BlockContext", cls_key: Optional[torch.Tensor] = None,
+              out: Optional[torch.Tensor] = None) -> Any:
         """The gate on the device, no host reads: a step for :meth:`decide` (its ``gate`` a ``[B]``
-        bool tensor)."""
+        bool tensor: ``out`` itself when given and the gate was computed into it)."""
 
     def decide(self, step: Any, gate_host: List[bool], ctx: Optional["BlockContext"] = None) -> "Decision":
         """The decision from a :meth:`probe` step and its gate vector on the host."""
@@ -102,6 +103,9 @@ class ForwardConstants:
         # where memoised tensors must live: ``keep(*tensors) -> tensors`` (a CUDA graph runner
         # copies them into buffers outside its graphs' memory pool; see timm_dora.engine.graphs)
         self.keep: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
+        # the buffers ``keep`` copies into, for a policy that writes its memoised tensors there
+        # directly (then it does not call ``keep``); ``None`` where there are none
+        self.keep_into: Optional[Callable[[], Tuple[torch.Tensor, ...]]] = None
 
     def nothing(self, flops: Union[None, float, torch.Tensor] = None) -> "Decision":
         """The decision "no gate opened, nothing removed" (these shared constant tensors)."""

@@ -187,8 +187,10 @@ class Segments:
             src = r.dense_inputs[l % 2]
             ctx = BlockContext(l, cls, src, r.full, r.consts.no_rho, r.consts.zeros,
                                r.depth, r.num_patches, r.backend, r.consts)
-            step = r.policy.probe(ctx, cls_key=cls)
-            r.gate_out[l].copy_(step.gate)
+            row = r.gate_out[l]
+            step = r.policy.probe(ctx, cls_key=cls, out=row)
+            if step.gate is not row:  # (a fused gate writes its row itself)
+                row.copy_(step.gate)
             if step.h is not r.h_out:  # (the memoised history already lives there)
                 r.h_out.copy_(step.h)
             if to_host == "block":
@@ -348,7 +350,7 @@ class Segments:
 
         def gate_ctx(keys: Optional[torch.Tensor] = None) -> BlockContext:
             layout = SimpleNamespace(batch_size=b, num_prefix=p, uniform=False, min_len=0,
-                                     starts=r.cu[:-1].long())  # min_len 0: feasibility per image
+                                     starts=r.cu[:-1])  # min_len 0: feasibility per image; int32 (no copy)
             n_visual, rho, interventions = r.history_in
             if keys is None and r.k is not None:  # (the history part reads no keys)
                 keys = r.k[:rows]
@@ -363,9 +365,12 @@ class Segments:
             # the keys exist (the memoised history part: h_packed / context_packed, made by this
             # graph's gate_history or by the last block's graph whose history was fresh);
             # keys: [rows, H, hd] to read in place, else the kept copy
-            step = r.policy.probe(gate_ctx(keys))
-            r.ctrl_in[0].copy_(step.h)
-            r.ctrl_in[2].copy_(step.gate)
+            h, gate = r.ctrl_in[0], r.ctrl_in[2]
+            step = r.policy.probe(gate_ctx(keys), out=gate)
+            if step.h is not h:  # (the memoised history lives there: h_packed)
+                h.copy_(step.h)
+            if step.gate is not gate:  # (a fused gate writes it itself)
+                gate.copy_(step.gate)
             if r.host_reads:
                 r.gate_host[l].copy_(step.gate, non_blocking=r.capture)
                 r.gate_copied(l)

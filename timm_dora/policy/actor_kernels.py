@@ -48,7 +48,7 @@ import torch
 from .actor_flops import actor_gate_macs, controller_macs_terms
 from ..engine.varlen_kernel import TILE, triton, varlen_attention_triton
 
-__all__ = ["fused_gate", "fused_controller", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH", "ROW_LAUNCH"]
+__all__ = ["fused_gate", "fused_gate_context", "fused_controller", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH", "ROW_LAUNCH"]
 
 if triton is not None:
     import triton.language as tl
@@ -153,19 +153,24 @@ if triton is not None:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
     @triton.jit
-    def _gate(CLS, stride_b, stride_h, HD, BIAS, W1, stride_w1, W2, B2, NVIS, GATE, nseq, min_keep, step,
-              D: tl.constexpr, G: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    def _gate(CLS, ROWS, stride_b, stride_h, HD, BIAS, W1, stride_w1, W2, B2, NVIS, GATE, nseq, min_keep, step,
+              D: tl.constexpr, G: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+              HAS_ROWS: tl.constexpr):
         DT = BIAS.dtype.element_ty
         seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         live = seqs < nseq
         gs = tl.arange(0, G)
+        if HAS_ROWS:  # image i's CLS key is row ROWS[i] of a packed layout
+            at = tl.load(ROWS + seqs, mask=live, other=0).to(tl.int64)
+        else:
+            at = seqs.to(tl.int64)
         acc = tl.zeros([BLOCK_B, G], dtype=tl.float32)
         for k0 in range(0, D, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             inside = ks < D
             # column c of the keys is head c // hd, channel c % hd (any head and image strides)
             col = (ks // HD) * stride_h + ks % HD
-            a = tl.load(CLS + seqs.to(tl.int64)[:, None] * stride_b + col[None, :], mask=live[:, None] & inside[None, :],
+            a = tl.load(CLS + at[:, None] * stride_b + col[None, :], mask=live[:, None] & inside[None, :],
                         other=0.0)
             w = tl.load(W1 + gs[:, None] * stride_w1 + ks[None, :], mask=inside[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
@@ -175,6 +180,35 @@ if triton is not None:
         logit = _round(tl.sum(hid * tl.load(W2 + gs).to(tl.float32)[None, :], 1) + tl.load(B2).to(tl.float32), DT)
         n_visual = tl.load(NVIS + seqs, mask=live, other=0)
         tl.store(GATE + seqs, (logit >= 0) & (n_visual - min_keep >= step), mask=live)
+
+    @triton.jit
+    def _gate_context(NVIS, RHO, INTERV, EMB, W1, stride_w1, B1, H, CTX, nseq, n0, denom,
+                      D: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, G: tl.constexpr,
+                      BLOCK_B: tl.constexpr):
+        """Block ``program_id(1)``'s context part of the gate for a tile of images: ``h_l`` (block
+        0's programs store it) and ``W1_e e_l + b1 + W1_h h_l``, each product rounded where
+        :meth:`~timm_dora.policy.actor.Actor.gate_bias`'s modules round."""
+        l = tl.program_id(1)
+        DT = CTX.dtype.element_ty
+        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        live = seqs < nseq
+        gs = tl.arange(0, G)
+        h0 = tl.math.div_rn(tl.load(NVIS + seqs, mask=live, other=0).to(tl.float32), n0)
+        h1 = tl.load(RHO + seqs, mask=live, other=0.0).to(tl.float32)
+        h2 = tl.math.div_rn(tl.load(INTERV + seqs, mask=live, other=0).to(tl.float32), denom)
+        if l == 0:
+            tl.store(H + seqs * 3, h0, mask=live)
+            tl.store(H + seqs * 3 + 1, h1, mask=live)
+            tl.store(H + seqs * 3 + 2, h2, mask=live)
+        es = tl.arange(0, EP)
+        emb = tl.load(EMB + l * E + es, mask=es < E, other=0.0).to(tl.float32)  # [EP]
+        w_e = tl.load(W1 + gs[:, None] * stride_w1 + D + es[None, :], mask=es[None, :] < E, other=0.0).to(tl.float32)
+        block = _round(tl.sum(w_e * emb[None, :], 1) + tl.load(B1 + gs).to(tl.float32), DT)  # [G]
+        image = _round(h0, DT)[:, None] * tl.load(W1 + gs * stride_w1 + D + E).to(tl.float32)[None, :]
+        image += _round(h1, DT)[:, None] * tl.load(W1 + gs * stride_w1 + D + E + 1).to(tl.float32)[None, :]
+        image += _round(h2, DT)[:, None] * tl.load(W1 + gs * stride_w1 + D + E + 2).to(tl.float32)[None, :]
+        ctx = _round(block[None, :] + _round(image, DT), DT)
+        tl.store(CTX + (l * nseq + seqs)[:, None].to(tl.int64) * G + gs[None, :], ctx.to(DT), mask=live[:, None])
 
     @triton.jit
     def _embed_qkv(KEYS, stride_k, H, CU, nseq, steps, WIN, BIN, EMB, WH, G1, B1, WQKV, BQKV, X, QKV, REMOVE, total,
@@ -302,12 +336,14 @@ def _cdiv(a: int, b: int) -> int:
 
 @torch.compiler.disable  # under torch.compile: run eagerly (Dynamo would trace the Triton launches)
 def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torch.Tensor,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The deterministic gate of ``actor`` (``p^G >= 0.5``, i.e. logit ``>= 0``) where a budget is
     feasible: ``[B]`` bool (into ``out`` when given).
 
     ``cls_keys``: ``[B, d]`` or ``[B, H, hd]`` CLS keys in the actor's dtype (any image and head
     strides, unit channel stride: e.g. ``k[:, :, 0]`` of a ``[B, H, S, hd]`` key tensor, no copy);
+    with ``rows`` (``[B]`` integers), the keys of a packed layout's rows ``[T, d]`` or ``[T, H, hd]``,
+    image ``i``'s CLS key at row ``rows[i]`` (read in place: no gather);
     ``bias``: ``[B, 64]``, the first layer's context part plus its bias for this block
     (:meth:`~timm_dora.policy.actor.Actor.gate_bias`); ``n_visual``: ``[B]`` visual-token counts. Rounded
     where the ``nn`` modules round (the same decisions up to near-ties of the logit at 0).
@@ -315,9 +351,9 @@ def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torc
     reason = fused_controller_reason(actor, cls_keys.dtype, gate_only=True)
     if reason is not None:
         raise ValueError(f"fused gate: {reason}")
-    b, d, g = cls_keys.shape[0], actor.embed_dim, actor.gate_hidden
+    b, d, g = cls_keys.shape[0] if rows is None else rows.shape[0], actor.embed_dim, actor.gate_hidden
     if cls_keys.dim() == 2:
-        cls3 = cls_keys.view(b, 1, d) if cls_keys.stride(1) == 1 else None
+        cls3 = cls_keys.view(cls_keys.shape[0], 1, d) if cls_keys.stride(1) == 1 else None
     else:
         cls3 = cls_keys
     if cls3 is None or cls3.shape[1] * cls3.shape[2] != d or cls3.stride(2) != 1:
@@ -332,12 +368,43 @@ def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torc
     out = torch.empty(b, dtype=torch.bool, device=cls_keys.device) if out is None else out
     hd = cls3.shape[2]
     gl = GATE_LAUNCH
-    _gate[(_cdiv(b, gl["images"]),)](cls3, cls3.stride(0), cls3.stride(1), hd, bias, first.weight, first.weight.stride(0),
+    _gate[(_cdiv(b, gl["images"]),)](cls3, cls3 if rows is None else rows, cls3.stride(0), cls3.stride(1), hd, bias,
+                                     first.weight, first.weight.stride(0),
                                      second.weight, second.bias, n_visual, out, b, actor.min_keep, actor.budget_step,
                                      D=d, G=g, BLOCK_B=gl["images"], BLOCK_K=gl["k_block"] if d >= gl["k_block"] else (64 if d >= 64 else 32),
                                      PREC="ieee" if cls_keys.dtype == torch.float32 else "tf32",
-                                     num_warps=gl["num_warps"], num_stages=gl["num_stages"])
+                                     HAS_ROWS=rows is not None, num_warps=gl["num_warps"], num_stages=gl["num_stages"])
     return out
+
+
+@torch.compiler.disable  # under torch.compile: run eagerly (Dynamo would trace the Triton launches)
+def fused_gate_context(actor, n_visual: torch.Tensor, rho: torch.Tensor, interventions: torch.Tensor,
+                       num_patches: int, dtype: torch.dtype,
+                       out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gate's history part in one kernel: ``(h_l [B, 3] float32, W1_c [e^G_l; h_l] + b1 for
+    every block [L, B, G] in dtype)``, what :meth:`~timm_dora.policy.actor.Actor.history` and
+    :meth:`~timm_dora.policy.actor.Actor.gate_bias` (``block=None``) compute in about ten kernels;
+    into ``out`` when given. Rounded where those modules round."""
+    reason = fused_controller_reason(actor, dtype, gate_only=True)
+    if reason is not None:
+        raise ValueError(f"fused gate context: {reason}")
+    b, depth, g = n_visual.shape[0], actor.depth, actor.gate_hidden
+    first, e = actor.gate_mlp[0], actor.gate_embed_dim
+    if first.weight.dtype != dtype or actor.gate_embed.dtype != dtype:
+        raise ValueError(f"the actor ({first.weight.dtype}) must be in the activations' dtype ({dtype})")
+    dev = n_visual.device
+    if out is None:
+        out = (torch.empty(b, 3, dtype=torch.float32, device=dev), torch.empty(depth, b, g, dtype=dtype, device=dev))
+    h, ctx = out
+    if h.shape != (b, 3) or h.dtype != torch.float32 or ctx.shape != (depth, b, g) or ctx.dtype != dtype \
+            or not (h.is_contiguous() and ctx.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 [{b}, 3] and {dtype} [{depth}, {b}, {g}]")
+    images = 16
+    _gate_context[(_cdiv(b, images), depth)](n_visual, rho, interventions, actor.gate_embed, first.weight,
+                                              first.weight.stride(0), first.bias, h, ctx, b, float(num_patches),
+                                              float(max(actor.depth - 1, 1)), D=actor.embed_dim, E=e,
+                                              EP=max(16, triton.next_power_of_2(e)), G=g, BLOCK_B=images, num_warps=4)
+    return h, ctx
 
 
 @torch.compiler.disable  # under torch.compile: run eagerly (Dynamo would trace the Triton launches)

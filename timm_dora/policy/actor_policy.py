@@ -20,7 +20,7 @@ from ..engine.attention import BACKEND_INFO, select_backend
 from ..engine.packing import Packed, removal_mask, rows_where, segment_and_position, segment_ids
 from ..engine.protocol import BlockContext, Decision
 from .actor import Actor, gumbel_like, ordered_topk, to_padded
-from .actor_kernels import fused_controller, fused_controller_reason, fused_gate
+from .actor_kernels import fused_controller, fused_controller_reason, fused_gate, fused_gate_context
 
 __all__ = ["ActorPolicy", "RolloutNoise", "StepRecord", "host_reader"]
 
@@ -184,10 +184,20 @@ class ActorPolicy:
         memo = ctx.constants.memo.get(key)
         if memo is not None and all(a is b for a, b in zip(memo[0], state)):
             return memo[1], memo[2]
-        h = self.actor.history(*state, num_patches=ctx.num_patches)
-        context = self.actor.gate_bias(h, None, dtype)
-        if ctx.constants.keep is not None:
-            h, context = ctx.constants.keep(h, context)
+        keep, into = ctx.constants.keep, ctx.constants.keep_into
+        if (not (self.sample or self.record) and dtype == self.actor.w_in.weight.dtype
+                and self._use_fused(ctx.backend, dtype, ctx.num_patches)):
+            # one Triton kernel, into the kept buffers where there are some (no copies)
+            n0 = self.actor.num_patches if ctx.num_patches is None else ctx.num_patches
+            h, context = fused_gate_context(self.actor, *state, n0, dtype,
+                                            out=into() if into is not None else None)
+            if into is None and keep is not None:
+                h, context = keep(h, context)
+        else:
+            h = self.actor.history(*state, num_patches=ctx.num_patches)
+            context = self.actor.gate_bias(h, None, dtype)
+            if keep is not None:
+                h, context = keep(h, context)
         ctx.constants.memo[key] = (state, h, context)  # holds the state tensors: their ids stay unique
         return h, context
 
@@ -240,12 +250,14 @@ class ActorPolicy:
         before the block's keys exist (:mod:`timm_dora.engine.graphs`)."""
         self._gate_context(ctx, self.actor.w_in.weight.dtype)
 
-    def probe(self, ctx: BlockContext, cls_key: Optional[torch.Tensor] = None) -> _GateStep:
+    def probe(self, ctx: BlockContext, cls_key: Optional[torch.Tensor] = None,
+              out: Optional[torch.Tensor] = None) -> _GateStep:
         """The decision's device part (the gate), without host reads: what a CUDA graph captures.
         Finish with :meth:`decide`. ``cls_key``: ``[B, d]``, the CLS keys when already extracted
         (``ctx.keys`` then serves only for its width, dtype and device; the graphs pass the CLS
-        keys there too), or ``[B, H, hd]`` (a view of the keys per head)."""
-        return self._gate(ctx, cls_key)
+        keys there too), or ``[B, H, hd]`` (a view of the keys per head). ``out``: a ``[B]`` bool
+        buffer the fused gate writes into (the step's ``gate`` is then ``out``)."""
+        return self._gate(ctx, cls_key, out)
 
     def decide(self, step: _GateStep, gate_host: List[bool], ctx: Optional[BlockContext] = None) -> Decision:
         """The decision from a :meth:`probe` and its gate vector on the host. ``ctx``: the block's
@@ -339,7 +351,8 @@ class ActorPolicy:
             raise ValueError(f"fused_controller=True: {reason}")
         return True
 
-    def _gate(self, ctx: BlockContext, cls_key: Optional[torch.Tensor] = None) -> _GateStep:
+    def _gate(self, ctx: BlockContext, cls_key: Optional[torch.Tensor] = None,
+              out: Optional[torch.Tensor] = None) -> _GateStep:
         actor, packed = self.actor, ctx.packed
         b, p, dev = packed.batch_size, packed.num_prefix, ctx.keys.device
         width = ctx.keys.shape[1] if ctx.keys.dim() == 2 else ctx.keys.shape[1] * ctx.keys.shape[2]
@@ -362,18 +375,21 @@ class ActorPolicy:
                 self.records.append(rec)
             return _GateStep(ctx, keys, backend, h, closed, 0.0, rec)
         n0 = ctx.num_patches
-        summary = None
+        summary = rows = None
+        fused = not (self.sample or self.record) and self._use_fused(backend, dtype, n0)
         if cls_key is not None:
             cls_key = cls_key.to(dtype)
         elif actor.summary == "mean":  # (ours: no class token) the mean key stands for it
             cls_key = summary = summary_keys(keys, packed)
         elif packed.uniform and not self.record:
             cls_key = keys.view(b, packed.max_len, -1)[:, 0]  # a view: no gather while the batch is dense
+        elif fused:  # the kernel reads each image's CLS row in place
+            cls_key, rows = keys, packed.starts
         else:
             cls_key = keys[packed.starts]
-        if not (self.sample or self.record) and self._use_fused(backend, dtype, n0):
+        if fused:
             # one Triton kernel (timm_dora.policy.actor_kernels): logit >= 0 and the feasibility rule
-            gate = fused_gate(actor, cls_key, context[ctx.block], ctx.n_visual)
+            gate = fused_gate(actor, cls_key, context[ctx.block], ctx.n_visual, out=out, rows=rows)
             return _GateStep(ctx, keys, backend, h, gate, 2.0 * actor_gate_macs(actor), None)
         if cls_key.dim() == 3:  # [B, H, hd] (a view of the keys)
             cls_key = cls_key.reshape(b, -1)
