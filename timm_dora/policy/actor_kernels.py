@@ -182,7 +182,7 @@ if triton is not None:
         tl.store(GATE + seqs, (logit >= 0) & (n_visual - min_keep >= step), mask=live)
 
     @triton.jit
-    def _gate_context(NVIS, RHO, INTERV, EMB, W1, stride_w1, B1, H, CTX, nseq, n0, denom,
+    def _gate_context(NVIS, RHO, INTERV, EMB, W1, stride_w1, B1, H, CTX, nseq, inv_n0, inv_denom,
                       D: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, G: tl.constexpr,
                       BLOCK_B: tl.constexpr):
         """Block ``program_id(1)``'s context part of the gate for a tile of images: ``h_l`` (block
@@ -193,9 +193,10 @@ if triton is not None:
         seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         live = seqs < nseq
         gs = tl.arange(0, G)
-        h0 = tl.math.div_rn(tl.load(NVIS + seqs, mask=live, other=0).to(tl.float32), n0)
+        # divided as PyTorch on CUDA divides by a number: times its float32 reciprocal
+        h0 = tl.load(NVIS + seqs, mask=live, other=0).to(tl.float32) * inv_n0
         h1 = tl.load(RHO + seqs, mask=live, other=0.0).to(tl.float32)
-        h2 = tl.math.div_rn(tl.load(INTERV + seqs, mask=live, other=0).to(tl.float32), denom)
+        h2 = tl.load(INTERV + seqs, mask=live, other=0).to(tl.float32) * inv_denom
         if l == 0:
             tl.store(H + seqs * 3, h0, mask=live)
             tl.store(H + seqs * 3 + 1, h1, mask=live)
@@ -334,6 +335,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _recip32(n: int) -> float:
+    """``1 / n`` in float32 (exactly representable as the kernel's float32 argument)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / n)
+
+
 @torch.compiler.disable  # under torch.compile: run eagerly (Dynamo would trace the Triton launches)
 def fused_gate(actor, cls_keys: torch.Tensor, bias: torch.Tensor, n_visual: torch.Tensor,
                out: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -384,7 +390,8 @@ def fused_gate_context(actor, n_visual: torch.Tensor, rho: torch.Tensor, interve
     """The gate's history part in one kernel: ``(h_l [B, 3] float32, W1_c [e^G_l; h_l] + b1 for
     every block [L, B, G] in dtype)``, what :meth:`~timm_dora.policy.actor.Actor.history` and
     :meth:`~timm_dora.policy.actor.Actor.gate_bias` (``block=None``) compute in about ten kernels;
-    into ``out`` when given. Rounded where those modules round."""
+    into ``out`` when given. Rounded where those modules round, and ``h_l`` divided as they divide on
+    CUDA (times the float32 reciprocal: on the CPU PyTorch divides exactly, a last-place apart)."""
     reason = fused_controller_reason(actor, dtype, gate_only=True)
     if reason is not None:
         raise ValueError(f"fused gate context: {reason}")
@@ -401,8 +408,8 @@ def fused_gate_context(actor, n_visual: torch.Tensor, rho: torch.Tensor, interve
         raise ValueError(f"out must be a contiguous float32 [{b}, 3] and {dtype} [{depth}, {b}, {g}]")
     images = 16
     _gate_context[(_cdiv(b, images), depth)](n_visual, rho, interventions, actor.gate_embed, first.weight,
-                                              first.weight.stride(0), first.bias, h, ctx, b, float(num_patches),
-                                              float(max(actor.depth - 1, 1)), D=actor.embed_dim, E=e,
+                                              first.weight.stride(0), first.bias, h, ctx, b, _recip32(num_patches),
+                                              _recip32(max(actor.depth - 1, 1)), D=actor.embed_dim, E=e,
                                               EP=max(16, triton.next_power_of_2(e)), G=g, BLOCK_B=images, num_warps=4)
     return h, ctx
 
