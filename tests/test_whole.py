@@ -182,6 +182,8 @@ def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatc
     assert grown == whole.Plan((20, 20, 20, 18), (False, True, True))  # larger bounds, both controls
     engine_options(margin_sd=4.0)  # 14 + ceil(5.66) = 20: never above the block before
     assert whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=1).rows == (20, 20, 20, 20)
+    # one image: no spread to take a margin from, so no bound below its full rows (the controls as seen)
+    assert whole.plan_from([False, True, True], [[0, 3, 2]], seq=10, bucket=1) == whole.Plan((10,) * 4, (False, True, True))
 
 
 def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch(monkeypatch, engine_options):
