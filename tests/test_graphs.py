@@ -748,8 +748,9 @@ def test_statistics_are_computed_when_read_and_stay_valid(graphs):
 
 
 def test_graph_path_embeds_the_callers_images_in_any_layout():
-    """The embedding runs eagerly on the caller's tensor (no fixed input buffer): a channels-last
-    or strided batch gives the default forward's result, and a new batch the new result."""
+    """The embedding runs on the caller's tensor (eagerly; the whole forward's graph from a
+    contiguous copy): a channels-last or strided batch gives the default forward's result, and a
+    new batch the new result."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     actor = kind_actor(model, "biased")

@@ -291,3 +291,24 @@ def test_a_plan_with_too_few_rows_on_cuda_is_discarded_without_a_fault(monkeypat
     assert runner.plan_misses == 1 and runner.plan.rows[2] >= int(rows_seen[1])
     assert torch.equal(stats.removed, ref[0][1].removed)
     torch.testing.assert_close(got.float(), ref[0][0].float(), rtol=0, atol=3e-2)
+
+
+def test_planned_forward_made_under_inference_mode_runs_again_under_no_grad(engine_options):
+    """The record's buffers are made by the first forward; made under ``inference_mode`` they must
+    still be writable by a later forward under ``no_grad`` (a new plan, uncaptured here)."""
+    import warnings
+
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    engine_options(planned=True)
+    timm_dora.wrap(model, actor=kind_actor(model, "forced"), cuda_graphs=True)
+    with torch.inference_mode():
+        first = model(images(model, 3, seed=1))
+        model(images(model, 3, seed=1))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        again = model(images(model, 3, seed=1))
+    assert not [w for w in caught if "failed" in str(w.message)]
+    assert timm_dora.engine_info(model)["failed"] is None
+    assert torch.equal(first, again)
+    timm_dora.unwrap(model)

@@ -295,7 +295,7 @@ class GraphRunner:
         self.full = torch.full((b,), self.num_patches, dtype=torch.long, device=dev)
         self.steps: Dict[int, object] = {}
         # packed phase: the history (N_l, rho, E_<l) copied in, and the controller's inputs (h, N_l,
-        # gate) that the gate graph writes (N_l is the same buffer)
+        # gate) that the gate graph writes (N_l is the same buffer; h is h_packed, the kept history)
         self.history_in = (torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, device=dev),
                            torch.zeros(b, dtype=torch.long, device=dev))
         # (h_l: the packed phase's kept history, which a packed gate graph leaves there)
@@ -453,10 +453,10 @@ class GraphRunner:
     # one forward
 
     def start(self, images: Optional[torch.Tensor], run_ahead: bool = True) -> None:
-        """Embed the batch into the first block's input (the dense phase begins). Eagerly, from the
-        caller's tensor: a captured embedding would need the images in a fixed buffer too, a
-        batch-sized copy per forward and the memory of that buffer (the whole forward's graph
-        pays that: ``images=None``, it embeds itself, :meth:`embed_into_first`).
+        """The dense phase begins: the batch embedded into the first block's input, eagerly, from
+        the caller's tensor (a captured embedding would need the images in a fixed buffer too, a
+        batch-sized copy per forward and the memory of that buffer). ``images=None``: the forward's
+        graph embeds them itself (the whole forward pays that copy: :meth:`embed_into_first`).
         ``run_ahead=False``: not this forward (it runs again after :class:`RunAheadMissed`)."""
         if images is not None:
             self.embed_into_first(images)

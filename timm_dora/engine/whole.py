@@ -125,9 +125,11 @@ class _Record:
             self.flat = torch.zeros(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8, device=device)
             # a planned forward's check: gates opened and rows left after each block (and on the host)
             self.check = torch.zeros(2, depth, dtype=torch.long, device=device)
-        self.counts, self.flops, self.ids, self.remove = (self.views(self.flat)[k] for k in ("counts", "flops", "ids", "remove"))
+            # (the typed views too: under inference_mode they would be inference tensors, which a
+            # later capture under no_grad could not write)
+            self.counts, self.flops, self.ids, self.remove = (self.views(self.flat)[k] for k in ("counts", "flops", "ids", "remove"))
+            self.check_host = torch.zeros(2, depth, dtype=torch.long, pin_memory=device.type == "cuda")
         self.closed: dict = {}  # plan -> its closed blocks (an index on the device)
-        self.check_host = torch.zeros(2, depth, dtype=torch.long, pin_memory=device.type == "cuda")
         self.checked = torch.cuda.Event(external=True) if device.type == "cuda" else None
 
     def views(self, flat: torch.Tensor) -> dict:
@@ -270,7 +272,7 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
         r.buffer_bytes += r.record.nbytes
     if getattr(r, "images_in", None) is None:  # the graph embeds the images from a fixed buffer
         with torch.inference_mode(False):
-            r.images_in = torch.empty_like(images)
+            r.images_in = torch.empty(images.shape, dtype=images.dtype, device=images.device)  # (contiguous)
         r.buffer_bytes += r.images_in.numel() * r.images_in.element_size()
     r.images_in.copy_(images)
     r.host_reads = False  # (decisions stay on the device: no gate or length copies to the host)

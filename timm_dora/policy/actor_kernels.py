@@ -400,6 +400,8 @@ def fused_gate_context(actor, n_visual: torch.Tensor, rho: torch.Tensor, interve
     if first.weight.dtype != dtype or actor.gate_embed.dtype != dtype:
         raise ValueError(f"the actor ({first.weight.dtype}) must be in the activations' dtype ({dtype})")
     dev = n_visual.device
+    if any(t.shape != (b,) or t.stride(0) != 1 for t in (n_visual, rho, interventions)):
+        raise ValueError(f"N_l, rho and E_<l must be contiguous [{b}] vectors")
     if out is None:
         out = (torch.empty(b, 3, dtype=torch.float32, device=dev), torch.empty(depth, b, g, dtype=dtype, device=dev))
     h, ctx = out

@@ -189,9 +189,11 @@ class ActorPolicy:
                 and self._use_fused(ctx.backend, dtype, ctx.num_patches)):
             # one Triton kernel, into the kept buffers where there are some (no copies)
             n0 = self.actor.num_patches if ctx.num_patches is None else ctx.num_patches
-            h, context = fused_gate_context(self.actor, *state, n0, dtype,
-                                            out=into() if into is not None else None)
-            if into is None and keep is not None:
+            buffers = into() if into is not None else None
+            if buffers is not None and any(t is None for t in buffers):
+                buffers = None  # (not made: keep says why)
+            h, context = fused_gate_context(self.actor, *state, n0, dtype, out=buffers)
+            if buffers is None and keep is not None:
                 h, context = keep(h, context)
         else:
             h = self.actor.history(*state, num_patches=ctx.num_patches)
