@@ -184,22 +184,20 @@ class ActorPolicy:
         memo = ctx.constants.memo.get(key)
         if memo is not None and all(a is b for a, b in zip(memo[0], state)):
             return memo[1], memo[2]
-        keep, into = ctx.constants.keep, ctx.constants.keep_into
+        into = ctx.constants.keep_into() if ctx.constants.keep_into is not None else None
+        if into is not None and any(t is None for t in into):
+            into = None  # (not made yet: keep says why)
         if (not (self.sample or self.record) and dtype == self.actor.w_in.weight.dtype
                 and self._use_fused(ctx.backend, dtype, ctx.num_patches)):
-            # one Triton kernel, into the kept buffers where there are some (no copies)
+            # one Triton kernel, straight into the kept buffers where there are some
             n0 = self.actor.num_patches if ctx.num_patches is None else ctx.num_patches
-            buffers = into() if into is not None else None
-            if buffers is not None and any(t is None for t in buffers):
-                buffers = None  # (not made: keep says why)
-            h, context = fused_gate_context(self.actor, *state, n0, dtype, out=buffers)
-            if buffers is None and keep is not None:
-                h, context = keep(h, context)
+            h, context = fused_gate_context(self.actor, *state, n0, dtype, out=into)
         else:
             h = self.actor.history(*state, num_patches=ctx.num_patches)
             context = self.actor.gate_bias(h, None, dtype)
-            if keep is not None:
-                h, context = keep(h, context)
+            into = None
+        if into is None and ctx.constants.keep is not None:
+            h, context = ctx.constants.keep(h, context)
         ctx.constants.memo[key] = (state, h, context)  # holds the state tensors: their ids stay unique
         return h, context
 
