@@ -189,6 +189,19 @@ def test_fused_controller_reasons_and_errors():
                          out=(torch.zeros(16, dtype=torch.bool), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.float64)))
 
 
+def test_few_rows_get_smaller_tiles():
+    """A row kernel's tile halves until its grid has SMALL_GRID (64) programs, down to 16 rows at
+    4 warps: one image's 197 rows run as 13 programs of 16 rows, sixteen images' 3,152 as 99 of
+    32; at batch 320 (63,040 rows) the tuned tiles stay."""
+    from timm_dora.policy.actor_kernels import SMALL_GRID, _rows_tile
+    assert SMALL_GRID == 64
+    assert _rows_tile((128, 8), 197) == (16, 4) and _rows_tile((64, 8), 197) == (16, 4)
+    assert _rows_tile((128, 8), 3152) == (32, 4) and _rows_tile((64, 8), 3152) == (32, 4)
+    assert _rows_tile((128, 8), 8192) == (128, 8) and _rows_tile((128, 8), 8064) == (64, 4)
+    assert _rows_tile((128, 8), 320 * 197) == (128, 8) and _rows_tile((64, 8), 320 * 197) == (64, 8)
+    assert _rows_tile((128, 8), 1) == (16, 4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("width", [128, 64, 32])
 def test_cuda_fused_controller_matches_modules_and_replays_from_a_graph(width):

@@ -7,14 +7,15 @@ The PyTorch fallback is compared with the code it replaces (``gather_survivors``
 new removal patterns, with the fallback. Every comparison is exact.
 """
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers import capture_graph, engine_options, run_interpreted  # noqa: F401 (fixture)
-from timm_dora.engine.deletion_kernel import MAX_ROWS, delete_rows_fused, delete_rows_reference, fused_deletion_reason
+from timm_dora.engine.deletion_kernel import (MAX_ROWS, Books, delete_rows_fused, delete_rows_reference,
+                                              fused_deletion_reason)
 from timm_dora.engine.packing import gather_survivors
 
 
@@ -58,17 +59,42 @@ CASES = [  # (seed, B, prefix, max visual, padded rows, d, dtype, mode)
 ]
 
 
-def run_step(fn, case: Dict[str, torch.Tensor], in_place: bool) -> List[torch.Tensor]:
+def make_books(case: Dict[str, torch.Tensor], first: int, bound: int) -> Books:
+    """Books for a case, in buffers holding other values (the graph's fixed buffers): a history of
+    ``N_l`` at least the visual rows, ``E`` of earlier interventions, gates open where rows go and
+    at some other images; the record's rows 3 entries longer than the rows (untouched)."""
+    b, rows, dev = case["removed"].shape[0], case["x"].shape[0], case["x"].device
+    g = torch.Generator().manual_seed(rows)
+    gate = (case["removed"].cpu() > 0) | (torch.rand(b, generator=g) < 0.3)
+    return Books(gate.to(dev), (torch.rand(b, generator=g, dtype=torch.float64) * 1e6).round().to(dev),
+                 torch.randint(200, 260, (b,), generator=g).to(dev), torch.full((b,), 7.0, device=dev),
+                 torch.randint(0, 4, (b,), generator=g).to(dev), first, torch.full((b,), -1, device=dev),
+                 torch.full((b,), -1, device=dev), torch.full((b,), -1.0, dtype=torch.float64, device=dev),
+                 torch.full((rows + 3,), -1, device=dev), torch.ones(rows + 3, dtype=torch.bool, device=dev),
+                 torch.full((1,), -1, device=dev), bound)
+
+
+# books: (first, bound) per case: the history updated or set (the forward's first deletion), no
+# clamp, a bound the survivors exceed (cu clamped) and one they do not
+BOOKS = [(0, 0), (196, 0), (0, 5), (0, 10 ** 6)]
+
+
+def run_step(fn, case: Dict[str, torch.Tensor], in_place: bool, books: Optional[tuple] = None,
+             sizes: bool = False) -> List[torch.Tensor]:
     """``fn`` (the fallback or the kernels) on fresh output buffers: ``[index, out, ids, lengths,
-    cu]`` after the step. ``in_place``: ids and cu compacted in their own buffers (the packed
-    phase); else into separate ones (the dense phase)."""
+    cu]`` after the step, then with ``books`` (``(first, bound)``) the books' tensors and with
+    ``sizes`` the rows' sizes (gathered in place). ``in_place``: ids and cu compacted in their own
+    buffers (the packed phase); else into separate ones (the dense phase)."""
     x, b = case["x"], case["removed"].shape[0]
     out = torch.full((x.shape[0] + 3, x.shape[1]), 7.0, dtype=x.dtype, device=x.device)  # 3 rows past: untouched
     ids, cu = case["ids"].clone(), case["cu"].clone()
     ids_out, cu_out = (ids, cu) if in_place else (torch.zeros_like(ids), torch.zeros_like(cu))
     lengths = torch.zeros(b, dtype=torch.long, device=x.device)
-    index = fn(x, case["remove"], out, ids, ids_out, cu, case["removed"], lengths, cu_out)
-    return [index.long(), out, ids_out, lengths, cu_out]
+    kept = make_books(case, *books) if books is not None else None
+    size = (torch.arange(x.shape[0], device=x.device) % 7 + 1).float() if sizes else None
+    index = fn(x, case["remove"], out, ids, ids_out, cu, case["removed"], lengths, cu_out, size, kept)
+    return [index.long(), out, ids_out, lengths, cu_out] + ([t for t in kept if isinstance(t, torch.Tensor)]
+                                                             if kept is not None else []) + ([size] if sizes else [])
 
 
 def todays_step(case: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
@@ -102,6 +128,29 @@ def test_reference_is_todays_deletion(spec, in_place):
     assert torch.equal(lengths, per_image) and int(cu[0]) == 0 and int(cu[-1]) == total - int(keep[int(case["cu"][-1]):].sum())
 
 
+@pytest.mark.parametrize("books", BOOKS)
+def test_reference_books_by_hand(books):
+    """The books the reference keeps, computed here from their definitions: ids and flags before,
+    the history updated (or set at the first deletion), the rows left, cu clamped past the bound;
+    the sizes gathered as the rows are."""
+    case = make_case(1, 3, 1, 30, 7, 40, torch.bfloat16, "random")
+    first, bound = books
+    before, plain = make_books(case, first, bound), run_step(delete_rows_reference, case, True)
+    index, _, _, lengths, cu, gate, flops, n_visual, rho, interventions, rec_gate, rec_removed, rec_flops, \
+        rec_ids, rec_remove, left, size = run_step(delete_rows_reference, case, True, books, sizes=True)
+    removed, rows = case["removed"], case["x"].shape[0]
+    n_before = torch.full_like(removed, first) if first else before.n_visual
+    assert torch.equal(rho, removed.float() / n_before.float()) and torch.equal(n_visual, n_before - removed)
+    assert torch.equal(interventions, gate.long() + (0 if first else before.interventions))
+    assert torch.equal(rec_gate, gate.long()) and torch.equal(rec_removed, removed) and torch.equal(rec_flops, flops)
+    assert torch.equal(rec_ids[:rows], case["ids"]) and (rec_ids[rows:] == -1).all()
+    assert torch.equal(rec_remove[:rows], case["remove"]) and rec_remove[rows:].all()
+    survivors = int(lengths.sum())
+    assert int(left) == survivors and torch.equal(lengths, plain[3])
+    assert torch.equal(cu, plain[4].clamp(max=bound - 1) if 0 < bound < survivors else plain[4])
+    assert torch.equal(size, ((torch.arange(rows) % 7 + 1).float())[index])
+
+
 def test_limits_are_checked():
     x = torch.zeros(MAX_ROWS + 1, 8)
     why = fused_deletion_reason(x, torch.zeros(MAX_ROWS + 1, dtype=torch.bool))
@@ -121,26 +170,29 @@ INTERPRETED = r"""
 import json, sys
 import torch
 sys.path.insert(0, {tests!r})
-from test_deletion_kernel import CASES, make_case, run_step
+from test_deletion_kernel import BOOKS, CASES, make_case, run_step
 from timm_dora.engine.deletion_kernel import delete_rows_fused, delete_rows_reference
 
-bad = []
-for spec in CASES:
+bad, n = [], 0
+for i, spec in enumerate(CASES):
     case = make_case(*spec)
     for in_place in (True, False):
-        got = run_step(delete_rows_fused, case, in_place)
-        ref = run_step(delete_rows_reference, case, in_place)
-        for name, a, b in zip(("index", "out", "ids", "lengths", "cu"), got, ref):
-            if a.dtype != b.dtype or not torch.equal(a, b):
-                bad.append([spec[0], in_place, name])
-print(json.dumps({{"cases": 2 * len(CASES), "bad": bad}}))
+        for books, sizes in ((None, False), (BOOKS[i % len(BOOKS)], True), (BOOKS[(i + 1) % len(BOOKS)], False)):
+            got = run_step(delete_rows_fused, case, in_place, books, sizes)
+            ref = run_step(delete_rows_reference, case, in_place, books, sizes)
+            n += 1
+            for j, (a, b) in enumerate(zip(got, ref, strict=True)):
+                if a.dtype != b.dtype or not torch.equal(a, b):
+                    bad.append([spec[0], in_place, books, sizes, j])
+print(json.dumps({{"cases": n, "bad": bad}}))
 """
 
 
 def test_interpreted_kernels_match_reference():
+    """Every output, the books (each kind of books among the cases) and the sizes included."""
     pytest.importorskip("triton")
     res = run_interpreted(INTERPRETED.format(tests=str(Path(__file__).resolve().parent)), timeout=600)
-    assert res["cases"] == 2 * len(CASES) and res["bad"] == [], res["bad"]
+    assert res["cases"] == 6 * len(CASES) and res["bad"] == [], res["bad"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -11,6 +11,10 @@ batches 1-16 (a few thousand rows) each costs launch latency, not bandwidth, so 
    way, and the new ``lengths`` and ``cu_seqlens[1:]`` from the old ``cu_seqlens`` and ``removed``;
 2. :func:`_gather_rows`: the rows of ``x`` gathered by that index (all ``rows`` rows written).
 
+The first also gathers the merged rows' sizes (``merge``) and, for the whole forward's graph,
+keeps its books (:class:`Books`: the history the next gates read, the block's record, the rows
+left for the plan's check), about ten more small kernels before.
+
 One program holds every row, so the index needs no cross-program scan; the rows are bounded by
 :data:`MAX_ROWS` (the planned whole graph has at most 16 * 197 = 3152), above which the caller keeps
 the PyTorch ops. Shapes are fixed and nothing is read on the host: a CUDA graph can hold both
@@ -22,11 +26,12 @@ set before this module is imported), which is how the CPU tests check them.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["MAX_ROWS", "fused_deletion_reason", "delete_rows_fused", "delete_rows_reference"]
+__all__ = ["MAX_ROWS", "Books", "fused_deletion_reason", "delete_rows_fused", "delete_rows_reference",
+           "keep_books_reference"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -40,11 +45,46 @@ MAX_ROWS = 8192
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class Books(NamedTuple):
+    """What the whole forward's graph (:mod:`~timm_dora.engine.whole`) keeps of a deletion besides
+    the new layout, written by :func:`_compact` in the same kernel (about ten small kernels
+    before, :func:`keep_books_reference`):
+
+    - the history the next blocks' gates read: ``n_visual`` ``[B]`` long (``N_l``, becomes
+      ``N_l - k_l``), ``rho`` ``[B]`` float32 (becomes ``k_l / N_l``), ``interventions`` ``[B]``
+      long (``E``, plus the block's ``gate`` ``[B]`` bool); ``first``: 0, or ``N_0`` where this is
+      the forward's first deletion (``N_l = N_0`` and ``E = 0``: the three buffers are only
+      written, so nothing needs resetting before the forward);
+    - the block's record: ``gate``, the rows removed and the actor's ``flops`` ``[B]`` float64
+      into ``rec_gate``, ``rec_removed`` (``[B]`` long) and ``rec_flops`` (``[B]`` float64); the
+      rows' ids and removal flags before the deletion into the first rows of ``rec_ids`` (long)
+      and ``rec_remove`` (bool); the rows left (the sum of the new lengths) into ``left`` ``[1]``
+      long;
+    - ``bound``: where the rows left exceed it (a planned forward's miss: its output is discarded)
+      every ``cu_out`` entry is clamped to ``bound - 1``, so the later blocks' kernels stay inside
+      their rows; 0: no clamp."""
+    gate: torch.Tensor
+    flops: torch.Tensor
+    n_visual: torch.Tensor
+    rho: torch.Tensor
+    interventions: torch.Tensor
+    first: int
+    rec_gate: torch.Tensor
+    rec_removed: torch.Tensor
+    rec_flops: torch.Tensor
+    rec_ids: torch.Tensor
+    rec_remove: torch.Tensor
+    left: torch.Tensor
+    bound: int
+
+
 if triton is not None:
 
     @triton.jit
-    def _compact(REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch,
-                 BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr):
+    def _compact(REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch, SIZES,
+                 GATE, FLOPS, NVIS, RHO, INTERV, REC_GATE, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE,
+                 LEFT, bound, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, HAS_SIZES: tl.constexpr,
+                 BOOKS: tl.constexpr, FIRST: tl.constexpr):
         offs = tl.arange(0, BLOCK_T)
         inside = offs < rows
         keep = (tl.load(REMOVE + offs, mask=inside, other=1) == 0) & inside
@@ -53,22 +93,52 @@ if triton is not None:
         total = tl.sum(keep_i, 0)
         fill = inside & (offs >= total)  # past the survivors: copies of row 0 (nonzero_static's fill)
         ids = tl.load(IDS + offs, mask=inside, other=0)
-        first = tl.load(IDS + offs * 0, mask=fill, other=0)  # ids[0] where it is filled in
+        first_id = tl.load(IDS + offs * 0, mask=fill, other=0)  # ids[0] where it is filled in
+        if HAS_SIZES:  # (merge) the rows' sizes, gathered the same way in place
+            sizes = tl.load(SIZES + offs, mask=inside, other=0.0)
+            first_size = tl.load(SIZES + offs * 0, mask=fill, other=0.0)
         seq = tl.arange(0, BLOCK_B)
         live = seq < batch
         start = tl.load(CU + seq, mask=live, other=0).to(tl.int64)
         end = tl.load(CU + seq + 1, mask=live, other=0).to(tl.int64)
-        lengths = (end - start) - tl.load(REMOVED + seq, mask=live, other=0).to(tl.int64)
+        removed = tl.load(REMOVED + seq, mask=live, other=0).to(tl.int64)
+        lengths = (end - start) - removed
         cu = tl.cumsum(lengths, 0)
+        left = tl.sum(lengths, 0)
+        if BOOKS:
+            gate = tl.load(GATE + seq, mask=live, other=0).to(tl.int64)
+            if FIRST > 0:  # the forward's first deletion: N_l = N_0, no intervention before
+                n_visual = tl.zeros_like(removed) + FIRST
+                interventions = gate
+            else:
+                n_visual = tl.load(NVIS + seq, mask=live, other=1).to(tl.int64)
+                interventions = tl.load(INTERV + seq, mask=live, other=0).to(tl.int64) + gate
+            rho = tl.math.div_rn(removed.to(tl.float32), n_visual.to(tl.float32))  # (IEEE, as torch.div)
+            flops = tl.load(FLOPS + seq, mask=live, other=0.0)
+            if bound > 0:  # more rows than the plan's bound: every entry clamped below it
+                cu = tl.where(left > bound, tl.minimum(cu, bound - 1), cu)
         # everything read before anything is written: IDS_OUT may be IDS and CU_OUT may be CU (the
         # graph compacts its fixed buffers in place), and threads of one program do not run in step
         tl.debug_barrier()
         tl.store(INDEX + dest, offs, mask=keep)
         tl.store(INDEX + offs, tl.zeros_like(offs), mask=fill)
         tl.store(IDS_OUT + dest, ids, mask=keep)
-        tl.store(IDS_OUT + offs, first, mask=fill)
+        tl.store(IDS_OUT + offs, first_id, mask=fill)
+        if HAS_SIZES:
+            tl.store(SIZES + dest, sizes, mask=keep)
+            tl.store(SIZES + offs, first_size, mask=fill)
         tl.store(LENGTHS + seq, lengths.to(LENGTHS.dtype.element_ty), mask=live)
         tl.store(CU_OUT + 1 + seq, cu.to(CU_OUT.dtype.element_ty), mask=live)
+        if BOOKS:
+            tl.store(NVIS + seq, n_visual - removed, mask=live)
+            tl.store(RHO + seq, rho, mask=live)
+            tl.store(INTERV + seq, interventions, mask=live)
+            tl.store(REC_GATE + seq, gate, mask=live)
+            tl.store(REC_REMOVED + seq, removed, mask=live)
+            tl.store(REC_FLOPS + seq, flops, mask=live)
+            tl.store(REC_IDS + offs, ids, mask=inside)
+            tl.store(REC_REMOVE + offs, ~keep & inside, mask=inside)
+            tl.store(LEFT + seq * 0, left + seq * 0, mask=seq == 0)
 
     @triton.jit
     def _gather_rows(X, INDEX, OUT, rows, stride_x, stride_o,
@@ -106,9 +176,27 @@ def _check_layout(rows: int, ids: torch.Tensor, ids_out: torch.Tensor, cu: torch
                          f"{tuple(lengths_out.shape)}")
 
 
+def _check_books(books: Books, rows: int, b: int) -> None:
+    k = books
+    vectors = {"gate": (k.gate, torch.bool), "flops": (k.flops, torch.float64), "n_visual": (k.n_visual, torch.long),
+               "rho": (k.rho, torch.float32), "interventions": (k.interventions, torch.long),
+               "rec_gate": (k.rec_gate, torch.long), "rec_removed": (k.rec_removed, torch.long),
+               "rec_flops": (k.rec_flops, torch.float64)}
+    for name, (t, dtype) in vectors.items():
+        if t.shape != (b,) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"delete_rows_fused: books.{name} must be a contiguous [{b}] {dtype} vector, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    for name, t, dtype, n in (("rec_ids", k.rec_ids, torch.long, rows), ("rec_remove", k.rec_remove, torch.bool, rows),
+                              ("left", k.left, torch.long, 1)):
+        if t.dim() != 1 or t.shape[0] < n or t.dtype != dtype or t.stride(0) != 1:
+            raise ValueError(f"delete_rows_fused: books.{name} must be a [>= {n}] {dtype} vector, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+
+
 def delete_rows_reference(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, ids: torch.Tensor,
                           ids_out: torch.Tensor, cu: torch.Tensor, removed: torch.Tensor,
-                          lengths_out: torch.Tensor, cu_out: torch.Tensor) -> torch.Tensor:
+                          lengths_out: torch.Tensor, cu_out: torch.Tensor, sizes: Optional[torch.Tensor] = None,
+                          books: Optional[Books] = None) -> torch.Tensor:
     """The deletion step in PyTorch ops (the captured controller's code before this module), into
     the given buffers; returns the gather index ``[rows]``.
 
@@ -117,22 +205,53 @@ def delete_rows_reference(x: torch.Tensor, remove: torch.Tensor, out: torch.Tens
     survivors in order, then copies of row 0; ``ids`` ``[rows]``: per-row ids gathered the same way
     into ``ids_out`` (may be ``ids``); ``cu`` ``[B + 1]``: the layout before; ``removed`` ``[B]``:
     the rows removed per sequence (the per-sequence count of ``remove``); ``lengths_out`` ``[B]``
-    and ``cu_out`` ``[B + 1]`` (may be ``cu``; ``cu_out[0]`` is left as it is, 0): the layout after."""
-    _check_layout(x.shape[0], ids, ids_out, cu, removed, lengths_out, cu_out)
+    and ``cu_out`` ``[B + 1]`` (may be ``cu``; ``cu_out[0]`` is left as it is, 0): the layout after.
+    ``sizes`` (merge): ``[rows]`` float32, the rows' sizes, gathered the same way in place.
+    ``books``: also keep the whole forward's books (:class:`Books`, :func:`keep_books_reference`)."""
+    rows = x.shape[0]
+    _check_layout(rows, ids, ids_out, cu, removed, lengths_out, cu_out)
+    if books is not None:
+        books.rec_ids[:rows].copy_(ids)  # (before ids_out, which may be ids, is rewritten)
     # packing.gather_survivors' ops (survivors first, then row 0), then the layout's
-    index = torch.nonzero_static(~remove, size=x.shape[0], fill_value=0).squeeze(1)
-    torch.index_select(x, 0, index, out=out[: x.shape[0]])
+    index = torch.nonzero_static(~remove, size=rows, fill_value=0).squeeze(1)
+    torch.index_select(x, 0, index, out=out[:rows])
     ids_out.copy_(ids.index_select(0, index))
+    if sizes is not None:
+        sizes.copy_(sizes.index_select(0, index))
     lengths_out.copy_((cu[1:] - cu[:-1]) - removed)
     torch.cumsum(lengths_out, 0, dtype=cu_out.dtype, out=cu_out[1:])
+    if books is not None:
+        keep_books_reference(books, remove[:rows], removed, cu_out)
     return index
+
+
+def keep_books_reference(books: Books, remove: torch.Tensor, removed: torch.Tensor, cu_out: torch.Tensor) -> None:
+    """The books of a deletion (:class:`Books`, all but the ids before it) in PyTorch ops, from its
+    ``remove`` flags ``[rows]``, ``removed`` ``[B]`` and new ``cu_out`` ``[B + 1]`` (clamped here
+    where the rows left exceed ``books.bound``): what the whole graph ran before the kernel."""
+    b = books
+    b.rec_gate.copy_(b.gate)
+    b.rec_removed.copy_(removed)
+    b.rec_flops.copy_(b.flops)
+    b.rec_remove[:remove.shape[0]].copy_(remove)
+    if b.first:
+        b.n_visual.fill_(b.first)
+        b.interventions.zero_()
+    torch.div(removed, b.n_visual, out=b.rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
+    b.n_visual.sub_(removed)
+    b.interventions.add_(b.gate)
+    b.left.copy_(cu_out[-1:] - cu_out[:1])
+    if b.bound:
+        cu_out.copy_(torch.where(cu_out[-1] > b.bound, cu_out.clamp(max=b.bound - 1), cu_out))
 
 
 def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, ids: torch.Tensor,
                       ids_out: torch.Tensor, cu: torch.Tensor, removed: torch.Tensor,
-                      lengths_out: torch.Tensor, cu_out: torch.Tensor) -> torch.Tensor:
+                      lengths_out: torch.Tensor, cu_out: torch.Tensor, sizes: Optional[torch.Tensor] = None,
+                      books: Optional[Books] = None) -> torch.Tensor:
     """:func:`delete_rows_reference` in two Triton kernels (the same arguments and results, the
-    index as int32). Raises ``ValueError`` where :func:`fused_deletion_reason` says why not."""
+    index as int32; the sizes and the books in the first). Raises ``ValueError`` where
+    :func:`fused_deletion_reason` says why not."""
     why = fused_deletion_reason(x, remove)
     if why is not None:
         raise ValueError(f"delete_rows_fused: {why}")
@@ -144,11 +263,19 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
     if not (ids.is_contiguous() and ids_out.is_contiguous() and cu.is_contiguous() and cu_out.is_contiguous()
             and removed.is_contiguous() and lengths_out.is_contiguous()):
         raise ValueError("delete_rows_fused: ids, cu, removed and the outputs must be contiguous")
+    b = removed.shape[0]
+    if sizes is not None and (sizes.shape != (rows,) or sizes.dtype != torch.float32 or not sizes.is_contiguous()):
+        raise ValueError(f"delete_rows_fused: sizes must be a contiguous [{rows}] float32 vector")
+    if books is not None:
+        _check_books(books, rows, b)
     index = torch.empty(rows, dtype=torch.int32, device=x.device)
     block_t = triton.next_power_of_2(rows)
-    _compact[(1,)](remove, ids, ids_out, index, cu, removed, lengths_out, cu_out, rows, removed.shape[0],
-                   BLOCK_T=block_t, BLOCK_B=triton.next_power_of_2(max(removed.shape[0], 1)),
-                   num_warps=8 if block_t > 1024 else 4)
+    k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 6), 0)  # (unused pointers)
+    _compact[(1,)](remove, ids, ids_out, index, cu, removed, lengths_out, cu_out, rows, b,
+                   sizes if sizes is not None else remove, k.gate, k.flops, k.n_visual, k.rho, k.interventions,
+                   k.rec_gate, k.rec_removed, k.rec_flops, k.rec_ids, k.rec_remove, k.left, k.bound,
+                   BLOCK_T=block_t, BLOCK_B=triton.next_power_of_2(max(b, 1)), HAS_SIZES=sizes is not None,
+                   BOOKS=books is not None, FIRST=k.first, num_warps=8 if block_t > 1024 else 4)
     block_r = 16
     _gather_rows[(triton.cdiv(rows, block_r),)](x, index, out, rows, x.stride(0), out.stride(0), D=d,
                                                  BLOCK_R=block_r, BLOCK_D=min(256, triton.next_power_of_2(d)),

@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
 from .options import active
 from .attention import varlen_attention
-from .deletion_kernel import delete_rows_fused, fused_deletion_reason
-from .packing import fold_removed, gather_survivors
+from .deletion_kernel import Books, delete_rows_fused, delete_rows_reference, fused_deletion_reason
+from .packing import fold_removed
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
 from .whole import whole_segment
@@ -250,11 +250,18 @@ class Segments:
         blk = model.blocks[l]
         rows, dense, kept = key[2], key[3], key[4]  # kept: the dense attention graph kept the keys;
         # "in_place": the attention of the same graph left a view of them (fused_interventions)
+        # key[5] (the whole forward's graph): None, or (first, bound, planned): the deletion keeps
+        # its books (deletion_kernel.Books: the history, the record's rows, the rows left), first
+        # N_0 at the forward's first deletion, else 0; bound: the plan's rows after this block (0:
+        # none); planned: the controller runs where the plan says, whether or not a gate opened
+        books = key[5] if len(key) > 5 else None
+        # a packed gate: in the whole forward in its block's row of gate_out (the attention's key[6])
+        gate_in = r.gate_out[l] if books is not None else r.ctrl_in[2]
         p = model.num_prefix_tokens
         # EngineOptions.fused_deletion: the deletion below in deletion_kernel's two Triton kernels
-        # instead of about 13 PyTorch ones; captured only (CUDA), not with merge (which gathers the
-        # sizes too), and up to the kernels' MAX_ROWS (one program over all rows)
-        fused = (active().fused_deletion and r.capture and not r.merge and r.xa is not None
+        # instead of about 13 PyTorch ones; captured only (CUDA), and up to the kernels' MAX_ROWS
+        # (one program over all rows)
+        fused = (active().fused_deletion and r.capture and r.xa is not None
                  and fused_deletion_reason(r.xa[:rows], r.ctrl_out[0][:rows]) is None)
 
         def controller_keys(n: int) -> torch.Tensor:  # the keys of the first n rows: read in place,
@@ -276,12 +283,13 @@ class Segments:
                 args = (controller_keys(rows), src.cu_seqlens, src.lengths_host, step.h, r.full, step.gate)
             elif r.capture:
                 cu = r.cu
-                if not r.host_reads and r.triton_gate:  # (the whole forward runs the controller at every block: where
-                    # no gate opened it sees empty sequences, and its kernels return at once)
-                    cu = cu * r.ctrl_in[2].any()
-                args = (controller_keys(rows), cu, None) + r.ctrl_in
+                if not r.host_reads and r.triton_gate and not (books and books[2]):  # (the unplanned whole
+                    # forward runs the controller at every block: where no gate opened it sees empty
+                    # sequences, and its kernels return at once)
+                    cu = cu * gate_in.any()
+                args = (controller_keys(rows), cu, None) + r.ctrl_in[:2] + (gate_in,)
             else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
-                args = (controller_keys(r.cur.total), r.cur.cu_seqlens, r.cur.lengths_host) + r.ctrl_in
+                args = (controller_keys(r.cur.total), r.cur.cu_seqlens, r.cur.lengths_host) + r.ctrl_in[:2] + (gate_in,)
             keys, cu, lengths, h, n_visual, gate = args
             # (written into the fixed outputs directly; uncaptured, the rows past the real ones
             # are not the controller's: no removal there)
@@ -297,23 +305,19 @@ class Segments:
                                        blk.attn.num_heads, out=r.xa[:n])
                 r.sizes[:n].copy_(mass)
             # the deletion in the same graph (the rows padded past the last sequence are never
-            # removed: they follow the survivors), the new layout, and the new lengths to the
-            # host, the only value it waits for before the survivors' MLP
-            sizes = r.sizes[:rows] if r.merge else None
-            if fused:  # the same step in two kernels (the ids and cu compacted in place)
-                src = r.dense_inputs[l % 2]
-                ids, cu = (src.ids, src.cu_seqlens) if dense else (r.ids[:rows], r.cu)
-                delete_rows_fused(r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], cu, removed, r.lengths, r.cu)
-            else:
-                if dense:
-                    src, before = r.dense_inputs[l % 2], r.seq
-                    ids = gather_survivors(r.xa, remove, r.x[l % 2], src.ids, sizes)
-                else:
-                    before = r.cu[1:] - r.cu[:-1]
-                    ids = gather_survivors(r.xa[:rows], remove, r.x[l % 2], r.ids[:rows], sizes)
-                r.ids[:rows].copy_(ids)
-                r.lengths.copy_(before - removed)
-                torch.cumsum(r.lengths, 0, dtype=r.cu.dtype, out=r.cu[1:])
+            # removed: they follow the survivors), the new layout (ids and cu compacted in place),
+            # and the new lengths to the host, the only value it waits for before the survivors' MLP
+            src = r.dense_inputs[l % 2]
+            ids, before = (src.ids, src.cu_seqlens) if dense else (r.ids[:rows], r.cu)
+            kept_books = None
+            if books is not None:
+                first, bound, _ = books
+                rec, (n_visual, rho, interventions) = r.record, r.history_in
+                kept_books = Books(gate, r.ctrl_out[2], n_visual, rho, interventions, first, rec.counts[0, l],
+                                   rec.counts[1, l], rec.flops[l], rec.ids[l], rec.remove[l], rec.left[l:l + 1], bound)
+            (delete_rows_fused if fused else delete_rows_reference)(
+                r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], before, removed, r.lengths, r.cu,
+                r.sizes[:rows] if r.merge else None, kept_books)
             if r.host_reads:
                 r.lengths_host.copy_(r.lengths, non_blocking=r.capture)
                 if r.capture:
@@ -338,7 +342,9 @@ class Segments:
     def _attention_packed_segment(self, key: tuple) -> Callable[[], None]:
         """A packed block's attention residual (with the actor, its gate in line); key[3]: the MLP runs in the same graph (speculation); key[4]: the history changed
         since the last block (its part of the gate is computed); key[5] (optional): the
-        controller follows in the same graph and reads the keys in place"""
+        controller follows in the same graph and reads the keys in place; key[6] (optional, the
+        whole forward's graph): the gate goes into the block's row of gate_out (kept for the
+        record) instead of ctrl_in's"""
         r = self.runner
         l = key[1]
         model = r.model
@@ -346,6 +352,7 @@ class Segments:
         blk = model.blocks[l]
         rows, spec, fresh = key[2], key[3], key[4]
         in_place = len(key) > 5 and key[5]
+        gate_buffer = r.gate_out[l] if len(key) > 6 and key[6] else r.ctrl_in[2]
         p = model.num_prefix_tokens
 
         def gate_ctx(keys: Optional[torch.Tensor] = None) -> BlockContext:
@@ -365,7 +372,7 @@ class Segments:
             # the keys exist (the memoised history part: h_packed / context_packed, made by this
             # graph's gate_history or by the last block's graph whose history was fresh);
             # keys: [rows, H, hd] to read in place, else the kept copy
-            h, gate = r.ctrl_in[0], r.ctrl_in[2]
+            h, gate = r.ctrl_in[0], gate_buffer
             step = r.policy.probe(gate_ctx(keys), out=gate)
             if step.h is not h:  # (the memoised history lives there: h_packed)
                 h.copy_(step.h)
@@ -374,7 +381,7 @@ class Segments:
             if r.host_reads:
                 r.gate_host[l].copy_(step.gate, non_blocking=r.capture)
                 r.gate_copied(l)
-            r.steps[("packed", l)] = replace(step, ctx=None, keys=None, h=r.ctrl_in[0], gate=r.ctrl_in[2])
+            r.steps[("packed", l)] = replace(step, ctx=None, keys=None, h=r.ctrl_in[0], gate=gate_buffer)
 
         def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
             if r.triton_gate:  # the gate reads the CLS keys in place, then only the open
@@ -383,7 +390,7 @@ class Segments:
                 if in_place:  # [rows, d] (a view of the qkv output: row stride 3d)
                     r.keys_in_place = k.reshape(rows, -1)
                 elif r.k is not None:  # (else a controller recomputes them)
-                    copy_open_keys(k, r.cu, r.seq, r.ctrl_in[2], r.k)
+                    copy_open_keys(k, r.cu, r.seq, gate_buffer, r.k)
                 return
             r.k[:rows].copy_(k.reshape(rows, -1))
             if r.probing:

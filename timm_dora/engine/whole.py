@@ -117,20 +117,33 @@ class _Record:
 
     def __init__(self, depth: int, batch: int, rows: int, device: torch.device):
         self.shapes = {"flops": ((depth, batch), torch.float64),  # the actor's FLOPs
+                       "left": ((depth,), torch.long),  # the rows each deletion left (its books)
                        "counts": ((2, depth, batch), torch.long),  # gate, removed
                        "ids": ((depth, rows), torch.long),  # the rows' ids, before
                        "remove": ((depth, rows), torch.bool)}  # the removed rows
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in self.shapes.values()]
+        # a planned forward's check, what the host reads: the rows left and the gates (counts[0]),
+        # side by side in the buffer
+        self.depth, at = depth, self._offset("left")
+        self.check = slice(at, at + (depth + depth * batch) * 8)
         with torch.inference_mode(False):
             self.flat = torch.zeros(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8, device=device)
-            # a planned forward's check: gates opened and rows left after each block (and on the host)
-            self.check = torch.zeros(2, depth, dtype=torch.long, device=device)
             # (the typed views too: under inference_mode they would be inference tensors, which a
             # later capture under no_grad could not write)
-            self.counts, self.flops, self.ids, self.remove = (self.views(self.flat)[k] for k in ("counts", "flops", "ids", "remove"))
-            self.check_host = torch.zeros(2, depth, dtype=torch.long, pin_memory=device.type == "cuda")
+            self.counts, self.flops, self.ids, self.remove, self.left = (
+                self.views(self.flat)[k] for k in ("counts", "flops", "ids", "remove", "left"))
+            self.check_host = torch.zeros(self.check.stop - at, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.closed: dict = {}  # plan -> its closed blocks (an index on the device)
         self.checked = torch.cuda.Event(external=True) if device.type == "cuda" else None
+
+    def _offset(self, name: str) -> int:
+        """Where part ``name`` starts in the buffer (each part 8-byte aligned)."""
+        at = 0
+        for key, (shape, dtype) in self.shapes.items():
+            if key == name:
+                return at
+            at += -(-math.prod(shape) * dtype.itemsize // 8) * 8
+        raise KeyError(name)
 
     def views(self, flat: torch.Tensor) -> dict:
         """The typed views of a byte buffer laid out as :attr:`flat` (each part 8-byte aligned)."""
@@ -149,7 +162,14 @@ class _Record:
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel() + self.check.numel() * self.check.element_size()
+        return self.flat.numel()
+
+    def checked_values(self) -> Tuple[list, list]:
+        """The check the host read (after :attr:`checked`): per block, the gates that opened and
+        the rows its deletion left (stale where none ran)."""
+        values = self.check_host.view(torch.long)
+        left, gates = values[:self.depth], values[self.depth:].view(self.depth, -1)
+        return (gates != 0).sum(1).tolist(), left.tolist()
 
 
 class _Missed(Exception):
@@ -176,17 +196,22 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     after = [l > 0 and controls[l - 1] for l in range(depth)]
     fresh = [l == n_dense or after[l] or (l > 1 and controls[l - 2]) for l in range(depth)]
     attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None) if l < n_dense else
-                         ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l])) for l in range(depth)]
-    control = [r.segments.build(("controller", l, rows[l], l < n_dense, "in_place" if fused else False)) if controls[l]
-               else None for l in range(depth)]
+                         ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True)) for l in range(depth)]
+    # the deletion keeps the books (the history, the record's rows, the rows left: deletion_kernel.Books);
+    # planned, the first controller (dense) sets the history instead of updating it, so that
+    # nothing resets it before, and a deletion past its bound clamps cu_seqlens (captured: the
+    # output of such a miss is discarded, but the later blocks' kernels must not index past their rows)
+    first = n_dense - 1 if checked and True in controls else None
+    books = [(r.num_patches if l == first else 0, rows[l + 1] if checked and r.capture else 0, checked)
+             for l in range(depth)]
+    control = [r.segments.build(("controller", l, rows[l], l < n_dense, "in_place" if fused else False, books[l]))
+               if controls[l] else None for l in range(depth)]
     # the MLP: of the deletion's output (x[l % 2]) or, with no controller, of the attention's (xa)
     mlp = [None if l < n_dense and not controls[l] else
            r.segments.build(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1])) for l in range(depth)]
     read = r.segments.build(("readout_packed",))
     dense, rec = r.dense_inputs[0], r.record
     n_visual, rho, interventions = r.history_in
-    remove, removed, flops = r.ctrl_out
-    gates = [r.gate_out[l] if l < n_dense else r.ctrl_in[2] for l in range(depth)]  # where each block's gate goes
     steps = [l if l < n_dense else ("packed", l) for l in range(depth)]
     # the closed blocks' records (nothing removed, the gate's FLOPs) written once after the last
     # block, by the rows of a fixed index (a graph keeps no tensor alive: the record holds it); the
@@ -198,45 +223,33 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
 
     def whole():
         r.embed_into_first(r.images_in)  # (the images' fixed buffer: forward_whole)
-        r.cu.copy_(dense.cu_seqlens)
-        r.ids.copy_(dense.ids)
-        n_visual.fill_(r.num_patches)
-        rho.zero_()
-        interventions.zero_()
+        if first is None:  # (else the first deletion writes all of them)
+            r.cu.copy_(dense.cu_seqlens)
+            r.ids.copy_(dense.ids)
+            n_visual.fill_(r.num_patches)
+            rho.zero_()
+            interventions.zero_()
         if not r.capture:  # uncaptured, the attention and the controller run on the real rows
             r.cur = dense.with_x(r.x[0])
         for l in range(depth):
             if not r.capture and r.cur.total > rows[l]:  # (uncaptured the attention needs the real rows)
                 raise _Missed
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
-            if l >= n_dense:
-                rec.counts[0, l].copy_(gates[l])
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
                 if after[l]:
                     rho.zero_()
                 if mlp[l] is not None:  # (else it ran in the attention's graph)
                     mlp[l]()
                 continue
-            rec.ids[l].copy_(r.ids)
-            control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu
-            if checked and r.capture:  # more survivors than the plan's bound (a miss: the output is
-                # discarded) must not make the later blocks' kernels index past their rows
-                bound = rows[l + 1]
-                r.cu.copy_(torch.where(r.cu[-1] > bound, r.cu.clamp(max=bound - 1), r.cu))
-            rec.counts[1, l].copy_(removed)
-            rec.flops[l].copy_(flops)
-            rec.remove[l, :rows[l]].copy_(remove[:rows[l]])
-            torch.div(removed, n_visual, out=rho)  # rho_{l+1} = k_l / N_l, then N_{l+1} = N_l - k_l
-            n_visual.sub_(removed)
-            interventions.add_(gates[l])
+            control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths, cu;
+            # the history (N_l, rho_l, E_<l) updated and the block's record written (its books)
             r.keys_in_place = None  # (a view of this block's qkv output)
             if not r.capture:
                 t = int(r.lengths.sum())
                 r.cur = Packed(r.x[l % 2][:t], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:t].clone(),
                                r.sizes[:t].clone() if r.merge else None)
             mlp[l]()
-        if n_dense:
-            rec.counts[0, :n_dense].copy_(r.gate_out[:n_dense])
+        rec.counts[0].copy_(r.gate_out)  # every block's gates, in its row (dense and packed)
         if closed:
             gate_flops = {r.steps[steps[l]].gate_flops for l in closed}  # (the same for every image)
             rec.counts[1].index_fill_(0, rec.closed[plan], 0)
@@ -251,11 +264,9 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             with torch.inference_mode(False):
                 out = r.logits["whole"] = torch.empty_like(r.logits["packed"])
         out.copy_(r.logits["packed"])
-        if checked:  # which gates opened, how many rows each block left: to the host, with an event
-            torch.sum(rec.counts[0], 1, out=rec.check[0])
-            torch.cumsum(rec.counts[1].sum(1), 0, out=rec.check[1])
-            torch.sub(total, rec.check[1], out=rec.check[1])
-            rec.check_host.copy_(rec.check, non_blocking=r.capture)
+        if checked:  # which gates opened, how many rows each deletion left (its books): to the
+            # host, with an event
+            rec.check_host.copy_(rec.flat[rec.check], non_blocking=r.capture)
             if r.capture:
                 rec.checked.record(torch.cuda.current_stream(r.device))
     return whole
@@ -292,8 +303,15 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
 
 
 def held(plan: Plan, record: _Record) -> bool:
-    """Whether a planned forward stayed inside its plan (waits for the graph's check)."""
+    """Whether a planned forward stayed inside its plan (waits for the graph's check): no gate
+    opened outside its controls, no deletion left more rows than its bound (a block without one
+    keeps the rows before it)."""
     if record.checked is not None:
         record.checked.synchronize()
-    opened, left = record.check_host.tolist()
-    return all((g == 0 or c) and n <= bound for g, c, n, bound in zip(opened, plan.controls, left, plan.rows[1:]))
+    opened, left = record.checked_values()
+    n = plan.rows[0]
+    for g, c, after, bound in zip(opened, plan.controls, left, plan.rows[1:]):
+        n = after if c else n
+        if (g and not c) or n > bound:
+            return False
+    return True

@@ -65,6 +65,11 @@ TILE_ROWS = {"embed": (64, 8), "out_ffn": (128, 8), "scores": (128, 8)}
 # pipelining: DeiT-B's d=768 17.5 -> 6.0 us, ViT-Ti's 192 3.6 -> 3.2 us at batch 320 (H100; the
 # fastest of 72 configurations; the sweep is in git history)
 GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
+# few rows (the planned whole graph at batches 1-16: 197 to 3,152 rows): a row kernel's grid of
+# 128-row tiles is 2 to 25 programs, each a long serial chain on one SM (DeiT-B's width-128 actor:
+# _out_ffn 31 us and _embed_qkv 14 us at one image, H200). Below the rows that fill SMALL_GRID
+# programs the tile halves, down to 16 rows (tl.dot's least), at 4 warps: more programs, each shorter.
+SMALL_GRID = 64
 ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
 
 
@@ -335,6 +340,19 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _rows_tile(default: Tuple[int, int], rows: int) -> Tuple[int, int]:
+    """A row kernel's ``(rows per program, warps)`` for ``rows`` rows: ``default`` (:data:`TILE_ROWS`)
+    where its grid has :data:`SMALL_GRID` programs or more, else the tile halved until it has (at
+    least 16 rows, 4 warps). The tile changes only how rows are split among programs, not any row's
+    arithmetic."""
+    block, warps = default
+    if -(-rows // block) >= SMALL_GRID:
+        return default
+    while block > 16 and -(-rows // block) < SMALL_GRID:
+        block //= 2
+    return block, min(warps, 4)
+
+
 def _recip32(n: int) -> float:
     """``1 / n`` in float32 (exactly representable as the kernel's float32 argument)."""
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
@@ -435,7 +453,7 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     :func:`~timm_dora.policy.actor_flops.actor_controller_macs` where the gate is open, doubled), into ``out``
     when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
     written). ``tile``: ``(rows per program, warps)`` for all three row-wise kernels instead of
-    :data:`TILE_ROWS`, or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
+    :data:`TILE_ROWS` (smaller tiles for few rows: :func:`_rows_tile`), or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
     ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks.
     """
     reason = fused_controller_reason(actor, keys.dtype)
@@ -461,8 +479,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     steps = max(1, (b - 1).bit_length())  # halvings of the binary search for each row's sequence
     if isinstance(tile, dict) and not set(tile) <= set(TILE_ROWS):
         raise ValueError(f"tile: unknown kernels {sorted(set(tile) - set(TILE_ROWS))} (known: {list(TILE_ROWS)})")
-    tiles = {k: (tile.get(k, default) if isinstance(tile, dict) else tile or default)
-             for k, default in TILE_ROWS.items()}
+    tiles = {k: (tile.get(k, default) if isinstance(tile, dict) else tile) if tile is not None
+             else _rows_tile(default, max(rows, total)) for k, default in TILE_ROWS.items()}
     rl = ROW_LAUNCH
     x = torch.empty((rows, w), dtype=dt, device=dev)
     qkv = torch.empty((rows, 3 * w), dtype=dt, device=dev)
