@@ -41,6 +41,53 @@ def test_interpreted_layer_norm_matches_torch():
         assert max(diffs) < 1e-5, res
 
 
+INTERPRETED_ADD = r"""
+import json
+import torch
+import torch.nn.functional as F
+from timm_dora.engine.dense_kernels import add_layer_norm_triton
+
+torch.manual_seed(0)
+out = {}
+# (not bf16: the interpreter rounds bf16 toward zero where CUDA rounds to nearest even; the CUDA
+# test checks the bf16 sum)
+for rows, n, dtype in ((37, 192, torch.float32), (5, 768, torch.float16), (3, 100, torch.float16)):
+    x = (torch.randn(rows, n) * 3 + 1).to(dtype)
+    d = torch.randn(rows, n + 8)[:, :n].to(dtype)  # a branch with a row stride of its own
+    w, b = torch.randn(n), torch.randn(n)
+    s, y = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+    add_layer_norm_triton(x, d, w, b, 1e-6, s, y)
+    ref_s = x + d  # rounded to the dtype, as the kernel must round it before normalising
+    ref_y = F.layer_norm(ref_s.float(), (n,), w, b, 1e-6).to(dtype)
+    inplace = x.clone()  # out = x: each row read before it is written
+    add_layer_norm_triton(inplace, d, w, b, 1e-6, inplace, torch.empty_like(x))
+    out[f"{rows}x{n}"] = [bool(torch.equal(s, ref_s)), float((y.float() - ref_y.float()).abs().max()),
+                          float(ref_y.float().abs().max()), bool(torch.equal(inplace, ref_s))]
+print(json.dumps(out))
+"""
+
+
+def test_interpreted_add_layer_norm_is_the_sum_then_the_norm():
+    """The fused residual sum and LayerNorm: the sum exactly torch.add's (rounded to the dtype),
+    the norm of that rounded sum within a rounding of F.layer_norm's, in place too."""
+    pytest.importorskip("triton")
+    res = run_interpreted(INTERPRETED_ADD, timeout=300)
+    assert set(res) == {"37x192", "5x768", "3x100"}
+    for name, (sum_equal, diff, scale, inplace_equal) in res.items():
+        assert sum_equal and inplace_equal, name
+        assert diff <= (1e-5 if name == "37x192" else 0.01 * scale), (name, diff)
+
+
+def test_add_layer_norm_off_cuda_runs_the_two_operations():
+    """Where the kernel does not apply (the CPU here) the sum and the module's norm run as they are."""
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(24)
+    x, d = torch.randn(6, 24), torch.randn(6, 24)
+    out, normed = torch.empty(6, 24), torch.empty(6, 24)
+    dense_kernels.add_layer_norm(x, d, norm, out, normed)
+    assert torch.equal(out, x + d) and torch.equal(normed, norm(x + d))
+
+
 def test_patch_embedding_as_one_matrix_product_equals_timms_convolution():
     torch.manual_seed(0)
     model = make_model("deit_tiny_patch16_224", img_size=64)
@@ -93,5 +140,10 @@ def test_on_cuda_the_fast_kernels_give_the_modules_values(monkeypatch):
         torch.testing.assert_close(layer_norm(norm, rows), norm(rows), rtol=0.02, atol=0.02)
         torch.testing.assert_close(patch_embed(model.patch_embed, x), model.patch_embed(x), rtol=0.02, atol=0.02)
         assert calls == [1]  # the kernel ran
+        out, normed = torch.empty_like(rows), torch.empty_like(rows)
+        branch = torch.randn_like(rows)
+        dense_kernels.add_layer_norm(rows, branch, norm, out, normed)  # (the fused kernel)
+        assert torch.equal(out, rows + branch)
+        torch.testing.assert_close(normed, norm(rows + branch), rtol=0.02, atol=0.02)
         with using(EngineOptions(dense_kernels=False)):
             assert torch.equal(layer_norm(norm, rows), norm(rows))

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dense_kernels import layer_norm, patch_embed
+from .dense_kernels import add_layer_norm, layer_norm, patch_embed
 from .attention import varlen_attention
 from .packing import Packed, bucket_rows, rows_where
 
@@ -63,17 +63,21 @@ def attention_keys(blk: nn.Module, packed: Packed) -> torch.Tensor:
 
 def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Optional[torch.Tensor] = None,
                        attend: Optional[Callable] = None, on_keys: Optional[Callable[[torch.Tensor], None]] = None,
-                       keys: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       keys: bool = True, normed: Optional[torch.Tensor] = None,
+                       norm_into: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``x + drop_path1(ls1(attn(norm1(x))))`` on packed rows; also returns the keys ``[T, d]``
     (``None`` when ``keys`` is false: on a uniform batch they are a transposed copy).
     ``out``: write the result there (a fixed buffer of a CUDA graph). ``attend``: ``(q, k, v) ->
     o`` (``[T, H, hd]``) instead of :func:`varlen_attention` on a non-uniform batch (the graphs'
     padded rows). ``on_keys``: called with the keys as soon as they exist (before the attention
     itself; ``[B, H, S, hd]`` on a uniform batch, else ``[T, H, hd]``): the CUDA graphs fork the
-    actor's gate there, so that it runs beside the attention kernel."""
+    actor's gate there, so that it runs beside the attention kernel. ``normed``: ``norm1(x)``,
+    already computed (:func:`mlp_residual`'s ``norm_into``); ``norm_into``: also write ``norm2``
+    of the result there, with the residual sum in one kernel (:func:`~timm_dora.engine.dense_kernels.add_layer_norm`;
+    ``out`` required)."""
     attn = blk.attn
     t = packed.total
-    y = layer_norm(blk.norm1, packed.x)
+    y = layer_norm(blk.norm1, packed.x) if normed is None else normed
     q, k, v = _qk_v(attn, y, packed)
     if on_keys is not None:
         on_keys(k)
@@ -86,12 +90,26 @@ def attention_residual(blk: nn.Module, packed: Packed, backend: str, out: Option
     if gate is not None:
         o = o * gate(y).sigmoid()
     o = attn.proj_drop(bucket_rows(attn.proj, o))
-    return torch.add(packed.x, blk.drop_path1(blk.ls1(o)), out=out), _keys_rows(k, packed) if keys else None
+    branch = blk.drop_path1(blk.ls1(o))
+    if norm_into is not None:
+        add_layer_norm(packed.x, branch, blk.norm2, out, norm_into)
+    else:
+        out = torch.add(packed.x, branch, out=out)
+    return out, _keys_rows(k, packed) if keys else None
 
 
-def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows (into ``out`` when given)."""
-    return torch.add(x, blk.drop_path2(blk.ls2(bucket_rows(blk.mlp, layer_norm(blk.norm2, x)))), out=out)
+def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 normed: Optional[torch.Tensor] = None, next_norm: Optional[nn.Module] = None,
+                 norm_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x + drop_path2(ls2(mlp(norm2(x))))`` on packed rows (into ``out`` when given).
+    ``normed``: ``norm2(x)``, already computed (:func:`attention_residual`'s ``norm_into``);
+    ``next_norm``, ``norm_into``: also write ``next_norm`` of the result (the next block's
+    ``norm1``) into ``norm_into``, with the residual sum in one kernel (``out`` required)."""
+    branch = blk.drop_path2(blk.ls2(bucket_rows(blk.mlp, layer_norm(blk.norm2, x) if normed is None else normed)))
+    if next_norm is not None:
+        add_layer_norm(x, branch, next_norm, out, norm_into)
+        return out
+    return torch.add(x, branch, out=out)
 
 
 def final_norm(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

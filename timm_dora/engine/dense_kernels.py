@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .options import active
 
-__all__ = ["layer_norm", "layer_norm_triton", "patch_embed", "patch_embed_gemm"]
+__all__ = ["layer_norm", "layer_norm_triton", "add_layer_norm", "add_layer_norm_triton", "patch_embed", "patch_embed_gemm"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -68,19 +68,73 @@ if triton is not None:
         tl.store(Y + row[:, None].to(tl.int64) * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _add_layer_norm_fwd(X, D, S, W, B, Y, rows, n, stride_x, stride_d, stride_s, stride_y, eps,
+                            BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        col = tl.arange(0, BLOCK_N)
+        mask = (row[:, None] < rows) & (col[None, :] < n)
+        r64 = row[:, None].to(tl.int64)
+        x = tl.load(X + r64 * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(D + r64 * stride_d + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + d).to(S.dtype.element_ty, fp_downcast_rounding="rtne")  # the residual sum, rounded as torch.add rounds it
+        tl.store(S + r64 * stride_s + col[None, :], s, mask=mask)
+        s = s.to(tl.float32)
+        mean = tl.sum(s, axis=1) / n
+        sc = tl.where(mask, s - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(sc * sc, axis=1) / n + eps)
+        w = tl.load(W + col, mask=col < n, other=0.0).to(tl.float32)
+        b = tl.load(B + col, mask=col < n, other=0.0).to(tl.float32)
+        y = sc * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(Y + r64 * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
 def _fast(x: torch.Tensor) -> bool:
     return (active().dense_kernels and triton is not None and x.is_cuda and x.dtype in _HALF
             and not (torch.is_grad_enabled() and x.requires_grad))
 
 
+def _plain(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the Triton kernels compute ``norm(x)``: an affine ``nn.LayerNorm`` over the last
+    dimension of a half-precision CUDA tensor (rows of unit stride)."""
+    return (_fast(x) and type(norm).forward in _PLAIN_LAYER_NORMS and norm.elementwise_affine and norm.bias is not None
+            and len(norm.normalized_shape) == 1 and x.shape[-1] <= 8192 and x.stride(-1) == 1
+            and norm.weight.dtype == x.dtype)
+
+
 def layer_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)``; for an affine ``nn.LayerNorm`` over the last dimension of a half-precision CUDA
     tensor (rows of unit stride), the Triton kernel."""
-    if not (_fast(x) and type(norm).forward in _PLAIN_LAYER_NORMS and norm.elementwise_affine and norm.bias is not None
-            and len(norm.normalized_shape) == 1 and x.shape[-1] <= 8192 and x.stride(-1) == 1
-            and norm.weight.dtype == x.dtype):
+    if not _plain(norm, x):
         return norm(x)
     return layer_norm_triton(x, norm.weight, norm.bias, norm.eps)
+
+
+def add_layer_norm(x: torch.Tensor, branch: torch.Tensor, norm: nn.Module, out: torch.Tensor,
+                   normed: torch.Tensor) -> None:
+    """A residual sum and the next LayerNorm of it: ``out = x + branch``, ``normed = norm(out)``
+    (``[rows, d]`` each; ``out`` may be ``x``). Where :func:`layer_norm` runs the Triton kernel,
+    one kernel (the sum rounded to the dtype before it is normalised, as the two operations
+    round); else the two operations."""
+    if not (_plain(norm, x) and x.dim() == 2 and branch.shape == x.shape == out.shape == normed.shape
+            and branch.stride(-1) == out.stride(-1) == normed.stride(-1) == 1 and branch.dtype == x.dtype == out.dtype):
+        torch.add(x, branch, out=out)
+        normed.copy_(layer_norm(norm, out))
+        return
+    add_layer_norm_triton(x, branch, norm.weight, norm.bias, norm.eps, out, normed)
+
+
+def add_layer_norm_triton(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                          out: torch.Tensor, normed: torch.Tensor) -> None:
+    """:func:`add_layer_norm`'s kernel on ``[rows, d]`` tensors of unit column stride (any device
+    Triton runs on: the CPU tests use its interpreter)."""
+    rows, n = x.shape
+    if rows:
+        block_n = triton.next_power_of_2(n)
+        per, warps = _ln_config(block_n)
+        _add_layer_norm_fwd[(triton.cdiv(rows, per),)](x, branch, out, weight, bias, normed, rows, n, x.stride(0),
+                                                        branch.stride(0), out.stride(0), normed.stride(0), eps,
+                                                        BLOCK_N=block_n, ROWS=per, num_warps=warps)
 
 
 def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

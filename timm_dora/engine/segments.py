@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -58,15 +58,32 @@ __all__ = ["Segments"]
 # pool; the rows are independent, so chunks change only the GEMMs' row counts
 
 
-def _mlp_rows(blk: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _mlp_rows(blk: nn.Module, x: torch.Tensor, out: torch.Tensor, normed: Optional[torch.Tensor] = None,
+              next_norm: Optional[nn.Module] = None, norm_into: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`~timm_dora.engine.blocks.mlp_residual` of ``x`` into ``out`` in ``EngineOptions.mlp_chunks`` row
-    chunks (in place when ``x`` is ``out``: each chunk reads its own rows before writing them)."""
+    chunks (in place when ``x`` is ``out``: each chunk reads its own rows before writing them;
+    likewise ``normed`` and ``norm_into``, its other arguments)."""
     rows = x.shape[0]
     step = -(-rows // active().mlp_chunks)
     if step >= rows:
-        return mlp_residual(blk, x, out=out)
+        return mlp_residual(blk, x, out=out, normed=normed, next_norm=next_norm, norm_into=norm_into)
+    part = lambda t, i: None if t is None else t[i:i + step]  # noqa: E731
     for i in range(0, rows, step):
-        mlp_residual(blk, x[i:i + step], out=out[i:i + step])
+        mlp_residual(blk, x[i:i + step], out=out[i:i + step], normed=part(normed, i), next_norm=next_norm,
+                     norm_into=part(norm_into, i))
+    return out
+
+
+def _norms(r, l: int, rows: int, fuse: Tuple[bool, ...]) -> dict:
+    """A segment's LayerNorm arguments for the fused residual sums (the whole forward's graph):
+    ``fuse``: (``norm1`` read from ``r.normed``,) ``norm2`` kept there by the attention for the
+    MLP, ``norm1`` of block ``l + 1`` written there by the MLP."""
+    normed = r.normed[:rows] if any(fuse) else None
+    *read, mid, after = fuse
+    out = {"mid": normed if mid else None, "next_norm": r.model.blocks[l + 1].norm1 if after else None,
+           "after": normed if after else None}
+    if read:
+        out["read"] = normed if read[0] else None
     return out
 
 
@@ -180,6 +197,8 @@ class Segments:
         blk = model.blocks[l]
         spec, in_place = key[2], len(key) > 3 and key[3]
         to_host = key[4] if len(key) > 4 else "block"
+        # key[5] (optional, the whole forward's graph): which LayerNorms come with a residual sum (_norms)
+        norms = _norms(r, l, b * r.seq, key[5] if len(key) > 5 else (False, False, False))
         # where the gate is expected to open (no speculation) the keys are kept for the
         # controller: one copy instead of norm1 and qkv again
         keep = not spec and r.probing and r.k is not None and not in_place
@@ -218,9 +237,10 @@ class Segments:
 
         def attention_dense():
             attention_residual(blk, r.dense_inputs[l % 2], r.backend, out=r.attn_out(l), keys=False,
-                               on_keys=cls_keys if r.probing else None)
+                               on_keys=cls_keys if r.probing else None, normed=norms["read"], norm_into=norms["mid"])
             if spec:  # the MLP in the same graph, speculatively (the gate decides later)
-                _mlp_rows(blk, r.xa, out=r.x[(l + 1) % 2])
+                _mlp_rows(blk, r.xa, out=r.x[(l + 1) % 2], normed=norms["mid"], next_norm=norms["next_norm"],
+                          norm_into=norms["after"])
         return attention_dense
 
     def _mlp_segment(self, key: tuple) -> Callable[[], None]:
@@ -231,7 +251,9 @@ class Segments:
         blk = model.blocks[l]
         rows = key[2]
         src = r.attn_out(l)[:rows]  # in place (no actor) or from xa
-        return lambda: _mlp_rows(blk, src, out=r.x[(l + 1) % 2][:rows])
+        norms = _norms(r, l, rows, key[3] if len(key) > 3 else (False, False))  # (the whole forward's graph)
+        return lambda: _mlp_rows(blk, src, out=r.x[(l + 1) % 2][:rows], normed=norms["mid"],
+                                 next_norm=norms["next_norm"], norm_into=norms["after"])
 
     def _mlp_compacted_segment(self, key: tuple) -> Callable[[], None]:
         """The MLP residual of the survivors, gathered into x[l % 2] -> x[(l + 1) % 2]"""
@@ -240,7 +262,9 @@ class Segments:
         model = r.model
         blk = model.blocks[l]
         rows = key[2]
-        return lambda: _mlp_rows(blk, r.x[l % 2][:rows], out=r.x[(l + 1) % 2][:rows])
+        norms = _norms(r, l, rows, key[3] if len(key) > 3 else (False, False))  # (the whole forward's graph)
+        return lambda: _mlp_rows(blk, r.x[l % 2][:rows], out=r.x[(l + 1) % 2][:rows], next_norm=norms["next_norm"],
+                                 norm_into=norms["after"])
 
     def _controller_segment(self, key: tuple) -> Callable[[], None]:
         """The actor's controller for every image, masked by the gate, and the deletion it decides."""
@@ -353,6 +377,7 @@ class Segments:
         rows, spec, fresh = key[2], key[3], key[4]
         in_place = len(key) > 5 and key[5]
         gate_buffer = r.gate_out[l] if len(key) > 6 and key[6] else r.ctrl_in[2]
+        norms = _norms(r, l, rows, key[7] if len(key) > 7 else (False, False, False))  # key[7]: as the dense one's
         p = model.num_prefix_tokens
 
         def gate_ctx(keys: Optional[torch.Tensor] = None) -> BlockContext:
@@ -403,9 +428,10 @@ class Segments:
             if r.probing and fresh:
                 gate_history()
             attention_residual(blk, src, r.backend, out=r.attn_out(l)[:rows], attend=attend, keys=False,
-                               on_keys=keep_keys if r.copy_keys else None)
+                               on_keys=keep_keys if r.copy_keys else None, normed=norms["read"], norm_into=norms["mid"])
             if spec:  # the MLP in the same graph, speculatively (the gate decides later)
-                _mlp_rows(blk, r.xa[:rows], out=r.x[(l + 1) % 2][:rows])
+                _mlp_rows(blk, r.xa[:rows], out=r.x[(l + 1) % 2][:rows], normed=norms["mid"],
+                          next_norm=norms["next_norm"], norm_into=norms["after"])
         return attention_packed
 
     def _attend(self, l: int, rows: int) -> Callable:

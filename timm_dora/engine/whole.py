@@ -195,8 +195,19 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     # gate's history part only then (``fresh``), and only that closed block zeroes rho
     after = [l > 0 and controls[l - 1] for l in range(depth)]
     fresh = [l == n_dense or after[l] or (l > 1 and controls[l - 2]) for l in range(depth)]
-    attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None) if l < n_dense else
-                         ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True)) for l in range(depth)]
+    # residual sums with the LayerNorm that follows in one kernel (dense_kernels.add_layer_norm):
+    # each MLP's with the next block's norm1, and where no deletion comes between them the
+    # attention's with norm2; the normalised rows pass through a fixed buffer
+    if getattr(r, "normed", None) is None:
+        with torch.inference_mode(False):
+            r.normed = torch.empty_like(r.x[0])
+        r.buffer_bytes += r.normed.numel() * r.normed.element_size()
+    after_mlp = [l + 1 < depth for l in range(depth)]  # the MLP writes the next block's norm1
+    mid = [not controls[l] for l in range(depth)]  # the attention writes norm2 for its MLP
+    norms = [(l > 0 and after_mlp[l - 1], mid[l], after_mlp[l]) for l in range(depth)]
+    attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None, norms[l]) if l < n_dense else
+                               ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True, norms[l]))
+              for l in range(depth)]
     # the deletion keeps the books (the history, the record's rows, the rows left: deletion_kernel.Books);
     # planned, the first controller (dense) sets the history instead of updating it, so that
     # nothing resets it before, and a deletion past its bound clamps cu_seqlens (captured: the
@@ -208,7 +219,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                if controls[l] else None for l in range(depth)]
     # the MLP: of the deletion's output (x[l % 2]) or, with no controller, of the attention's (xa)
     mlp = [None if l < n_dense and not controls[l] else
-           r.segments.build(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1])) for l in range(depth)]
+           r.segments.build(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1], norms[l][1:])) for l in range(depth)]
     read = r.segments.build(("readout_packed",))
     dense, rec = r.dense_inputs[0], r.record
     n_visual, rho, interventions = r.history_in
