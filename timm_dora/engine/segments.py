@@ -144,8 +144,12 @@ class Segments:
         model = r.model
 
         def readout_packed():
-            rows = r.cu[:-1].long()[:, None] + r.prefix  # (a buffer: a graph keeps no tensor alive)
-            r.logits["packed"] = model.forward_head(final_norm(model, r.x[r.depth % 2][rows]))
+            x = r.x[r.depth % 2]
+            if len(r.prefix) == 1:  # the CLS rows at the sequences' starts (int32: no conversion)
+                prefix = x.index_select(0, r.cu[:-1]).unsqueeze(1)
+            else:
+                prefix = x[r.cu[:-1].long()[:, None] + r.prefix]  # (a buffer: a graph keeps no tensor alive)
+            r.logits["packed"] = model.forward_head(final_norm(model, prefix))
         return readout_packed
 
     def _attention_controller_segment(self, key: tuple) -> Callable[[], None]:
@@ -199,6 +203,15 @@ class Segments:
         to_host = key[4] if len(key) > 4 else "block"
         # key[5] (optional, the whole forward's graph): which LayerNorms come with a residual sum (_norms)
         norms = _norms(r, l, b * r.seq, key[5] if len(key) > 5 else (False, False, False))
+        # key[6] (optional, the whole forward's graph): captured with the Triton backend, the rows
+        # attend as packed rows of equal lengths, through the varlen kernel (at batches 1-16
+        # faster than cuDNN's attention and the memset before it); the keys come [B*S, H, hd]
+        varlen = len(key) > 6 and key[6] and r.capture and r.backend == "triton"
+        rows_in, attend = r.dense_inputs[l % 2], None
+        if varlen:
+            rows_in = SimpleNamespace(x=rows_in.x, total=b * r.seq, uniform=False)
+            layout = SimpleNamespace(uniform=False, cu_seqlens=r.dense_inputs[0].cu_seqlens, max_len=r.seq, sizes=None)
+            attend = lambda q, k, v: varlen_attention(q, k, v, layout, r.scale[l], r.backend)  # noqa: E731
         # where the gate is expected to open (no speculation) the keys are kept for the
         # controller: one copy instead of norm1 and qkv again
         keep = not spec and r.probing and r.k is not None and not in_place
@@ -222,21 +235,24 @@ class Segments:
             # the keys are not kept; gate and history are read from the fixed outputs
             r.steps[l] = replace(step, ctx=None, keys=None, gate=r.gate_out[l], h=r.h_out)
 
-        def cls_keys(k: torch.Tensor) -> None:  # [B, H, S, hd] -> the CLS keys [B, H, hd] (a view)
+        def cls_keys(k: torch.Tensor) -> None:  # [B, H, S, hd] (or [B*S, H, hd]) -> the CLS keys [B, H, hd] (a view)
             if keep and not r.triton_gate:  # as [B*S, d] rows (heads concatenated), the layout
                 # attention_keys gives
-                r.k.view(b, r.seq, k.shape[1], k.shape[3]).copy_(k.transpose(1, 2))
-            cls = k[:, :, 0]
+                if varlen:
+                    r.k[:b * r.seq].copy_(k.reshape(b * r.seq, -1))
+                else:
+                    r.k.view(b, r.seq, k.shape[1], k.shape[3]).copy_(k.transpose(1, 2))
+            cls = k.view(b, r.seq, *k.shape[1:])[:, 0] if varlen else k[:, :, 0]  # (the same strides)
             if not r.triton_gate:  # the modules' gate takes [B, d] (a copy)
                 cls = cls.reshape(b, -1)
             gate_dense(cls)
             if keep and r.triton_gate:  # the gate ran just above: the open images' keys only
                 copy_open_keys(k, r.dense_inputs[0].cu_seqlens, r.seq, r.gate_out[l], r.k)
             if in_place:  # [B*S, d] rows (a view of timm's qkv output: row stride 3d)
-                r.keys_in_place = k.permute(0, 2, 1, 3).reshape(b * r.seq, -1)
+                r.keys_in_place = (k if varlen else k.permute(0, 2, 1, 3)).reshape(b * r.seq, -1)
 
         def attention_dense():
-            attention_residual(blk, r.dense_inputs[l % 2], r.backend, out=r.attn_out(l), keys=False,
+            attention_residual(blk, rows_in, r.backend, out=r.attn_out(l), keys=False, attend=attend,
                                on_keys=cls_keys if r.probing else None, normed=norms["read"], norm_into=norms["mid"])
             if spec:  # the MLP in the same graph, speculatively (the gate decides later)
                 _mlp_rows(blk, r.xa, out=r.x[(l + 1) % 2], normed=norms["mid"], next_norm=norms["next_norm"],

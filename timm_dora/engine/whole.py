@@ -187,8 +187,9 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     depth, total, p = r.depth, r.batch * r.seq, r.model.num_prefix_tokens
     checked = plan is not None
     rows, controls = plan if checked else ((total,) * (depth + 1), (True,) * depth)
-    # planned, the blocks up to the first controller run dense (cuDNN's attention on equal lengths,
-    # the MLP in the attention's graph where no controller follows); the rest packed
+    # planned, the blocks up to the first controller run dense (equal lengths, the MLP in the
+    # attention's graph where no controller follows; captured, the varlen kernel attends, faster
+    # here than cuDNN's attention); the rest packed
     n_dense = (controls.index(True) + 1 if True in controls else depth) if checked else 0
     # the history (N_l, rho_l, E_<l) a gate reads changes after a controller (all three) and after
     # the closed block that follows one (rho back to 0), nowhere else: a packed block computes the
@@ -205,7 +206,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     after_mlp = [l + 1 < depth for l in range(depth)]  # the MLP writes the next block's norm1
     mid = [not controls[l] for l in range(depth)]  # the attention writes norm2 for its MLP
     norms = [(l > 0 and after_mlp[l - 1], mid[l], after_mlp[l]) for l in range(depth)]
-    attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None, norms[l]) if l < n_dense else
+    attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None, norms[l], True) if l < n_dense else
                                ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True, norms[l]))
               for l in range(depth)]
     # the deletion keeps the books (the history, the record's rows, the rows left: deletion_kernel.Books);

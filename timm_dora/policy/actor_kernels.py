@@ -48,7 +48,8 @@ import torch
 from .actor_flops import actor_gate_macs, controller_macs_terms
 from ..engine.varlen_kernel import TILE, triton, varlen_attention_triton
 
-__all__ = ["fused_gate", "fused_gate_context", "fused_controller", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH", "ROW_LAUNCH"]
+__all__ = ["fused_gate", "fused_gate_context", "fused_controller", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH",
+           "ROW_LAUNCH"]
 
 if triton is not None:
     import triton.language as tl
@@ -64,6 +65,8 @@ TILE_ROWS = {"embed": (64, 8), "out_ffn": (128, 8), "scores": (128, 8)}
 # gate: 16 images per program, the key width in blocks of 256 (64 below that width), no software
 # pipelining: DeiT-B's d=768 17.5 -> 6.0 us, ViT-Ti's 192 3.6 -> 3.2 us at batch 320 (H100; the
 # fastest of 72 configurations; the sweep is in git history)
+# (at batches 1-16, one program: these are still the fastest of 18 configurations, 3.0 us at d=192
+# and 5.7-5.9 us at d=768 on an H200; benchmarks/results/gate_launch_h200.json)
 GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
 # few rows (the planned whole graph at batches 1-16: 197 to 3,152 rows): a row kernel's grid of
 # 128-row tiles is 2 to 25 programs, each a long serial chain on one SM (DeiT-B's width-128 actor:
