@@ -72,10 +72,11 @@ class EngineOptions:
     # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
     margin_sd: float = 4.0
     # a plan that has held for this many forwards in a row is settled: a forward it misses runs
-    # eagerly and the plan grows (a new graph: a capture, up to a second or more) only if another
-    # miss comes within as many forwards, so that a rare gate or length costs one eager forward
-    # instead of a capture (0: every miss grows the plan)
-    settle_after: int = 256
+    # eagerly and the plan grows (a new graph: a capture, about a second) only if another miss
+    # comes within as many forwards, so that a rare gate or length costs one eager forward instead
+    # of a capture (0: every miss grows the plan). 256 left a DeiT-Ti miss 200-odd requests after
+    # the last growth to a capture (benchmarks/results/serving_latency_h100.json's history)
+    settle_after: int = 64
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "mlp_chunks"):
