@@ -171,47 +171,6 @@ def test_a_plan_that_does_not_hold_runs_again_eagerly_and_grows(whole_calls, mon
     assert runner.plan_misses == 2 and len(whole_calls) == 3
 
 
-def test_a_settled_plan_grows_only_at_a_second_miss(whole_calls, engine_options):
-    """After ``settle_after`` held forwards in a row a plan is settled: a lone miss runs eagerly
-    (the right result) and keeps the plan and its graph; a second miss within ``settle_after``
-    forwards grows it to cover both; a miss followed by ``settle_after`` held forwards is forgotten."""
-    from timm_dora.engine.options import EngineOptions
-    with pytest.raises(ValueError, match="settle_after must be 0 or more"):
-        EngineOptions(settle_after=-1)
-    name, kw = SMALL_FAMILIES["deit"]
-    model = make_model(name, **kw)
-    actor = kind_actor(model, "forced")
-    x = images(model, 4, seed=1)
-    ref = _forwards(model, [x], actor=actor, cuda_graphs=False)
-    opened = tuple(bool(g) for g in ref[0][1].gate.any(0))
-    engine_options(planned=True, settle_after=2)
-    timm_dora.wrap(model, actor=actor, cuda_graphs=True)
-    try:
-        with torch.inference_mode():
-            model(x)  # (the plan made)
-            runner = next(iter(model._dora.graphs.values()))
-            good = runner.plan
-            tight = whole.Plan(good.rows, (False,) * 12)  # the gate opens outside it
-            for _ in range(2):
-                model(x)
-            runner.plan = tight  # settled: a lone miss keeps the plan
-            _assert_same([(model(x), model.dora_stats)], ref)
-            assert runner.plan is tight and runner.plan_misses == 1 and runner.plan_pending.controls == opened
-            _assert_same([(model(x), model.dora_stats)], ref)  # a second miss at once: the plan grows
-            assert runner.plan.controls == opened and runner.plan_misses == 2 and runner.plan_pending is None
-            for _ in range(2):
-                model(x)
-            runner.plan = tight
-            model(x)  # a lone miss again ...
-            assert runner.plan is tight and runner.plan_pending is not None
-            runner.plan = good
-            for _ in range(2):  # ... then settle_after held forwards: forgotten
-                model(x)
-            assert runner.plan is good and runner.plan_pending is None and runner.plan_misses == 3
-    finally:
-        timm_dora.unwrap(model)
-
-
 def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatch, engine_options):
     engine_options(margin_sd=1.0)
     # two images of 10 rows; block 1 removes 2 and 4: 14 rows left, lengths 8 and 6 (sd 1): the

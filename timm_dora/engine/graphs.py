@@ -250,9 +250,6 @@ class GraphRunner:
         skips = getattr(policy, "prunes_nothing_at", None)
         self.skips: Optional[Callable[[int], bool]] = None if self.probing else skips
         self.plan, self.plan_misses = None, 0  # the planned whole forward's (engine.whole)
-        # since the plan last grew: the forwards it held in a row, and a settled plan's misses that
-        # did not grow it (the plan they would have grown to: merged in at the next growth)
-        self.plan_held, self.plan_pending = 0, None
         self.buffer_bytes = torch.cuda.memory_allocated(dev) - allocated if self.capture else 0
 
     def release(self) -> None:

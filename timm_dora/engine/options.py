@@ -71,12 +71,6 @@ class EngineOptions:
     # a plan's bound on the rows entering a block: the rows seen there plus this many standard
     # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
     margin_sd: float = 4.0
-    # a plan that has held for this many forwards in a row is settled: a forward it misses runs
-    # eagerly and the plan grows (a new graph: a capture, about a second) only if another miss
-    # comes within as many forwards, so that a rare gate or length costs one eager forward instead
-    # of a capture (0: every miss grows the plan). 256 left a DeiT-Ti miss 200-odd requests after
-    # the last growth to a capture (benchmarks/results/serving_latency_h100.json's history)
-    settle_after: int = 64
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "mlp_chunks"):
@@ -84,8 +78,8 @@ class EngineOptions:
                 raise ValueError(f"EngineOptions.{name} must be at least 1, got {getattr(self, name)}")
         if self.rows_bucket is not None and self.rows_bucket < 1:
             raise ValueError(f"EngineOptions.rows_bucket must be at least 1 or None, got {self.rows_bucket}")
-        if self.whole_max_batch < 0 or self.planned_max_batch < 0 or not self.margin_sd >= 0 or self.settle_after < 0:
-            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch, margin_sd and settle_after must be 0 or more")
+        if self.whole_max_batch < 0 or self.planned_max_batch < 0 or not self.margin_sd >= 0:
+            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch and margin_sd must be 0 or more")
 
 
 _ACTIVE: "contextvars.ContextVar[EngineOptions]" = contextvars.ContextVar("timm_dora_engine_options",

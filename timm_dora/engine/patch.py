@@ -492,29 +492,18 @@ def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed
 
 def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) -> Tuple[torch.Tensor, DoraStats]:
     """The forward as one planned graph (:mod:`~timm_dora.engine.whole`) where the runner has a plan
-    and it holds; else eagerly, and the plan made or grown from that forward's decisions (a settled
-    plan, ``EngineOptions.settle_after``, grows only at its second miss within as many forwards)."""
-    settled = False
+    and it holds; else eagerly, and the plan made or grown from that forward's decisions."""
     if runner.plan is not None:
         out = _whole(model, runner, x, keep, runner.plan)
         if out is not None:
-            runner.plan_held += 1
-            if runner.plan_pending is not None and runner.plan_held >= active().settle_after:
-                runner.plan_pending = None  # (that miss stayed alone: forgotten)
             return out
         runner.plan_misses += 1
-        settled = runner.plan_held >= active().settle_after > 0 and runner.plan_pending is None
     decisions: list = []
     out = _forward(model, x, runner.policy, None, keep=keep, decisions=decisions)
     gates, removed = decisions
     opened = torch.stack(gates, 1).any(0).tolist()
-    grown = plan_from(opened, torch.stack(removed, 1).tolist(), runner.seq, rows_bucket(x.shape[0] * runner.seq),
-                      old=runner.plan_pending or runner.plan)
-    runner.plan_held = 0
-    if settled:  # a rare miss: the plan stays (no capture); it grows to cover it at the next miss
-        runner.plan_pending = grown
-    else:
-        runner.plan, runner.plan_pending = grown, None
+    runner.plan = plan_from(opened, torch.stack(removed, 1).tolist(), runner.seq, rows_bucket(x.shape[0] * runner.seq),
+                            old=runner.plan)
     return out
 
 
