@@ -39,7 +39,7 @@ class EngineOptions:
     fused_interventions: bool = True
     # the captured controller graph's deletion (survivors' index, the gathers of rows and ids, the
     # new lengths and cu_seqlens) in engine.deletion_kernel's two Triton kernels instead of about 13
-    # PyTorch ones (CUDA, not with merge, up to 8192 rows: one program holds them all): 35 graph
+    # PyTorch ones (CUDA, merge included, up to 8192 rows: one program holds them all): 35 graph
     # nodes fewer and 2-8 % faster requests at batches 1-16 on an H200; False: the PyTorch ops
     fused_deletion: bool = True
     # with the actor, the dense blocks up to the first whose gate opened in the last forward run
