@@ -33,9 +33,17 @@ print(json.dumps(out))
 """
 
 
-def test_interpreted_layer_norm_matches_torch():
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    """Both kernels' cases in one interpreter subprocess (its start costs more than the cases)."""
     pytest.importorskip("triton")
-    res = run_interpreted(INTERPRETED, timeout=300)
+    script = INTERPRETED.replace("print(json.dumps(out))", "plain = out") + INTERPRETED_ADD.replace(
+        "print(json.dumps(out))", 'print(json.dumps({"plain": plain, "add": out}))')
+    return run_interpreted(script, timeout=300)
+
+
+def test_interpreted_layer_norm_matches_torch(interpreted):
+    res = interpreted["plain"]
     assert set(res) == {"37x192", "5x768", "3x100"}
     for diffs in res.values():
         assert max(diffs) < 1e-5, res
@@ -67,11 +75,10 @@ print(json.dumps(out))
 """
 
 
-def test_interpreted_add_layer_norm_is_the_sum_then_the_norm():
+def test_interpreted_add_layer_norm_is_the_sum_then_the_norm(interpreted):
     """The fused residual sum and LayerNorm: the sum exactly torch.add's (rounded to the dtype),
     the norm of that rounded sum within a rounding of F.layer_norm's, in place too."""
-    pytest.importorskip("triton")
-    res = run_interpreted(INTERPRETED_ADD, timeout=300)
+    res = interpreted["add"]
     assert set(res) == {"37x192", "5x768", "3x100"}
     for name, (sum_equal, diff, scale, inplace_equal) in res.items():
         assert sum_equal and inplace_equal, name
