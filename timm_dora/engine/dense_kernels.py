@@ -53,20 +53,25 @@ _PLAIN_LAYER_NORMS = _plain_layer_norms()
 if triton is not None:
 
     @triton.jit
+    def _normalized(x, mask, col, W, B, n, eps):
+        """LayerNorm of fp32 rows ``x`` (``[ROWS, BLOCK_N]``, ``mask`` the real entries): the
+        arithmetic both kernels share."""
+        mean = tl.sum(x, axis=1) / n
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n + eps)
+        w = tl.load(W + col, mask=col < n, other=0.0).to(tl.float32)
+        b = tl.load(B + col, mask=col < n, other=0.0).to(tl.float32)
+        return xc * rstd[:, None] * w[None, :] + b[None, :]
+
+    @triton.jit
     def _layer_norm_fwd(X, W, B, Y, rows, n, stride_x, stride_y, eps,
                         BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         col = tl.arange(0, BLOCK_N)
         mask = (row[:, None] < rows) & (col[None, :] < n)
         x = tl.load(X + row[:, None].to(tl.int64) * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / n
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n + eps)
-        w = tl.load(W + col, mask=col < n, other=0.0).to(tl.float32)
-        b = tl.load(B + col, mask=col < n, other=0.0).to(tl.float32)
-        y = xc * rstd[:, None] * w[None, :] + b[None, :]
+        y = _normalized(x, mask, col, W, B, n, eps)
         tl.store(Y + row[:, None].to(tl.int64) * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
 
     @triton.jit
     def _add_layer_norm_fwd(X, D, S, W, B, Y, rows, n, stride_x, stride_d, stride_s, stride_y, eps,
@@ -79,13 +84,7 @@ if triton is not None:
         d = tl.load(D + r64 * stride_d + col[None, :], mask=mask, other=0.0).to(tl.float32)
         s = (x + d).to(S.dtype.element_ty, fp_downcast_rounding="rtne")  # the residual sum, rounded as torch.add rounds it
         tl.store(S + r64 * stride_s + col[None, :], s, mask=mask)
-        s = s.to(tl.float32)
-        mean = tl.sum(s, axis=1) / n
-        sc = tl.where(mask, s - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(sc * sc, axis=1) / n + eps)
-        w = tl.load(W + col, mask=col < n, other=0.0).to(tl.float32)
-        b = tl.load(B + col, mask=col < n, other=0.0).to(tl.float32)
-        y = sc * rstd[:, None] * w[None, :] + b[None, :]
+        y = _normalized(s.to(tl.float32), mask, col, W, B, n, eps)
         tl.store(Y + r64 * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
