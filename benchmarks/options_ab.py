@@ -6,13 +6,14 @@ profiler by family.
     VARIANTS='{"default": {}, "off": {"fused_deletion": false}}' CONFIGS=deit_base_forced BATCHES=1,8,16 \\
         python -m benchmarks.options_ab   # reads .carry/{vit,deit}_tiny.bf16.safetensors, .carry/data/labels_test.csv
 """
-import argparse, json, os, statistics, time
+import argparse, json, os
 import torch
 from torch.profiler import profile, ProfilerActivity
 import timm_dora
 from timm_dora.engine.options import EngineOptions
 from timm_dora.evaluate import inference_device, loader_for
 from benchmarks.common import published, deit_forced
+from benchmarks.serving_latency import stream, summary
 
 out = os.environ.get("OUT", "/tmp")
 variants = json.loads(os.environ.get("VARIANTS", '{"default": {}, "fused_deletion": {"fused_deletion": true}}'))
@@ -35,15 +36,6 @@ def family(n):
         if any(p in n for p in pats):
             return f
     return "elementwise_math" if "elementwise" in n else "other:" + n[:40]
-
-def stream(fn, pool, b, first, count):
-    n = pool.shape[0] - pool.shape[0] % b
-    ts = []
-    with torch.inference_mode():
-        for i in range(first, first + count):
-            x = pool[(i * b) % n:][:b]
-            t = time.perf_counter(); fn(x).float().cpu(); ts.append(1e3 * (time.perf_counter() - t))
-    return ts
 
 def kernels(fn, pool, b):
     with torch.inference_mode():
@@ -85,9 +77,7 @@ for config in configs:
                 row[v]["plan_misses"] = sum(s["plan_misses"] for s in info["batch_shapes"])
                 timm_dora.unwrap(model)
         for k, ts in times.items():
-            s = sorted(ts)
-            row[k].update(p50_ms=round(statistics.median(s), 4), p99_ms=round(s[int(0.99 * (len(s) - 1))], 4),
-                          images_per_s=round(1e3 * b * len(s) / sum(s), 1))
+            row[k].update(summary(ts, b))
         for v in variants:
             row[v]["vs_native_ro"] = round(row[v]["images_per_s"] / row["native_ro"]["images_per_s"], 3)
         res[f"{config}/{b}"] = row
