@@ -55,15 +55,19 @@ class Backend:
     folds_in_graphs: bool  # merging captured with it (its kernel reads the sizes; the fold in a graph)
     actor_kernels: bool  # the actor's Triton kernels run beside it (Hopper, fp16/bf16)
     auto: bool  # "auto" may pick it (else training-only, refused by timm_dora.wrap)
+    # the whole forward's graph (1-16 images) runs its dense blocks through it too, as packed rows of
+    # equal lengths: measured faster there than cuDNN's attention and its memset (3.2-6.6 against
+    # 5.5-13.6 us on an H200, torch-profiler traces of one request; docs/performance.md)
+    small_dense: bool
 
 
 # in "auto" order; triton only where measured faster than FlashAttention-2 (compute capability >= 9)
 BACKEND_INFO: Dict[str, Backend] = {
-    "triton": Backend("the triton package, CUDA and fp16/bf16", True, True, True, True, True, True),
-    "flash": Backend("flash-attn installed, CUDA and fp16/bf16", True, True, False, False, False, True),
-    "torch_varlen": Backend("torch>=2.10, CUDA and fp16/bf16", True, True, False, False, False, True),
-    "sdpa_loop": Backend("nothing: it runs anywhere", False, False, True, False, False, True),
-    "padded": Backend("nothing: it runs anywhere", False, False, True, False, False, False),
+    "triton": Backend("the triton package, CUDA and fp16/bf16", True, True, True, True, True, True, True),
+    "flash": Backend("flash-attn installed, CUDA and fp16/bf16", True, True, False, False, False, True, False),
+    "torch_varlen": Backend("torch>=2.10, CUDA and fp16/bf16", True, True, False, False, False, True, False),
+    "sdpa_loop": Backend("nothing: it runs anywhere", False, False, True, False, False, True, False),
+    "padded": Backend("nothing: it runs anywhere", False, False, True, False, False, False, False),
 }
 BACKENDS = tuple(name for name, b in BACKEND_INFO.items() if b.auto)  # inference backends, in "auto" order
 TRAINING_BACKENDS = tuple(BACKEND_INFO)

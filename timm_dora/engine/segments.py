@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
 from .options import active
-from .attention import varlen_attention
+from .attention import BACKEND_INFO, varlen_attention
 from .deletion_kernel import Books, delete_rows_fused, delete_rows_reference, fused_deletion_reason
 from .packing import fold_removed
 from .protocol import BlockContext
@@ -203,10 +203,10 @@ class Segments:
         to_host = key[4] if len(key) > 4 else "block"
         # key[5] (optional, the whole forward's graph): which LayerNorms come with a residual sum (_norms)
         norms = _norms(r, l, b * r.seq, key[5] if len(key) > 5 else (False, False, False))
-        # key[6] (optional, the whole forward's graph): captured with the Triton backend, the rows
-        # attend as packed rows of equal lengths, through the varlen kernel (at batches 1-16
-        # faster than cuDNN's attention and the memset before it); the keys come [B*S, H, hd]
-        varlen = len(key) > 6 and key[6] and r.capture and r.backend == "triton"
+        # key[6] (optional, the whole forward's graph): captured, with a backend whose varlen
+        # kernel is the faster there (BACKEND_INFO's small_dense), the rows attend as packed rows
+        # of equal lengths; the keys come [B*S, H, hd]
+        varlen = len(key) > 6 and key[6] and r.capture and BACKEND_INFO[r.backend].small_dense
         rows_in, attend = r.dense_inputs[l % 2], None
         if varlen:
             rows_in = SimpleNamespace(x=rows_in.x, total=b * r.seq, uniform=False)
