@@ -21,7 +21,13 @@ import json
 import torch
 import torch.nn.functional as F
 from timm_dora import Actor
-from timm_dora.policy import ActorPolicy
+from timm_dora.policy import ActorPolicy, actor_kernels
+
+# the tuned tiles even for these few rows: in the interpreter tl.dot is numpy's matmul, whose BLAS
+# rounds two equal rows differently by their place in a tile, which can break the exact ties the
+# registers case builds (with 16-row tiles it does); the small tiles are compared with these
+# (vit_ti's "tiled") and, on CUDA, with the modules (test_cuda_fused_controller_matches_modules...)
+actor_kernels.SMALL_GRID = 1
 
 def perturbed(actor, seed):
     g = torch.Generator().manual_seed(seed)
