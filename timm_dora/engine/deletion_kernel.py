@@ -55,8 +55,9 @@ class Books(NamedTuple):
       long (``E``, plus the block's ``gate`` ``[B]`` bool); ``first``: 0, or ``N_0`` where this is
       the forward's first deletion (``N_l = N_0`` and ``E = 0``: the three buffers are only
       written, so nothing needs resetting before the forward);
-    - the block's record: ``gate``, the rows removed and the actor's ``flops`` ``[B]`` float64
-      into ``rec_gate``, ``rec_removed`` (``[B]`` long) and ``rec_flops`` (``[B]`` float64); the
+    - the block's record (its gates: the graph copies every block's at once): the rows removed
+      and the actor's ``flops`` ``[B]`` float64 into ``rec_removed`` (``[B]`` long) and
+      ``rec_flops`` (``[B]`` float64); the
       rows' ids and removal flags before the deletion into the first rows of ``rec_ids`` (long)
       and ``rec_remove`` (bool); the rows left (the sum of the new lengths) into ``left`` ``[1]``
       long;
@@ -69,7 +70,6 @@ class Books(NamedTuple):
     rho: torch.Tensor
     interventions: torch.Tensor
     first: int
-    rec_gate: torch.Tensor
     rec_removed: torch.Tensor
     rec_flops: torch.Tensor
     rec_ids: torch.Tensor
@@ -82,7 +82,7 @@ if triton is not None:
 
     @triton.jit
     def _compact(REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch, SIZES,
-                 GATE, FLOPS, NVIS, RHO, INTERV, REC_GATE, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE,
+                 GATE, FLOPS, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE,
                  LEFT, bound, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, HAS_SIZES: tl.constexpr,
                  BOOKS: tl.constexpr, FIRST: tl.constexpr):
         offs = tl.arange(0, BLOCK_T)
@@ -133,7 +133,6 @@ if triton is not None:
             tl.store(NVIS + seq, n_visual - removed, mask=live)
             tl.store(RHO + seq, rho, mask=live)
             tl.store(INTERV + seq, interventions, mask=live)
-            tl.store(REC_GATE + seq, gate, mask=live)
             tl.store(REC_REMOVED + seq, removed, mask=live)
             tl.store(REC_FLOPS + seq, flops, mask=live)
             tl.store(REC_IDS + offs, ids, mask=inside)
@@ -180,7 +179,7 @@ def _check_books(books: Books, rows: int, b: int) -> None:
     k = books
     vectors = {"gate": (k.gate, torch.bool), "flops": (k.flops, torch.float64), "n_visual": (k.n_visual, torch.long),
                "rho": (k.rho, torch.float32), "interventions": (k.interventions, torch.long),
-               "rec_gate": (k.rec_gate, torch.long), "rec_removed": (k.rec_removed, torch.long),
+               "rec_removed": (k.rec_removed, torch.long),
                "rec_flops": (k.rec_flops, torch.float64)}
     for name, (t, dtype) in vectors.items():
         if t.shape != (b,) or t.dtype != dtype or not t.is_contiguous():
@@ -230,7 +229,6 @@ def keep_books_reference(books: Books, remove: torch.Tensor, removed: torch.Tens
     ``remove`` flags ``[rows]``, ``removed`` ``[B]`` and new ``cu_out`` ``[B + 1]`` (clamped here
     where the rows left exceed ``books.bound``): what the whole graph ran before the kernel."""
     b = books
-    b.rec_gate.copy_(b.gate)
     b.rec_removed.copy_(removed)
     b.rec_flops.copy_(b.flops)
     b.rec_remove[:remove.shape[0]].copy_(remove)
@@ -270,10 +268,10 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
         _check_books(books, rows, b)
     index = torch.empty(rows, dtype=torch.int32, device=x.device)
     block_t = triton.next_power_of_2(rows)
-    k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 6), 0)  # (unused pointers)
+    k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 5), 0)  # (unused pointers)
     _compact[(1,)](remove, ids, ids_out, index, cu, removed, lengths_out, cu_out, rows, b,
                    sizes if sizes is not None else remove, k.gate, k.flops, k.n_visual, k.rho, k.interventions,
-                   k.rec_gate, k.rec_removed, k.rec_flops, k.rec_ids, k.rec_remove, k.left, k.bound,
+                   k.rec_removed, k.rec_flops, k.rec_ids, k.rec_remove, k.left, k.bound,
                    BLOCK_T=block_t, BLOCK_B=triton.next_power_of_2(max(b, 1)), HAS_SIZES=sizes is not None,
                    BOOKS=books is not None, FIRST=k.first, num_warps=8 if block_t > 1024 else 4)
     block_r = 16

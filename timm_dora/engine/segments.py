@@ -353,8 +353,8 @@ class Segments:
             if books is not None:
                 first, bound, _ = books
                 rec, (n_visual, rho, interventions) = r.record, r.history_in
-                kept_books = Books(gate, r.ctrl_out[2], n_visual, rho, interventions, first, rec.counts[0, l],
-                                   rec.counts[1, l], rec.flops[l], rec.ids[l], rec.remove[l], rec.left[l:l + 1], bound)
+                kept_books = Books(gate, r.ctrl_out[2], n_visual, rho, interventions, first, rec.counts[1, l],
+                                   rec.flops[l], rec.ids[l], rec.remove[l], rec.left[l:l + 1], bound)
             (delete_rows_fused if fused else delete_rows_reference)(
                 r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], before, removed, r.lengths, r.cu,
                 r.sizes[:rows] if r.merge else None, kept_books)

@@ -121,13 +121,16 @@ class _Record:
                        "counts": ((2, depth, batch), torch.long),  # gate, removed
                        "ids": ((depth, rows), torch.long),  # the rows' ids, before
                        "remove": ((depth, rows), torch.bool)}  # the removed rows
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in self.shapes.values()]
+        # where each part starts in the buffer (8-byte aligned), and the buffer's size last
+        self.offsets = [0]
+        for shape, dtype in self.shapes.values():
+            self.offsets.append(self.offsets[-1] + -(-math.prod(shape) * dtype.itemsize // 8) * 8)
         # a planned forward's check, what the host reads: the rows left and the gates (counts[0]),
         # side by side in the buffer
-        self.depth, at = depth, self._offset("left")
+        self.depth, at = depth, self.offsets[list(self.shapes).index("left")]
         self.check = slice(at, at + (depth + depth * batch) * 8)
         with torch.inference_mode(False):
-            self.flat = torch.zeros(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8, device=device)
+            self.flat = torch.zeros(self.offsets[-1], dtype=torch.uint8, device=device)
             # (the typed views too: under inference_mode they would be inference tensors, which a
             # later capture under no_grad could not write)
             self.counts, self.flops, self.ids, self.remove, self.left = (
@@ -136,23 +139,10 @@ class _Record:
         self.closed: dict = {}  # plan -> its closed blocks (an index on the device)
         self.checked = torch.cuda.Event(external=True) if device.type == "cuda" else None
 
-    def _offset(self, name: str) -> int:
-        """Where part ``name`` starts in the buffer (each part 8-byte aligned)."""
-        at = 0
-        for key, (shape, dtype) in self.shapes.items():
-            if key == name:
-                return at
-            at += -(-math.prod(shape) * dtype.itemsize // 8) * 8
-        raise KeyError(name)
-
     def views(self, flat: torch.Tensor) -> dict:
-        """The typed views of a byte buffer laid out as :attr:`flat` (each part 8-byte aligned)."""
-        out, at = {}, 0
-        for name, (shape, dtype) in self.shapes.items():
-            n = math.prod(shape) * dtype.itemsize
-            out[name] = flat[at:at + n].view(dtype).view(shape)
-            at += -(-n // 8) * 8
-        return out
+        """The typed views of a byte buffer laid out as :attr:`flat`."""
+        return {name: flat[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for (name, (shape, dtype)), at in zip(self.shapes.items(), self.offsets)}
 
     def copy(self) -> SimpleNamespace:
         """This forward's record (the buffer is rewritten by the next replay): one copy."""
