@@ -380,10 +380,10 @@ def _timed_run(args, name: str, cmd: List[str], env: Dict[str, str], run_dir: Pa
         hung = True  # kept if every update ran: the measurement is in metrics.jsonl
         print(name, "timed out;", str(e.stderr or b"")[-1500:])
     m = _metrics(run_dir)
-    if len(m) < args.updates:
-        raise SystemExit(f"{name}: {len(m)} of {args.updates} updates in {args.timeout} s")
+    ppo = json.loads((run_dir / "config.json").read_text())["ppo"]  # (--batch-scale N: updates / N)
+    if len(m) < ppo["updates"]:
+        raise SystemExit(f"{name}: {len(m)} of {ppo['updates']} updates in {args.timeout} s")
     steady = m[args.skip:]
-    ppo = json.loads((run_dir / "config.json").read_text())["ppo"]
     rec = {"command": " ".join(shlex.quote(c) for c in cmd), "wall_s": round(time.time() - start, 1),
            "images_per_update": ppo["rollout_images"],
            "minibatches": {k: ppo[f"{k}_minibatch"] for k in ("gate", "controller", "critic")},

@@ -75,6 +75,39 @@ def test_cli_trains_logs_checkpoints_and_resumes_exactly(data, tmp_path, one_thr
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_batch_scale_trains_the_larger_batch_and_resumes(data, tmp_path, one_thread):
+    """``--batch-scale 2`` (each of 2 GPUs the paper's batch) is the run with twice the rollout images
+    and minibatches and half the updates, feedback checks and checkpoints, given by hand: the same
+    config.json (but the flag), metrics and actor, also when stopped at its first checkpoint and
+    resumed with the same flags. (The scaled settings once reached the config but not the rollout's
+    local batch: half of each batch was rolled out, and every per-image metric read half.)"""
+    sized = {"--updates", "--rollout-images", "--checkpoint-every", "--feedback-cadence", "--gate-minibatch",
+             "--controller-minibatch", "--critic-minibatch"}
+    base = [a for i, a in enumerate(ARGS) if a not in sized and ARGS[i - 1] not in sized]
+    assert len(base) == len(ARGS) - 14
+    scaled = base + ["--updates", "4", "--rollout-images", "3", "--checkpoint-every", "2", "--feedback-cadence", "2",
+                     "--gate-minibatch", "8", "--controller-minibatch", "2", "--critic-minibatch", "8", "--batch-scale", "2"]
+    by_hand = base + ["--updates", "2", "--rollout-images", "6", "--checkpoint-every", "1", "--feedback-cadence", "1",
+                      "--gate-minibatch", "16", "--controller-minibatch", "4", "--critic-minibatch", "16"]
+    runs = {}
+    for name, args in (("scaled", scaled), ("by_hand", by_hand)):
+        runs[name] = tmp_path / name
+        assert main(args + ["--data", str(data), "--out", str(runs[name])]) == 0
+    cfg = {k: json.loads((runs[k] / "config.json").read_text()) for k in runs}
+    assert cfg["scaled"].pop("batch_scale") == 2 and cfg["by_hand"].pop("batch_scale") == 1
+    assert {k: v for k, v in cfg["scaled"].items() if k != "out"} == {k: v for k, v in cfg["by_hand"].items() if k != "out"}
+    m = _without_timings(read_metrics(runs["by_hand"]))
+    assert _without_timings(read_metrics(runs["scaled"])) == m and [r["update"] for r in m] == [1, 2]
+    assert all("d_u" in r for r in m)  # a check at every update, as every 2 at the paper's batch
+    a, b = _actor(runs["scaled"], "u00002"), _actor(runs["by_hand"], "u00002")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    part = tmp_path / "part"
+    assert main(scaled + ["--data", str(data), "--out", str(part), "--max-minutes", "1e-9"]) == 0  # stops after u=1
+    assert [r["update"] for r in read_metrics(part)] == [1]
+    assert main(scaled + ["--data", str(data), "--out", str(part), "--resume"]) == 0
+    assert _without_timings(read_metrics(part)) == m
+
+
 def test_cli_runs_are_bitwise_reproducible_across_processes(data, tmp_path):
     """Two fresh processes, two CPU threads each (torch's CPU index_put accumulates with atomics on
     several threads unless the run selects deterministic algorithms, as the CLI does on the CPU)."""
@@ -451,6 +484,8 @@ def test_cli_errors_are_one_line(data, tmp_path, capsys):
     assert rc == 1 and err.count("\n") == 1 and err.startswith("timm-dora-train: error: ") and "missing.csv" in err
     rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "run2"), "--cutmix-prob", "2"])
     assert rc == 1 and capsys.readouterr().err == "timm-dora-train: error: --cutmix-prob must be in [0, 1], got 2.0\n"
+    rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "run3"), "--batch-scale", "0"])
+    assert rc == 1 and capsys.readouterr().err == "timm-dora-train: error: --batch-scale must be at least 1, got 0\n"
 
 
 @pytest.mark.parametrize("model,size,summary", [

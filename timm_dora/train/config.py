@@ -92,6 +92,7 @@ class TrainConfig:
     overlap: bool = True  # ours: with cuda_graphs, an update's critic steps run on a second stream beside the next update's rollout (the same steps in the same order)
     compile: Optional[bool] = None  # ours: torch.compile (Inductor) the critic's token branch; None: on CUDA only
     critic_bf16: Optional[bool] = None  # ours: the critic's token branch under bf16 autocast (fp32 weights, Adam, heads, losses); None: on CUDA only
+    batch_scale: int = 1  # ours, for N GPUs: N x the rollout images and minibatches per update (each process the paper's batch), 1/N of the updates, feedback checks and checkpoints (rounded up); 1: the paper's update (split over the processes)
     ppo: PPOConfig = field(default_factory=PPOConfig)
 
     @property
@@ -116,7 +117,30 @@ class TrainConfig:
         if name == "auto":
             name = "small-pool" if rollout_images <= SMALL_POOL_MAX_IMAGES else "paper"
         fill = {k: v for k, v in RECIPES[name].items() if getattr(self, k) is None}
-        return dataclasses.replace(self, recipe=name, actor_width=self.actor_width or actor_width, **fill)
+        return dataclasses.replace(self, recipe=name, actor_width=self.actor_width or actor_width, **fill).scaled()
+
+    def scaled(self) -> "TrainConfig":
+        """This configuration with :attr:`batch_scale` ``K`` applied: ``K`` x the rollout images and
+        the three minibatches (the same optimiser steps per update, on ``K`` x the transitions), and
+        the updates, the feedback cadence and the checkpoint cadence divided by ``K``, rounded up
+        (settings still ``None`` stay so). The run reads the same images as ``K = 1`` and checks them
+        at the same image counts: on ``K`` GPUs every process does one GPU's update. That is a
+        larger-batch PPO, not the paper's update (``benchmarks/batch_scale.py`` measures what it
+        learns). ``K = 1`` returns the configuration unchanged."""
+        k = self.batch_scale
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise ValueError(f"--batch-scale must be an integer, got {k!r}")
+        if k < 1:  # (as _check_numbers says it)
+            raise ValueError(f"--batch-scale must be at least 1, got {k}")
+        if k == 1:
+            return self
+        p = self.ppo
+        updates = -(-p.updates // k)
+        ppo = dataclasses.replace(p, rollout_images=k * p.rollout_images, updates=updates,
+                                  total_images=k * p.rollout_images * updates, gate_minibatch=k * p.gate_minibatch,
+                                  controller_minibatch=k * p.controller_minibatch, critic_minibatch=k * p.critic_minibatch)
+        every = None if self.checkpoint_every is None else -(-self.checkpoint_every // k)
+        return dataclasses.replace(self, ppo=ppo, feedback_cadence=-(-self.feedback_cadence // k), checkpoint_every=every)
 
     def check(self) -> "TrainConfig":
         """This configuration, after a ``ValueError`` naming the flag of any setting out of range
@@ -183,7 +207,7 @@ def _check_numbers(cfg: "TrainConfig") -> None:
 def check_resume(cfg: "TrainConfig", saved: Dict) -> None:
     """``--resume``: a ``ValueError`` naming every setting given now that differs from the run's
     ``config.json`` (settings left to the recipe are not compared; :data:`RESUMABLE` may change)."""
-    now = dataclasses.asdict(cfg)
+    now = dataclasses.asdict(cfg.scaled())  # (config.json holds the scaled settings)
     pairs = [(k, v, saved.get(k)) for k, v in now.items() if k != "ppo"]
     pairs += [(k, v, saved.get("ppo", {}).get(k)) for k, v in now["ppo"].items()]
     differ = [f"--{k.replace('_', '-')} {v!r} (the run: {old!r})" for k, v, old in pairs
@@ -204,7 +228,7 @@ GROUPS = {
     "feedback (App. C)": ("feedback_cadence", "qc_shards", "qc_with_rollout", "qc_with_dev", "feedback_ema",
                           "feedback_signal", "target_disagreement"),
     "selection": ("selection", "checkpoint_every"),
-    "speed": ("shadow_chunk", "eval_batch", "cuda_graphs", "overlap", "compile", "critic_bf16"),
+    "speed": ("batch_scale", "shadow_chunk", "eval_batch", "cuda_graphs", "overlap", "compile", "critic_bf16"),
     "output": ("out", "resume", "max_minutes", "tensorboard", "progress"),
 }
 # settings --resume may change (how long, how fast, what is shown; not what is trained)

@@ -89,9 +89,6 @@ class Trainer:
         self.critic_comm = self.comm.subgroup()
         self.dev = torch.device(cfg.device)
         self.clock = PhaseClock(self.dev, sync=sync_phases)  # per-phase times of each update
-        if cfg.ppo.rollout_images % self.comm.world:
-            raise ValueError(f"--rollout-images {cfg.ppo.rollout_images} must be divisible by the number of processes {self.comm.world}")
-        self.local_batch = cfg.ppo.rollout_images // self.comm.world
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.ppo.seed)  # (a backbone without weights: its random initialisation)
@@ -108,6 +105,10 @@ class Trainer:
         cfg.augment = P.augment_level(cfg.augment)
         self.images = TrainingImages(cfg, model)
         self.cfg = cfg = cfg.resolved(len(self.images.pool), actor_width(cfg.actor_width, cfg.init_actor, model)).check()
+        # (after resolved(): --batch-scale multiplies the rollout images)
+        if cfg.ppo.rollout_images % self.comm.world:
+            raise ValueError(f"--rollout-images {cfg.ppo.rollout_images} must be divisible by the number of processes {self.comm.world}")
+        self.local_batch = cfg.ppo.rollout_images // self.comm.world
         self.images.check(model.num_classes)
         self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
         self.model = wrap(model.to(self.dev, self.dtype), policy=NoPrune(), readout=cfg.readout, skip_dead=cfg.skip_dead,

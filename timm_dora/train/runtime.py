@@ -176,6 +176,7 @@ def cpu_estimate(cfg) -> str:
     holds); ``""`` otherwise. Sized from the backbone's GFLOPs, built without memory."""
     if torch.device(cfg.device).type != "cpu" or cfg.max_minutes:
         return ""
+    cfg = cfg.scaled()
     import timm
 
     from ..engine import native_gflops
