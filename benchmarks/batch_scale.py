@@ -82,20 +82,23 @@ def launch(args) -> None:
             print(name, "finished" if _done(run) else "running")
             continue
         run.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "timm_dora.train", "--model", args.model, "--weights", args.weights,
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.gpus)] if args.gpus > 1 else []
+        cmd = [sys.executable, *launcher, "-m", "timm_dora.train", "--model", args.model, "--weights", args.weights,
                "--data", args.data, "--out", str(run), "--seed", str(seed), "--no-progress", *flags,
                *shlex.split(args.extra)]
         if (run / "state.pt").exists():
             cmd.append("--resume")
         # the shell marks a clean exit, so a run killed half-way is told from a finished one
         shell = " ".join(shlex.quote(c) for c in cmd) + f" && touch {shlex.quote(str(run / 'finished'))}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+        # (NVLink multicast off, as the device tool's KINDS.md asks)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1", NCCL_NVLS_ENABLE="0",
+                   TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         with open(run / "log", "a") as log:
             proc = subprocess.Popen(["bash", "-c", shell], stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         (run / "pid").write_text(str(proc.pid))
         (run / "command").write_text(" ".join(shlex.quote(c) for c in cmd))
-        print(name, "started:", " ".join(cmd[3:]))
+        print(name, "started:", " ".join(cmd[1:]))
 
 
 def wait(args) -> None:
@@ -117,7 +120,7 @@ def wait(args) -> None:
                 if not _done(root / name) and not _alive(root / name) and log.exists():
                     print(name, "log tail:\n", log.read_text()[-2000:])
             return
-        time.sleep(args.every)
+        time.sleep(max(1.0, min(args.every, 60 * args.minutes - (time.time() - t0))))  # (never past --minutes)
 
 
 def stop(args) -> None:
@@ -160,6 +163,7 @@ def pool(args) -> None:
     paired labelled drop."""
     import torch
 
+    from timm_dora import unwrap
     from timm_dora.evaluate import build_method, environment, evaluate, load_model, loader_for
 
     dev = torch.device(args.device)
@@ -173,6 +177,7 @@ def pool(args) -> None:
             rows = evaluate(model, [build_method(model, "dora", actor=str(Path(args.root) / run / "checkpoints" / name))], b)
             res[split] = {k: rows[-1][k] for k in ("images", "paired_drop", "paired_drop_se", "agreement", "gflops")}
             res[split]["native_gflops"] = rows[0]["gflops"]
+        unwrap(model)  # (build_method wrapped it with this checkpoint's actor)
         out["checkpoints"][ck] = res
         print(ck, {s: (round(v["paired_drop"], 2), round(v["agreement"], 2), round(v["gflops"], 3)) for s, v in res.items()},
               flush=True)
@@ -230,6 +235,7 @@ def main() -> None:
             p.add_argument("--data", required=True, help="labels CSV of the pool (rollout, qc, dev splits)")
         if name == "launch":
             p.add_argument("--extra", default="", help="more flags for every run")
+            p.add_argument("--gpus", type=int, default=1, help="processes (GPUs) per run, under torchrun when above 1")
         if name == "wait":
             p.add_argument("--minutes", type=float, default=9.0)
             p.add_argument("--every", type=float, default=60.0)

@@ -26,8 +26,9 @@ the update's ``time`` in ``metrics.jsonl``), ``s_per_update`` (median), ``data_w
 GPUs of the host, on one set: median seconds per update (after ``--skip`` updates of compiling and
 capturing) and ``scaling``, rollout images per second relative to one GPU. Each ``--variants``
 entry is one data-parallel run (``name:flags``): for example the paper's update of 256 images
-split over the GPUs (no flags), and each GPU keeping the one-GPU batch (``--rollout-images``
-and the minibatches times the GPUs: the update sees that many more images).
+split over the GPUs (no flags), and each GPU keeping the one-GPU batch (``--batch-scale N``: the
+rollout images and the minibatches times the GPUs, the updates divided by them; the update sees
+that many more images).
 
 ``profile`` (CUDA): where an update's time goes that more GPUs do not shorten: the rollout
 (``collect``, host-bound) against the plain forward of the same images, its kernel launches and
