@@ -76,7 +76,7 @@ def launch(args) -> None:
     root.mkdir(parents=True, exist_ok=True)
     if torch.cuda.is_available():
         (root / "env.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__}))
-    for name, flags, seed in _runs(args):
+    for i, (name, flags, seed) in enumerate(_runs(args)):
         run = root / name
         if _done(run) or _alive(run):
             print(name, "finished" if _done(run) else "running")
@@ -93,6 +93,8 @@ def launch(args) -> None:
         # (NVLink multicast off, as the device tool's KINDS.md asks)
         env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1", NCCL_NVLS_ENABLE="0",
                    TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        if args.devices:  # one-process runs spread over the host's GPUs, in turn
+            env["CUDA_VISIBLE_DEVICES"] = args.devices[i % len(args.devices)]
         with open(run / "log", "a") as log:
             proc = subprocess.Popen(["bash", "-c", shell], stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -191,18 +193,18 @@ def _window(rows: List[list], keys: List[str], key: str, images: int, lo: float,
 
 
 def compare(args) -> None:
-    """Per arm (runs grouped by their ``batch_scale``), the mean and spread over seeds of the rollouts'
+    """Per arm (the runs ``ARM_sSEED`` grouped by ``ARM``), the mean and spread over seeds of the rollouts'
     compression and GFLOPs and of the feedback's pool-wide disagreement, in windows of rollout
     images seen (the arms compared at equal images, not equal updates)."""
     runs = {}
     for f in args.curves:
         runs.update(json.loads(Path(f).read_text())["runs"])
-    arms: Dict[int, List[dict]] = {}
-    for r in runs.values():
-        arms.setdefault(r["batch_scale"], []).append(r)
+    arms: Dict[str, List[dict]] = {}
+    for name, r in runs.items():  # (runs are named ARM_sSEED)
+        arms.setdefault(name.rsplit("_s", 1)[0], []).append(r)
     edges = [args.window * i for i in range(int(args.images // args.window) + 1)]
     out = {"command": command_line("batch_scale", sys.argv[1:]), "window_images": args.window, "arms": {}}
-    for k, rs in sorted(arms.items()):
+    for arm, rs in arms.items():
         table = []
         for lo, hi in zip(edges, edges[1:]):
             row = {"images": [lo, hi]}
@@ -212,7 +214,8 @@ def compare(args) -> None:
                 row[key] = {"mean": statistics.fmean(vals) if vals else None,
                             "sd": statistics.stdev(vals) if len(vals) > 1 else None, "runs": len(vals)}
             table.append(row)
-        out["arms"][f"batch_scale_{k}"] = {"runs": len(rs), "seeds": sorted(r["seed"] for r in rs), "windows": table}
+        out["arms"][arm] = {"runs": len(rs), "batch_scale": sorted({r["batch_scale"] for r in rs}),
+                            "seeds": sorted(r["seed"] for r in rs), "windows": table}
     Path(args.out).write_text(json.dumps(out, indent=1))
     for name, a in out["arms"].items():
         print(name, [(w["images"][1] // 1000, round(w["compression"]["mean"] or 0, 3), round(w["qc_disagreement"]["mean"] or 0, 3))
@@ -236,6 +239,7 @@ def main() -> None:
         if name == "launch":
             p.add_argument("--extra", default="", help="more flags for every run")
             p.add_argument("--gpus", type=int, default=1, help="processes (GPUs) per run, under torchrun when above 1")
+            p.add_argument("--devices", nargs="+", default=None, help="GPUs the runs take in turn (CUDA_VISIBLE_DEVICES)")
         if name == "wait":
             p.add_argument("--minutes", type=float, default=9.0)
             p.add_argument("--every", type=float, default=60.0)

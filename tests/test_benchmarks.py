@@ -669,3 +669,35 @@ def test_serving_latency_targets_by_hand():
     assert out["vit_tiny_published"]["8"]["over_reduce_overhead"] == {"ratio": 0.9, "target": 0.9, "met": True}
     assert out["vit_tiny_published"]["8"]["p99_over_p50"]["met"]  # exactly 1.5
     assert out["vit_tiny_published"]["16"]["over_reduce_overhead"] == {"ratio": 0.95, "target": 1.0, "met": False}
+
+
+def test_batch_scale_compares_arms_at_equal_images_by_hand(tmp_path, monkeypatch):
+    """``batch_scale compare``: runs ``ARM_sSEED`` grouped by arm, each window the mean of a run's
+    updates whose rollout images seen fall inside it, then mean and sd over the arm's runs. Two
+    runs of 100-image updates against one of 200: at equal images, not equal updates."""
+    from benchmarks import batch_scale
+
+    keys = ["update", *batch_scale.CURVE_KEYS]
+
+    def run(images, scale, values):  # compression per update; qc_disagreement logged at even updates only
+        rows = [[u, c, *([None] * (len(keys) - 2))] for u, c in enumerate(values, 1)]
+        for r in rows:
+            r[keys.index("qc_disagreement")] = 0.1 * r[0] if r[0] % 2 == 0 else None
+        return {"seed": 0, "batch_scale": scale, "rollout_images": images, "keys": keys, "rows": rows}
+
+    curves = tmp_path / "curves.json"
+    curves.write_text(json.dumps({"runs": {"paper_s0": run(100, 1, [1, 2, 3, 4]), "paper_s1": run(100, 1, [3, 4, 5, 6]),
+                                           "scaled_s0": run(200, 2, [10, 20])}}))
+    out = tmp_path / "compare.json"
+    monkeypatch.setattr(sys, "argv", ["batch_scale", "compare", "--curves", str(curves), "--window", "200", "--images", "400",
+                                      "--out", str(out)])
+    batch_scale.main()
+    arms = json.loads(out.read_text())["arms"]
+    paper, scaled = arms["paper"]["windows"], arms["scaled"]["windows"]
+    assert [w["images"] for w in paper] == [[0, 200], [200, 400]]
+    # paper_s0: updates 1-2 (100, 200 images) -> 1.5, updates 3-4 -> 3.5; paper_s1: 3.5, 5.5
+    assert paper[0]["compression"] == {"mean": 2.5, "sd": pytest.approx(math.sqrt(2)), "runs": 2}
+    assert paper[1]["compression"]["mean"] == 4.5
+    assert paper[0]["qc_disagreement"]["mean"] == pytest.approx(0.2)  # only update 2 logged it
+    assert scaled[0]["compression"] == {"mean": 10, "sd": None, "runs": 1} and scaled[1]["compression"]["mean"] == 20
+    assert arms["scaled"]["batch_scale"] == [2] and arms["paper"]["runs"] == 2
