@@ -18,7 +18,8 @@ one request at a time) and, for the DORA rows, ``plan_misses`` and ``captures`` 
 graph's misses and the graphs captured during the timed requests, from
 :func:`timm_dora.engine_info`: a steady state pays neither). ``--kernels`` adds, from 10 more
 requests under the profiler, ``kernels_per_request``, ``kernel_ms_per_request`` and
-``cudaGraphLaunch_ms`` (a graph's launch costs host time per node). The result file is rewritten after
+``cudaGraphLaunch_ms`` (a graph's launch costs host time per node); ``--sequence`` one more request's
+kernels in order, each with its time, and per family (``sequence``). The result file is rewritten after
 each batch size; ``--resume`` skips what it already holds.
 
     python -m benchmarks.serving_latency --vit-weights W --deit-weights W2 --data labels.csv \\
@@ -81,6 +82,39 @@ def kernel_profile(fn: Callable, pool: torch.Tensor, batch: int, first: int, cou
             "cudaGraphLaunch_ms": round(launch / count / 1e3, 4)}
 
 
+FAMILIES = (("gemm", ("gemm", "nvjet", "cutlass", "sm90_", "cublas")), ("attention", ("varlen", "_attn", "flash", "fmha", "sdpa")),
+            ("norm", ("layer_norm", "layernorm", "_normalized")), ("copy", ("memcpy", "memset", "copy_", "fill")))
+
+
+def family(kernel: str) -> str:
+    """A kernel's family by its name: ``gemm``, ``attention``, ``norm``, ``copy``, else ``triton``
+    (Triton kernels: Inductor's or this package's) or ``other``."""
+    low = kernel.lower()
+    for name, marks in FAMILIES:
+        if any(m in low for m in marks):
+            return name
+    return "triton" if low.startswith(("triton", "_")) else "other"
+
+
+def kernel_sequence(fn: Callable, pool: torch.Tensor, batch: int, first: int) -> Dict[str, Any]:
+    """The device kernels of one request in the order they ran, each ``[name, microseconds]``
+    (names cut to 120 characters), and per family (:func:`family`) their count and time: where a
+    request's kernels go."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        stream(fn, pool, batch, first, 1)
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    seq = [[e.name[:120], round(e.time_range.elapsed_us(), 2)] for e in kernels]
+    families: Dict[str, List[float]] = {}
+    for name, us in seq:
+        f = families.setdefault(family(name), [0, 0.0])
+        f[0] += 1
+        f[1] = round(f[1] + us, 2)
+    return {"kernels": seq, "families": families}
+
+
 def graph_counts(model) -> Dict[str, int]:
     info = timm_dora.engine_info(model)
     return {"plan_misses": sum(s["plan_misses"] for s in info["batch_shapes"]), "graphs": info["graphs"]}
@@ -98,6 +132,8 @@ def measure(name: str, model, actor, pool: torch.Tensor, batch: int, args) -> Di
         stream(fn, pool, batch, 0, w)
         row = summary(stream(fn, pool, batch, w, n), batch)
         row.update(kernel_profile(fn, pool, batch, w + n) if args.kernels else {})
+        if args.sequence:
+            row["sequence"] = kernel_sequence(fn, pool, batch, w + n + 10)
         return row
     timm_dora.wrap(model, actor)
     try:
@@ -113,6 +149,8 @@ def measure(name: str, model, actor, pool: torch.Tensor, batch: int, args) -> Di
         row["captures"] = after["graphs"] - before["graphs"]
         row["executor"] = timm_dora.engine_info(model)["executor"]
         row.update(kernel_profile(fn, pool, batch, w + n) if args.kernels else {})
+        if args.sequence:
+            row["sequence"] = kernel_sequence(fn, pool, batch, w + n + 10)
         return row
     finally:
         timm_dora.unwrap(model)
@@ -152,6 +190,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pool-images", type=int, default=640, help="images the requests cycle through")
     ap.add_argument("--kernels", action="store_true",
                     help="also profile 10 more requests: device kernels and their time per request")
+    ap.add_argument("--sequence", action="store_true",
+                    help="also record one more request's kernels in order, with their times and families")
     ap.add_argument("--resume", action="store_true", help="keep the rows --out already holds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

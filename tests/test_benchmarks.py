@@ -701,3 +701,16 @@ def test_batch_scale_compares_arms_at_equal_images_by_hand(tmp_path, monkeypatch
     assert paper[0]["qc_disagreement"]["mean"] == pytest.approx(0.2)  # only update 2 logged it
     assert scaled[0]["compression"] == {"mean": 10, "sd": None, "runs": 1} and scaled[1]["compression"]["mean"] == 20
     assert arms["scaled"]["batch_scale"] == [2] and arms["paper"]["runs"] == 2
+
+
+def test_serving_latency_kernel_families_by_hand():
+    from benchmarks.serving_latency import family
+
+    assert family("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "gemm"
+    assert family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert family("_varlen_fwd") == "attention"
+    assert family("triton_per_fused_native_layer_norm_0") == "norm"
+    assert family("_add_layer_norm_fwd") == "norm"
+    assert family("Memset (Device)") == "copy"
+    assert family("triton_poi_fused_add_mul_0") == "triton" and family("_compact") == "triton"
+    assert family("void at::native::vectorized_elementwise_kernel<4>") == "other"
