@@ -1,6 +1,7 @@
 """Merging's fold in Triton (``timm_dora.engine.fold_kernel``), against the PyTorch ops of
 ``packing.fold_removed``: in Triton's interpreter on the CPU (float32: the same targets, values
-within rounding, sizes exact, padding rows never read, in place or not), and compiled on CUDA,
+within rounding, sizes exact, padding rows never read, in place or not, with a kept scratch left
+zeros), and compiled on CUDA,
 also replayed from a CUDA graph."""
 import pytest
 import torch
@@ -39,11 +40,21 @@ for name, heads, hd, lengths, pad, p in (("one_tile", 3, 16, [5, 1, 33, 64], 7, 
     got_x, got_s = fold_rows(x, keys, remove, sizes, cu, max(lengths), p, heads)
     inplace = x.clone()
     fold_rows(inplace, keys, remove, sizes, cu, max(lengths), p, heads, out=inplace)
+    # a kept scratch (longer than the rows) serves fold after fold, left zeros; sizes in place
+    scratch = (torch.zeros(x.shape[0] + 3, x.shape[1]), torch.zeros(x.shape[0] + 3))
+    kept = []
+    for _ in range(2):
+        xs, s_in = x.clone(), sizes.clone()
+        fold_rows(xs, keys, remove, s_in, cu, max(lengths), p, heads, out=xs, sizes_out=s_in, scratch=scratch)
+        kept.append((xs, s_in))
     out[name] = {"max_abs_diff": float((got_x[:t] - ref_x[:t]).abs().max()),
                  "inplace_max_abs_diff": float((inplace[:t] - ref_x[:t]).abs().max()),
                  "sizes_equal": torch.equal(got_s[:t], ref_s[:t]), "padding_sizes_kept": torch.equal(got_s[t:], sizes[t:]),
                  "padding_untouched": bool(torch.isnan(inplace[t:]).all()), "folded": int(remove.sum()),
-                 "received": int((ref_s[:t] > sizes[:t]).sum())}
+                 "received": int((ref_s[:t] > sizes[:t]).sum()),
+                 "scratch_max_abs_diff": max(float((xs[:t] - ref_x[:t]).abs().max()) for xs, _ in kept),
+                 "scratch_sizes_equal": all(torch.equal(s_in, torch.cat([ref_s[:t], sizes[t:]])) for _, s_in in kept),
+                 "scratch_zeros": not scratch[0].any().item() and not scratch[1].any().item()}
 print(json.dumps(out))
 """
 
@@ -55,6 +66,7 @@ def test_interpreted_fold_equals_the_pytorch_ops():
         assert case["folded"] > 10 and case["received"] > 5
         assert case["max_abs_diff"] < 1e-5 and case["inplace_max_abs_diff"] < 1e-5
         assert case["sizes_equal"] and case["padding_sizes_kept"] and case["padding_untouched"]
+        assert case["scratch_max_abs_diff"] < 1e-5 and case["scratch_sizes_equal"] and case["scratch_zeros"]
 
 
 def test_fold_kernel_says_what_it_cannot_fold():

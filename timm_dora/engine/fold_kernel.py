@@ -14,7 +14,10 @@ the published merging actor's forward. Here:
   accumulator and its size to the target's received mass;
 - :func:`_finish`: for every row that received something, ``(x * size + received) / (size +
   mass)`` into ``out``, the new sizes for all rows (rows that received nothing keep their values:
-  what the float32 round trip of the ops gives after rounding to half precision).
+  what the float32 round trip of the ops gives after rounding to half precision); then the
+  accumulator and the mass back to zeros where the scatter wrote, so that a caller's ``scratch``
+  serves the next fold without a memset (the sizes may be updated in place: each row's size is read
+  and written by one program, after the scatter read the removed rows').
 
 No shape or launch depends on the values (the grid is fixed by the rows, the batch and
 ``max_len``), so the kernels are captured in the controller's graph like the rest; rows past
@@ -121,6 +124,9 @@ if triton is not None:
                 tl.store(OUT + r[:, None] * so_t + c[None, :], y, mask=real[:, None] & inside)
             else:  # in place: only the rows that change
                 tl.store(OUT + r[:, None] * so_t + c[None, :], y, mask=got[:, None] & inside)
+            # the accumulator back to zeros where the scatter wrote (only rows that received)
+            tl.store(ACC + r[:, None] * D + c[None, :], tl.zeros_like(acc), mask=got[:, None] & inside)
+        tl.store(MASS + r, tl.zeros_like(extra), mask=got)
 
 
 def fold_kernel_reason(x: torch.Tensor, keys: torch.Tensor, num_heads: int) -> Optional[str]:
@@ -138,9 +144,12 @@ def fold_kernel_reason(x: torch.Tensor, keys: torch.Tensor, num_heads: int) -> O
 
 def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: torch.Tensor,
               cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int,
-              out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              out: Optional[torch.Tensor] = None, sizes_out: Optional[torch.Tensor] = None,
+              scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`~timm_dora.engine.packing.fold_removed` in the three kernels of this module (the same
-    arguments and results; ``out`` may be ``x``). Raises ``ValueError`` where
+    arguments and results; ``out`` may be ``x``, ``sizes_out`` may be ``sizes``). ``scratch``: a
+    float32 accumulator ``[>= T, d]`` and mass ``[>= T]``, contiguous and all zeros, left all zeros
+    (a graph keeps them; without, they are allocated zeroed). Raises ``ValueError`` where
     :func:`fold_kernel_reason` says why not."""
     why = fold_kernel_reason(x, keys, num_heads)
     if why is not None:
@@ -151,9 +160,15 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
     remove = remove.contiguous()
     sizes = sizes.contiguous()
     target = torch.empty(t, dtype=torch.int64, device=x.device)
-    acc = torch.zeros(t, d, dtype=torch.float32, device=x.device)
-    mass = torch.zeros(t, dtype=torch.float32, device=x.device)
-    new_sizes = sizes.clone()  # (rows past the real ones keep theirs)
+    if scratch is None:
+        acc = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+        mass = torch.zeros(t, dtype=torch.float32, device=x.device)
+    else:
+        acc, mass = scratch[0][:t], scratch[1][:t]
+        if acc.shape != (t, d) or not acc.is_contiguous() or mass.shape != (t,):
+            raise ValueError(f"fold_rows: scratch must hold [{t}, {d}] and [{t}] rows, got "
+                             f"{tuple(scratch[0].shape)} and {tuple(scratch[1].shape)}")
+    new_sizes = sizes.clone() if sizes_out is None else sizes_out  # (rows past the real ones keep theirs)
     copy = out is None or out.data_ptr() != x.data_ptr()
     out = torch.empty_like(x) if out is None else out
     block_m, block_n, warps = MATCH_TILE

@@ -286,6 +286,9 @@ class GraphRunner:
         self.cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # cu_seqlens of the packed phase
         # (merge) the patches each packed row stands for: ones until the first fold (start())
         self.sizes = torch.ones(b * s, dtype=torch.float32, device=dev) if self.merge else None
+        # (merge, CUDA) the fold kernels' accumulator and mass: zeros, left zeros by every fold
+        self.fold_scratch = ((torch.zeros((b * s, d), dtype=torch.float32, device=dev),
+                              torch.zeros(b * s, dtype=torch.float32, device=dev)) if self.merge and dev.type == "cuda" else None)
         self.prefix = torch.arange(p, device=dev)  # a sequence's prefix rows from its start
         self.dense_inputs = [dense.with_x(t) for t in self.x]  # block l's dense input: [l % 2]
         self.gate_host = torch.zeros((self.depth, b), dtype=torch.bool, pin_memory=self.capture)

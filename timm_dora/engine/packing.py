@@ -295,7 +295,8 @@ def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_
 
 def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: torch.Tensor,
                  cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int,
-                 out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 out: Optional[torch.Tensor] = None, sizes_out: Optional[torch.Tensor] = None,
+                 scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_removed` in fixed shapes, with no host read (a CUDA graph can hold it): the rows
     ``x`` ``[T, d]`` with each row in ``remove`` folded into its best match (into ``out`` when
     given, which may be ``x``), and the new sizes ``[T]`` float32. ``keys`` ``[T, d]`` (any row
@@ -303,14 +304,17 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     ``cu_seqlens[-1]`` are padding: never folded nor folded into, whatever they hold), ``max_len``
     at least the longest image. Every image's similarities are one ``[S, S]`` product (``S =
     max_len``) over its padded metric rows, the non-survivors' columns at ``-inf``; the sums in
-    float32. On CUDA (``EngineOptions.fold_kernel``) the same in the Triton kernels of
+    float32. ``sizes_out``: where the new sizes go (may be ``sizes``). On CUDA
+    (``EngineOptions.fold_kernel``) the same in the Triton kernels of
     :mod:`~timm_dora.engine.fold_kernel`, where they take the head dim and no gradient is carried
-    (the kernels are forward-only)."""
+    (the kernels are forward-only); ``scratch`` is their zeroed accumulator and mass, kept by a
+    graph (unused by the ops)."""
     if x.is_cuda and active().fold_kernel and not (torch.is_grad_enabled() and (x.requires_grad or keys.requires_grad)):
         from .fold_kernel import fold_kernel_reason, fold_rows
 
         if fold_kernel_reason(x, keys, num_heads) is None:
-            return fold_rows(x, keys, remove, sizes, cu_seqlens, max_len, num_prefix, num_heads, out=out)
+            return fold_rows(x, keys, remove, sizes, cu_seqlens, max_len, num_prefix, num_heads, out=out,
+                             sizes_out=sizes_out, scratch=scratch)
     t, dev = x.shape[0], x.device
     b = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.long()
@@ -332,4 +336,4 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     acc = torch.mul(x, sizes[:, None])  # float32
     acc.index_add_(0, target, torch.where(fold[:, None], acc, 0.0))  # (padding may hold anything)
     folded = acc / mass[:, None]
-    return (folded.to(x.dtype) if out is None else out.copy_(folded)), mass
+    return (folded.to(x.dtype) if out is None else out.copy_(folded)), (mass if sizes_out is None else sizes_out.copy_(mass))

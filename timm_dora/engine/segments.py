@@ -341,9 +341,8 @@ class Segments:
             remove = r.ctrl_out[0][:rows]
             if r.merge:  # the removed rows folded into their survivors first (in place, in xa)
                 n = keys.shape[0]
-                _, mass = fold_removed(r.xa[:n], keys, remove[:n], r.sizes[:n], cu, r.seq, p,
-                                       blk.attn.num_heads, out=r.xa[:n])
-                r.sizes[:n].copy_(mass)
+                fold_removed(r.xa[:n], keys, remove[:n], r.sizes[:n], cu, r.seq, p, blk.attn.num_heads,
+                             out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch)
             # the deletion in the same graph (the rows padded past the last sequence are never
             # removed: they follow the survivors), the new layout (ids and cu compacted in place),
             # and the new lengths to the host, the only value it waits for before the survivors' MLP
