@@ -195,7 +195,8 @@ def _window(rows: List[list], keys: List[str], key: str, images: int, lo: float,
 def compare(args) -> None:
     """Per arm (the runs ``ARM_sSEED`` grouped by ``ARM``), the mean and spread over seeds of the rollouts'
     compression and GFLOPs and of the feedback's pool-wide disagreement, in windows of rollout
-    images seen (the arms compared at equal images, not equal updates)."""
+    images seen (``--by images``: the arms at equal data) or of updates (``--by updates``: at equal
+    policy updates, each clipped by PPO)."""
     runs = {}
     for f in args.curves:
         runs.update(json.loads(Path(f).read_text())["runs"])
@@ -203,13 +204,14 @@ def compare(args) -> None:
     for name, r in runs.items():  # (runs are named ARM_sSEED)
         arms.setdefault(name.rsplit("_s", 1)[0], []).append(r)
     edges = [args.window * i for i in range(int(args.images // args.window) + 1)]
-    out = {"command": command_line("batch_scale", sys.argv[1:]), "window_images": args.window, "arms": {}}
+    out = {"command": command_line("batch_scale", sys.argv[1:]), "by": args.by, "window": args.window, "arms": {}}
     for arm, rs in arms.items():
         table = []
         for lo, hi in zip(edges, edges[1:]):
-            row = {"images": [lo, hi]}
+            row = {args.by: [lo, hi]}
             for key in ("compression", "gflops", "qc_disagreement", "a_u"):
-                vals = [_window(r["rows"], r["keys"], key, r["rollout_images"], lo, hi) for r in rs]
+                vals = [_window(r["rows"], r["keys"], key, r["rollout_images"] if args.by == "images" else 1, lo, hi)
+                        for r in rs]
                 vals = [v for v in vals if v == v]
                 row[key] = {"mean": statistics.fmean(vals) if vals else None,
                             "sd": statistics.stdev(vals) if len(vals) > 1 else None, "runs": len(vals)}
@@ -218,7 +220,7 @@ def compare(args) -> None:
                             "seeds": sorted(r["seed"] for r in rs), "windows": table}
     Path(args.out).write_text(json.dumps(out, indent=1))
     for name, a in out["arms"].items():
-        print(name, [(w["images"][1] // 1000, round(w["compression"]["mean"] or 0, 3), round(w["qc_disagreement"]["mean"] or 0, 3))
+        print(name, [(w[args.by][1], round(w["compression"]["mean"] or 0, 3), round(w["qc_disagreement"]["mean"] or 0, 3))
                      for w in a["windows"]])
 
 
@@ -250,8 +252,10 @@ def main() -> None:
             p.add_argument("--device", default="cuda")
         if name == "compare":
             p.add_argument("--curves", nargs="+", required=True, help="files written by curves")
-            p.add_argument("--window", type=int, default=51_200, help="rollout images per window")
-            p.add_argument("--images", type=int, default=307_200)
+            p.add_argument("--by", choices=("images", "updates"), default="images",
+                           help="windows of rollout images seen (equal data) or of updates (equal policy steps)")
+            p.add_argument("--window", type=int, default=51_200, help="rollout images (or updates) per window")
+            p.add_argument("--images", type=int, default=307_200, help="where the windows end (images or updates)")
         if name in ("curves", "pool", "compare"):
             p.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -701,6 +701,12 @@ def test_batch_scale_compares_arms_at_equal_images_by_hand(tmp_path, monkeypatch
     assert paper[0]["qc_disagreement"]["mean"] == pytest.approx(0.2)  # only update 2 logged it
     assert scaled[0]["compression"] == {"mean": 10, "sd": None, "runs": 1} and scaled[1]["compression"]["mean"] == 20
     assert arms["scaled"]["batch_scale"] == [2] and arms["paper"]["runs"] == 2
+    monkeypatch.setattr(sys, "argv", ["batch_scale", "compare", "--curves", str(curves), "--by", "updates", "--window", "2",
+                                      "--images", "4", "--out", str(out)])
+    batch_scale.main()
+    arms = json.loads(out.read_text())["arms"]
+    assert [w["updates"] for w in arms["paper"]["windows"]] == [[0, 2], [2, 4]]
+    assert arms["scaled"]["windows"][0]["compression"]["mean"] == 15  # its updates 1-2, at equal updates
 
 
 def test_serving_latency_kernel_families_by_hand():
