@@ -61,7 +61,11 @@ def _alive(run: Path) -> bool:
 
 
 def _done(run: Path) -> bool:
-    return (run / "selection.json").exists() and not _alive(run) and (run / "finished").exists()
+    """Exited cleanly after its last update (a run stopped by ``--max-minutes`` exits cleanly too)."""
+    if not ((run / "selection.json").exists() and (run / "finished").exists()) or _alive(run):
+        return False
+    m = _metrics(run)
+    return bool(m) and m[-1]["update"] >= json.loads((run / "config.json").read_text())["ppo"]["updates"]
 
 
 def _metrics(run: Path) -> List[Dict]:

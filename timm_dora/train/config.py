@@ -112,7 +112,9 @@ class TrainConfig:
     def resolved(self, rollout_images: int, actor_width: int) -> "TrainConfig":
         """This configuration with its recipe chosen (``auto``: ``small-pool`` for at most
         :data:`SMALL_POOL_MAX_IMAGES` rollout images, else ``paper``), every setting left ``None``
-        taken from it, and ``actor_width`` where none was given."""
+        taken from it, ``actor_width`` where none was given, and :attr:`batch_scale` applied
+        (:meth:`scaled`): apply it once, to the configuration as given (``config.json`` holds the
+        result, which is not to be resolved again)."""
         name = self.recipe
         if name == "auto":
             name = "small-pool" if rollout_images <= SMALL_POOL_MAX_IMAGES else "paper"
