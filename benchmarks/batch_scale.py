@@ -10,13 +10,15 @@ on the whole batch (``tests/test_ddp.py``), so the larger-batch arm runs here on
 Arms (``--arms``, ``name:flags``) times seeds, all running at once on one GPU, each in a new process
 session so that they outlive a device call (limited in time; the runs go on while the machine is
 held): ``launch`` starts (or resumes, from ``state.pt``) every run that is not running or finished,
-``wait`` reports progress until all are done or the time is up. ``curves`` keeps each run's
+``wait`` reports progress until all are done or the time is up, ``pack`` brings the runs back
+without their resumable state. ``curves`` keeps each run's
 configuration and per-update record in one small JSON file, finished or not; ``pool`` evaluates
 chosen checkpoints deterministically on every pool split (rollout, qc, dev; never ``test``);
 ``compare`` sets the arms side by side in windows of rollout images seen::
 
     python -m benchmarks.batch_scale launch --root /tmp/bs --weights W --data pool.csv
     python -m benchmarks.batch_scale wait --root /tmp/bs --minutes 9
+    python -m benchmarks.batch_scale pack --root /tmp/bs --out $OUT   # then: cat runs.tgz.part* | tar xz
     python -m benchmarks.batch_scale curves --root /tmp/bs --out curves.json
     python -m benchmarks.batch_scale pool --root /tmp/bs --weights W --data pool.csv \\
         --checkpoints paper_s0:u00600 scale2_s0:u00300 --device cpu --out pool.json
@@ -137,6 +139,27 @@ def stop(args) -> None:
             print(name, "stopped")
 
 
+def pack(args) -> None:
+    """The runs under ``--root`` without their ``state.pt`` (17 MB each, only for resuming) as one
+    gzipped tar cut into parts of at most ``--part-mb`` MB in ``--out`` (a device call returns at most
+    8 files of 16 MiB). Unpack with ``cat runs.tgz.part* | tar xz``."""
+    import io
+    import tarfile
+
+    root, out = Path(args.root), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and path.name not in ("state.pt", "pid"):
+                tar.add(path, arcname=str(path.relative_to(root)))
+    data, size = buf.getvalue(), int(args.part_mb * 2**20)
+    parts = [data[i:i + size] for i in range(0, len(data), size)]
+    for i, part in enumerate(parts):
+        (out / f"runs.tgz.part{i:02d}").write_bytes(part)  # (in order under a glob)
+    print(f"{len(data) / 2**20:.1f} MB in {len(parts)} parts")
+
+
 CURVE_KEYS = ("compression", "gflops", "gate_rate", "a_u", "return_mean", "qc_disagreement", "qc_drop", "dev_gflops",
               "dev_top1", "dev_native_top1", "dev_disagreement")
 
@@ -231,7 +254,7 @@ def compare(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("launch", "wait", "stop", "curves", "pool", "compare"):
+    for name in ("launch", "wait", "stop", "pack", "curves", "pool", "compare"):
         p = sub.add_parser(name)
         if name != "compare":
             p.add_argument("--root", required=True, help="the folder of the runs")
@@ -254,6 +277,9 @@ def main() -> None:
         if name == "pool":
             p.add_argument("--checkpoints", nargs="+", required=True, help="RUN:CHECKPOINT, e.g. paper_s0:u00600")
             p.add_argument("--device", default="cuda")
+        if name == "pack":
+            p.add_argument("--out", required=True, help="a folder for the parts (the device call's $OUT)")
+            p.add_argument("--part-mb", type=float, default=15.0)
         if name == "compare":
             p.add_argument("--curves", nargs="+", required=True, help="files written by curves")
             p.add_argument("--by", choices=("images", "updates"), default="images",
@@ -263,7 +289,8 @@ def main() -> None:
         if name in ("curves", "pool", "compare"):
             p.add_argument("--out", required=True)
     args = ap.parse_args()
-    {"launch": launch, "wait": wait, "stop": stop, "curves": curves, "pool": pool, "compare": compare}[args.cmd](args)
+    {"launch": launch, "wait": wait, "stop": stop, "pack": pack, "curves": curves, "pool": pool,
+     "compare": compare}[args.cmd](args)
 
 
 if __name__ == "__main__":

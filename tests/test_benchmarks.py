@@ -720,3 +720,27 @@ def test_serving_latency_kernel_families_by_hand():
     assert family("Memset (Device)") == "copy"
     assert family("triton_poi_fused_add_mul_0") == "triton" and family("_compact") == "triton"
     assert family("void at::native::vectorized_elementwise_kernel<4>") == "other"
+
+
+def test_batch_scale_packs_runs_without_their_state(tmp_path, monkeypatch):
+    import io
+    import tarfile
+
+    from benchmarks import batch_scale
+
+    run = tmp_path / "runs" / "paper_s0"
+    (run / "checkpoints" / "u00002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"update": 1}\n')
+    (run / "checkpoints" / "u00002" / "model.safetensors").write_bytes(bytes(range(256)) * 4000)
+    (run / "state.pt").write_bytes(b"x" * 1000)
+    (run / "pid").write_text("123")
+    monkeypatch.setattr(sys, "argv", ["batch_scale", "pack", "--root", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                                      "--part-mb", "0.001"])
+    batch_scale.main()
+    parts = sorted((tmp_path / "out").glob("runs.tgz.part*"))
+    assert len(parts) > 1 and all(p.stat().st_size <= 0.001 * 2**20 for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:gz") as tar:
+        names = set(tar.getnames())
+        blob = tar.extractfile("paper_s0/checkpoints/u00002/model.safetensors").read()
+    assert names == {"paper_s0/metrics.jsonl", "paper_s0/checkpoints/u00002/model.safetensors"}
+    assert blob == bytes(range(256)) * 4000
