@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from benchmarks.common import command_line
+from benchmarks.train_scale import planned_updates, run_metrics, train_env
 
 MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 ARMS = ("paper:", "scale2:--batch-scale 2")
@@ -66,13 +67,8 @@ def _done(run: Path) -> bool:
     """Exited cleanly after its last update (a run stopped by ``--max-minutes`` exits cleanly too)."""
     if not ((run / "selection.json").exists() and (run / "finished").exists()) or _alive(run):
         return False
-    m = _metrics(run)
-    return bool(m) and m[-1]["update"] >= json.loads((run / "config.json").read_text())["ppo"]["updates"]
-
-
-def _metrics(run: Path) -> List[Dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    m = run_metrics(run)
+    return bool(m) and m[-1]["update"] >= planned_updates(run)
 
 
 def launch(args) -> None:
@@ -96,9 +92,7 @@ def launch(args) -> None:
             cmd.append("--resume")
         # the shell marks a clean exit, so a run killed half-way is told from a finished one
         shell = " ".join(shlex.quote(c) for c in cmd) + f" && touch {shlex.quote(str(run / 'finished'))}"
-        # (NVLink multicast off, as the device tool's KINDS.md asks)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1", NCCL_NVLS_ENABLE="0",
-                   TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        env = dict(train_env(), TORCHINDUCTOR_COMPILE_THREADS="1")  # (several runs compile at once)
         if args.devices:  # one-process runs spread over the host's GPUs, in turn
             env["CUDA_VISIBLE_DEVICES"] = args.devices[i % len(args.devices)]
         with open(run / "log", "a") as log:
@@ -115,8 +109,8 @@ def wait(args) -> None:
         states = []
         for name, _, _ in _runs(args):
             run = root / name
-            m = _metrics(run)
-            planned = json.loads((run / "config.json").read_text())["ppo"]["updates"] if (run / "config.json").exists() else 0
+            m = run_metrics(run)
+            planned = planned_updates(run, default=0)
             state = "done" if _done(run) else "running" if _alive(run) else "stopped"
             states.append(state)
             print(f"{name}: {state}, update {m[-1]['update'] if m else 0}/{planned}"
@@ -180,7 +174,7 @@ def curves(args) -> None:
             "feedback_cadence": cfg["feedback_cadence"], "checkpoint_every": cfg["checkpoint_every"],
             "recipe": cfg["recipe"], "actor_width": cfg["actor_width"],
             "keys": ["update", *CURVE_KEYS],
-            "rows": [[m["update"], *(None if m.get(k) is None else round(m[k], 5) for k in CURVE_KEYS)] for m in _metrics(run)],
+            "rows": [[m["update"], *(None if m.get(k) is None else round(m[k], 5) for k in CURVE_KEYS)] for m in run_metrics(run)],
         }
         print(run.name, len(out["runs"][run.name]["rows"]), "updates")
     Path(args.out).write_text(json.dumps(out, separators=(",", ":")))

@@ -183,8 +183,9 @@ class Monitor:
         self.thread.join()
 
 
-def _env() -> Dict[str, str]:
-    # NVLink multicast stays off (the device tool's KINDS.md); Python output unbuffered
+def train_env() -> Dict[str, str]:
+    """The environment of a training process started from here (``batch_scale`` too): NVLink
+    multicast off (the device tool's KINDS.md), Python output unbuffered."""
     return dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                 PYTHONUNBUFFERED="1")
 
@@ -196,13 +197,14 @@ def _train_flags(args, run: Path) -> List[str]:
     return flags + shlex.split(args.extra)
 
 
-def _planned(run: Path) -> int:
-    """The updates the run's configuration asks for (the recipe: 1,171)."""
+def planned_updates(run: Path, default: int = RECIPE_UPDATES) -> int:
+    """The updates the run's configuration asks for (``default`` before it has one: the recipe's)."""
     path = run / "config.json"
-    return json.loads(path.read_text())["ppo"]["updates"] if path.exists() else RECIPE_UPDATES
+    return json.loads(path.read_text())["ppo"]["updates"] if path.exists() else default
 
 
-def _metrics(run: Path) -> List[Dict]:
+def run_metrics(run: Path) -> List[Dict]:
+    """The run's ``metrics.jsonl``, one dict per update (none before its first)."""
     path = run / "metrics.jsonl"
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
 
@@ -213,8 +215,8 @@ def run(args) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     segments_file = run_dir / "segments.json"
     segments = json.loads(segments_file.read_text()) if segments_file.exists() else []
-    before = _metrics(run_dir)
-    if (run_dir / "selection.json").exists() and before and before[-1]["update"] >= _planned(run_dir):
+    before = run_metrics(run_dir)
+    if (run_dir / "selection.json").exists() and before and before[-1]["update"] >= planned_updates(run_dir):
         print("the recipe is complete")
     else:
         cmd = [sys.executable, "-m", "timm_dora.train", *_train_flags(args, run_dir)]
@@ -224,12 +226,12 @@ def run(args) -> None:
             cmd.append("--resume")
         start = time.time()
         log = open(run_dir / f"segment{len(segments)}.log", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=train_env())
         mon = Monitor(proc.pid)
         rc = proc.wait()
         mon.close()
         wall = time.time() - start
-        after = _metrics(run_dir)
+        after = run_metrics(run_dir)
         new = [m for m in after if m["update"] > (before[-1]["update"] if before else 0)]
         seg = {"command": " ".join(shlex.quote(c) for c in cmd), "rc": rc, "wall_s": round(wall, 1),
                "updates": [new[0]["update"], new[-1]["update"]] if new else None,
@@ -241,9 +243,9 @@ def run(args) -> None:
         if rc != 0:
             print((run_dir / f"segment{len(segments) - 1}.log").read_text()[-3000:])
             raise SystemExit(rc)
-    metrics = _metrics(run_dir)
-    if not metrics or metrics[-1]["update"] < _planned(run_dir):
-        print(f"update {metrics[-1]['update'] if metrics else 0} of {_planned(run_dir)}: run again to resume")
+    metrics = run_metrics(run_dir)
+    if not metrics or metrics[-1]["update"] < planned_updates(run_dir):
+        print(f"update {metrics[-1]['update'] if metrics else 0} of {planned_updates(run_dir)}: run again to resume")
         return
     result = summarise(args, run_dir, segments, metrics)
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -380,7 +382,7 @@ def _timed_run(args, name: str, cmd: List[str], env: Dict[str, str], run_dir: Pa
     except subprocess.TimeoutExpired as e:
         hung = True  # kept if every update ran: the measurement is in metrics.jsonl
         print(name, "timed out;", str(e.stderr or b"")[-1500:])
-    m = _metrics(run_dir)
+    m = run_metrics(run_dir)
     ppo = json.loads((run_dir / "config.json").read_text())["ppo"]  # (--batch-scale N: updates / N)
     if len(m) < ppo["updates"]:
         raise SystemExit(f"{name}: {len(m)} of {ppo['updates']} updates in {args.timeout} s")
@@ -410,7 +412,7 @@ def ddp(args) -> None:
     for name, launcher, flags in runs:
         run_dir = root / f"run_{args.model}_{name}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        env = _env()
+        env = train_env()
         if name == "one_gpu":
             env["CUDA_VISIBLE_DEVICES"] = "0"
         out[name] = _timed_run(args, name, launcher + _train_flags(args, run_dir) + extra + flags, env, run_dir)
