@@ -19,14 +19,15 @@ chosen checkpoints deterministically on every pool split (rollout, qc, dev; neve
     python -m benchmarks.batch_scale launch --root /tmp/bs --weights W --data pool.csv
     python -m benchmarks.batch_scale wait --root /tmp/bs --minutes 9
     python -m benchmarks.batch_scale pack --root /tmp/bs --out $OUT   # then: cat runs.tgz.part* | tar xz
-    python -m benchmarks.batch_scale curves --root /tmp/bs --out curves.json
+    python -m benchmarks.batch_scale curves --root /tmp/bs --out curves.json.gz
     python -m benchmarks.batch_scale pool --root /tmp/bs --weights W --data pool.csv \\
         --checkpoints paper_s0:u00600 scale2_s0:u00300 --device cpu --out pool.json
-    python -m benchmarks.batch_scale compare --curves curves.json --out compare.json
+    python -m benchmarks.batch_scale compare --curves curves.json.gz --out compare.json
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shlex
@@ -158,9 +159,21 @@ CURVE_KEYS = ("compression", "gflops", "gate_rate", "a_u", "return_mean", "qc_di
               "dev_top1", "dev_native_top1", "dev_disagreement")
 
 
+def _write_json(path: Path, doc) -> None:
+    """Compact JSON, gzipped where the name ends in ``.gz`` (curves: a few hundred KB as plain text)."""
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
+
+
+def _read_json(path: Path):
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
 def curves(args) -> None:
     """Each run's configuration and per-update record (``CURVE_KEYS``, where logged), finished or
-    not, into one JSON file: what ``compare`` reads (small enough to commit, unlike the runs)."""
+    not, into one JSON file (gzipped where ``--out`` ends in ``.gz``): what ``compare`` reads (small
+    enough to commit, unlike the runs)."""
     root = Path(args.root)
     env = json.loads((root / "env.json").read_text()) if (root / "env.json").exists() else {}
     out = {"command": command_line("batch_scale", sys.argv[1:]), **env, **json.loads(args.env or "{}"), "runs": {}}
@@ -177,7 +190,7 @@ def curves(args) -> None:
             "rows": [[m["update"], *(None if m.get(k) is None else round(m[k], 5) for k in CURVE_KEYS)] for m in run_metrics(run)],
         }
         print(run.name, len(out["runs"][run.name]["rows"]), "updates")
-    Path(args.out).write_text(json.dumps(out, separators=(",", ":")))
+    _write_json(Path(args.out), out)
 
 
 def pool(args) -> None:
@@ -220,7 +233,7 @@ def compare(args) -> None:
     policy updates, each clipped by PPO)."""
     runs = {}
     for f in args.curves:
-        runs.update(json.loads(Path(f).read_text())["runs"])
+        runs.update(_read_json(Path(f))["runs"])
     arms: Dict[str, List[dict]] = {}
     for name, r in runs.items():  # (runs are named ARM_sSEED)
         arms.setdefault(name.rsplit("_s", 1)[0], []).append(r)
@@ -241,8 +254,9 @@ def compare(args) -> None:
                             "seeds": sorted(r["seed"] for r in rs), "windows": table}
     Path(args.out).write_text(json.dumps(out, indent=1))
     for name, a in out["arms"].items():
-        print(name, [(w[args.by][1], round(w["compression"]["mean"] or 0, 3), round(w["qc_disagreement"]["mean"] or 0, 3))
-                     for w in a["windows"]])
+        mean = lambda w, key: None if w[key]["mean"] is None else round(w[key]["mean"], 3)
+        print(name, [(w[args.by][1], mean(w, "compression"), mean(w, "qc_disagreement"))
+                     for w in a["windows"] if w["compression"]["mean"] is not None])  # (windows a run reached)
 
 
 def main() -> None:

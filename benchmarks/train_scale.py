@@ -28,7 +28,8 @@ capturing) and ``scaling``, rollout images per second relative to one GPU. Each 
 entry is one data-parallel run (``name:flags``): for example the paper's update of 256 images
 split over the GPUs (no flags), and each GPU keeping the one-GPU batch (``--batch-scale N``: the
 rollout images and the minibatches times the GPUs, the updates divided by them; the update sees
-that many more images).
+that many more images). ``--into FILE`` sets the model's entry of ``FILE``'s ``ddp`` (for example
+``ddp.deit_base`` of ``train_scale_h100.json``).
 
 ``profile`` (CUDA): where an update's time goes that more GPUs do not shorten: the rollout
 (``collect``, host-bound) against the plain forward of the same images, its kernel launches and
@@ -425,9 +426,15 @@ def ddp(args) -> None:
     first = runs[1][0]  # the first variant: the defaults
     out.update(s_per_update=out[first]["s_per_update"], one_gpu_s_per_update=one, scaling=out[first]["scaling"])
     import torch
+    from benchmarks.common import command_line
 
-    out.update(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__)
+    out.update(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+               variant=args.variants[0], command=args.command_line or command_line("train_scale"))
     Path(args.out).write_text(json.dumps(out, indent=1))
+    if args.into:  # the result file's ddp entry for this model (train_scale_h100.json's "ddp": {"vit_tiny": ...})
+        doc = json.loads(Path(args.into).read_text()) if Path(args.into).exists() else {}
+        doc.setdefault("ddp", {})[args.model.split("_patch")[0]] = out
+        Path(args.into).write_text(json.dumps(doc, indent=1))
     print(json.dumps({k: out[k] for k in ("model", "gpus", "s_per_update", "one_gpu_s_per_update", "scaling")}))
 
 
@@ -459,6 +466,7 @@ def main() -> None:
     d.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
     d.add_argument("--variants", nargs="+", default=["default:"],
                    help="name:flags of each data-parallel run (the first one's scaling is the result's)")
+    d.add_argument("--into", default=None, help="a result file whose ddp entry for the model this run sets")
     pr = sub.choices["profile"]
     pr.add_argument("--batch", type=int, default=256, help="rollout images (of the first update's batch)")
     pr.add_argument("--warmup", type=int, default=4)

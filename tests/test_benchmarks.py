@@ -1,4 +1,5 @@
 """The throughput benchmark script still runs (CPU smoke test; real numbers come from the GPU)."""
+import gzip
 import json
 import math
 import re
@@ -701,7 +702,9 @@ def test_batch_scale_compares_arms_at_equal_images_by_hand(tmp_path, monkeypatch
     assert paper[0]["qc_disagreement"]["mean"] == pytest.approx(0.2)  # only update 2 logged it
     assert scaled[0]["compression"] == {"mean": 10, "sd": None, "runs": 1} and scaled[1]["compression"]["mean"] == 20
     assert arms["scaled"]["batch_scale"] == [2] and arms["paper"]["runs"] == 2
-    monkeypatch.setattr(sys, "argv", ["batch_scale", "compare", "--curves", str(curves), "--by", "updates", "--window", "2",
+    gz = tmp_path / "curves.json.gz"  # (committed curves are gzipped)
+    gz.write_bytes(gzip.compress(curves.read_bytes()))
+    monkeypatch.setattr(sys, "argv", ["batch_scale", "compare", "--curves", str(gz), "--by", "updates", "--window", "2",
                                       "--images", "4", "--out", str(out)])
     batch_scale.main()
     arms = json.loads(out.read_text())["arms"]
@@ -744,3 +747,27 @@ def test_batch_scale_packs_runs_without_their_state(tmp_path, monkeypatch):
         blob = tar.extractfile("paper_s0/checkpoints/u00002/model.safetensors").read()
     assert names == {"paper_s0/metrics.jsonl", "paper_s0/checkpoints/u00002/model.safetensors"}
     assert blob == bytes(range(256)) * 4000
+
+
+def test_train_scale_ddp_scaling_by_hand_and_into_a_result_file(tmp_path, monkeypatch):
+    """``train_scale ddp``: ``scaling`` is each variant's rollout images per second over one GPU's
+    (by hand: 512 images in 0.6 s against 256 in 0.45 s is 1.5), the first variant's the result's;
+    ``--into`` sets the model's entry of a result file's ``ddp`` and keeps the rest of the file."""
+    from benchmarks import train_scale
+
+    timed = {"one_gpu": (256, 0.45), "2_gpus_scaled": (512, 0.6), "2_gpus_paper": (256, 0.375)}
+    monkeypatch.setattr(train_scale, "_timed_run", lambda args, name, cmd, env, run_dir: {
+        "images_per_update": timed[name][0], "s_per_update": timed[name][1], "command": " ".join(cmd)})
+    into = tmp_path / "result.json"
+    into.write_text(json.dumps({"wall_min": 9.8, "ddp": {"vit_tiny": {"scaling": 1.6}, "note": "kept"}}))
+    monkeypatch.setattr(sys, "argv", ["train_scale", "ddp", "--root", str(tmp_path), "--model", "deit_base_patch16_224",
+                                      "--variants", "scaled:--batch-scale 2", "paper:", "--out", str(tmp_path / "d.json"),
+                                      "--into", str(into)])
+    train_scale.main()
+    doc = json.loads(into.read_text())
+    assert doc["wall_min"] == 9.8 and doc["ddp"]["vit_tiny"] == {"scaling": 1.6} and doc["ddp"]["note"] == "kept"
+    entry = doc["ddp"]["deit_base"]
+    assert entry["scaling"] == 1.5 and entry["2_gpus_paper"]["scaling"] == 1.2
+    assert (entry["s_per_update"], entry["one_gpu_s_per_update"], entry["variant"]) == (0.6, 0.45, "scaled:--batch-scale 2")
+    assert entry["2_gpus_scaled"]["command"].endswith("--batch-scale 2")
+    assert entry == json.loads((tmp_path / "d.json").read_text())
