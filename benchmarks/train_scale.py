@@ -35,6 +35,12 @@ that many more images). ``--into FILE`` sets the model's entry of ``FILE``'s ``d
 (``collect``, host-bound) against the plain forward of the same images, its kernel launches and
 host waits, and one replay of each captured PPO minibatch step, on a set whose rollout split is held.
 
+``updates`` (one process, or every process under ``torchrun``): a few consecutive updates under the
+profiler after a warm-up, as training runs them (the critic's steps beside the next rollout): per
+process the phases, the GPU's busy time, the NCCL kernels, the all-reduce calls and their host
+time, graph launches and host waits, and optionally each process's Chrome trace: where two GPUs
+lose time against one.
+
     python -m benchmarks.train_scale make --sources CARRY/sample1000 --root /data/scale
     python -m benchmarks.train_scale run --root /data/scale --run /data/run --model M --weights W \\
         --max-minutes 8 --out benchmarks/results/train_scale_h100.json
@@ -42,6 +48,8 @@ host waits, and one replay of each captured PPO minibatch step, on a set whose r
         --updates 40 --out OUT/ddp_deit_base.json
     python -m benchmarks.train_scale profile --root /data/small --model deit_base_patch16_224 --batch 128 \\
         --out OUT/profile_deit_base.json
+    torchrun --nproc_per_node 2 -m benchmarks.train_scale updates --root /data/ddp --model deit_base_patch16_224 \\
+        --extra "--batch-scale 2" --trace-dir OUT --out OUT/updates_deit_base_2.json
 """
 from __future__ import annotations
 
@@ -370,6 +378,99 @@ def profile(args) -> None:
     print(json.dumps(out, indent=1))
 
 
+def busy_ms(intervals: List[tuple]) -> float:
+    """Milliseconds covered by the union of ``(start_us, end_us)`` intervals (a GPU's busy time:
+    kernels of several streams that overlap count once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+HOST_CALLS = {"graph_launch": ("cudaGraphLaunch",), "allreduce": ("c10d::allreduce_",),  # (the dispatcher op: once a call)
+              "host_wait": ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")}
+
+
+def trace_summary(events, span_ms: float, updates: int) -> Dict:
+    """Per update, from a profile of ``updates`` consecutive updates (``span_ms`` in all): the GPU's
+    busy time, the kernels' and the NCCL kernels' time, and the count and host milliseconds of the
+    calls in :data:`HOST_CALLS` (graph launches, all-reduces, host waits)."""
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    out = {"wall_ms": round(span_ms / updates, 2),
+           "gpu_busy_ms": round(busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / updates, 2),
+           "kernel_ms": round(sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / updates, 2),
+           "kernels": round(len(kernels) / updates, 1),
+           "nccl_kernel_ms": round(sum(e.time_range.elapsed_us() for e in nccl) / 1e3 / updates, 2),
+           "nccl_kernels": round(len(nccl) / updates, 1)}
+    cpu = [e for e in events if e.device_type.name == "CPU"]
+    for key, names in HOST_CALLS.items():
+        calls = [e for e in cpu if e.name in names]
+        out[f"{key}_calls"] = round(len(calls) / updates, 1)
+        out[f"{key}_host_ms"] = round(sum(e.time_range.elapsed_us() for e in calls) / 1e3 / updates, 2)
+    return out
+
+
+def updates(args) -> None:
+    """Where the time of an update goes, on one process or on every process under ``torchrun``:
+    after ``--warmup`` updates (compiling, capturing), ``--updates`` consecutive updates under the
+    profiler (not synchronised in between, so that the critic's steps run beside the next rollout
+    as in training), then their phases and :func:`trace_summary`, per process, into ``--out``
+    (``{"ranks": [...]}``, written by the first process); with ``--trace-dir`` each process's
+    trace as a gzipped Chrome trace (``trace_rank<R>.json.gz``)."""
+    import gzip
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from timm_dora.train import Trainer, build_parser, config_from_args
+    from benchmarks.common import command_line
+
+    from timm_dora.train.runtime import init_distributed
+
+    rank = int(os.environ.get("RANK", "0"))
+    cfg = config_from_args(build_parser().parse_args(_train_flags(args, Path(tempfile.mkdtemp(prefix=f"profile_rank{rank}_")))))
+    created = init_distributed(cfg)  # (under torchrun: NCCL on CUDA, gloo on the CPU)
+    tr = Trainer(cfg, sync_phases=False)
+    cuda = tr.dev.type == "cuda"
+    for _ in range(args.warmup):
+        tr.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    metrics = []
+    with torch_profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(args.updates):
+            metrics.append(tr.step())
+        tr.finish_critic()
+        if cuda:
+            torch.cuda.synchronize()
+        span_ms = 1e3 * (time.perf_counter() - start)
+    mine = {"rank": rank, "update_s": [round(m["update_s"], 4) for m in metrics],
+            "phases": {k: round(statistics.fmean(m["phases"].get(k, 0.0) for m in metrics), 4) for k in metrics[0]["phases"]},
+            **trace_summary(prof.events(), span_ms, args.updates)}
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            (Path(args.trace_dir) / f"trace_rank{rank}.json.gz").write_bytes(gzip.compress(Path(f.name).read_bytes()))
+    ranks = [mine]
+    if tr.comm.on:  # (on the trainer's gloo communicator)
+        ranks = [None] * tr.comm.world
+        torch.distributed.all_gather_object(ranks, mine, group=tr.host_comm.group)
+    tr.close()
+    if created:
+        torch.distributed.destroy_process_group()
+    if rank == 0:
+        out = {"model": args.model, "processes": len(ranks), "warmup": args.warmup, "updates": args.updates,
+               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+               "command": args.command_line or command_line("train_scale"), "ranks": ranks}
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print(json.dumps({k: out[k] for k in ("model", "processes")} | {"wall_ms": [r["wall_ms"] for r in ranks]}))
+
+
 # ------------------------------------------------------------------------------------------------ ddp
 def _timed_run(args, name: str, cmd: List[str], env: Dict[str, str], run_dir: Path) -> Dict:
     """One training run of ``--updates`` updates: its median seconds per update after ``--skip``."""
@@ -448,7 +549,7 @@ def main() -> None:
         m.add_argument(f"--{k}", type=int, default=v)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--workers", type=int, default=0)
-    for name in ("run", "ddp", "profile"):
+    for name in ("run", "ddp", "profile", "updates"):
         r = sub.add_parser(name)
         r.add_argument("--root", required=True)
         r.add_argument("--model", default="vit_tiny_patch16_224.augreg_in21k_ft_in1k")
@@ -470,8 +571,12 @@ def main() -> None:
     pr = sub.choices["profile"]
     pr.add_argument("--batch", type=int, default=256, help="rollout images (of the first update's batch)")
     pr.add_argument("--warmup", type=int, default=4)
+    up = sub.choices["updates"]
+    up.add_argument("--warmup", type=int, default=6)
+    up.add_argument("--updates", type=int, default=2)
+    up.add_argument("--trace-dir", default=None, help="a folder for each process's gzipped Chrome trace")
     args = ap.parse_args()
-    {"make": make, "run": run, "ddp": ddp, "profile": profile}[args.step](args)
+    {"make": make, "run": run, "ddp": ddp, "profile": profile, "updates": updates}[args.step](args)
 
 
 if __name__ == "__main__":

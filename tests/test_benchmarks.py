@@ -771,3 +771,45 @@ def test_train_scale_ddp_scaling_by_hand_and_into_a_result_file(tmp_path, monkey
     assert (entry["s_per_update"], entry["one_gpu_s_per_update"], entry["variant"]) == (0.6, 0.45, "scaled:--batch-scale 2")
     assert entry["2_gpus_scaled"]["command"].endswith("--batch-scale 2")
     assert entry == json.loads((tmp_path / "d.json").read_text())
+
+
+def test_train_scale_busy_time_counts_overlapping_kernels_once():
+    from benchmarks.train_scale import busy_ms
+
+    # [0, 10) and [5, 20) overlap (20 us), [30, 40) alone (10), [32, 35) inside it (0): 30 us
+    assert busy_ms([(30, 40), (0, 10), (5, 20), (32, 35)]) == 0.03
+    assert busy_ms([]) == 0.0
+
+
+def test_train_scale_updates_profiles_consecutive_updates_on_cpu(tmp_path, monkeypatch):
+    """``updates`` (CPU, one process, a tiny recipe): the profiled updates' phases and host calls
+    per process, and the trace; no GPU fields but zeros."""
+    import argparse
+
+    from PIL import Image
+
+    import torch
+    from benchmarks import train_scale
+
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for c in range(3):
+        Image.fromarray((torch.rand(48, 64, 3, generator=torch.Generator().manual_seed(c)) * 255).to(torch.uint8).numpy()
+                        ).save(sources / f"n0000000{c}.jpg")
+    root = tmp_path / "set"
+    train_scale.make(argparse.Namespace(sources=str(sources), root=str(root), rollout=8, qc=4, dev=4, seed=0, workers=1))
+    extra = ("--device cpu --img-size 64 --num-classes 3 --updates 4 --rollout-images 4 --checkpoint-every 4 "
+             "--qc-shards 1 --data-workers 0 --gate-minibatch 16 --controller-minibatch 4 --critic-minibatch 16 "
+             "--actor-epochs 1 --critic-epochs 1")
+    out = tmp_path / "updates.json"
+    monkeypatch.setattr(sys, "argv", ["train_scale", "updates", "--root", str(root), "--model", "vit_tiny_patch16_224",
+                                      "--extra", extra, "--warmup", "1", "--updates", "2", "--trace-dir", str(tmp_path / "t"),
+                                      "--out", str(out)])
+    train_scale.main()
+    res = json.loads(out.read_text())
+    assert res["processes"] == 1 and res["updates"] == 2 and res["device"] == "cpu"
+    (r,) = res["ranks"]
+    assert r["rank"] == 0 and len(r["update_s"]) == 2 and r["wall_ms"] >= 1e3 * sum(r["update_s"]) / 2 * 0.99
+    assert {"rollout", "actor_update"} <= set(r["phases"]) and r["kernels"] == 0 and r["gpu_busy_ms"] == 0
+    assert r["allreduce_calls"] == 0 and r["graph_launch_calls"] == 0  # (one process, no CUDA graphs)
+    assert json.loads(gzip.decompress((tmp_path / "t" / "trace_rank0.json.gz").read_bytes()))["traceEvents"]
