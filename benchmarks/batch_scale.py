@@ -30,6 +30,7 @@ import argparse
 import gzip
 import json
 import os
+import random
 import shlex
 import signal
 import statistics
@@ -226,11 +227,23 @@ def _window(rows: List[list], keys: List[str], key: str, images: int, lo: float,
     return statistics.fmean(vals) if vals else float("nan")
 
 
+def seed_bootstrap(a: List[float], b: List[float], resamples: int = 10_000, seed: int = 0) -> Dict[str, float]:
+    """``mean(b) - mean(a)`` and its 95 % bootstrap interval over seeds (each arm's runs drawn with
+    replacement, ``resamples`` times, seeded). With three seeds an arm has 10 distinct resamples:
+    a coarse interval, but one that says what three seeds cannot resolve."""
+    rng = random.Random(seed)
+    diffs = sorted(statistics.fmean(rng.choices(b, k=len(b))) - statistics.fmean(rng.choices(a, k=len(a)))
+                   for _ in range(resamples))
+    return {"diff": statistics.fmean(b) - statistics.fmean(a), "low": diffs[int(0.025 * resamples)],
+            "high": diffs[int(0.975 * resamples) - 1]}
+
+
 def compare(args) -> None:
     """Per arm (the runs ``ARM_sSEED`` grouped by ``ARM``), the mean and spread over seeds of the rollouts'
     compression and GFLOPs and of the feedback's pool-wide disagreement, in windows of rollout
     images seen (``--by images``: the arms at equal data) or of updates (``--by updates``: at equal
-    policy updates, each clipped by PPO)."""
+    policy updates, each clipped by PPO); for every arm after the first, per window its difference
+    from the first arm with a 95 % bootstrap interval over seeds (:func:`seed_bootstrap`, ``vs``)."""
     runs = {}
     for f in args.curves:
         runs.update(_read_json(Path(f))["runs"])
@@ -248,10 +261,15 @@ def compare(args) -> None:
                         for r in rs]
                 vals = [v for v in vals if v == v]
                 row[key] = {"mean": statistics.fmean(vals) if vals else None,
-                            "sd": statistics.stdev(vals) if len(vals) > 1 else None, "runs": len(vals)}
+                            "sd": statistics.stdev(vals) if len(vals) > 1 else None, "runs": len(vals), "values": vals}
             table.append(row)
         out["arms"][arm] = {"runs": len(rs), "batch_scale": sorted({r["batch_scale"] for r in rs}),
                             "seeds": sorted(r["seed"] for r in rs), "windows": table}
+    first = next(iter(out["arms"].values()), None)
+    for arm in list(out["arms"])[1:]:  # against the first arm, window by window
+        for w, w0 in zip(out["arms"][arm]["windows"], first["windows"]):
+            w["vs"] = {key: seed_bootstrap(w0[key]["values"], w[key]["values"])
+                       for key in ("compression", "gflops", "qc_disagreement") if w[key]["values"] and w0[key]["values"]}
     Path(args.out).write_text(json.dumps(out, indent=1))
     for name, a in out["arms"].items():
         mean = lambda w, key: None if w[key]["mean"] is None else round(w[key]["mean"], 3)

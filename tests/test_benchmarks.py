@@ -697,11 +697,15 @@ def test_batch_scale_compares_arms_at_equal_images_by_hand(tmp_path, monkeypatch
     paper, scaled = arms["paper"]["windows"], arms["scaled"]["windows"]
     assert [w["images"] for w in paper] == [[0, 200], [200, 400]]
     # paper_s0: updates 1-2 (100, 200 images) -> 1.5, updates 3-4 -> 3.5; paper_s1: 3.5, 5.5
-    assert paper[0]["compression"] == {"mean": 2.5, "sd": pytest.approx(math.sqrt(2)), "runs": 2}
+    assert paper[0]["compression"] == {"mean": 2.5, "sd": pytest.approx(math.sqrt(2)), "runs": 2, "values": [1.5, 3.5]}
     assert paper[1]["compression"]["mean"] == 4.5
     assert paper[0]["qc_disagreement"]["mean"] == pytest.approx(0.2)  # only update 2 logged it
-    assert scaled[0]["compression"] == {"mean": 10, "sd": None, "runs": 1} and scaled[1]["compression"]["mean"] == 20
+    assert scaled[0]["compression"] == {"mean": 10, "sd": None, "runs": 1, "values": [10]}
+    assert scaled[1]["compression"]["mean"] == 20
     assert arms["scaled"]["batch_scale"] == [2] and arms["paper"]["runs"] == 2
+    # against the first arm: one scaled seed (10) against paper's two (1.5, 3.5)
+    assert scaled[0]["vs"]["compression"]["diff"] == 7.5 and scaled[0]["vs"]["compression"]["low"] == 6.5
+    assert scaled[0]["vs"]["compression"]["high"] == 8.5 and "vs" not in paper[0]
     gz = tmp_path / "curves.json.gz"  # (committed curves are gzipped)
     gz.write_bytes(gzip.compress(curves.read_bytes()))
     monkeypatch.setattr(sys, "argv", ["batch_scale", "compare", "--curves", str(gz), "--by", "updates", "--window", "2",
@@ -813,3 +817,15 @@ def test_train_scale_updates_profiles_consecutive_updates_on_cpu(tmp_path, monke
     assert {"rollout", "actor_update"} <= set(r["phases"]) and r["kernels"] == 0 and r["gpu_busy_ms"] == 0
     assert r["allreduce_calls"] == 0 and r["graph_launch_calls"] == 0  # (one process, no CUDA graphs)
     assert json.loads(gzip.decompress((tmp_path / "t" / "trace_rank0.json.gz").read_bytes()))["traceEvents"]
+
+
+def test_batch_scale_seed_bootstrap_by_hand():
+    """One seed per arm: every resample is the same, the interval a point; arms of constant runs
+    likewise; two seeds: the extremes of the resampled means bound the interval."""
+    from benchmarks.batch_scale import seed_bootstrap
+
+    assert seed_bootstrap([1.0], [3.0]) == {"diff": 2.0, "low": 2.0, "high": 2.0}
+    assert seed_bootstrap([1.0, 1.0, 1.0], [1.5, 1.5]) == {"diff": 0.5, "low": 0.5, "high": 0.5}
+    # b in {0, 1}: resampled means 0, 0.5, 1 (probabilities 1/4, 1/2, 1/4), a fixed at 0
+    r = seed_bootstrap([0.0], [0.0, 1.0])
+    assert r["diff"] == 0.5 and r["low"] == 0.0 and r["high"] == 1.0
