@@ -427,9 +427,8 @@ def updates(args) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from timm_dora.train import Trainer, build_parser, config_from_args
-    from benchmarks.common import command_line
-
     from timm_dora.train.runtime import init_distributed
+    from benchmarks.common import command_line
 
     rank = int(os.environ.get("RANK", "0"))
     cfg = config_from_args(build_parser().parse_args(_train_flags(args, Path(tempfile.mkdtemp(prefix=f"profile_rank{rank}_")))))
