@@ -25,7 +25,8 @@ the update's ``time`` in ``metrics.jsonl``), ``s_per_update`` (median), ``data_w
 ``ddp``: the same recipe for ``--updates`` updates on one GPU and under ``torchrun`` on ``--gpus``
 GPUs of the host, on one set: median seconds per update (after ``--skip`` updates of compiling and
 capturing) and ``scaling``, rollout images per second relative to one GPU. Each ``--variants``
-entry is one data-parallel run (``name:flags``): for example the paper's update of 256 images
+entry is one data-parallel run (``name:flags``, where words like ``NCCL_MAX_CTAS=2`` set the run's
+environment instead): for example the paper's update of 256 images
 split over the GPUs (no flags), and each GPU keeping the one-GPU batch (``--batch-scale N``: the
 rollout images and the minibatches times the GPUs, the updates divided by them; the update sees
 that many more images). ``--into FILE`` sets the model's entry of ``FILE``'s ``ddp`` (for example
@@ -58,6 +59,7 @@ import functools
 import json
 import os
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -500,28 +502,33 @@ def _timed_run(args, name: str, cmd: List[str], env: Dict[str, str], run_dir: Pa
     return rec
 
 
+ENV_WORD = re.compile(r"[A-Z_][A-Z0-9_]*=\S*")  # a variant's environment setting, e.g. NCCL_MAX_CTAS=2
+
+
 def ddp(args) -> None:
     root = Path(args.root)
     out: Dict = {"model": args.model, "gpus": args.gpus, "updates": args.updates, "skip": args.skip}
     extra = ["--updates", str(args.updates), "--checkpoint-every", str(args.updates)]
-    runs = [("one_gpu", [sys.executable, "-m", "timm_dora.train"], [])]
-    for variant in args.variants:  # name:flags
-        name, _, flags = variant.partition(":")
+    runs = [("one_gpu", [sys.executable, "-m", "timm_dora.train"], [], {"CUDA_VISIBLE_DEVICES": "0"})]
+    for variant in args.variants:  # name:[ENV=VALUE ...] flags
+        name, _, rest = variant.partition(":")
+        words = shlex.split(rest)
+        settings = dict(w.split("=", 1) for w in words if ENV_WORD.fullmatch(w))
         runs.append((f"{args.gpus}_gpus_{name}", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                  "--nproc_per_node", str(args.gpus), "-m", "timm_dora.train"],
-                     shlex.split(flags)))
-    for name, launcher, flags in runs:
+                     [w for w in words if not ENV_WORD.fullmatch(w)], settings))
+    for name, launcher, flags, settings in runs:
         run_dir = root / f"run_{args.model}_{name}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        env = train_env()
-        if name == "one_gpu":
-            env["CUDA_VISIBLE_DEVICES"] = "0"
-        out[name] = _timed_run(args, name, launcher + _train_flags(args, run_dir) + extra + flags, env, run_dir)
+        out[name] = _timed_run(args, name, launcher + _train_flags(args, run_dir) + extra + flags,
+                               dict(train_env(), **settings), run_dir)
+        if settings and name != "one_gpu":
+            out[name]["env"] = settings
     def rate(r: Dict) -> float:  # rollout images per second
         return r["images_per_update"] / r["s_per_update"]
 
     one = out["one_gpu"]["s_per_update"]
-    for name, _, _ in runs[1:]:
+    for name, *_ in runs[1:]:
         out[name]["scaling"] = round(rate(out[name]) / rate(out["one_gpu"]), 3)
     first = runs[1][0]  # the first variant: the defaults
     out.update(s_per_update=out[first]["s_per_update"], one_gpu_s_per_update=one, scaling=out[first]["scaling"])
@@ -565,7 +572,8 @@ def main() -> None:
     d.add_argument("--skip", type=int, default=5)
     d.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
     d.add_argument("--variants", nargs="+", default=["default:"],
-                   help="name:flags of each data-parallel run (the first one's scaling is the result's)")
+                   help="name:flags of each data-parallel run (ENV=VALUE words set its environment; "
+                        "the first one's scaling is the result's)")
     d.add_argument("--into", default=None, help="a result file whose ddp entry for the model this run sets")
     pr = sub.choices["profile"]
     pr.add_argument("--batch", type=int, default=256, help="rollout images (of the first update's batch)")

@@ -760,20 +760,30 @@ def test_train_scale_ddp_scaling_by_hand_and_into_a_result_file(tmp_path, monkey
     from benchmarks import train_scale
 
     timed = {"one_gpu": (256, 0.45), "2_gpus_scaled": (512, 0.6), "2_gpus_paper": (256, 0.375)}
-    monkeypatch.setattr(train_scale, "_timed_run", lambda args, name, cmd, env, run_dir: {
-        "images_per_update": timed[name][0], "s_per_update": timed[name][1], "command": " ".join(cmd)})
+    envs = {}
+
+    def fake_run(args, name, cmd, env, run_dir):
+        envs[name] = env
+        return {"images_per_update": timed[name][0], "s_per_update": timed[name][1], "command": " ".join(cmd)}
+
+    monkeypatch.setattr(train_scale, "_timed_run", fake_run)
     into = tmp_path / "result.json"
     into.write_text(json.dumps({"wall_min": 9.8, "ddp": {"vit_tiny": {"scaling": 1.6}, "note": "kept"}}))
     monkeypatch.setattr(sys, "argv", ["train_scale", "ddp", "--root", str(tmp_path), "--model", "deit_base_patch16_224",
-                                      "--variants", "scaled:--batch-scale 2", "paper:", "--out", str(tmp_path / "d.json"),
+                                      "--variants", "scaled:NCCL_MAX_CTAS=2 --batch-scale 2", "paper:", "--out", str(tmp_path / "d.json"),
                                       "--into", str(into)])
     train_scale.main()
     doc = json.loads(into.read_text())
     assert doc["wall_min"] == 9.8 and doc["ddp"]["vit_tiny"] == {"scaling": 1.6} and doc["ddp"]["note"] == "kept"
     entry = doc["ddp"]["deit_base"]
     assert entry["scaling"] == 1.5 and entry["2_gpus_paper"]["scaling"] == 1.2
-    assert (entry["s_per_update"], entry["one_gpu_s_per_update"], entry["variant"]) == (0.6, 0.45, "scaled:--batch-scale 2")
-    assert entry["2_gpus_scaled"]["command"].endswith("--batch-scale 2")
+    assert (entry["s_per_update"], entry["one_gpu_s_per_update"], entry["variant"]) == (
+        0.6, 0.45, "scaled:NCCL_MAX_CTAS=2 --batch-scale 2")
+    # an ENV=VALUE word sets the variant's environment, not a flag; one GPU runs on GPU 0
+    assert entry["2_gpus_scaled"]["command"].endswith("--checkpoint-every 40 --batch-scale 2")
+    assert envs["2_gpus_scaled"]["NCCL_MAX_CTAS"] == "2" and entry["2_gpus_scaled"]["env"] == {"NCCL_MAX_CTAS": "2"}
+    assert "NCCL_MAX_CTAS" not in envs["2_gpus_paper"] and envs["one_gpu"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert envs["2_gpus_paper"]["NCCL_NVLS_ENABLE"] == "0" and "env" not in entry["2_gpus_paper"]
     assert entry == json.loads((tmp_path / "d.json").read_text())
 
 
