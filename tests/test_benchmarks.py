@@ -826,7 +826,10 @@ def test_train_scale_updates_profiles_consecutive_updates_on_cpu(tmp_path, monke
     assert r["rank"] == 0 and len(r["update_s"]) == 2 and r["wall_ms"] >= 1e3 * sum(r["update_s"]) / 2 * 0.99
     assert {"rollout", "actor_update"} <= set(r["phases"]) and r["kernels"] == 0 and r["gpu_busy_ms"] == 0
     assert r["allreduce_calls"] == 0 and r["graph_launch_calls"] == 0  # (one process, no CUDA graphs)
-    assert json.loads(gzip.decompress((tmp_path / "t" / "trace_rank0.json.gz").read_bytes()))["traceEvents"]
+    events = json.loads(gzip.decompress((tmp_path / "t" / "trace_rank0.json.gz").read_bytes()))["traceEvents"]
+    # each phase's end marked in the trace (PhaseClock), once per profiled update
+    ends = [e["name"] for e in events if e.get("name", "").startswith("phase ")]
+    assert ends.count("phase rollout") == 2 and ends.count("phase actor_update") == 2
 
 
 def test_batch_scale_seed_bootstrap_by_hand():
