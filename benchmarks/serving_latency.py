@@ -115,6 +115,14 @@ def kernel_sequence(fn: Callable, pool: torch.Tensor, batch: int, first: int) ->
     return {"kernels": seq, "families": families}
 
 
+def profiles(fn: Callable, pool: torch.Tensor, batch: int, first: int, args) -> Dict[str, Any]:
+    """After the timed requests: ``--kernels``' profile of 10 requests, then ``--sequence``'s one."""
+    out = kernel_profile(fn, pool, batch, first) if args.kernels else {}
+    if args.sequence:
+        out["sequence"] = kernel_sequence(fn, pool, batch, first + 10)
+    return out
+
+
 def graph_counts(model) -> Dict[str, int]:
     info = timm_dora.engine_info(model)
     return {"plan_misses": sum(s["plan_misses"] for s in info["batch_shapes"]), "graphs": info["graphs"]}
@@ -131,10 +139,7 @@ def measure(name: str, model, actor, pool: torch.Tensor, batch: int, args) -> Di
                                dynamic=False)
         stream(fn, pool, batch, 0, w)
         row = summary(stream(fn, pool, batch, w, n), batch)
-        row.update(kernel_profile(fn, pool, batch, w + n) if args.kernels else {})
-        if args.sequence:
-            row["sequence"] = kernel_sequence(fn, pool, batch, w + n + 10)
-        return row
+        return {**row, **profiles(fn, pool, batch, w + n, args)}
     timm_dora.wrap(model, actor)
     try:
         fn = model
@@ -148,10 +153,7 @@ def measure(name: str, model, actor, pool: torch.Tensor, batch: int, args) -> Di
         row["plan_misses"] = after["plan_misses"] - before["plan_misses"]
         row["captures"] = after["graphs"] - before["graphs"]
         row["executor"] = timm_dora.engine_info(model)["executor"]
-        row.update(kernel_profile(fn, pool, batch, w + n) if args.kernels else {})
-        if args.sequence:
-            row["sequence"] = kernel_sequence(fn, pool, batch, w + n + 10)
-        return row
+        return {**row, **profiles(fn, pool, batch, w + n, args)}
     finally:
         timm_dora.unwrap(model)
         torch._dynamo.reset()
