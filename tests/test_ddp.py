@@ -66,14 +66,19 @@ def test_two_processes_equal_one_and_resume_with_another_world_size(data, tmp_pa
     assert json.loads((two / "selection.json").read_text())["selected"]["name"] == json.loads((one / "selection.json").read_text())["selected"]["name"]
 
     # --batch-scale 2 on two processes (each process a half-size "paper batch" of 2 images, its
-    # minibatches, updates and cadences scaled back to these): the same run once more
+    # minibatches, updates and cadences scaled back to these): the run of one process with its
+    # minibatches drawn from 2 strata (each process's exact share: buffers of half a minibatch)
+    strata = tmp_path / "strata"
+    _launch(1, DDP_ARGS + ["--strata", "2", "--data", str(data), "--out", str(strata)])
+    m_strata = read_metrics(strata)
+    assert [r["loss_gate"] for r in m_strata] != [r["loss_gate"] for r in m1]  # (another draw)
     scaled = tmp_path / "scaled"
     halved = {"--rollout-images": "2", "--gate-minibatch": "8", "--controller-minibatch": "2", "--critic-minibatch": "8",
               "--updates": "8", "--checkpoint-every": "4", "--feedback-cadence": "4"}
     argv = [halved.get(DDP_ARGS[i - 1], a) for i, a in enumerate(DDP_ARGS)]
     assert {DDP_ARGS[i - 1] for i, (a, b) in enumerate(zip(argv, DDP_ARGS)) if a != b} == set(halved)
     _launch(2, argv + ["--batch-scale", "2", "--data", str(data), "--out", str(scaled)])
-    _close(read_metrics(scaled), m1)
+    _close(read_metrics(scaled), m_strata)
 
     # two processes up to the checkpoint at u=2, then resumed by one process
     mixed = tmp_path / "mixed"

@@ -15,6 +15,7 @@ from timm_dora.train.ppo import (
     clipped_value_loss,
     decision_advantages,
     gae_shared_return,
+    minibatches,
     pcgrad_symmetric,
     standardize,
 )
@@ -263,6 +264,35 @@ def test_actor_parameter_groups_partition():
     assert sum(p.numel() for p in groups["budget"]) == sum(p.numel() for p in actor.budget_head.parameters())
 
 
+def test_minibatches_paper_draw_is_one_shuffle_cut_by_size():
+    """``strata == 1``: the paper's draw, one permutation of the pool cut into ``size`` pieces."""
+    pool = [3, 5, 8, 13, 21, 34, 55]
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(7)).tolist()
+    ids = [pool[i] for i in perm]
+    assert minibatches(pool, 3, 4, 1, torch.Generator().manual_seed(7)) == [ids[:3], ids[3:6], ids[6:]]
+    assert minibatches([], 3, 4, 1, torch.Generator()) == []
+
+
+def test_minibatches_stratified_by_hand():
+    """``strata = 2`` over 4 images (blocks: images 0-1 and 2-3; transition ``t`` is image ``t % 4``):
+    each block shuffled on its own (in block order, one generator) and dealt into the same number of
+    near-equal pieces, at most ``size // 2`` per block per minibatch."""
+    pool = [0, 1, 4, 5, 8, 9, 2, 3, 6]  # block 0: 0 1 4 5 8 9; block 1: 2 3 6
+    g = torch.Generator().manual_seed(3)
+    b0 = [[0, 1, 4, 5, 8, 9][i] for i in torch.randperm(6, generator=g).tolist()]
+    b1 = [[2, 3, 6][i] for i in torch.randperm(3, generator=g).tolist()]
+    got = minibatches(pool, 4, 4, 2, torch.Generator().manual_seed(3))
+    # 9 transitions, size 4: 3 minibatches (ceil(9/4)); block 0's 6 at most 2 each: 3 as well
+    assert got == [b0[0:2] + b1[0:1], b0[2:4] + b1[1:2], b0[4:6] + b1[2:3]]
+    # a block over its share sets the count: 6 of block 0 at most 1 per minibatch (size 2): 6 minibatches,
+    # where the paper's draw would take ceil(7 / 2) = 4
+    got = minibatches([0, 1, 4, 5, 8, 9, 2], 2, 4, 2, torch.Generator().manual_seed(0))
+    assert len(got) == 6 and all(sum(1 for t in mb if t % 4 < 2) == 1 for mb in got)
+    assert sorted(t for mb in got for t in mb) == [0, 1, 2, 4, 5, 8, 9] and [2] in [[t for t in mb if t % 4 >= 2] for mb in got]
+    with pytest.raises(ValueError, match=r"3 strata need images \(4\) divisible by them"):
+        minibatches(pool, 6, 4, 3, torch.Generator())
+
+
 def test_ppo_config_defaults():
     cfg = PPOConfig()
     assert cfg.rollout_images * cfg.updates == cfg.total_images == 299_776 and cfg.updates == 1171
@@ -270,6 +300,6 @@ def test_ppo_config_defaults():
     assert (cfg.gate_minibatch, cfg.controller_minibatch, cfg.critic_minibatch) == (512, 64, 128)
     assert (cfg.lr_gate, cfg.lr_critic, cfg.lr_shared, cfg.lr_budget, cfg.lr_selector) == (5e-5, 1e-4, 2e-5, 5e-5, 2e-5)
     assert (cfg.clip_eps, cfg.gamma, cfg.gae_lambda, cfg.kd_temperature, cfg.compression_scale) == (0.2, 1.0, 0.95, 3.0, 25.0)
-    assert (cfg.max_grad_norm, cfg.seed) == (0.5, 42)
+    assert (cfg.max_grad_norm, cfg.seed, cfg.strata) == (0.5, 42, 1)
     with pytest.raises(ValueError):
         PPOConfig(updates=10)

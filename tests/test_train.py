@@ -77,7 +77,7 @@ def test_cli_trains_logs_checkpoints_and_resumes_exactly(data, tmp_path, one_thr
 
 def test_batch_scale_trains_the_larger_batch_and_resumes(data, tmp_path, one_thread):
     """``--batch-scale 2`` (each of 2 GPUs the paper's batch) is the run with twice the rollout images
-    and minibatches and half the updates, feedback checks and checkpoints, given by hand: the same
+    and minibatches, drawn from 2 strata, and half the updates, feedback checks and checkpoints, given by hand: the same
     config.json (but the flag), metrics and actor, also when stopped at its first checkpoint and
     resumed with the same flags. (The scaled settings once reached the config but not the rollout's
     local batch: half of each batch was rolled out, and every per-image metric read half.)"""
@@ -88,7 +88,7 @@ def test_batch_scale_trains_the_larger_batch_and_resumes(data, tmp_path, one_thr
     scaled = base + ["--updates", "4", "--rollout-images", "3", "--checkpoint-every", "2", "--feedback-cadence", "2",
                      "--gate-minibatch", "8", "--controller-minibatch", "2", "--critic-minibatch", "8", "--batch-scale", "2"]
     by_hand = base + ["--updates", "2", "--rollout-images", "6", "--checkpoint-every", "1", "--feedback-cadence", "1",
-                      "--gate-minibatch", "16", "--controller-minibatch", "4", "--critic-minibatch", "16"]
+                      "--gate-minibatch", "16", "--controller-minibatch", "4", "--critic-minibatch", "16", "--strata", "2"]
     runs = {}
     for name, args in (("scaled", scaled), ("by_hand", by_hand)):
         runs[name] = tmp_path / name
@@ -486,6 +486,10 @@ def test_cli_errors_are_one_line(data, tmp_path, capsys):
     assert rc == 1 and capsys.readouterr().err == "timm-dora-train: error: --cutmix-prob must be in [0, 1], got 2.0\n"
     rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "run3"), "--batch-scale", "0"])
     assert rc == 1 and capsys.readouterr().err == "timm-dora-train: error: --batch-scale must be at least 1, got 0\n"
+    rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "run4"), "--strata", "4"])
+    assert rc == 1 and capsys.readouterr().err == "timm-dora-train: error: --rollout-images 6 must be divisible by --strata 4\n"
+    rc = main(ARGS + ["--data", str(data), "--out", str(tmp_path / "run5"), "--strata", "2", "--controller-minibatch", "1"])
+    assert rc == 1 and capsys.readouterr().err == "timm-dora-train: error: --controller-minibatch 1 must be at least --strata 2\n"
 
 
 @pytest.mark.parametrize("model,size,summary", [

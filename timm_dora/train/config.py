@@ -123,7 +123,8 @@ class TrainConfig:
 
     def scaled(self) -> "TrainConfig":
         """This configuration with :attr:`batch_scale` ``K`` applied: ``K`` x the rollout images and
-        the three minibatches (the same optimiser steps per update, on ``K`` x the transitions), and
+        the three minibatches (the same optimiser steps per update, on ``K`` x the transitions, drawn
+        evenly from ``K`` blocks of the images: ``K`` x :attr:`~.ppo.PPOConfig.strata`), and
         the updates, the feedback cadence and the checkpoint cadence divided by ``K``, rounded up
         (settings still ``None`` stay so). The run reads the same images as ``K = 1`` and checks them
         at the same image counts: on ``K`` GPUs every process does one GPU's update. That is a
@@ -138,7 +139,7 @@ class TrainConfig:
             return self
         p = self.ppo
         updates = -(-p.updates // k)
-        ppo = dataclasses.replace(p, rollout_images=k * p.rollout_images, updates=updates,
+        ppo = dataclasses.replace(p, rollout_images=k * p.rollout_images, updates=updates, strata=k * p.strata,
                                   total_images=k * p.rollout_images * updates, gate_minibatch=k * p.gate_minibatch,
                                   controller_minibatch=k * p.controller_minibatch, critic_minibatch=k * p.critic_minibatch)
         every = None if self.checkpoint_every is None else -(-self.checkpoint_every // k)
@@ -165,6 +166,12 @@ class TrainConfig:
                 encoder_sizes(self.actor_width)
         except ValueError as e:
             raise ValueError(f"--actor-width: {e}") from None
+        p = self.ppo
+        if p.rollout_images % p.strata:
+            raise ValueError(f"--rollout-images {p.rollout_images} must be divisible by --strata {p.strata}")
+        small = [f for f in ("gate_minibatch", "controller_minibatch", "critic_minibatch") if getattr(p, f) < p.strata]
+        if small:
+            raise ValueError(f"--{small[0].replace('_', '-')} {getattr(p, small[0])} must be at least --strata {p.strata}")
         if not 0.0 <= self.cutmix_prob <= 1.0:
             raise ValueError(f"--cutmix-prob must be in [0, 1], got {self.cutmix_prob}")
         if self.selection is not None and self.selection not in RULES:
@@ -211,7 +218,8 @@ def check_resume(cfg: "TrainConfig", saved: Dict) -> None:
     ``config.json`` (settings left to the recipe are not compared; :data:`RESUMABLE` may change)."""
     now = dataclasses.asdict(cfg.scaled())  # (config.json holds the scaled settings)
     pairs = [(k, v, saved.get(k)) for k, v in now.items() if k != "ppo"]
-    pairs += [(k, v, saved.get("ppo", {}).get(k)) for k, v in now["ppo"].items()]
+    ppo_defaults = dataclasses.asdict(PPOConfig())  # (a run from before a setting existed: its default)
+    pairs += [(k, v, saved.get("ppo", {}).get(k, ppo_defaults[k])) for k, v in now["ppo"].items()]
     differ = [f"--{k.replace('_', '-')} {v!r} (the run: {old!r})" for k, v, old in pairs
               if k not in (*RESUMABLE, "total_images") and v is not None and not (k == "recipe" and v == "auto")
               and json.loads(json.dumps(v)) != old]

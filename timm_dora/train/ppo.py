@@ -9,6 +9,8 @@
   PPO-style clipped Huber value loss.
 - :func:`pcgrad_symmetric` / :func:`apply_pcgrad`: symmetric PCGrad between the budget and
   selector gradients on the shared controller (Eq. app-critic-pcgrad), then clipping to 0.5.
+- :func:`minibatches`: one epoch's shuffled minibatches, drawn evenly from ``strata`` blocks of
+  the update's images where asked (ours, for data parallel: each process's exact share).
 - :func:`actor_parameter_groups`: the gate / shared controller / budget / selector partition of
   the actor's parameters that the separate optimizers and PCGrad act on.
 - :class:`PPOConfig`: the hyperparameters of Table app-critic-training.
@@ -37,6 +39,7 @@ __all__ = [
     "clipped_value_loss",
     "pcgrad_symmetric",
     "apply_pcgrad",
+    "minibatches",
     "actor_parameter_groups",
     "PPOConfig",
 ]
@@ -258,6 +261,33 @@ def apply_pcgrad(
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
+def minibatches(pool: Sequence[int], size: int, images: int, strata: int, gen: torch.Generator) -> List[List[int]]:
+    """One epoch's minibatches over the transitions ``pool`` (numbered ``t = l * images + b`` for the
+    ``b``-th of the update's ``images`` images at block ``l``), shuffled with ``gen``.
+
+    ``strata == 1`` (the paper): one shuffle, cut into minibatches of ``size`` (the last one shorter).
+    ``strata = S > 1`` (ours; ``--batch-scale S`` sets it): the images are ``S`` equal blocks, each
+    block's transitions are shuffled on their own and cut into ``M`` near-equal pieces, and
+    minibatch ``j`` is the ``j``-th piece of every block. ``M``, the fewest minibatches with no
+    piece over ``size // S`` and none over ``size`` in all, is ``ceil(len(pool) / size)`` unless a
+    block holds more than its share of ``pool``. Every transition is in one minibatch; each holds
+    at most ``size // S`` of each block, so a process holding whole blocks knows its rows' number
+    in advance (data parallel: static buffers of exactly its share, no padding). A stratified
+    draw, not the paper's uniform one; ``benchmarks/batch_scale.py`` measures what it learns."""
+    if strata == 1:
+        ids = [pool[i] for i in torch.randperm(len(pool), generator=gen).tolist()]
+        return [ids[s : s + size] for s in range(0, len(ids), size)]
+    per, cap = images // strata, size // strata
+    if images % strata or cap < 1:
+        raise ValueError(f"{strata} strata need images ({images}) divisible by them and a minibatch ({size}) of at least one each")
+    blocks: List[List[int]] = [[] for _ in range(strata)]
+    for t in pool:
+        blocks[(t % images) // per].append(t)
+    m = max([-(-len(pool) // size)] + [-(-len(b) // cap) for b in blocks])
+    blocks = [[b[i] for i in torch.randperm(len(b), generator=gen).tolist()] for b in blocks]
+    return [[t for b in blocks for t in b[j * len(b) // m : (j + 1) * len(b) // m]] for j in range(m)]
+
+
 def actor_parameter_groups(actor: nn.Module) -> Dict[str, List[nn.Parameter]]:
     """Partition a :class:`~timm_dora.policy.actor.Actor`'s parameters by optimizer (App. D.3-D.4).
 
@@ -301,6 +331,7 @@ class PPOConfig:
     gate_minibatch: int = 512  # transitions per gate minibatch
     controller_minibatch: int = 64  # gate-on transitions per budget + selector minibatch
     critic_minibatch: int = 128  # transitions per critic minibatch
+    strata: int = 1  # ours: minibatches drawn evenly from this many equal blocks of the update's images (minibatches(); --batch-scale K multiplies it by K, so each of K processes holds its exact share)
     max_grad_norm: float = 0.5  # gradient-norm clip of every step
     lr_gate: float = 5e-5  # the gate's Adam learning rate (each group its own Adam, torch's betas and eps: ours)
     lr_critic: float = 1e-4  # the critic's learning rate
