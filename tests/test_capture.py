@@ -14,6 +14,7 @@ from timm_dora.engine import capture as capture_module
 from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine.capture import batch_bucket
 from timm_dora.engine.graphs import GraphRunner
+from timm_dora.engine.whole import one_graph_reason
 
 from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model
@@ -144,6 +145,39 @@ def test_engine_info_reports_the_cached_buckets_and_release_graphs_frees_them(mo
     timm_dora.unwrap(model)
     with pytest.raises(ValueError, match="not wrapped"):
         timm_dora.engine_info(model)
+
+
+def test_engine_info_says_how_the_graphs_replayed_and_why_not_as_one(engine_options):
+    """``graph``: one graph for the whole forward (planned, or unplanned with ``whole``) or a graph
+    per block, and ``graph_reason`` why not one (on the CPU ``cuda_graphs=True`` runs the same
+    segments uncaptured, where only ``planned=True`` or ``whole=True`` asks for one graph)."""
+    model = _model()
+    x = images(model, 3)
+    info = _forward(model, x, actor=kind_actor(model, "biased"), cuda_graphs=True)[2]
+    assert (info["executor"], info["graph"]) == ("captured", "per_block")
+    assert info["graph_reason"] == "not captured (planned=None plans captured forwards only)"
+    engine_options(planned=True)
+    info = _forward(model, x, calls=2, actor=kind_actor(model, "biased"), cuda_graphs=True)[2]
+    assert (info["graph"], info["graph_reason"]) == ("planned", None)
+    engine_options(whole=True)
+    assert _forward(model, x, actor=kind_actor(model, "biased"), cuda_graphs=True)[2]["graph"] == "whole"
+    engine_options(whole=None, planned=False)
+    assert _forward(model, x, actor=kind_actor(model, "biased"), cuda_graphs=True)[2]["graph_reason"] == \
+        "EngineOptions(planned=False)"
+    engine_options(planned=True)
+    info = _forward(model, x, policy=timm_dora.NoPrune(), cuda_graphs=True)[2]
+    assert info["graph"] == "per_block" and "decides on the host" in info["graph_reason"]
+    info = _forward(model, x, actor=kind_actor(model, "biased"), cuda_graphs=False)[2]
+    assert (info["executor"], info["graph"], info["graph_reason"]) == ("eager", None, None)
+    # captured (CUDA), by default: one graph up to planned_max_batch
+    engine_options(planned=None, planned_max_batch=2)
+    timm_dora.wrap(model, kind_actor(model, "biased"))
+    runner = GraphRunner(model, model._dora.policy, x, "sdpa_loop", "model")
+    runner.capture = True
+    assert one_graph_reason(runner) == "batch 3 above EngineOptions.planned_max_batch=2"
+    engine_options(planned_max_batch=3)
+    assert one_graph_reason(runner) is None
+    timm_dora.unwrap(model)
 
 
 def test_the_graph_option_is_part_of_the_wrap_identity():

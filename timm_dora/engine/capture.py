@@ -116,6 +116,11 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
     - ``executor``: ``"captured"`` or ``"eager"`` (the last forward; ``None`` before the first);
     - ``reason``: why the last forward ran eagerly (``None`` when captured);
     - ``failed``: why capturing was given up for this model, or ``None``;
+    - ``graph``: how the last captured forward replayed (``None`` when eager): ``"whole"`` or
+      ``"planned"`` (one graph for the whole forward: :mod:`~timm_dora.engine.whole`) or
+      ``"per_block"`` (a graph per block, the host reading each block's decisions), and
+      ``graph_reason``, why it was not one graph (the policy decides on the host, a pooled
+      readout, a batch above ``EngineOptions.planned_max_batch``, ...);
     - ``batch_shapes``: per cached batch bucket (at most ``max_cached``), ``batch``, ``graphs``,
       ``capture_s`` (warm-ups and captures, device-synchronised), ``memory_mb`` (its fixed
       buffers and the segments of its graphs' private memory pool) and ``buffers_mb`` (the fixed
@@ -138,7 +143,7 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
                "buffers_mb": round(r.buffer_bytes / 2**20, 1), "plan_misses": r.plan_misses}
               for r in state.graphs.values()]
     return {"cuda_graphs": state.cuda_graphs, "executor": state.executor, "reason": state.reason,
-            "failed": state.failed, "max_cached": (state.engine or active()).max_cached, "batch_shapes": shapes,
+            "failed": state.failed, "graph": state.graph, "graph_reason": state.graph_reason, "max_cached": (state.engine or active()).max_cached, "batch_shapes": shapes,
             "graphs": sum(s["graphs"] for s in shapes), "capture_s": round(sum(s["capture_s"] for s in shapes), 3),
             "memory_mb": round(sum(s["memory_mb"] for s in shapes), 1)}
 

@@ -45,7 +45,7 @@ from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all, rows
 from .attention import BACKENDS, select_backend
 from .packing import rows_where, segment_ids
 from .protocol import ForwardConstants, Policy
-from .whole import forward_whole, plan_from, plans, runs_whole
+from .whole import forward_whole, one_graph_reason, plan_from, plans, runs_whole
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check_supported", "DoraStats", "run",
            "READOUTS", "SUPPORTED_POOLS"]
@@ -118,6 +118,8 @@ class _DoraState:
     failed: Optional[str] = None  # why capturing was given up (a captured forward raised)
     executor: Optional[str] = None  # what ran the last forward: "captured" or "eager"
     reason: Optional[str] = None  # why the last forward ran eagerly
+    graph: Optional[str] = None  # how the last captured forward replayed: "whole", "planned" or "per_block"
+    graph_reason: Optional[str] = None  # why it replayed a graph per block (engine.whole.one_graph_reason)
     costs: Dict[int, BackboneCost] = field(default_factory=dict)  # at other input sizes, by patch count
     skip_dead: bool = False  # the last block's MLP on the rows the readout reads only (the prefix rows)
     merge: bool = False  # removed rows folded into their most similar survivor (engine.packing.merge_removed)
@@ -390,6 +392,7 @@ def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: 
         return _empty_batch(model, x)
     backend = select_backend(x.device.type, x.dtype, state.attn_backend)
     state.reason = why = capture_reason(model, x, backend)
+    state.graph = state.graph_reason = None
     if why is not None:
         state.executor = "eager"
         if state.cuda_graphs and not state.warned and state.failed is None and not torch.compiler.is_compiling():
@@ -402,16 +405,20 @@ def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: 
     try:
         runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout, state.merge)
         if runs_whole(runner):
+            state.graph = "whole"
             out = _whole(model, runner, padded, keep=batch)
         elif plans(runner):
+            state.graph = "planned"
             out = _planned(model, runner, padded, keep=batch)
         else:
+            state.graph, state.graph_reason = "per_block", one_graph_reason(runner)
             out = _forward(model, padded, policy, runner, keep=batch)
     except Exception as error:  # a failed capture: eagerly, and for good if that works
         release_all(state.graphs)  # (whatever the eager retry gives: a failed capture's graphs are not reused)
         out = _forward(model, x, policy, None)  # (raises if the input was at fault: graphs stay on)
         why = fell_back(model, error)
         state.executor, state.reason = "eager", f"an earlier capture failed ({why})"
+        state.graph = state.graph_reason = None
         warnings.warn(f"timm_dora: capturing CUDA graphs failed, so this model runs eagerly from now on ({why}); "
                       "timm_dora.engine_info(model) keeps the reason", stacklevel=6)
         return out

@@ -48,7 +48,7 @@ import torch
 from .options import active
 from .packing import Packed
 
-__all__ = ["Plan", "whole_reason", "runs_whole", "plans", "plan_from", "whole_segment", "forward_whole", "held"]
+__all__ = ["Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment", "forward_whole", "held"]
 
 
 class Plan(NamedTuple):
@@ -83,6 +83,22 @@ def plans(runner) -> bool:
     if options.planned is False or whole_reason(runner) is not None or runs_whole(runner):
         return False
     return options.planned is True or (runner.capture and runner.batch <= options.planned_max_batch)
+
+
+def one_graph_reason(runner) -> Optional[str]:
+    """Why this runner's forward replays a graph per block instead of one graph for the whole
+    forward (``None``: it runs as one, planned or unplanned)."""
+    if runs_whole(runner) or plans(runner):
+        return None
+    why = whole_reason(runner)
+    if why is not None:
+        return why
+    options = active()
+    if options.planned is False:
+        return "EngineOptions(planned=False)"
+    if not runner.capture:
+        return "not captured (planned=None plans captured forwards only)"
+    return f"batch {runner.batch} above EngineOptions.planned_max_batch={options.planned_max_batch}"
 
 
 def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int, bucket: int,
