@@ -40,7 +40,9 @@ host waits, and one replay of each captured PPO minibatch step, on a set whose r
 profiler after a warm-up, as training runs them (the critic's steps beside the next rollout): per
 process the phases, the GPU's busy time, the NCCL kernels, the all-reduce calls and their host
 time, graph launches and host waits, and optionally each process's Chrome trace: where two GPUs
-lose time against one.
+lose time against one. ``phases`` reads such traces phase by phase: the GPU work each phase
+launched (busy time, per stream, NCCL's) and the host time of its launch calls, on the training
+thread and beside it (:func:`trace_phases`).
 
     python -m benchmarks.train_scale make --sources CARRY/sample1000 --root /data/scale
     python -m benchmarks.train_scale run --root /data/scale --run /data/run --model M --weights W \\
@@ -51,10 +53,13 @@ lose time against one.
         --out OUT/profile_deit_base.json
     torchrun --nproc_per_node 2 -m benchmarks.train_scale updates --root /data/ddp --model deit_base_patch16_224 \\
         --extra "--batch-scale 2" --trace-dir OUT --out OUT/updates_deit_base_2.json
+    python -m benchmarks.train_scale phases OUT/trace_rank0.json.gz OUT/trace_rank1.json.gz --out phases.json
 """
 from __future__ import annotations
 
 import argparse
+import bisect
+import collections
 import functools
 import json
 import os
@@ -415,6 +420,69 @@ def trace_summary(events, span_ms: float, updates: int) -> Dict:
     return out
 
 
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def trace_phases(events: List[Dict]) -> List[Dict]:
+    """Each phase of a Chrome trace written by ``updates --trace-dir`` (its ``traceEvents``), in
+    order: the window between two ``phase <name>`` markers (:class:`~timm_dora.train.runtime.PhaseClock`
+    writes one where a phase ends) and the GPU work *launched* in it, wherever that ran: ``host_ms``
+    (the window; ``None`` for the first, which has no start), ``gpu_busy_ms`` (the union of its
+    kernels, copies and fills), ``kernels``, ``stream_ms`` (busy milliseconds per stream, NCCL's
+    kernels apart under ``"nccl"``), and the host milliseconds of the launch calls (CUDA runtime
+    and driver) in the window, by name, on the markers' thread (``main``) and on the others
+    (``other``: the critic's steps beside the rollout)."""
+    marks = sorted((e["ts"], e["name"][len("phase "):], e["tid"]) for e in events
+                   if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase "))
+    if not marks:
+        raise ValueError("no phase markers in the trace: record it with benchmarks.train_scale updates")
+    ends = [t for t, _, _ in marks]
+    main = collections.Counter(tid for _, _, tid in marks).most_common(1)[0][0]
+    launches = {e["args"]["correlation"]: e for e in events if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    rows = [{"phase": name, "host_ms": None if i == 0 else round((t - ends[i - 1]) / 1e3, 3), "gpu": [],
+             "stream_ms": collections.Counter(), "main": collections.Counter(), "other": collections.Counter()}
+            for i, (t, name, _) in enumerate(marks)]
+
+    def window(ts: float) -> Optional[int]:
+        i = bisect.bisect_left(ends, ts)
+        return i if i < len(rows) else None
+
+    for e in events:
+        if e.get("cat") in LAUNCH_CATS and e.get("ph") == "X":
+            i = window(e["ts"])
+            if i is not None:
+                rows[i]["main" if e["tid"] == main else "other"][e["name"]] += e["dur"] / 1e3
+        elif e.get("cat") in GPU_CATS:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            i = None if launch is None else window(launch["ts"])
+            if i is not None:
+                rows[i]["gpu"].append((e["ts"], e["ts"] + e["dur"]))
+                key = "nccl" if "nccl" in e["name"].lower() else str(e["args"].get("stream"))
+                rows[i]["stream_ms"][key] += e["dur"] / 1e3
+    for r in rows:
+        gpu = r.pop("gpu")
+        r.update(gpu_busy_ms=round(busy_ms(gpu), 3), kernels=len(gpu),
+                 **{k: {n: round(v, 3) for n, v in sorted(r[k].items())} for k in ("stream_ms", "main", "other")})
+    return rows
+
+
+def phases(args) -> None:
+    """``phases``: :func:`trace_phases` of each trace, into ``--out`` (``{trace: [phase, ...]}``)."""
+    import gzip
+
+    out = {}
+    for path in args.traces:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            out[path] = trace_phases(json.load(f)["traceEvents"])
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    for name, rows in out.items():
+        print(name)
+        for r in rows:
+            print(f"  {r['phase']:14s} host {r['host_ms'] or 0:8.1f} ms  GPU busy {r['gpu_busy_ms']:8.1f} ms  "
+                  f"{r['kernels']:6d} kernels  " + " ".join(f"{k}:{v:.1f}" for k, v in r["stream_ms"].items()))
+
+
 def updates(args) -> None:
     """Where the time of an update goes, on one process or on every process under ``torchrun``:
     after ``--warmup`` updates (compiling, capturing), ``--updates`` consecutive updates under the
@@ -582,8 +650,11 @@ def main() -> None:
     up.add_argument("--warmup", type=int, default=6)
     up.add_argument("--updates", type=int, default=2)
     up.add_argument("--trace-dir", default=None, help="a folder for each process's gzipped Chrome trace")
+    ph = sub.add_parser("phases")
+    ph.add_argument("traces", nargs="+", help="Chrome traces written by updates --trace-dir (.json or .json.gz)")
+    ph.add_argument("--out", required=True)
     args = ap.parse_args()
-    {"make": make, "run": run, "ddp": ddp, "profile": profile, "updates": updates}[args.step](args)
+    {"make": make, "run": run, "ddp": ddp, "profile": profile, "updates": updates, "phases": phases}[args.step](args)
 
 
 if __name__ == "__main__":

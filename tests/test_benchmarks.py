@@ -832,6 +832,36 @@ def test_train_scale_updates_profiles_consecutive_updates_on_cpu(tmp_path, monke
     assert ends.count("phase rollout") == 2 and ends.count("phase actor_update") == 2
 
 
+def test_train_scale_phases_attribute_gpu_work_to_the_phase_that_launched_it(tmp_path, monkeypatch):
+    """``phases``: a hand-made trace, two phases ending at 100 and 250 us (the markers' thread 1);
+    a kernel launched at 90 but run at 120-150 belongs to the first, as the launch's host time on
+    thread 1; a graph launch on thread 2 at 200 (its kernels on stream 9 and NCCL's overlapping)
+    to the second."""
+    from benchmarks import train_scale
+
+    def x(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    events = [x("user_annotation", "phase rollout", 100, 0), x("user_annotation", "phase actor_update", 250, 0),
+              x("cuda_runtime", "cudaLaunchKernel", 90, 4, correlation=1), x("kernel", "gemm", 120, 30, stream=7, correlation=1),
+              x("cuda_runtime", "cudaGraphLaunch", 200, 10, tid=2, correlation=2),
+              x("kernel", "step", 210, 40, stream=9, correlation=2), x("kernel", "ncclAllReduce", 230, 40, stream=9, correlation=2),
+              x("kernel", "orphan", 300, 5, stream=7, correlation=99)]  # (no launch in the trace: left out)
+    rows = train_scale.trace_phases(events)
+    assert rows == [
+        {"phase": "rollout", "host_ms": None, "stream_ms": {"7": 0.03}, "main": {"cudaLaunchKernel": 0.004}, "other": {},
+         "gpu_busy_ms": 0.03, "kernels": 1},
+        {"phase": "actor_update", "host_ms": 0.15, "stream_ms": {"9": 0.04, "nccl": 0.04}, "main": {},
+         "other": {"cudaGraphLaunch": 0.01}, "gpu_busy_ms": 0.06, "kernels": 2}]
+    with pytest.raises(ValueError, match="no phase markers"):
+        train_scale.trace_phases(events[2:])
+    trace = tmp_path / "t.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    monkeypatch.setattr(sys, "argv", ["train_scale", "phases", str(trace), "--out", str(tmp_path / "p.json")])
+    train_scale.main()
+    assert json.loads((tmp_path / "p.json").read_text()) == {str(trace): rows}
+
+
 def test_batch_scale_seed_bootstrap_by_hand():
     """One seed per arm: every resample is the same, the interval a point; arms of constant runs
     likewise; two seeds: the extremes of the resampled means bound the interval."""
