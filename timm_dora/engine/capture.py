@@ -143,7 +143,8 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
                "buffers_mb": round(r.buffer_bytes / 2**20, 1), "plan_misses": r.plan_misses}
               for r in state.graphs.values()]
     return {"cuda_graphs": state.cuda_graphs, "executor": state.executor, "reason": state.reason,
-            "failed": state.failed, "graph": state.graph, "graph_reason": state.graph_reason, "max_cached": (state.engine or active()).max_cached, "batch_shapes": shapes,
+            "failed": state.failed, "graph": state.graph, "graph_reason": state.graph_reason,
+            "max_cached": (state.engine or active()).max_cached, "batch_shapes": shapes,
             "graphs": sum(s["graphs"] for s in shapes), "capture_s": round(sum(s["capture_s"] for s in shapes), 3),
             "memory_mb": round(sum(s["memory_mb"] for s in shapes), 1)}
 
