@@ -39,8 +39,8 @@ of the CLS form (the actor decides inside the graphs) with the CLS-token readout
 """
 from __future__ import annotations
 
+import functools
 import math
-from types import SimpleNamespace
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -160,11 +160,10 @@ class _Record:
         return {name: flat[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
                 for (name, (shape, dtype)), at in zip(self.shapes.items(), self.offsets)}
 
-    def copy(self) -> SimpleNamespace:
-        """This forward's record (the buffer is rewritten by the next replay): one copy."""
-        v = self.views(self.flat.clone())
-        return SimpleNamespace(gate=v["counts"][0].t().bool(), removed=v["counts"][1].t(), flops=v["flops"],
-                               ids=v["ids"], remove=v["remove"])
+    def copy(self) -> "_RecordCopy":
+        """This forward's record (the buffer is rewritten by the next replay): one copy now, its
+        typed views made when the statistics are read (not on the request's path)."""
+        return _RecordCopy(self, self.flat.clone())
 
     @property
     def nbytes(self) -> int:
@@ -176,6 +175,38 @@ class _Record:
         values = self.check_host.view(torch.long)
         left, gates = values[:self.depth], values[self.depth:].view(self.depth, -1)
         return (gates != 0).sum(1).tolist(), left.tolist()
+
+
+class _RecordCopy:
+    """A forward's copied record: ``gate`` and ``removed`` (``[B, L]``), ``flops`` (``[L, B]``),
+    ``ids`` and ``remove`` (``[L, rows]``), views of the copy made on first read."""
+
+    def __init__(self, record: _Record, flat: torch.Tensor):
+        self._record, self._flat = record, flat
+
+    @functools.cached_property
+    def _views(self) -> dict:
+        return self._record.views(self._flat)
+
+    @functools.cached_property
+    def gate(self) -> torch.Tensor:
+        return self._views["counts"][0].t().bool()
+
+    @functools.cached_property
+    def removed(self) -> torch.Tensor:
+        return self._views["counts"][1].t()
+
+    @property
+    def flops(self) -> torch.Tensor:
+        return self._views["flops"]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._views["ids"]
+
+    @property
+    def remove(self) -> torch.Tensor:
+        return self._views["remove"]
 
 
 class _Missed(Exception):
