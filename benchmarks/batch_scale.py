@@ -3,7 +3,8 @@
 On N GPUs the trainer either splits the paper's 256-image update over the processes (the same
 maths as one GPU, but little faster: the update is latency-bound) or, with ``--batch-scale N``,
 gives every process the paper's batch: N x the rollout images and minibatches per update (the same
-optimiser steps per update) and 1/N of the updates, feedback checks and checkpoints, so a run reads
+optimiser steps per update; each minibatch drawn evenly from the N blocks of 256 images,
+``--strata``) and 1/N of the updates, feedback checks and checkpoints, so a run reads
 the same images and checks at the same image counts. N processes compute what one process computes
 on the whole batch (``tests/test_ddp.py``), so the larger-batch arm runs here on one GPU.
 
