@@ -414,10 +414,10 @@ class Trainer:
             self._critic_record["loss_value"] = float(mean)
             self._critic_record = None
 
-    def _epoch(self, pool: List[int], size: int) -> List[_Minibatch]:
-        """Minibatches of one epoch over the transitions ``pool``, shuffled on the host (:func:`~.ppo.minibatches`)."""
-        p = self.cfg.ppo
-        return [_Minibatch(ids, []) for ids in minibatches(pool, size, p.rollout_images, p.strata, self.cpu_gen)]
+    def _epoch(self, pool: List[int], size: int, images: int) -> List[_Minibatch]:
+        """Minibatches of one epoch over the transitions ``pool`` of an update of ``images`` images,
+        shuffled on the host (:func:`~.ppo.minibatches`)."""
+        return [_Minibatch(ids, []) for ids in minibatches(pool, size, images, self.cfg.ppo.strata, self.cpu_gen)]
 
     def _ppo_update(self, traj: Trajectory, d: torch.Tensor, rewards: torch.Tensor, a_u: float) -> Dict[str, float]:
         """One PPO update, data parallel: every process holds its own images' trajectory and rows,
@@ -455,9 +455,10 @@ class Trainer:
         # minibatches, drawn in the order the loops use them; this process's rows go to the device at once
         feasible = [t for t, f in enumerate(feas_h) if f]
         gate_on = [t for t, o in enumerate(on_h) if o]
-        actor_epochs = [(self._epoch(feasible, p.gate_minibatch), self._epoch(gate_on, p.controller_minibatch))
+        actor_epochs = [(self._epoch(feasible, p.gate_minibatch, every), self._epoch(gate_on, p.controller_minibatch, every))
                         for _ in range(p.actor_epochs)]
-        critic_mbs = [mb for _ in range(p.critic_epochs) for mb in self._epoch(list(range(len(feas_h))), p.critic_minibatch)]
+        critic_mbs = [mb for _ in range(p.critic_epochs)
+                      for mb in self._epoch(list(range(len(feas_h))), p.critic_minibatch, every)]
         for gate_mbs, ctrl_mbs in actor_epochs:
             for mb in gate_mbs:
                 mb.rows = [x for x in map(local, mb.ids) if x >= 0]
