@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from benchmarks.common import command_line
-from benchmarks.train_scale import planned_updates, run_metrics, train_env
+from benchmarks.train_scale import planned_updates, read_json, run_metrics, train_env
 
 MODEL = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 ARMS = ("paper:", "scale2:--batch-scale 2")
@@ -167,11 +167,6 @@ def _write_json(path: Path, doc) -> None:
     path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
 
 
-def _read_json(path: Path):
-    data = path.read_bytes()
-    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
-
-
 def curves(args) -> None:
     """Each run's configuration and per-update record (``CURVE_KEYS``, where logged), finished or
     not, into one JSON file (gzipped where ``--out`` ends in ``.gz``): what ``compare`` reads (small
@@ -247,7 +242,7 @@ def compare(args) -> None:
     from the first arm with a 95 % bootstrap interval over seeds (:func:`seed_bootstrap`, ``vs``)."""
     runs = {}
     for f in args.curves:
-        runs.update(_read_json(Path(f))["runs"])
+        runs.update(read_json(Path(f))["runs"])
     arms: Dict[str, List[dict]] = {}
     for name, r in runs.items():  # (runs are named ARM_sSEED)
         arms.setdefault(name.rsplit("_s", 1)[0], []).append(r)

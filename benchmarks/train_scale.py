@@ -467,14 +467,17 @@ def trace_phases(events: List[Dict]) -> List[Dict]:
     return rows
 
 
-def phases(args) -> None:
-    """``phases``: :func:`trace_phases` of each trace, into ``--out`` (``{trace: [phase, ...]}``)."""
+def read_json(path: Path):
+    """A JSON file, gunzipped where its name ends in ``.gz`` (traces, ``batch_scale``'s curves)."""
     import gzip
 
-    out = {}
-    for path in args.traces:
-        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-            out[path] = trace_phases(json.load(f)["traceEvents"])
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def phases(args) -> None:
+    """``phases``: :func:`trace_phases` of each trace, into ``--out`` (``{trace: [phase, ...]}``)."""
+    out = {path: trace_phases(read_json(Path(path))["traceEvents"]) for path in args.traces}
     Path(args.out).write_text(json.dumps(out, indent=1))
     for name, rows in out.items():
         print(name)
