@@ -5,6 +5,7 @@ profiler by family.
 
     VARIANTS='{"default": {}, "off": {"fused_deletion": false}}' CONFIGS=deit_base_forced BATCHES=1,8,16 \\
         python -m benchmarks.options_ab   # reads .carry/{vit,deit}_tiny.bf16.safetensors, .carry/data/labels_test.csv
+                                          # (or VIT_WEIGHTS, DEIT_WEIGHTS, DATA)
 """
 import argparse, json, os
 import torch
@@ -21,7 +22,9 @@ configs = os.environ.get("CONFIGS", "vit_tiny_published,deit_tiny_published,deit
 batches = [int(b) for b in os.environ.get("BATCHES", "1,8,16").split(",")]
 reqs, rounds = int(os.environ.get("REQS", 150)), int(os.environ.get("ROUNDS", 3))
 dev, dtype, _ = inference_device("cuda", "bf16")
-args = argparse.Namespace(vit_weights=".carry/vit_tiny.bf16.safetensors", deit_weights=".carry/deit_tiny.bf16.safetensors")
+args = argparse.Namespace(vit_weights=os.environ.get("VIT_WEIGHTS", ".carry/vit_tiny.bf16.safetensors"),
+                          deit_weights=os.environ.get("DEIT_WEIGHTS", ".carry/deit_tiny.bf16.safetensors"))
+data = os.environ.get("DATA", ".carry/data/labels_test.csv")
 res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "variants": variants, "reqs": reqs, "rounds": rounds}
 
 def family(n):
@@ -54,7 +57,7 @@ for config in configs:
         model, actor, make = deit_forced(dev, dtype); pool = torch.cat(make(160))
     else:
         model, actor = published(argparse.ArgumentParser(), config, args, dev, dtype)
-        pool = torch.cat([x for x, *_ in loader_for(model, ".carry/data/labels_test.csv", "test", batch=64, workers=4, limit=320)]).to(dev, dtype)
+        pool = torch.cat([x for x, *_ in loader_for(model, data, "test", batch=64, workers=4, limit=320)]).to(dev, dtype)
     for b in batches:
         fns = {}
         torch._dynamo.reset()

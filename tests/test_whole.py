@@ -312,3 +312,31 @@ def test_planned_forward_made_under_inference_mode_runs_again_under_no_grad(engi
     assert timm_dora.engine_info(model)["failed"] is None
     assert torch.equal(first, again)
     timm_dora.unwrap(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("kind", ["biased", "forced"])
+def test_closed_gates_aside_give_the_in_line_graph_bit_for_bit(kind, merge, engine_options):
+    """``EngineOptions.aside_gates``: the closed blocks' gates on a second stream (a branch of the
+    planned graph) compute what the same graph computes with them in line, and the forward ends
+    joined (nothing left forked)."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
+    xs = [images(model, 8, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
+    runs = {}
+    for on in (False, True):
+        engine_options(aside_gates=on, rows_bucket=1)
+        timm_dora.wrap(model, actor=actor, merge=merge)
+        with torch.inference_mode():
+            runs[on] = [(model(x).clone(), model.dora_stats) for x in xs]
+            runner = next(iter(model._dora.graphs.values()))
+            assert runner.plan is not None
+            aside = getattr(runner, "aside", None)
+            assert (aside is not None) == on and not (on and (aside.forked or aside.held))
+        timm_dora.unwrap(model)
+    for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(oa, ob)
+        for field in ("tokens", "gate", "removed"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field

@@ -49,7 +49,7 @@ from .deletion_kernel import Books, delete_rows_fused, delete_rows_reference, fu
 from .packing import fold_removed
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
-from .whole import whole_segment
+from .whole import aside, whole_segment
 
 __all__ = ["Segments"]
 
@@ -207,6 +207,8 @@ class Segments:
         # kernel is the faster there (BACKEND_INFO's small_dense), the rows attend as packed rows
         # of equal lengths; the keys come [B*S, H, hd]
         varlen = len(key) > 6 and key[6] and r.capture and BACKEND_INFO[r.backend].small_dense
+        # key[7] (optional, the whole forward's graph): the gate on the Aside stream (whole.aside)
+        side = len(key) > 7 and key[7]
         rows_in, attend = r.dense_inputs[l % 2], None
         if varlen:
             rows_in = SimpleNamespace(x=rows_in.x, total=b * r.seq, uniform=False)
@@ -243,9 +245,10 @@ class Segments:
                 else:
                     r.k.view(b, r.seq, k.shape[1], k.shape[3]).copy_(k.transpose(1, 2))
             cls = k.view(b, r.seq, *k.shape[1:])[:, 0] if varlen else k[:, :, 0]  # (the same strides)
-            if not r.triton_gate:  # the modules' gate takes [B, d] (a copy)
-                cls = cls.reshape(b, -1)
-            gate_dense(cls)
+            if side:
+                aside(r, lambda: gate_dense(cls), k)
+            else:
+                gate_dense(cls if r.triton_gate else cls.reshape(b, -1))  # (the modules' gate takes [B, d]: a copy)
             if keep and r.triton_gate:  # the gate ran just above: the open images' keys only
                 copy_open_keys(k, r.dense_inputs[0].cu_seqlens, r.seq, r.gate_out[l], r.k)
             if in_place:  # [B*S, d] rows (a view of timm's qkv output: row stride 3d)
@@ -393,6 +396,7 @@ class Segments:
         in_place = len(key) > 5 and key[5]
         gate_buffer = r.gate_out[l] if len(key) > 6 and key[6] else r.ctrl_in[2]
         norms = _norms(r, l, rows, key[7] if len(key) > 7 else (False, False, False))  # key[7]: as the dense one's
+        side = len(key) > 8 and key[8]  # key[8] (the whole forward's graph): the actor's work on the Aside stream
         p = model.num_prefix_tokens
 
         def gate_ctx(keys: Optional[torch.Tensor] = None) -> BlockContext:
@@ -426,11 +430,13 @@ class Segments:
         def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
             if r.triton_gate:  # the gate reads the CLS keys in place, then only the open
                 # images' keys are kept (the controller reads no other)
-                gate_packed(k)
+                def gate():
+                    gate_packed(k)
+                    if r.k is not None and not in_place:  # (else a controller recomputes them)
+                        copy_open_keys(k, r.cu, r.seq, gate_buffer, r.k)
+                aside(r, gate, k, on=side)
                 if in_place:  # [rows, d] (a view of the qkv output: row stride 3d)
                     r.keys_in_place = k.reshape(rows, -1)
-                elif r.k is not None:  # (else a controller recomputes them)
-                    copy_open_keys(k, r.cu, r.seq, gate_buffer, r.k)
                 return
             r.k[:rows].copy_(k.reshape(rows, -1))
             if r.probing:
@@ -441,7 +447,7 @@ class Segments:
         def attention_packed():
             src = SimpleNamespace(x=r.x[l % 2][:rows], total=rows, uniform=False)
             if r.probing and fresh:
-                gate_history()
+                aside(r, gate_history, on=side)
             attention_residual(blk, src, r.backend, out=r.attn_out(l)[:rows], attend=attend, keys=False,
                                on_keys=keep_keys if r.copy_keys else None, normed=norms["read"], norm_into=norms["mid"])
             if spec:  # the MLP in the same graph, speculatively (the gate decides later)

@@ -48,7 +48,7 @@ import torch
 from .options import active
 from .packing import Packed
 
-__all__ = ["Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment", "forward_whole", "held"]
+__all__ = ["Aside", "aside", "Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment", "forward_whole", "held"]
 
 
 class Plan(NamedTuple):
@@ -209,6 +209,43 @@ class _RecordCopy:
         return self._views["remove"]
 
 
+class Aside:
+    """Work of the whole graph that the chain of a request's kernels does not wait for (a closed
+    block's gate, read only by the plan's check at the end): :meth:`fork` enqueues it on a second
+    stream behind what the current stream has enqueued so far, :meth:`join` makes the current
+    stream wait for all of it. Captured, the two streams are two branches of the graph, which the
+    GPU runs side by side. The tensors the forked work reads (a view of the block's ``qkv`` output)
+    are held until the join: freed earlier, the allocator could hand their memory to a kernel of
+    the current stream that nothing orders after the reads."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+        self.held: list = []
+        self.forked = False
+
+    def fork(self, fn: Callable[[], None], *hold: torch.Tensor) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            fn()
+        self.held.extend(hold)
+        self.forked = True
+
+    def join(self) -> None:
+        if self.forked:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.held.clear()
+            self.forked = False
+
+
+def aside(runner, fn: Callable[[], None], *hold: torch.Tensor, on: bool = True) -> None:
+    """``fn()`` on the runner's :class:`Aside` stream where ``on`` (holding ``hold`` until the
+    join), else in line."""
+    if on:
+        runner.aside.fork(fn, *hold)
+    else:
+        fn()
+
+
 class _Missed(Exception):
     """Uncaptured, a block got more rows than its plan's bound (captured, the check says so)."""
 
@@ -243,8 +280,14 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     after_mlp = [l + 1 < depth for l in range(depth)]  # the MLP writes the next block's norm1
     mid = [not controls[l] for l in range(depth)]  # the attention writes norm2 for its MLP
     norms = [(l > 0 and after_mlp[l - 1], mid[l], after_mlp[l]) for l in range(depth)]
-    attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None, norms[l], True) if l < n_dense else
-                               ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True, norms[l]))
+    # EngineOptions.aside_gates: planned and captured, a closed block's actor work (its history
+    # part, its gate, rho's reset) on a second stream (Aside), joined at the next block; the
+    # history it reads is written only by a controller's deletion, after that join
+    side = [checked and r.capture and r.triton_gate and active().aside_gates and not controls[l] for l in range(depth)]
+    if any(side) and getattr(r, "aside", None) is None:
+        r.aside = Aside(r.device)
+    attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None, norms[l], True, side[l]) if l < n_dense else
+                               ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True, norms[l], side[l]))
               for l in range(depth)]
     # the deletion keeps the books (the history, the record's rows, the rows left: deletion_kernel.Books);
     # planned, the first controller (dense) sets the history instead of updating it, so that
@@ -283,10 +326,12 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
         for l in range(depth):
             if not r.capture and r.cur.total > rows[l]:  # (uncaptured the attention needs the real rows)
                 raise _Missed
+            if any(side):
+                r.aside.join()  # (the last block's gate, long done: it ran beside this chain)
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
                 if after[l]:
-                    rho.zero_()
+                    aside(r, rho.zero_, on=side[l])
                 if mlp[l] is not None:  # (else it ran in the attention's graph)
                     mlp[l]()
                 continue
@@ -298,6 +343,8 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                 r.cur = Packed(r.x[l % 2][:t], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:t].clone(),
                                r.sizes[:t].clone() if r.merge else None)
             mlp[l]()
+        if any(side):
+            r.aside.join()
         rec.counts[0].copy_(r.gate_out)  # every block's gates, in its row (dense and packed)
         if closed:
             gate_flops = {r.steps[steps[l]].gate_flops for l in closed}  # (the same for every image)
