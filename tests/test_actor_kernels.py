@@ -76,7 +76,16 @@ for name, d, n0, p, lengths, gate in (
         with torch.no_grad():
             tiled = fused_controller(actor, keys, cu, max(lengths), h, n_visual, gate, 4, cu, p, t + 9,
                                      tile={"embed": (32, 4), "out_ffn": (16, 4), "scores": (64, 4)})
+    # the three kernels of many images (budget head, selector, selection) give what the one kernel
+    # of few images (_decide, the default here) gives
+    from timm_dora.policy import actor_kernels
+    actor_kernels.DECIDE_MAX_IMAGES = 0
+    with torch.no_grad():
+        split = ActorPolicy(actor, fused_controller=True).controller_fixed(keys, cu, max(lengths), p, h, n_visual, gate,
+                                                                           4, "sdpa_loop", lengths)
+    actor_kernels.DECIDE_MAX_IMAGES = 16
     out[name] = {
+        "split_equal": bool(all(torch.equal(a, b) for a, b in zip(split, (r1, k1, f1)))),
         "tiled_equal": None if tiled is None else bool(all(torch.equal(a, b) for a, b in zip(tiled, (r1, k1, f1)))),
         "rows": [int(r0.shape[0]), int(r1.shape[0])],
         "remove_equal": bool(torch.equal(r0, r1[:t])), "k_equal": bool(torch.equal(k0, k1)),
@@ -149,6 +158,7 @@ def test_interpreted_kernels_equal_the_module_path():
         # written into stale buffers: the same results, in those buffers, the entries past the layout kept
         assert case["out_equal"] and case["out_is_buffer"] and case["out_tail"] == [True] * 3, (name, case)
         assert case["removed_per_image"] == case["k"]
+        assert case["split_equal"], name
     assert res["vit_ti"]["tiled_equal"] is True
     # the cases are not degenerate: gate-active images remove tokens, in varied amounts
     assert res["vit_ti"]["rows"] == [605, 614] and res["vit_ti"]["k"][2] == 0

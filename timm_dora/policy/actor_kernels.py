@@ -28,6 +28,9 @@ everything between two matrix products in registers:
    index: the order of a stable descending sort, as :func:`timm_dora.policy.actor.ordered_topk`),
    and the removal flag ``rank < k`` at the token's row of the block's layout.
 
+For at most :data:`DECIDE_MAX_IMAGES` images, 4-6 run as one kernel (``_decide``, a program per
+image, the same arithmetic): four kernels in all.
+
 Each module's output is rounded to the activations' dtype where the ``nn`` modules round it (the
 linear layers' and the residual sums' outputs), so in bf16 the decisions equal the module
 path's up to the order of the fp32 sums (near-ties may go the other way, as between any two
@@ -49,7 +52,7 @@ from .actor_flops import actor_gate_macs, controller_macs_terms
 from ..engine.varlen_kernel import TILE, triton, varlen_attention_triton
 
 __all__ = ["fused_gate", "fused_gate_context", "fused_controller", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH",
-           "ROW_LAUNCH"]
+           "ROW_LAUNCH", "DECIDE_MAX_IMAGES"]
 
 if triton is not None:
     import triton.language as tl
@@ -74,6 +77,10 @@ GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
 # programs the tile halves, down to 16 rows (tl.dot's least), at 4 warps: more programs, each shorter.
 SMALL_GRID = 64
 ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
+# up to this many images, the budget head, the selector and the selection run as one kernel, a
+# program per image (_decide): at batches 1-16 three launches and the waits between them cost more
+# than the per-image program's serial work
+DECIDE_MAX_IMAGES = 16
 
 
 def _pow2(n: int) -> bool:
@@ -271,12 +278,12 @@ if triton is not None:
             tl.store(Z + r64[:, None] * W + cols[None, :], (x + ffn).to(DT), mask=live[:, None])
 
     @triton.jit
-    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
-                gate_macs, quad, lin, const,
-                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr):
+    def _budget_of(seqs, live, Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, num_budgets,
+                   min_keep, eps, gate_macs, quad, lin, const,
+                   W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr):
+        """The budget head for the sequences ``seqs`` (``live``: real): ``k`` and ``k / N_l`` stored
+        (and returned), and the actor's FLOPs."""
         DT = Z.dtype.element_ty
-        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        live = seqs < nseq
         cols = tl.arange(0, W)
         first = tl.load(CU + seqs, mask=live, other=0).to(tl.int64)  # the CLS row of each sequence
         z = tl.load(Z + first[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
@@ -294,13 +301,35 @@ if triton is not None:
         index = tl.argmax(tl.where(feasible, logits, float("-inf")), 1, tie_break_left=True)
         gate = tl.load(GATE + seqs, mask=live, other=0) != 0
         k = tl.where(gate, tl.load(BUDGETS + index, mask=live, other=0), 0)
+        frac = k.to(tl.float32) / n_visual.to(tl.float32)
         tl.store(K + seqs, k, mask=live)
-        tl.store(FRAC + seqs, k.to(tl.float32) / n_visual.to(tl.float32), mask=live)
+        tl.store(FRAC + seqs, frac, mask=live)
         # the FLOPs (flops.actor_controller_macs, in float64: integer-valued and exact below 2**53)
         n = n_visual.to(tl.float64) + 1.0
         macs = n * (n * quad.to(tl.float64) + lin.to(tl.float64)) + const.to(tl.float64)
         flops = 2.0 * gate_macs.to(tl.float64) + tl.where(gate, 2.0 * macs, 0.0)
         tl.store(FLOPS + seqs, flops, mask=live)
+        return k, frac
+
+    @triton.jit
+    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
+                gate_macs, quad, lin, const,
+                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr):
+        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        _budget_of(seqs, seqs < nseq, Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, num_budgets,
+                   min_keep, eps, gate_macs, quad, lin, const, W, BH, MP, PREC)
+
+    @triton.jit
+    def _score_of(z, frac, cols, WK, WS1, BS1, WS2, BS2, W: tl.constexpr, S: tl.constexpr, DT: tl.constexpr,
+                  PREC: tl.constexpr):
+        """The selector ``MLP_S(Z_j + W_k k/N_l)`` of rows ``z`` (fp32 ``[R, W]``), ``frac`` their
+        images' ``k / N_l`` (``[R]``): the scores, rounded to the dtype."""
+        cond = _round(_round(frac, DT)[:, None] * tl.load(WK + cols).to(tl.float32)[None, :], DT)  # W_k (k / N_l)
+        zc = (z + cond).to(DT)
+        ss = tl.arange(0, S)
+        hid = _silu(_linear(zc, WS1, BS1, ss, cols, W, DT, PREC), DT)
+        s = tl.sum(hid * tl.load(WS2 + ss).to(tl.float32)[None, :], 1) + tl.load(BS2).to(tl.float32)
+        return _round(s, DT)
 
     @triton.jit
     def _scores(Z, CU, nseq, steps, FRAC, WK, WS1, BS1, WS2, BS2, SC,
@@ -310,23 +339,17 @@ if triton is not None:
             DT = Z.dtype.element_ty
             seg, pos = _seg_pos(CU, rows, live, nseq, steps)
             visual = live & (pos >= 1)
-            frac = _round(tl.load(FRAC + seg, mask=live, other=0.0), DT)  # k / N_l in the dtype
-            cond = _round(frac[:, None] * tl.load(WK + cols).to(tl.float32)[None, :], DT)  # W_k (k / N_l)
             z = tl.load(Z + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            zc = (z + cond).to(DT)
-            ss = tl.arange(0, S)
-            hid = _linear(zc, WS1, BS1, ss, cols, W, DT, PREC)
-            hid = _silu(hid, DT)
-            s = tl.sum(hid * tl.load(WS2 + ss).to(tl.float32)[None, :], 1) + tl.load(BS2).to(tl.float32)
-            tl.store(SC + seg.to(tl.int64) * NP + (pos - 1), _round(s, DT), mask=visual)
+            s = _score_of(z, tl.load(FRAC + seg, mask=live, other=0.0), cols, WK, WS1, BS1, WS2, BS2, W, S, DT, PREC)
+            tl.store(SC + seg.to(tl.int64) * NP + (pos - 1), s, mask=visual)
 
     @triton.jit
-    def _select(SC, CU, CU_OUT, K, REMOVE, num_prefix, NP: tl.constexpr, CH: tl.constexpr):
-        seq, chunk = tl.program_id(0), tl.program_id(1)
+    def _select_chunk(SC, CU, CU_OUT, REMOVE, seq, chunk, k, num_prefix, NP: tl.constexpr, CH: tl.constexpr):
+        """The removal flags of tokens ``chunk * CH ..`` of sequence ``seq``: each visual token's
+        rank in its image, ``rank < k``."""
         start = tl.load(CU + seq)
         n = tl.load(CU + seq + 1) - start - 1  # visual tokens of this sequence
         if chunk * CH < n:
-            k = tl.load(K + seq)
             every = tl.arange(0, NP)
             mine = chunk * CH + tl.arange(0, CH)
             s_all = tl.load(SC + seq * NP + every, mask=every < n, other=float("-inf"))
@@ -337,6 +360,41 @@ if triton is not None:
             rank = tl.sum(ahead.to(tl.int32), 1)
             out = tl.load(CU_OUT + seq).to(tl.int64) + num_prefix + mine
             tl.store(REMOVE + out, rank < k, mask=mine < n)
+
+    @triton.jit
+    def _select(SC, CU, CU_OUT, K, REMOVE, num_prefix, NP: tl.constexpr, CH: tl.constexpr):
+        seq = tl.program_id(0)
+        _select_chunk(SC, CU, CU_OUT, REMOVE, seq, tl.program_id(1), tl.load(K + seq), num_prefix, NP, CH)
+
+    @triton.jit
+    def _decide(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, num_budgets, min_keep, eps,
+                gate_macs, quad, lin, const, WK, WS1, BS1, WS2, BS2, SC, CU_OUT, REMOVE, num_prefix,
+                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, NP: tl.constexpr,
+                BLOCK_R: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr):
+        """``_budget``, ``_scores`` and ``_select`` for one image per program (few images: three
+        launches and their waits become one)."""
+        DT = Z.dtype.element_ty
+        seq = tl.program_id(0)
+        lane = tl.arange(0, 16)  # (tl.dot takes 16 rows or more: this image in the first)
+        k, frac = _budget_of(seq + lane, lane == 0, Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS,
+                             num_budgets, min_keep, eps, gate_macs, quad, lin, const, W, BH, MP, PREC)
+        k = tl.sum(tl.where(lane == 0, k, 0))
+        frac = tl.sum(tl.where(lane == 0, frac, 0.0))
+        start = tl.load(CU + seq)
+        n = tl.load(CU + seq + 1) - start - 1  # visual tokens of this image
+        cols = tl.arange(0, W)
+        for p0 in range(0, NP, BLOCK_R):  # its visual rows' scores, BLOCK_R at a time
+            if p0 < n:
+                pos = p0 + tl.arange(0, BLOCK_R)
+                visual = pos < n
+                r64 = (start + 1 + pos).to(tl.int64)
+                z = tl.load(Z + r64[:, None] * W + cols[None, :], mask=visual[:, None], other=0.0).to(tl.float32)
+                s = _score_of(z, tl.zeros([BLOCK_R], dtype=tl.float32) + frac, cols, WK, WS1, BS1, WS2, BS2, W, S, DT,
+                              PREC)
+                tl.store(SC + seq * NP + pos, s, mask=visual)
+        tl.debug_barrier()  # (the scores this program stored, read back by all its threads)
+        for chunk in range(0, NP // CH):
+            _select_chunk(SC, CU, CU_OUT, REMOVE, seq, chunk, k, num_prefix, NP, CH)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -441,8 +499,8 @@ def fused_gate_context(actor, n_visual: torch.Tensor, rho: torch.Tensor, interve
 def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, h: torch.Tensor,
                      n_visual: torch.Tensor, gate: torch.Tensor, block: int, cu_out: torch.Tensor, num_prefix: int,
                      total: int, tile: Union[Tuple[int, int], Dict[str, Tuple[int, int]], None] = None,
-                     out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                     decide: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The deterministic controller of ``actor`` on a packed controller layout (see the module).
 
     ``keys``: ``[rows, d]`` in the actor's dtype, one sequence per image (its CLS key first, then
@@ -457,7 +515,9 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
     written). ``tile``: ``(rows per program, warps)`` for all three row-wise kernels instead of
     :data:`TILE_ROWS` (smaller tiles for few rows: :func:`_rows_tile`), or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
-    ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks.
+    ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks. ``decide``: the budget
+    head, the selector and the selection as one kernel with a program per image (``_decide``)
+    instead of three; ``None``: for at most :data:`DECIDE_MAX_IMAGES` images.
     """
     reason = fused_controller_reason(actor, keys.dtype)
     if reason is not None:
@@ -507,16 +567,22 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     mp = max(16, triton.next_power_of_2(m))
     frac = torch.empty(b, dtype=torch.float32, device=dev)
     per_token, fixed, selector, _ = controller_macs_terms(actor)
-    _budget[(_cdiv(b, 16),)](z, cu, n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias,
-                             bh[3].weight, bh[3].bias, actor.budgets, k_out, frac, flops, b, m, actor.min_keep,
-                             bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector,
-                             W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec, num_warps=tiles["scores"][1])
+    head = (z, cu, n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias, bh[3].weight, bh[3].bias,
+            actor.budgets, k_out, frac, flops)
+    terms = (m, actor.min_keep, bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector)
     np_ = max(16, triton.next_power_of_2(actor.num_patches))
     scores = torch.empty((b, np_), dtype=torch.float32, device=dev)
-    block_r, warps = tiles["scores"]
-    _scores[(_cdiv(rows, block_r),)](
-        z, cu, b, steps, frac, actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight, sel[2].bias, scores,
-        W=w, S=actor.selector_hidden, NP=np_, BLOCK_R=block_r, PREC=prec, num_warps=warps)
+    selector_weights = (actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight, sel[2].bias, scores)
     ch = min(64, np_)
+    if b <= DECIDE_MAX_IMAGES if decide is None else decide:
+        _decide[(b,)](*head, *terms, *selector_weights, cu_out, remove, num_prefix, W=w, BH=actor.budget_hidden, MP=mp,
+                      S=actor.selector_hidden, NP=np_, BLOCK_R=min(64, np_), CH=ch, PREC=prec,
+                      num_warps=tiles["scores"][1])
+        return remove[:total], k_out, flops
+    _budget[(_cdiv(b, 16),)](*head, b, *terms, W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec,
+                             num_warps=tiles["scores"][1])
+    block_r, warps = tiles["scores"]
+    _scores[(_cdiv(rows, block_r),)](z, cu, b, steps, frac, *selector_weights, W=w, S=actor.selector_hidden, NP=np_,
+                                     BLOCK_R=block_r, PREC=prec, num_warps=warps)
     _select[(b, np_ // ch)](scores, cu, cu_out, k_out, remove, num_prefix, NP=np_, CH=ch, num_warps=tiles["scores"][1])
     return remove[:total], k_out, flops
