@@ -179,9 +179,11 @@ class _Record:
     def checked_values(self) -> Tuple[list, list]:
         """The check the host read (after :attr:`checked`): per block, the gates that opened and
         the rows its deletion left (stale where none ran)."""
-        values = self.check_host.view(torch.long)
-        left, gates = values[:self.depth], values[self.depth:].view(self.depth, -1)
-        return (gates != 0).sum(1).tolist(), left.tolist()
+        values = self.check_host.view(torch.long).tolist()  # (one conversion: a request waits for this)
+        depth = self.depth
+        batch = (len(values) - depth) // depth
+        gates = values[depth:]
+        return [sum(gates[l * batch:(l + 1) * batch]) for l in range(depth)], values[:depth]
 
 
 class _RecordCopy:
@@ -328,6 +330,15 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
         if r.capture:
             rec.checked.record(torch.cuda.current_stream(r.device))
 
+    def closed_records():  # the closed blocks' records: nothing removed, the gate's FLOPs
+        gate_flops = {r.steps[steps[l]].gate_flops for l in closed}  # (the same for every image)
+        rec.counts[1].index_fill_(0, rec.closed[plan], 0)
+        if len(gate_flops) == 1:
+            rec.flops.index_fill_(0, rec.closed[plan], gate_flops.pop())
+        else:
+            for l in closed:
+                rec.flops[l].fill_(r.steps[steps[l]].gate_flops)
+
     def whole():
         r.embed_into_first(r.images_in)  # (the images' fixed buffer: forward_whole)
         if first is None:  # (else the first deletion writes all of them)
@@ -361,14 +372,8 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                 mlp[l]()
         if not checked:
             rec.counts[0].copy_(r.gate_out)
-        if closed:
-            gate_flops = {r.steps[steps[l]].gate_flops for l in closed}  # (the same for every image)
-            rec.counts[1].index_fill_(0, rec.closed[plan], 0)
-            if len(gate_flops) == 1:
-                rec.flops.index_fill_(0, rec.closed[plan], gate_flops.pop())
-            else:
-                for l in closed:
-                    rec.flops[l].fill_(r.steps[steps[l]].gate_flops)
+        if closed:  # (aside where the gates run there: only the statistics read these rows)
+            aside(r, closed_records, on=any(side))
         read()
         out = r.logits.get("whole")
         if out is None:  # made by the warm-up, outside the capture's memory pool
