@@ -5,7 +5,9 @@ the ``test`` images; ``deit_base_forced``: DeiT-B with random weights and the ac
 blocks 3, 6 and 9, on random images) and each request size of ``--batches``, one GPU, bf16: a
 stream of ``--warmup-requests`` then ``--requests`` requests, each a batch already on the GPU
 (successive images of a pool, so the actor sees new images), timed on the host from the call to
-the logits readable on the host (``logits.cpu()``). Per executor:
+the logits readable on the host (``logits.cpu()``). The executors of one request size are made
+and warmed up side by side (DORA wraps a copy of the model), then take turns in ``--rounds``
+rounds of the timed requests. Per executor:
 
 - ``native_eager``, ``native_compiled`` (``torch.compile``, default mode), ``native_reduce_overhead``
   (``mode="reduce-overhead"``: CUDA graphs, the one-line baseline a server would pick);
@@ -28,11 +30,12 @@ each batch size; ``--resume`` skips what it already holds.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -128,35 +131,55 @@ def graph_counts(model) -> Dict[str, int]:
     return {"plan_misses": sum(s["plan_misses"] for s in info["batch_shapes"]), "graphs": info["graphs"]}
 
 
-def measure(name: str, model, actor, pool: torch.Tensor, batch: int, args) -> Dict[str, Any]:
-    """One executor's row at one request size."""
-    w, n = args.warmup_requests, args.requests
+def executor(name: str, model, actor) -> Tuple[Callable, Optional[torch.nn.Module]]:
+    """``(fn, wrapped)``: the function that serves a request, and for the DORA executors the wrapped
+    model (a copy of ``model``: the native executors keep theirs unwrapped, so that all of one
+    request size can run side by side)."""
     if name.startswith("native"):
-        fn = model
-        if name != "native_eager":
-            torch._dynamo.reset()
-            fn = torch.compile(model, mode="reduce-overhead" if name == "native_reduce_overhead" else "default",
-                               dynamic=False)
-        stream(fn, pool, batch, 0, w)
-        row = summary(stream(fn, pool, batch, w, n), batch)
-        return {**row, **profiles(fn, pool, batch, w + n, args)}
-    timm_dora.wrap(model, actor)
-    try:
-        fn = model
-        if name == "dora_compiled_ro":
-            torch._dynamo.reset()
-            fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
-        stream(fn, pool, batch, 0, w)
-        before = graph_counts(model)
-        row = summary(stream(fn, pool, batch, w, n), batch)
-        after = graph_counts(model)
-        row["plan_misses"] = after["plan_misses"] - before["plan_misses"]
-        row["captures"] = after["graphs"] - before["graphs"]
-        row["executor"] = timm_dora.engine_info(model)["executor"]
-        return {**row, **profiles(fn, pool, batch, w + n, args)}
-    finally:
-        timm_dora.unwrap(model)
-        torch._dynamo.reset()
+        if name == "native_eager":
+            return model, None
+        mode = "reduce-overhead" if name == "native_reduce_overhead" else "default"
+        return torch.compile(model, mode=mode, dynamic=False), None
+    wrapped = timm_dora.wrap(copy.deepcopy(model), actor)
+    if name == "dora_compiled_ro":
+        return torch.compile(wrapped, mode="reduce-overhead", dynamic=False), wrapped
+    return wrapped, wrapped
+
+
+def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args) -> Dict[str, Any]:
+    """The executors' rows at one request size: each warmed up, then ``--rounds`` rounds in which
+    every executor serves ``--requests / --rounds`` requests in turn (the host's and the GPU's
+    drifts within a call fall on all of them alike)."""
+    w, n, rounds = args.warmup_requests, args.requests, args.rounds
+    torch._dynamo.reset()
+    fns, rows, times, counts = {}, {}, {}, {}
+    for name in names:
+        try:
+            fns[name] = executor(name, model, actor)
+            stream(fns[name][0], pool, batch, 0, w)
+        except Exception as e:  # (a compiled wrapped model may not run: say why)
+            fns.pop(name, None)
+            rows[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
+    for name, (fn, wrapped) in fns.items():
+        times[name] = []
+        if wrapped is not None:
+            counts[name] = graph_counts(wrapped)
+    for r in range(rounds):
+        for name, (fn, _) in fns.items():
+            times[name] += stream(fn, pool, batch, w + r * (n // rounds), n // rounds)
+    for name, (fn, wrapped) in fns.items():
+        row = summary(times[name], batch)
+        if wrapped is not None:
+            after = graph_counts(wrapped)
+            row["plan_misses"] = after["plan_misses"] - counts[name]["plan_misses"]
+            row["captures"] = after["graphs"] - counts[name]["graphs"]
+            row["executor"] = timm_dora.engine_info(wrapped)["executor"]
+        rows[name] = {**row, **profiles(fn, pool, batch, w + n, args)}
+    for name, (fn, wrapped) in fns.items():
+        if wrapped is not None:
+            timm_dora.unwrap(wrapped)
+    torch._dynamo.reset()
+    return rows
 
 
 def targets(res: Dict[str, Any]) -> Dict[str, Any]:
@@ -189,6 +212,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--warmup-requests", type=int, default=200)
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the timed requests are split into")
     ap.add_argument("--pool-images", type=int, default=640, help="images the requests cycle through")
     ap.add_argument("--kernels", action="store_true",
                     help="also profile 10 more requests: device kernels and their time per request")
@@ -215,16 +239,14 @@ def main(argv=None) -> None:
         rows = res.setdefault(config, {})
         for b in args.batches:
             row = rows.setdefault(str(b), {})
-            for name in args.executors:
-                if name in row:
-                    continue
-                try:
-                    row[name] = measure(name, model, actor, pool, b, args)
-                except Exception as e:  # (a compiled wrapped model may not run: say why)
-                    row[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
+            todo = [name for name in args.executors if name not in row]
+            if not todo:
+                continue
+            row.update(measure(todo, model, actor, pool, b, args))
+            for name in todo:
                 print(config, b, name, row[name], flush=True)
-                if args.out:
-                    write_json(args.out, res)
+            if args.out:
+                write_json(args.out, res)
         del model, actor, pool
         torch.cuda.empty_cache()
     res["targets"] = targets(res)

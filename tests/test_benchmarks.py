@@ -645,6 +645,39 @@ def test_serving_latency_stream_takes_the_pool_in_turn_and_profiles_on_cpu():
     assert prof["kernels_per_request"] == 0 and prof["kernel_ms_per_request"] == 0  # no device kernels on a CPU
 
 
+def test_serving_latency_interleaves_the_executors_and_keeps_the_model_unwrapped():
+    """``measure``: every executor's rounds take turns (the request indices show the order), the
+    DORA rows come from a wrapped copy, and the model the native rows ran stays native."""
+    import argparse
+
+    import torch
+
+    import timm_dora
+    from benchmarks import serving_latency
+    from helpers import kind_actor, make_model
+
+    model = make_model("deit_tiny_patch16_224", img_size=64).eval()
+    actor = kind_actor(model, "forced")
+    pool = torch.randn(6, 3, 64, 64)
+    order = []
+    real = serving_latency.stream
+
+    def logged(fn, pool, batch, first, count):
+        order.append((getattr(fn, "_dora", None) is not None, first, count))
+        return real(fn, pool, batch, first, count)
+
+    args = argparse.Namespace(warmup_requests=1, requests=4, rounds=2, kernels=False, sequence=False)
+    serving_latency.stream = logged
+    try:
+        rows = serving_latency.measure(["native_eager", "dora_default"], model, actor, pool, 2, args)
+    finally:
+        serving_latency.stream = real
+    # warm-ups (request 0, one each), then two rounds of two requests each, native then DORA
+    assert order == [(False, 0, 1), (True, 0, 1), (False, 1, 2), (True, 1, 2), (False, 3, 2), (True, 3, 2)]
+    assert set(rows) == {"native_eager", "dora_default"} and rows["dora_default"]["plan_misses"] == 0
+    assert rows["dora_default"]["executor"] == "eager" and not timm_dora.is_wrapped(model)
+
+
 def test_default_speed_reads_the_best_oracle_target_by_hand():
     from benchmarks.default_speed import targets
 
