@@ -224,6 +224,7 @@ def main(argv=None) -> None:
     dev, dtype, _ = inference_device("cuda", "bf16")
     res: Dict[str, Any] = header(dev, "serving_latency", argv, argparse.Namespace(warmup=args.warmup_requests,
                                  iters=args.requests, repeats=1), timing="per request, host clock, to logits on the host")
+    res["protocol"]["rounds"] = args.rounds
     if args.resume and args.out and os.path.exists(args.out):
         res.update({k: v for k, v in json.load(open(args.out)).items() if k in CONFIGS})
     for config in args.configs:
