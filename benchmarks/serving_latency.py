@@ -148,26 +148,38 @@ def executor(name: str, model, actor) -> Tuple[Callable, Optional[torch.nn.Modul
 
 def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args) -> Dict[str, Any]:
     """The executors' rows at one request size: each warmed up, then ``--rounds`` rounds in which
-    every executor serves ``--requests / --rounds`` requests in turn (the host's and the GPU's
-    drifts within a call fall on all of them alike)."""
+    every executor serves its share of ``--requests`` in turn (the host's and the GPU's drifts
+    within a call fall on all of them alike). An executor that fails gets its ``error`` instead."""
     w, n, rounds = args.warmup_requests, args.requests, args.rounds
+    shares = [n // rounds + (r < n % rounds) for r in range(rounds)]
     torch._dynamo.reset()
-    fns, rows, times, counts = {}, {}, {}, {}
-    for name in names:
+    fns: Dict[str, Tuple[Callable, Optional[torch.nn.Module]]] = {}
+    rows: Dict[str, Any] = {}
+    times: Dict[str, List[float]] = {}
+    counts: Dict[str, Dict[str, int]] = {}
+
+    def attempt(name: str, step: Callable[[], None]) -> None:
         try:
-            fns[name] = executor(name, model, actor)
-            stream(fns[name][0], pool, batch, 0, w)
+            step()
         except Exception as e:  # (a compiled wrapped model may not run: say why)
-            fns.pop(name, None)
-            rows[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
-    for name, (fn, wrapped) in fns.items():
+            message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            rows[name] = {"error": f"{type(e).__name__}: {message}"}
+            wrapped = fns.pop(name, (None, None))[1]
+            if wrapped is not None:
+                timm_dora.unwrap(wrapped)
+
+    def make(name: str) -> None:
+        fns[name] = executor(name, model, actor)
+        stream(fns[name][0], pool, batch, 0, w)
         times[name] = []
-        if wrapped is not None:
-            counts[name] = graph_counts(wrapped)
-    for r in range(rounds):
-        for name, (fn, _) in fns.items():
-            times[name] += stream(fn, pool, batch, w + r * (n // rounds), n // rounds)
-    for name, (fn, wrapped) in fns.items():
+        if fns[name][1] is not None:
+            counts[name] = graph_counts(fns[name][1])
+
+    def serve(name: str, first: int, count: int) -> None:
+        times[name] += stream(fns[name][0], pool, batch, first, count)
+
+    def finish(name: str) -> None:
+        fn, wrapped = fns[name]
         row = summary(times[name], batch)
         if wrapped is not None:
             after = graph_counts(wrapped)
@@ -175,10 +187,22 @@ def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args
             row["captures"] = after["graphs"] - counts[name]["graphs"]
             row["executor"] = timm_dora.engine_info(wrapped)["executor"]
         rows[name] = {**row, **profiles(fn, pool, batch, w + n, args)}
-    for name, (fn, wrapped) in fns.items():
-        if wrapped is not None:
-            timm_dora.unwrap(wrapped)
-    torch._dynamo.reset()
+
+    try:
+        for name in names:
+            attempt(name, lambda: make(name))
+        first = w
+        for share in shares:
+            for name in list(fns):
+                attempt(name, lambda: serve(name, first, share))
+            first += share
+        for name in list(fns):
+            attempt(name, lambda: finish(name))
+    finally:
+        for _, wrapped in fns.values():
+            if wrapped is not None:
+                timm_dora.unwrap(wrapped)
+        torch._dynamo.reset()
     return rows
 
 
@@ -221,6 +245,8 @@ def main(argv=None) -> None:
     ap.add_argument("--resume", action="store_true", help="keep the rows --out already holds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if not 1 <= args.rounds <= args.requests:
+        ap.error(f"--rounds must be between 1 and --requests ({args.requests}), got {args.rounds}")
     dev, dtype, _ = inference_device("cuda", "bf16")
     res: Dict[str, Any] = header(dev, "serving_latency", argv, argparse.Namespace(warmup=args.warmup_requests,
                                  iters=args.requests, repeats=1), timing="per request, host clock, to logits on the host")

@@ -678,6 +678,35 @@ def test_serving_latency_interleaves_the_executors_and_keeps_the_model_unwrapped
     assert rows["dora_default"]["executor"] == "eager" and not timm_dora.is_wrapped(model)
 
 
+def test_serving_latency_reports_an_executor_that_fails_and_measures_the_others(monkeypatch, capsys):
+    """An executor that raises in the timed rounds gets its ``error``; the others keep their rows;
+    ``--rounds`` outside 1..``--requests`` is refused with a message."""
+    import argparse
+
+    import pytest
+    import torch
+
+    from benchmarks import serving_latency
+
+    calls = {"n": 0}
+
+    def flaky(x):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the warm-up and the first round's request run, then it fails
+            raise RuntimeError("device lost\nsecond line")
+        return x
+
+    monkeypatch.setattr(serving_latency, "executor",
+                        lambda name, model, actor: ((lambda x: x) if name == "native_eager" else flaky, None))
+    args = argparse.Namespace(warmup_requests=1, requests=3, rounds=3, kernels=False, sequence=False)
+    rows = serving_latency.measure(["native_eager", "native_compiled"], None, None, torch.zeros(4, 1), 1, args)
+    assert rows["native_compiled"] == {"error": "RuntimeError: device lost"}
+    assert rows["native_eager"]["images_per_s"] > 0 and set(rows) == {"native_eager", "native_compiled"}
+    with pytest.raises(SystemExit):
+        serving_latency.main(["--rounds", "0", "--configs", "deit_base_forced"])
+    assert "--rounds must be between 1 and --requests (2000), got 0" in capsys.readouterr().err
+
+
 def test_default_speed_reads_the_best_oracle_target_by_hand():
     from benchmarks.default_speed import targets
 

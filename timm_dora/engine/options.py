@@ -72,9 +72,10 @@ class EngineOptions:
     # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
     margin_sd: float = 4.0
     # in the planned whole graph, the actor's work at a block without a controller (its gate, which
-    # only the plan's check reads, and the history part where it changed) runs on a second stream
-    # beside the block's attention and MLP, joined at the next block: captured, a branch of the
-    # graph, off the chain of kernels a request waits for; False: in line
+    # only the plan's check reads, the history part where it changed, rho's reset), the check's
+    # copies and the closed blocks' record rows run on a second stream beside the block's attention
+    # and MLP, joined at the next block: captured, a branch of the graph, off the chain of kernels a
+    # request waits for; False: in line
     aside_gates: bool = True
 
     def __post_init__(self) -> None:

@@ -189,7 +189,8 @@ class Segments:
         return run_ahead
 
     def _attention_segment(self, key: tuple) -> Callable[[], None]:
-        """A dense block's attention residual (with the actor, its gate in line after ``qkv``); key[2]: the MLP runs in the same graph (speculation); key[3] (optional): the
+        """A dense block's attention residual (with the actor, its gate right after ``qkv``: in line,
+        or beside the block on the Aside stream, key[7]); key[2]: the MLP runs in the same graph (speculation); key[3] (optional): the
         controller follows in the same graph and reads the keys in place; key[4] (optional):
         where the gate vector goes: "block" (default) to the host with an event of its own, None
         nowhere (a run ahead's earlier blocks), "ahead" with those of all earlier blocks and the
@@ -382,7 +383,8 @@ class Segments:
         return chain
 
     def _attention_packed_segment(self, key: tuple) -> Callable[[], None]:
-        """A packed block's attention residual (with the actor, its gate in line); key[3]: the MLP runs in the same graph (speculation); key[4]: the history changed
+        """A packed block's attention residual (with the actor, its gate right after ``qkv``: in line,
+        or with its history part beside the block on the Aside stream, key[8]); key[3]: the MLP runs in the same graph (speculation); key[4]: the history changed
         since the last block (its part of the gate is computed); key[5] (optional): the
         controller follows in the same graph and reads the keys in place; key[6] (optional, the
         whole forward's graph): the gate goes into the block's row of gate_out (kept for the
@@ -408,7 +410,7 @@ class Segments:
             return BlockContext(l, keys, layout, n_visual, rho, interventions,
                                 r.depth, r.num_patches, r.backend, r.packed_consts)
 
-        def gate_history():  # the gate's history part, from fixed buffers, at the graph's start
+        def gate_history():  # the gate's history part, from fixed buffers, at the segment's start
             r.packed_consts.memo.clear()  # the history buffers change in place: recompute
             r.policy.prepare(gate_ctx())  # into h_packed / context_packed (keep_packed)
 

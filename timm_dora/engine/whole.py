@@ -219,8 +219,9 @@ class _RecordCopy:
 
 
 class Aside:
-    """Work of the whole graph that the chain of a request's kernels does not wait for (a closed
-    block's gate, read only by the plan's check at the end): :meth:`fork` enqueues it on a second
+    """Work of the whole graph that the chain of a request's kernels does not wait for (at a closed
+    block the actor's gate, its history part and rho's reset, read only by later gates and the plan's
+    check; the check's copies; the closed blocks' record rows): :meth:`fork` enqueues it on a second
     stream behind what the current stream has enqueued so far, :meth:`join` makes the current
     stream wait for all of it. Captured, the two streams are two branches of the graph, which the
     GPU runs side by side. The tensors the forked work reads (a view of the block's ``qkv`` output)
@@ -263,7 +264,8 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     """The function the whole-forward graph records: every block's segments (the controller, the
     deletion and the history update masked by the gate), then the readout into a fixed buffer.
     Without ``plan`` every block runs at ``B*S`` rows with the controller; with it at the plan's
-    rows, the controller only where it says, and at the end the check :func:`forward_whole` reads.
+    rows, the controller only where it says, and right after the last block's gate and deletion
+    the check :func:`forward_whole` reads (on the :class:`Aside` stream with ``EngineOptions.aside_gates``).
     ``fused``: the controller reads the keys in place from the attention's ``qkv`` output (the
     Triton gate)."""
     r = runner

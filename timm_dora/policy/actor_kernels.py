@@ -513,11 +513,12 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     actor's FLOPs per image (:func:`timm_dora.policy.actor_flops.actor_gate_macs` at every image plus
     :func:`~timm_dora.policy.actor_flops.actor_controller_macs` where the gate is open, doubled), into ``out``
     when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
-    written). ``tile``: ``(rows per program, warps)`` for all three row-wise kernels instead of
+    written). ``tile``: ``(rows per program, warps)`` for the row-wise kernels instead of
     :data:`TILE_ROWS` (smaller tiles for few rows: :func:`_rows_tile`), or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
     ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks. ``decide``: the budget
-    head, the selector and the selection as one kernel with a program per image (``_decide``)
-    instead of three; ``None``: for at most :data:`DECIDE_MAX_IMAGES` images.
+    head, the selector and the selection as one kernel with a program per image (``_decide``, its
+    own 64-row tiles and ``"scores"``' warps) instead of three; ``None``: for at most
+    :data:`DECIDE_MAX_IMAGES` images.
     """
     reason = fused_controller_reason(actor, keys.dtype)
     if reason is not None:
