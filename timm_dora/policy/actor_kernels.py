@@ -78,8 +78,9 @@ GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
 SMALL_GRID = 64
 ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
 # up to this many images, the budget head, the selector and the selection run as one kernel, a
-# program per image (_decide): at batches 1-16 three launches and the waits between them cost more
-# than the per-image program's serial work
+# program per image (_decide): two launches fewer per deletion. Its serial work is no clear gain yet
+# (one H200, one image: 15.7 / 10.2 / 7.5 us at ViT-Ti's three deletions against 8.9 us and two
+# launches for the three kernels; benchmarks/results/kernel_sequence_h200.json.gz)
 DECIDE_MAX_IMAGES = 16
 
 
