@@ -75,7 +75,8 @@ for name, d, n0, p, lengths, gate in (
         from timm_dora.policy.actor_kernels import fused_controller
         with torch.no_grad():
             tiled = fused_controller(actor, keys, cu, max(lengths), h, n_visual, gate, 4, cu, p, t + 9,
-                                     tile={"embed": (32, 4), "out_ffn": (16, 4), "scores": (64, 4)}, decide=False)
+                                     tile={"embed": (32, 4), "out_ffn": (16, 4), "scores": (64, 4)}, decide=False,
+                                     launch={"k_block": 128, "num_stages": 1, "ffn_chunk": 64})
     # the three kernels of many images (budget head, selector, selection) give what the one kernel
     # of few images (_decide, the default here) gives (p == 1: the keys as controller_fixed passes them)
     split = None
@@ -193,6 +194,9 @@ def test_fused_controller_reasons_and_errors():
     with pytest.raises(ValueError, match=r"tile: unknown kernels \['ffn'\] \(known: \['embed', 'out_ffn', 'scores'\]\)"):
         fused_controller(actor, torch.zeros(17, 48), cu, 17, torch.zeros(1, 3), torch.tensor([16]),
                          torch.tensor([True]), 0, cu, 1, 17, tile={"ffn": (64, 8)})
+    with pytest.raises(ValueError, match=r"launch: unknown entries \['stages'\] \(known: \['num_stages', 'k_block', 'ffn_chunk'\]\)"):
+        fused_controller(actor, torch.zeros(17, 48), cu, 17, torch.zeros(1, 3), torch.tensor([16]),
+                         torch.tensor([True]), 0, cu, 1, 17, launch={"stages": 1})
     with pytest.raises(ValueError, match=r"out must be \(remove \[>= 17\] bool, k \[1\] int64, flops \[1\] float64\)"):
         fused_controller(actor, torch.zeros(17, 48), cu, 17, torch.zeros(1, 3), torch.tensor([16]),
                          torch.tensor([True]), 0, cu, 1, 17,

@@ -501,7 +501,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
                      n_visual: torch.Tensor, gate: torch.Tensor, block: int, cu_out: torch.Tensor, num_prefix: int,
                      total: int, tile: Union[Tuple[int, int], Dict[str, Tuple[int, int]], None] = None,
                      out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                     decide: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     decide: Optional[bool] = None, launch: Optional[Dict[str, int]] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The deterministic controller of ``actor`` on a packed controller layout (see the module).
 
     ``keys``: ``[rows, d]`` in the actor's dtype, one sequence per image (its CLS key first, then
@@ -519,7 +520,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks. ``decide``: the budget
     head, the selector and the selection as one kernel with a program per image (``_decide``, its
     own 64-row tiles and ``"scores"``' warps) instead of three; ``None``: for at most
-    :data:`DECIDE_MAX_IMAGES` images.
+    :data:`DECIDE_MAX_IMAGES` images. ``launch``: entries of :data:`ROW_LAUNCH` to use instead
+    (``num_stages``, ``k_block``, ``ffn_chunk``), for benchmarks.
     """
     reason = fused_controller_reason(actor, keys.dtype)
     if reason is not None:
@@ -546,7 +548,9 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
         raise ValueError(f"tile: unknown kernels {sorted(set(tile) - set(TILE_ROWS))} (known: {list(TILE_ROWS)})")
     tiles = {k: (tile.get(k, default) if isinstance(tile, dict) else tile) if tile is not None
              else _rows_tile(default, max(rows, total)) for k, default in TILE_ROWS.items()}
-    rl = ROW_LAUNCH
+    if launch is not None and not set(launch) <= set(ROW_LAUNCH):
+        raise ValueError(f"launch: unknown entries {sorted(set(launch) - set(ROW_LAUNCH))} (known: {list(ROW_LAUNCH)})")
+    rl = {**ROW_LAUNCH, **(launch or {})}
     x = torch.empty((rows, w), dtype=dt, device=dev)
     qkv = torch.empty((rows, 3 * w), dtype=dt, device=dev)
     # (its grid also covers the block layout's rows, whose removal flags it sets False)
