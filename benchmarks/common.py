@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -45,6 +46,31 @@ def command_line(script: str, argv: Optional[Sequence[str]] = None) -> str:
     """The command a result records: ``python -m benchmarks.<script>`` and ``argv`` (the process's
     own arguments when ``None``)."""
     return " ".join([f"python -m benchmarks.{script}"] + list(sys.argv[1:] if argv is None else argv))
+
+
+def graph_call_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
+    """Microseconds per call of ``fn`` run ``calls`` times back to back inside one CUDA graph (a
+    small request is a chain of such nodes): after three eager calls (compilation) and three
+    replays, the median over ``repeats`` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times[3:])
 
 
 # ---------------------------------------------------- static schedules, the dense oracle, fixed policies

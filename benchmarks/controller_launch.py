@@ -5,7 +5,7 @@ with random weights, bf16) on ``--images`` images of ``--lengths`` rows each, fo
 ViT-Ti and DeiT-B, in each variant of: the one-kernel tail (``decide``: ``_decide``, a program per
 image) or the three kernels, and ``ROW_LAUNCH``'s ``k_block`` and ``num_stages`` (the encoder's K
 loop over the key width). Each variant runs ``--calls`` times in one CUDA graph
-(:func:`benchmarks.small_kernels.per_call_us`); the same removals, budgets and FLOPs are checked
+(:func:`benchmarks.common.graph_call_us`); the same removals, budgets and FLOPs are checked
 against the default's.
 
     python -m benchmarks.controller_launch --out controller_launch.json
@@ -17,8 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import command_line
-from benchmarks.small_kernels import per_call_us
+from benchmarks.common import command_line, graph_call_us
 from timm_dora import Actor
 from timm_dora.evaluate import environment
 from timm_dora.policy.actor_kernels import DECIDE_MAX_IMAGES, ROW_LAUNCH, fused_controller
@@ -61,8 +60,8 @@ def main() -> None:
                     try:
                         got = fused_controller(*common, decide=decide, launch=launch)
                         same = all(torch.equal(a, c) for a, c in zip(got, ref))
-                        row["us"][name] = {"us": per_call_us(lambda: fused_controller(*common, decide=decide, launch=launch),
-                                                             args.calls, args.repeats), "same": same}
+                        row["us"][name] = {"us": round(graph_call_us(lambda: fused_controller(*common, decide=decide, launch=launch),
+                                                                   args.calls, args.repeats), 3), "same": same}
                     except Exception as e:  # (a launch the GPU cannot run: say why)
                         row["us"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             timed = {k: v["us"] for k, v in row["us"].items() if "us" in v}

@@ -14,36 +14,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 
-from benchmarks.common import command_line
+from benchmarks.common import command_line, graph_call_us
 from timm_dora.evaluate import environment
 from timm_dora.policy import actor_kernels
 from timm_dora.policy.actor import Actor
-
-
-def per_launch_us(fn, calls: int, repeats: int) -> float:
-    """Median microseconds per call of ``fn`` replayed ``calls`` times in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times[3:])
 
 
 def main(argv=None) -> None:
@@ -74,7 +51,7 @@ def main(argv=None) -> None:
                 launch = dict(images=16, k_block=k_block, num_warps=warps, num_stages=stages)
                 actor_kernels.GATE_LAUNCH.update(launch)
                 try:
-                    us = per_launch_us(lambda: actor_kernels.fused_gate(actor, keys, bias, n_visual, out=out),
+                    us = graph_call_us(lambda: actor_kernels.fused_gate(actor, keys, bias, n_visual, out=out),
                                        args.calls, args.repeats)
                     same = bool(torch.equal(out, ref))
                 finally:

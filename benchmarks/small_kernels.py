@@ -10,40 +10,14 @@ does not write the sum: a quarter fewer bytes).
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 
 from timm_dora.engine import dense_kernels as dk
-from benchmarks.common import command_line
+from benchmarks.common import command_line, graph_call_us
 from timm_dora.evaluate import environment
-
-
-def per_call_us(fn, calls: int, repeats: int) -> float:
-    """``fn()`` ``calls`` times in one graph; microseconds per call (median over replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return round(statistics.median(times), 3)
 
 
 def main() -> None:
@@ -65,7 +39,7 @@ def main() -> None:
             s, y = torch.empty_like(x), torch.empty_like(x)
             row = {"d": d, "images": n, "rows": rows, "in_effect": dk._ln_config(block_n)}
             compiled = torch.compile(lambda x, br: F.layer_norm(x + br, (d,), w, b, 1e-6), dynamic=False)
-            row["inductor_us"] = per_call_us(lambda: compiled(x, br), args.calls, args.repeats)
+            row["inductor_us"] = round(graph_call_us(lambda: compiled(x, br), args.calls, args.repeats), 3)
             configs = {}
             for per in (1, 2, 4, 8, 16, 32):
                 if per * block_n > 16384:
@@ -74,7 +48,7 @@ def main() -> None:
                     def run(per=per, warps=warps):
                         dk._add_layer_norm_fwd[(triton.cdiv(rows, per),)](
                             x, br, s, w, b, y, rows, d, d, d, d, d, 1e-6, BLOCK_N=block_n, ROWS=per, num_warps=warps)
-                    configs[f"{per}x{warps}"] = per_call_us(run, args.calls, args.repeats)
+                    configs[f"{per}x{warps}"] = round(graph_call_us(run, args.calls, args.repeats), 3)
             row["triton_us"] = configs
             row["best"] = min(configs, key=configs.get)
             res["add_layer_norm"].append(row)
