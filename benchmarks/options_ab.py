@@ -12,9 +12,8 @@ import torch
 from torch.profiler import profile, ProfilerActivity
 import timm_dora
 from timm_dora.engine.options import EngineOptions
-from timm_dora.evaluate import inference_device, loader_for
-from benchmarks.common import published, deit_forced
-from benchmarks.serving_latency import stream, summary
+from timm_dora.evaluate import inference_device
+from benchmarks.serving_latency import config_and_pool, stream, summary
 
 out = os.environ.get("OUT", "/tmp")
 variants = json.loads(os.environ.get("VARIANTS", '{"default": {}, "fused_deletion": {"fused_deletion": true}}'))
@@ -23,8 +22,8 @@ batches = [int(b) for b in os.environ.get("BATCHES", "1,8,16").split(",")]
 reqs, rounds = int(os.environ.get("REQS", 150)), int(os.environ.get("ROUNDS", 3))
 dev, dtype, _ = inference_device("cuda", "bf16")
 args = argparse.Namespace(vit_weights=os.environ.get("VIT_WEIGHTS", ".carry/vit_tiny.bf16.safetensors"),
-                          deit_weights=os.environ.get("DEIT_WEIGHTS", ".carry/deit_tiny.bf16.safetensors"))
-data = os.environ.get("DATA", ".carry/data/labels_test.csv")
+                          deit_weights=os.environ.get("DEIT_WEIGHTS", ".carry/deit_tiny.bf16.safetensors"),
+                          data=os.environ.get("DATA", ".carry/data/labels_test.csv"))
 res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "variants": variants, "reqs": reqs, "rounds": rounds}
 
 def family(n):
@@ -53,11 +52,7 @@ def kernels(fn, pool, b):
             "families": dict(sorted(fam.items(), key=lambda kv: -kv[1]))}
 
 for config in configs:
-    if config == "deit_base_forced":
-        model, actor, make = deit_forced(dev, dtype); pool = torch.cat(make(160))
-    else:
-        model, actor = published(argparse.ArgumentParser(), config, args, dev, dtype)
-        pool = torch.cat([x for x, *_ in loader_for(model, data, "test", batch=64, workers=4, limit=320)]).to(dev, dtype)
+    model, actor, pool = config_and_pool(argparse.ArgumentParser(), config, args, dev, dtype, 320)
     for b in batches:
         fns = {}
         torch._dynamo.reset()

@@ -23,10 +23,10 @@ import time
 import torch
 
 import timm_dora
-from benchmarks.common import command_line, deit_forced, published
-from benchmarks.serving_latency import CONFIGS
+from benchmarks.common import command_line
+from benchmarks.serving_latency import CONFIGS, config_and_pool
 from timm_dora.engine.options import EngineOptions
-from timm_dora.evaluate import environment, inference_device, loader_for
+from timm_dora.evaluate import environment, inference_device
 
 
 def measure(model, x: torch.Tensor, n: int) -> dict:
@@ -80,12 +80,7 @@ def main() -> None:
     dev, dtype, _ = inference_device("cuda", "bf16")
     res = {**environment(dev, command_line("request_path")), "variants": variants}
     for config in args.configs:
-        if config == "deit_base_forced":
-            model, actor, make = deit_forced(dev, dtype)
-            pool = torch.cat(make(8))
-        else:
-            model, actor = published(ap, config, args, dev, dtype)
-            pool = torch.cat([x for x, *_ in loader_for(model, args.data, "test", batch=16, workers=2, limit=16)]).to(dev, dtype)
+        model, actor, pool = config_and_pool(ap, config, args, dev, dtype, 16)
         for b in args.batches:
             row: dict = {}
             for _ in range(args.rounds):

@@ -131,6 +131,20 @@ def graph_counts(model) -> Dict[str, int]:
     return {"plan_misses": sum(s["plan_misses"] for s in info["batch_shapes"]), "graphs": info["graphs"]}
 
 
+def config_and_pool(ap: argparse.ArgumentParser, config: str, args, dev, dtype, images: int):
+    """``(model, actor, pool)`` of a configuration of :data:`CONFIGS`: DeiT-B forced on ``images``
+    random images, a published actor on the first ``images`` of ``args.data``'s ``test`` split (a
+    usage error through ``ap`` without ``--data``)."""
+    if config == "deit_base_forced":
+        model, actor, make = deit_forced(dev, dtype)
+        return model, actor, torch.cat(make(images // 2))
+    if not args.data:
+        ap.error(f"{config} needs --data")
+    model, actor = published(ap, config, args, dev, dtype)
+    pool = torch.cat([x for x, *_ in loader_for(model, args.data, "test", batch=64, workers=4, limit=images)])
+    return model, actor, pool.to(dev, dtype)
+
+
 def executor(name: str, model, actor) -> Tuple[Callable, Optional[torch.nn.Module]]:
     """``(fn, wrapped)``: the function that serves a request, and for the DORA executors the wrapped
     model (a copy of ``model``: the native executors keep theirs unwrapped, so that all of one
@@ -254,15 +268,7 @@ def main(argv=None) -> None:
     if args.resume and args.out and os.path.exists(args.out):
         res.update({k: v for k, v in json.load(open(args.out)).items() if k in CONFIGS})
     for config in args.configs:
-        if config == "deit_base_forced":
-            model, actor, make = deit_forced(dev, dtype)
-            pool = torch.cat(make(args.pool_images // 2))
-        else:
-            if not args.data:
-                ap.error(f"{config} needs --data")
-            model, actor = published(ap, config, args, dev, dtype)
-            pool = torch.cat([x for x, *_ in loader_for(model, args.data, "test", batch=64, workers=4,
-                                                        limit=args.pool_images)]).to(dev, dtype)
+        model, actor, pool = config_and_pool(ap, config, args, dev, dtype, args.pool_images)
         rows = res.setdefault(config, {})
         for b in args.batches:
             row = rows.setdefault(str(b), {})
