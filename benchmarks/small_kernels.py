@@ -4,7 +4,9 @@ Each variant runs ``--calls`` times back to back inside one CUDA graph (a small 
 such graph nodes); the time per call is the graph's replay time over the calls, the median of
 ``--repeats`` replays. Read: the residual sum with the LayerNorm (``dense_kernels._add_layer_norm_fwd``)
 per rows-per-program and warps, beside ``torch.compile``'s kernel for ``layer_norm(x + d)`` (which
-does not write the sum: a quarter fewer bytes).
+does not write the sum: a quarter fewer bytes); with ``--fold``, merging's fold
+(:func:`timm_dora.engine.fold_kernel.fold_rows`, DeiT-Ti's shape: 3 heads of 64, a third of each
+image's visual rows removed) per tile of its match, each checked equal to the default's result.
 
     python -m benchmarks.small_kernels --out small_kernels.json
 """
@@ -26,10 +28,14 @@ def main() -> None:
     ap.add_argument("--images", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 320])
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--fold", action="store_true", help="sweep the fold's match tiles instead")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    res = {**environment(dev, command_line("small_kernels")), "add_layer_norm": []}
+    res = {**environment(dev, command_line("small_kernels"))}
+    if args.fold:
+        return fold_sweep(args, res, dev, dtype)
+    res["add_layer_norm"] = []
     for d in args.widths:
         w, b = torch.randn(d, device=dev, dtype=dtype), torch.randn(d, device=dev, dtype=dtype)
         block_n = triton.next_power_of_2(d)
@@ -55,6 +61,42 @@ def main() -> None:
             print("add_layer_norm", d, n, row["inductor_us"], row["best"], configs[row["best"]],
                   "in effect", row["in_effect"], configs.get("%dx%d" % row["in_effect"]), flush=True)
             json.dump(res, open(args.out, "w"), indent=1)
+
+
+def fold_sweep(args, res, dev, dtype) -> None:
+    """The fold per match tile (query rows, key rows, warps) at ``--images`` images of 197 rows."""
+    from timm_dora.engine.fold_kernel import fold_rows, match_tile_for
+    res["fold"] = []
+    d, heads, n = 192, 3, 197
+    for b in args.images:
+        torch.manual_seed(0)
+        t = b * n
+        cu = torch.arange(0, t + 1, n, device=dev, dtype=torch.int32)
+        x, keys = torch.randn(t, d, device=dev, dtype=dtype), torch.randn(t, d, device=dev, dtype=dtype)
+        remove = (torch.rand(t, device=dev) < 1 / 3) & (torch.arange(t, device=dev) % n != 0)
+        sizes = 1 + torch.rand(t, device=dev)
+        scratch = (torch.zeros(t, d, device=dev), torch.zeros(t, device=dev))
+        out, sizes_out = torch.empty_like(x), torch.empty_like(sizes)
+
+        def run(tile=None):
+            return fold_rows(x, keys, remove, sizes, cu, n, 1, heads, out=out, sizes_out=sizes_out, scratch=scratch,
+                             match_tile=tile)
+        ref = [r.clone() for r in run()]
+        row = {"images": b, "rows": t, "in_effect": list(match_tile_for(b, n)), "us": {}}
+        for bm in (16, 32, 64):
+            for bn in (16, 32, 64):
+                for warps in (1, 2, 4):
+                    tile = (bm, bn, warps)
+                    got = run(tile)
+                    same = all(torch.equal(a, c) for a, c in zip(got, ref))
+                    row["us"]["%dx%dx%d" % tile] = {"us": round(graph_call_us(lambda: run(tile), args.calls, args.repeats), 3),
+                                                    "same": same}
+        timed = {k: v["us"] for k, v in row["us"].items()}
+        row["best"] = min(timed, key=timed.get)
+        res["fold"].append(row)
+        print("fold", b, "best", row["best"], timed[row["best"]], "in effect", row["in_effect"],
+              timed["%dx%dx%d" % tuple(row["in_effect"])], flush=True)
+        json.dump(res, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

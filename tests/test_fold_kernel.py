@@ -38,6 +38,9 @@ for name, heads, hd, lengths, pad, p in (("one_tile", 3, 16, [5, 1, 33, 64], 7, 
     (x, keys, remove, sizes, cu), t = case(heads, hd, lengths, pad, p, 0)
     ref_x, ref_s = fold_removed(x, keys, remove, sizes, cu, max(lengths), p, heads)
     got_x, got_s = fold_rows(x, keys, remove, sizes, cu, max(lengths), p, heads)
+    # any match tile splits the rows among programs differently, the same arithmetic per row
+    tiled = [fold_rows(x, keys, remove, sizes, cu, max(lengths), p, heads, match_tile=tile)
+             for tile in ((16, 16, 1), (32, 64, 2))]
     inplace = x.clone()
     fold_rows(inplace, keys, remove, sizes, cu, max(lengths), p, heads, out=inplace)
     # a kept scratch (longer than the rows) serves fold after fold, left zeros; sizes in place
@@ -49,6 +52,7 @@ for name, heads, hd, lengths, pad, p in (("one_tile", 3, 16, [5, 1, 33, 64], 7, 
         kept.append((xs, s_in))
     out[name] = {"max_abs_diff": float((got_x[:t] - ref_x[:t]).abs().max()),
                  "inplace_max_abs_diff": float((inplace[:t] - ref_x[:t]).abs().max()),
+                 "tiles_equal": all(torch.equal(a[:t], got_x[:t]) and torch.equal(s[:t], got_s[:t]) for a, s in tiled),
                  "sizes_equal": torch.equal(got_s[:t], ref_s[:t]), "padding_sizes_kept": torch.equal(got_s[t:], sizes[t:]),
                  "padding_untouched": bool(torch.isnan(inplace[t:]).all()), "folded": int(remove.sum()),
                  "received": int((ref_s[:t] > sizes[:t]).sum()),
@@ -65,6 +69,7 @@ def test_interpreted_fold_equals_the_pytorch_ops():
     for case in res.values():
         assert case["folded"] > 10 and case["received"] > 5
         assert case["max_abs_diff"] < 1e-5 and case["inplace_max_abs_diff"] < 1e-5
+        assert case["tiles_equal"]
         assert case["sizes_equal"] and case["padding_sizes_kept"] and case["padding_untouched"]
         assert case["scratch_max_abs_diff"] < 1e-5 and case["scratch_sizes_equal"] and case["scratch_zeros"]
 
@@ -81,6 +86,20 @@ def test_fold_kernel_says_what_it_cannot_fold():
     with pytest.raises(ValueError, match="fold_rows: the kernels take a power-of-two head dim of at least 16, got 8"):
         fold_rows(torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(4, dtype=torch.bool), torch.ones(4),
                   torch.tensor([0, 4], dtype=torch.int32), 4, 1, 4)
+    with pytest.raises(ValueError, match=r"fold_rows: match_tile must be .*, got \(16, 24, 4\)"):
+        fold_rows(x, x, torch.zeros(4, dtype=torch.bool), torch.ones(4), torch.tensor([0, 4], dtype=torch.int32), 4, 1,
+                  2, match_tile=(16, 24, 4))
+
+
+def test_the_match_takes_more_programs_for_few_images():
+    from timm_dora.engine import fold_kernel as fk
+
+    assert fk.match_tile_for(320, 197) == fk.MATCH_TILE
+    assert fk.match_tile_for(1, 197) == fk.SMALL_MATCH_TILE
+    # the switch: where MATCH_TILE's grid (images x query tiles) reaches SMALL_MATCH_GRID programs
+    per_image = -(-197 // fk.MATCH_TILE[0])
+    few = -(-fk.SMALL_MATCH_GRID // per_image) - 1
+    assert fk.match_tile_for(few, 197) == fk.SMALL_MATCH_TILE and fk.match_tile_for(few + 1, 197) == fk.MATCH_TILE
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

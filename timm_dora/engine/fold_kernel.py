@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["fold_rows", "fold_kernel_reason"]
+__all__ = ["fold_rows", "fold_kernel_reason", "match_tile_for"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -43,6 +43,10 @@ except Exception:  # pragma: no cover - depends on the installation
 # H100 at the DeiT-Ti shape among 16 tiles x 2 precisions and 4 row blocks: 0.142 ms per fold against
 # 0.182 with (64, 64, 4) and 32 rows ("tf32": 0.148 but 0.03 % of rows matched otherwise)
 MATCH_TILE = (64, 32, 4)
+# few images (the planned whole graph at batches 1-16): below SMALL_MATCH_GRID programs of
+# MATCH_TILE, SMALL_MATCH_TILE (more programs, each a shorter chain)
+SMALL_MATCH_GRID = 64
+SMALL_MATCH_TILE = (64, 32, 4)
 BLOCK_R = 8
 PRECISION = "tf32x3"
 
@@ -129,6 +133,20 @@ if triton is not None:
         tl.store(MASS + r, tl.zeros_like(extra), mask=got)
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def match_tile_for(batch: int, max_len: int) -> Tuple[int, int, int]:
+    """The match's ``(query rows, key rows, warps)`` for ``batch`` sequences of up to ``max_len``
+    rows: :data:`MATCH_TILE`, or :data:`SMALL_MATCH_TILE` where :data:`MATCH_TILE`'s grid has fewer
+    than :data:`SMALL_MATCH_GRID` programs (few images: each program's serial loop over the keys is
+    the latency). The tile changes how rows are split among programs, not any row's arithmetic."""
+    if batch * -(-max_len // MATCH_TILE[0]) < SMALL_MATCH_GRID:
+        return SMALL_MATCH_TILE
+    return MATCH_TILE
+
+
 def fold_kernel_reason(x: torch.Tensor, keys: torch.Tensor, num_heads: int) -> Optional[str]:
     """Why :func:`fold_rows` cannot fold these rows (``None``: it can)."""
     if triton is None:
@@ -145,12 +163,14 @@ def fold_kernel_reason(x: torch.Tensor, keys: torch.Tensor, num_heads: int) -> O
 def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: torch.Tensor,
               cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int,
               out: Optional[torch.Tensor] = None, sizes_out: Optional[torch.Tensor] = None,
-              scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+              match_tile: Optional[Tuple[int, int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`~timm_dora.engine.packing.fold_removed` in the three kernels of this module (the same
     arguments and results; ``out`` may be ``x``, ``sizes_out`` may be ``sizes``). ``scratch``: a
     float32 accumulator ``[>= T, d]`` and mass ``[>= T]``, contiguous and all zeros, left all zeros
-    (a graph keeps them; without, they are allocated zeroed). Raises ``ValueError`` where
-    :func:`fold_kernel_reason` says why not."""
+    (a graph keeps them; without, they are allocated zeroed). ``match_tile``: the match's ``(query
+    rows, key rows, warps)`` instead of :func:`match_tile_for`'s, for benchmarks. Raises ``ValueError``
+    where :func:`fold_kernel_reason` says why not."""
     why = fold_kernel_reason(x, keys, num_heads)
     if why is not None:
         raise ValueError(f"fold_rows: {why}")
@@ -171,7 +191,10 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
     new_sizes = sizes.clone() if sizes_out is None else sizes_out  # (rows past the real ones keep theirs)
     copy = out is None or out.data_ptr() != x.data_ptr()
     out = torch.empty_like(x) if out is None else out
-    block_m, block_n, warps = MATCH_TILE
+    block_m, block_n, warps = tile = tuple(match_tile_for(b, max_len) if match_tile is None else match_tile)
+    if not all(_pow2(v) for v in tile) or block_m < 16 or block_n < 16 or warps > 8:
+        raise ValueError(f"fold_rows: match_tile must be (rows, rows, warps): powers of two, rows >= 16, warps <= 8, "
+                         f"got {tile}")
     _match[(-(-max_len // block_m), b)](keys, remove, cu, target, keys.stride(0), HEADS=num_heads,
                                          HD=d // num_heads, NUM_PREFIX=num_prefix, BLOCK_M=block_m, BLOCK_N=block_n,
                                          PRECISION=PRECISION, num_warps=warps)
