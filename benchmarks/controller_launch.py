@@ -2,9 +2,8 @@
 
 One deletion's controller (:func:`timm_dora.policy.actor_kernels.fused_controller`, the paper's actor
 with random weights, bf16) on ``--images`` images of ``--lengths`` rows each, for the key widths of
-ViT-Ti and DeiT-B, in each variant of: the one-kernel tail (``decide``: ``_decide``, a program per
-image) or the three kernels, and ``ROW_LAUNCH``'s ``k_block`` and ``num_stages`` (the encoder's K
-loop over the key width). Each variant runs ``--calls`` times in one CUDA graph
+ViT-Ti and DeiT-B, in each variant of ``ROW_LAUNCH``'s ``k_block`` and ``num_stages`` (the encoder's
+K loop over the key width). Each variant runs ``--calls`` times in one CUDA graph
 (:func:`benchmarks.common.graph_call_us`); the same removals, budgets and FLOPs are checked
 against the default's.
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from benchmarks.common import command_line, graph_call_us
 from timm_dora import Actor
 from timm_dora.evaluate import environment
-from timm_dora.policy.actor_kernels import DECIDE_MAX_IMAGES, ROW_LAUNCH, fused_controller
+from timm_dora.policy.actor_kernels import ROW_LAUNCH, fused_controller
 
 
 def main() -> None:
@@ -54,23 +53,22 @@ def main() -> None:
             with torch.inference_mode():
                 ref = fused_controller(*common)
                 row = {"d": d, "images": b, "rows": n, "us": {}}
-                for decide, k_block, stages in itertools.product((True, False), args.k_blocks, args.stages):
+                for k_block, stages in itertools.product(args.k_blocks, args.stages):
                     launch = {"k_block": k_block, "num_stages": stages}
-                    name = f"{'decide' if decide else 'three'}/k{k_block}/s{stages}"
+                    name = f"k{k_block}/s{stages}"
                     try:
-                        got = fused_controller(*common, decide=decide, launch=launch)
+                        got = fused_controller(*common, launch=launch)
                         same = all(torch.equal(a, c) for a, c in zip(got, ref))
-                        row["us"][name] = {"us": round(graph_call_us(lambda: fused_controller(*common, decide=decide, launch=launch),
+                        row["us"][name] = {"us": round(graph_call_us(lambda: fused_controller(*common, launch=launch),
                                                                    args.calls, args.repeats), 3), "same": same}
                     except Exception as e:  # (a launch the GPU cannot run: say why)
                         row["us"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             timed = {k: v["us"] for k, v in row["us"].items() if "us" in v}
             row["best"] = min(timed, key=timed.get)
-            tail = "decide" if b <= DECIDE_MAX_IMAGES else "three"
-            row["default"] = f"{tail}/k{ROW_LAUNCH['k_block']}/s{ROW_LAUNCH['num_stages']}"
+            row["default"] = f"k{ROW_LAUNCH['k_block']}/s{ROW_LAUNCH['num_stages']}"
             res["rows"].append(row)
             print(d, b, n, "best", row["best"], timed[row["best"]], "default", row["default"], timed.get(row["default"]),
-                  "three", timed.get(f"three/k{ROW_LAUNCH['k_block']}/s{ROW_LAUNCH['num_stages']}"), flush=True)
+                  flush=True)
             json.dump(res, open(args.out, "w"), indent=1)
 
 

@@ -44,9 +44,12 @@ except Exception:  # pragma: no cover - depends on the installation
 # 0.182 with (64, 64, 4) and 32 rows ("tf32": 0.148 but 0.03 % of rows matched otherwise)
 MATCH_TILE = (64, 32, 4)
 # few images (the planned whole graph at batches 1-16): below SMALL_MATCH_GRID programs of
-# MATCH_TILE, SMALL_MATCH_TILE (more programs, each a shorter chain)
+# MATCH_TILE, SMALL_MATCH_TILE (more programs, each a shorter chain): the whole fold 20.5-21.0 ->
+# 17.0-17.3 us at 1-8 DeiT-Ti images, the fastest of 27 tiles there (one H200, inside a CUDA graph:
+# benchmarks/results/fold_tiles_h200.json, `small_kernels --fold`); at 16 images (64 programs of
+# MATCH_TILE) it would be slower than MATCH_TILE
 SMALL_MATCH_GRID = 64
-SMALL_MATCH_TILE = (64, 32, 4)
+SMALL_MATCH_TILE = (16, 64, 4)
 BLOCK_R = 8
 PRECISION = "tf32x3"
 

@@ -28,8 +28,9 @@ everything between two matrix products in registers:
    index: the order of a stable descending sort, as :func:`timm_dora.policy.actor.ordered_topk`),
    and the removal flag ``rank < k`` at the token's row of the block's layout.
 
-For at most :data:`DECIDE_MAX_IMAGES` images, 4-6 run as one kernel (``_decide``, a program per
-image, the same arithmetic): four kernels in all.
+(4-6 as one kernel with a program per image, for few images, was 11 us slower per deletion at
+batches 1-16 inside a CUDA graph than the three: its serial work outweighs two launches; one H200,
+``benchmarks/results/controller_launch_h200.json``. Git history keeps it.)
 
 Each module's output is rounded to the activations' dtype where the ``nn`` modules round it (the
 linear layers' and the residual sums' outputs), so in bf16 the decisions equal the module
@@ -52,7 +53,7 @@ from .actor_flops import actor_gate_macs, controller_macs_terms
 from ..engine.varlen_kernel import TILE, triton, varlen_attention_triton
 
 __all__ = ["fused_gate", "fused_gate_context", "fused_controller", "fused_controller_reason", "TILE_ROWS", "GATE_LAUNCH",
-           "ROW_LAUNCH", "DECIDE_MAX_IMAGES"]
+           "ROW_LAUNCH"]
 
 if triton is not None:
     import triton.language as tl
@@ -77,11 +78,6 @@ GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
 # programs the tile halves, down to 16 rows (tl.dot's least), at 4 warps: more programs, each shorter.
 SMALL_GRID = 64
 ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
-# up to this many images, the budget head, the selector and the selection run as one kernel, a
-# program per image (_decide): two launches fewer per deletion. Its serial work is no clear gain yet
-# (one H200, one image: 15.7 / 10.2 / 7.5 us at ViT-Ti's three deletions against 8.9 us and two
-# launches for the three kernels; benchmarks/results/kernel_sequence_h200.json.gz)
-DECIDE_MAX_IMAGES = 16
 
 
 def _pow2(n: int) -> bool:
@@ -367,36 +363,6 @@ if triton is not None:
         seq = tl.program_id(0)
         _select_chunk(SC, CU, CU_OUT, REMOVE, seq, tl.program_id(1), tl.load(K + seq), num_prefix, NP, CH)
 
-    @triton.jit
-    def _decide(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, num_budgets, min_keep, eps,
-                gate_macs, quad, lin, const, WK, WS1, BS1, WS2, BS2, SC, CU_OUT, REMOVE, num_prefix,
-                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, NP: tl.constexpr,
-                BLOCK_R: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr):
-        """``_budget``, ``_scores`` and ``_select`` for one image per program (few images: three
-        launches and their waits become one)."""
-        DT = Z.dtype.element_ty
-        seq = tl.program_id(0)
-        lane = tl.arange(0, 16)  # (tl.dot takes 16 rows or more: this image in the first)
-        k, frac = _budget_of(seq + lane, lane == 0, Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS,
-                             num_budgets, min_keep, eps, gate_macs, quad, lin, const, W, BH, MP, PREC)
-        k = tl.sum(tl.where(lane == 0, k, 0))
-        frac = tl.sum(tl.where(lane == 0, frac, 0.0))
-        start = tl.load(CU + seq)
-        n = tl.load(CU + seq + 1) - start - 1  # visual tokens of this image
-        cols = tl.arange(0, W)
-        for p0 in range(0, NP, BLOCK_R):  # its visual rows' scores, BLOCK_R at a time
-            if p0 < n:
-                pos = p0 + tl.arange(0, BLOCK_R)
-                visual = pos < n
-                r64 = (start + 1 + pos).to(tl.int64)
-                z = tl.load(Z + r64[:, None] * W + cols[None, :], mask=visual[:, None], other=0.0).to(tl.float32)
-                s = _score_of(z, tl.zeros([BLOCK_R], dtype=tl.float32) + frac, cols, WK, WS1, BS1, WS2, BS2, W, S, DT,
-                              PREC)
-                tl.store(SC + seq * NP + pos, s, mask=visual)
-        tl.debug_barrier()  # (the scores this program stored, read back by all its threads)
-        for chunk in range(0, NP // CH):
-            _select_chunk(SC, CU, CU_OUT, REMOVE, seq, chunk, k, num_prefix, NP, CH)
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -501,7 +467,7 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
                      n_visual: torch.Tensor, gate: torch.Tensor, block: int, cu_out: torch.Tensor, num_prefix: int,
                      total: int, tile: Union[Tuple[int, int], Dict[str, Tuple[int, int]], None] = None,
                      out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                     decide: Optional[bool] = None, launch: Optional[Dict[str, int]] = None
+                     launch: Optional[Dict[str, int]] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The deterministic controller of ``actor`` on a packed controller layout (see the module).
 
@@ -517,10 +483,7 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     when given (``remove`` may be longer than ``total``: only its first ``total`` entries are
     written). ``tile``: ``(rows per program, warps)`` for the row-wise kernels instead of
     :data:`TILE_ROWS` (smaller tiles for few rows: :func:`_rows_tile`), or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
-    ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks. ``decide``: the budget
-    head, the selector and the selection as one kernel with a program per image (``_decide``, its
-    own 64-row tiles and ``"scores"``' warps) instead of three; ``None``: for at most
-    :data:`DECIDE_MAX_IMAGES` images. ``launch``: entries of :data:`ROW_LAUNCH` to use instead
+    ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks. ``launch``: entries of :data:`ROW_LAUNCH` to use instead
     (``num_stages``, ``k_block``, ``ffn_chunk``), for benchmarks.
     """
     reason = fused_controller_reason(actor, keys.dtype)
@@ -580,11 +543,6 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     scores = torch.empty((b, np_), dtype=torch.float32, device=dev)
     selector_weights = (actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight, sel[2].bias, scores)
     ch = min(64, np_)
-    if b <= DECIDE_MAX_IMAGES if decide is None else decide:
-        _decide[(b,)](*head, *terms, *selector_weights, cu_out, remove, num_prefix, W=w, BH=actor.budget_hidden, MP=mp,
-                      S=actor.selector_hidden, NP=np_, BLOCK_R=min(64, np_), CH=ch, PREC=prec,
-                      num_warps=tiles["scores"][1])
-        return remove[:total], k_out, flops
     _budget[(_cdiv(b, 16),)](*head, b, *terms, W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec,
                              num_warps=tiles["scores"][1])
     block_r, warps = tiles["scores"]
