@@ -6,8 +6,10 @@ blocks 3, 6 and 9, on random images) and each request size of ``--batches``, one
 stream of ``--warmup-requests`` then ``--requests`` requests, each a batch already on the GPU
 (successive images of a pool, so the actor sees new images), timed on the host from the call to
 the logits readable on the host (``logits.cpu()``). The executors of one request size are made
-and warmed up side by side (DORA wraps a copy of the model), then take turns in ``--rounds``
-rounds of the timed requests. Per executor:
+and warmed up side by side, then take turns in ``--rounds`` rounds of the timed requests. DORA wraps
+a copy of the model once per configuration and serves every request size with it, as a server's
+one model does (so the plans of the sizes served before inform a new size's first plan). Per
+executor:
 
 - ``native_eager``, ``native_compiled`` (``torch.compile``, default mode), ``native_reduce_overhead``
   (``mode="reduce-overhead"``: CUDA graphs, the one-line baseline a server would pick);
@@ -145,25 +147,34 @@ def config_and_pool(ap: argparse.ArgumentParser, config: str, args, dev, dtype, 
     return model, actor, pool.to(dev, dtype)
 
 
-def executor(name: str, model, actor) -> Tuple[Callable, Optional[torch.nn.Module]]:
+def executor(name: str, model, actor, served: Optional[Dict[str, torch.nn.Module]] = None
+             ) -> Tuple[Callable, Optional[torch.nn.Module]]:
     """``(fn, wrapped)``: the function that serves a request, and for the DORA executors the wrapped
     model (a copy of ``model``: the native executors keep theirs unwrapped, so that all of one
-    request size can run side by side)."""
+    request size can run side by side); ``served``: the wrapped copies kept across request sizes,
+    by executor (one is made and kept where it has none)."""
     if name.startswith("native"):
         if name == "native_eager":
             return model, None
         mode = "reduce-overhead" if name == "native_reduce_overhead" else "default"
         return torch.compile(model, mode=mode, dynamic=False), None
-    wrapped = timm_dora.wrap(copy.deepcopy(model), actor)
+    wrapped = None if served is None else served.get(name)
+    if wrapped is None:
+        wrapped = timm_dora.wrap(copy.deepcopy(model), actor)
+        if served is not None:
+            served[name] = wrapped
     if name == "dora_compiled_ro":
         return torch.compile(wrapped, mode="reduce-overhead", dynamic=False), wrapped
     return wrapped, wrapped
 
 
-def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args) -> Dict[str, Any]:
+def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args,
+            served: Optional[Dict[str, torch.nn.Module]] = None) -> Dict[str, Any]:
     """The executors' rows at one request size: each warmed up, then ``--rounds`` rounds in which
     every executor serves its share of ``--requests`` in turn (the host's and the GPU's drifts
-    within a call fall on all of them alike). An executor that fails gets its ``error`` instead."""
+    within a call fall on all of them alike). An executor that fails gets its ``error`` instead.
+    ``served``: the DORA executors' wrapped copies kept across request sizes (:func:`executor`;
+    the caller unwraps them); without, each is made here and unwrapped after."""
     w, n, rounds = args.warmup_requests, args.requests, args.rounds
     shares = [n // rounds + (r < n % rounds) for r in range(rounds)]
     torch._dynamo.reset()
@@ -179,11 +190,13 @@ def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args
             message = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             rows[name] = {"error": f"{type(e).__name__}: {message}"}
             wrapped = fns.pop(name, (None, None))[1]
+            if served is not None:
+                served.pop(name, None)
             if wrapped is not None:
                 timm_dora.unwrap(wrapped)
 
     def make(name: str) -> None:
-        fns[name] = executor(name, model, actor)
+        fns[name] = executor(name, model, actor, served)
         stream(fns[name][0], pool, batch, 0, w)
         times[name] = []
         if fns[name][1] is not None:
@@ -213,8 +226,8 @@ def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args
         for name in list(fns):
             attempt(name, lambda: finish(name))
     finally:
-        for _, wrapped in fns.values():
-            if wrapped is not None:
+        for name, (_, wrapped) in fns.items():
+            if wrapped is not None and (served is None or served.get(name) is not wrapped):
                 timm_dora.unwrap(wrapped)
         torch._dynamo.reset()
     return rows
@@ -270,17 +283,20 @@ def main(argv=None) -> None:
     for config in args.configs:
         model, actor, pool = config_and_pool(ap, config, args, dev, dtype, args.pool_images)
         rows = res.setdefault(config, {})
+        served: Dict[str, torch.nn.Module] = {}
         for b in args.batches:
             row = rows.setdefault(str(b), {})
             todo = [name for name in args.executors if name not in row]
             if not todo:
                 continue
-            row.update(measure(todo, model, actor, pool, b, args))
+            row.update(measure(todo, model, actor, pool, b, args, served))
             for name in todo:
                 print(config, b, name, row[name], flush=True)
             if args.out:
                 write_json(args.out, res)
-        del model, actor, pool
+        for wrapped in served.values():
+            timm_dora.unwrap(wrapped)
+        del model, actor, pool, served
         torch.cuda.empty_cache()
     res["targets"] = targets(res)
     if args.out:

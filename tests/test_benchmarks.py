@@ -676,6 +676,14 @@ def test_serving_latency_interleaves_the_executors_and_keeps_the_model_unwrapped
     assert order == [(False, 0, 1), (True, 0, 1), (False, 1, 2), (True, 1, 2), (False, 3, 2), (True, 3, 2)]
     assert set(rows) == {"native_eager", "dora_default"} and rows["dora_default"]["plan_misses"] == 0
     assert rows["dora_default"]["executor"] == "eager" and not timm_dora.is_wrapped(model)
+    # with ``served``, one wrapped copy serves every request size and stays wrapped for the caller
+    served = {}
+    first = serving_latency.measure(["dora_default"], model, actor, pool, 2, args, served)
+    kept = served["dora_default"]
+    second = serving_latency.measure(["dora_default"], model, actor, pool, 3, args, served)
+    assert served == {"dora_default": kept} and timm_dora.is_wrapped(kept) and not timm_dora.is_wrapped(model)
+    assert first["dora_default"]["plan_misses"] == second["dora_default"]["plan_misses"] == 0
+    timm_dora.unwrap(kept)
 
 
 def test_serving_latency_reports_an_executor_that_fails_and_measures_the_others(monkeypatch, capsys):
@@ -697,7 +705,7 @@ def test_serving_latency_reports_an_executor_that_fails_and_measures_the_others(
         return x
 
     monkeypatch.setattr(serving_latency, "executor",
-                        lambda name, model, actor: ((lambda x: x) if name == "native_eager" else flaky, None))
+                        lambda name, model, actor, served=None: ((lambda x: x) if name == "native_eager" else flaky, None))
     args = argparse.Namespace(warmup_requests=1, requests=3, rounds=3, kernels=False, sequence=False)
     rows = serving_latency.measure(["native_eager", "native_compiled"], None, None, torch.zeros(4, 1), 1, args)
     assert rows["native_compiled"] == {"error": "RuntimeError: device lost"}

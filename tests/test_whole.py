@@ -171,6 +171,32 @@ def test_a_plan_that_does_not_hold_runs_again_eagerly_and_grows(whole_calls, mon
     assert runner.plan_misses == 2 and len(whole_calls) == 3
 
 
+def test_a_new_plan_runs_the_controller_where_other_batch_sizes_plans_do(whole_calls, monkeypatch, engine_options):
+    """A batch size's first plan also names the blocks where the model's other batch sizes run the
+    controller: a gate seen opening (rarely) at one size is planned at the next without a miss."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = kind_actor(model, "forced")  # forced open at blocks 1, 4 and 7
+    x4, x2 = images(model, 4, seed=1), images(model, 2, seed=2)
+    ref = _forwards(model, [x2], actor=actor, cuda_graphs=False)
+    opened = tuple(bool(g) for g in ref[0][1].gate.any(0))
+    assert not opened[9]
+    engine_options(planned=True)
+    timm_dora.wrap(model, actor=actor, cuda_graphs=True)
+    with torch.inference_mode():
+        model(x4)
+        four = next(iter(model._dora.graphs.values()))
+        # as if a gate had once opened at block 9 at four images
+        four.plan = whole.Plan(four.plan.rows, tuple(c or l == 9 for l, c in enumerate(four.plan.controls)))
+        got = [(model(x2), model.dora_stats)]
+        two = next(r for r in model._dora.graphs.values() if r is not four)
+        assert two.plan.controls == tuple(c or l == 9 for l, c in enumerate(opened))
+        got.append((model(x2), model.dora_stats))  # replayed from the plan, the controller at block 9 too
+    timm_dora.unwrap(model)
+    _assert_same(got, ref * 2)
+    assert two.plan_misses == 0
+
+
 def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatch, engine_options):
     engine_options(margin_sd=1.0)
     # two images of 10 rows; block 1 removes 2 and 4: 14 rows left, lengths 8 and 6 (sd 1): the

@@ -509,6 +509,11 @@ def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) 
     out = _forward(model, x, runner.policy, None, keep=keep, decisions=decisions)
     gates, removed = decisions
     opened = torch.stack(gates, 1).any(0).tolist()
+    # (and where the plans of the model's other batch sizes run the controller, for the same policy:
+    # a gate that opens rarely then costs a miss once per model, not once per batch size)
+    for other in model._dora.graphs.values():
+        if other is not runner and other.policy is runner.policy and other.plan is not None:
+            opened = [a or b for a, b in zip(opened, other.plan.controls)]
     runner.plan = plan_from(opened, torch.stack(removed, 1).tolist(), runner.seq, rows_bucket(x.shape[0] * runner.seq),
                             old=runner.plan)
     return out

@@ -24,7 +24,9 @@ gates opened and how many rows each block left as soon as the last block's gate 
 done (the host reads that once, :func:`held`, while the GPU runs the last MLP and the readout):
 where a gate opened outside the plan or a block got more rows than its bound, the
 graph's output is discarded, the forward runs again eagerly and the plan grows to cover it (the
-bounds only grow, so a stream of batches settles on a plan after a few misses).
+bounds only grow, so a stream of batches settles on a plan after a few misses). A plan made or
+grown also names the blocks where the plans of the model's other batch sizes run the controller
+(the same policy): a gate that opens rarely costs one miss per model, not one per batch size.
 
 At a planned block without a controller the actor's gate is read only by that check: with
 ``EngineOptions.aside_gates`` (the default) it runs on a second stream (:class:`Aside`), a branch of
