@@ -199,17 +199,21 @@ def test_a_new_plan_runs_the_controller_where_other_batch_sizes_plans_do(whole_c
 
 def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatch, engine_options):
     engine_options(margin_sd=1.0)
-    # two images of 10 rows; block 1 removes 2 and 4: 14 rows left, lengths 8 and 6 (sd 1): the
-    # bound is 14 + ceil(1 * sqrt(2) * 1) = 16
-    plan = whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=1)
-    assert plan == whole.Plan((20, 20, 16, 16), (False, True, False))
-    assert whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=6).rows == (20, 20, 18, 18)
-    grown = whole.plan_from([False, False, True], [[0, 0, 1], [0, 0, 1]], seq=10, bucket=1, old=plan)
-    assert grown == whole.Plan((20, 20, 20, 18), (False, True, True))  # larger bounds, both controls
-    engine_options(margin_sd=4.0)  # 14 + ceil(5.66) = 20: never above the block before
-    assert whole.plan_from([False, True, False], [[0, 2, 0], [0, 4, 0]], seq=10, bucket=1).rows == (20, 20, 20, 20)
-    # one image: no spread to take a margin from, so no bound below its full rows (the controls as seen)
+    # three images of 10 rows; block 1 removes 2, 4 and 3: 21 rows left, lengths 8, 6 and 7 (sd
+    # sqrt(2/3)): the bound is 21 + ceil(1 * sqrt(3) * sqrt(2/3)) = 21 + ceil(1.414) = 23
+    removed = [[0, 2, 0], [0, 4, 0], [0, 3, 0]]
+    plan = whole.plan_from([False, True, False], removed, seq=10, bucket=1)
+    assert plan == whole.Plan((30, 30, 23, 23), (False, True, False))
+    assert whole.plan_from([False, True, False], removed, seq=10, bucket=6).rows == (30, 30, 24, 24)
+    grown = whole.plan_from([False, False, True], [[0, 0, 1]] * 3, seq=10, bucket=1, old=plan)
+    assert grown == whole.Plan((30, 30, 30, 27), (False, True, True))  # larger bounds, both controls
+    engine_options(margin_sd=8.0)  # 21 + ceil(11.3) = 33: never above the block before
+    assert whole.plan_from([False, True, False], removed, seq=10, bucket=1).rows == (30,) * 4
+    # one or two images: no spread to take a margin from, so no bound below their full rows (the
+    # controls as seen), even where the two agree
+    engine_options(margin_sd=1.0)
     assert whole.plan_from([False, True, True], [[0, 3, 2]], seq=10, bucket=1) == whole.Plan((10,) * 4, (False, True, True))
+    assert whole.plan_from([False, True, False], [[0, 3, 0], [0, 3, 0]], seq=10, bucket=1).rows == (20,) * 4
 
 
 def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch(monkeypatch, engine_options):

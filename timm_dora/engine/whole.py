@@ -116,10 +116,13 @@ def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int
     some image, ``removed[i][l]`` the rows image ``i`` lost there, ``seq`` the rows of an image
     entering block 0. Each bound is the rows seen plus ``EngineOptions.margin_sd`` standard deviations of the
     batch's total, padded up to a multiple of ``bucket``, never above the rows of the block before;
-    with ``old``, the larger bounds and the union of the controls (a plan only grows). A single
-    image has no spread to take a margin from (every later image that kept more rows would miss,
-    each miss an eager forward and a capture): its bounds are the image's full rows, which at one
-    image cost the latency-bound kernels next to nothing."""
+    with ``old``, the larger bounds and the union of the controls (a plan only grows). One or two
+    images have no spread to take a margin from (one has none; two, half their difference, zero
+    where they agree: every later batch that kept more rows would miss, each miss an eager forward
+    and a capture, 1.6-1.8 s on an H200, once in 2,000 requests of DeiT-Ti's merging actor at two
+    images in three serving runs): their bounds are the full rows, which the latency-bound kernels
+    of one or two images run in about the same time (native DeiT-Ti's 116 kernels took 0.357 ms at
+    one image, 0.368 at two; ``benchmarks/results/serving_latency_h100.json``)."""
     batch, depth = len(removed), len(opened)
     total = batch * seq
     lengths, rows = [seq] * batch, [total]
@@ -127,7 +130,7 @@ def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int
         lengths = [n - r[l] for n, r in zip(lengths, removed)]
         t = sum(lengths)
         sd = math.sqrt(sum((n - t / batch) ** 2 for n in lengths) / batch)
-        bound = t + math.ceil(active().margin_sd * math.sqrt(batch) * sd) if batch > 1 else total
+        bound = t + math.ceil(active().margin_sd * math.sqrt(batch) * sd) if batch > 2 else total
         rows.append(min(rows[-1], -(-bound // bucket) * bucket))
     controls = [bool(o) for o in opened]
     if old is not None:
