@@ -5,7 +5,10 @@ with random weights, bf16) on ``--images`` images of ``--lengths`` rows each, fo
 ViT-Ti and DeiT-B, in each variant of ``ROW_LAUNCH``'s ``k_block`` and ``num_stages`` (the encoder's
 K loop over the key width). Each variant runs ``--calls`` times in one CUDA graph
 (:func:`benchmarks.common.graph_call_us`); the same removals, budgets and FLOPs are checked
-against the default's.
+against the default's. Called back to back, the actor's weights stay in L2, where in a request
+they come from memory (DeiT-B's `_embed_qkv` took 12.5-13.3 us a deletion in a request's trace);
+``--cold-mb`` writes that many MB of a scratch buffer before each call (evicting L2) and reports
+the time per call less the writes' own (timed alone the same way).
 
     python -m benchmarks.controller_launch --out controller_launch.json
 """
@@ -31,10 +34,18 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--cold-mb", type=int, default=0, help="MB written before each call (0: warm L2)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    res = {**environment(dev, command_line("controller_launch")), "row_launch": dict(ROW_LAUNCH), "rows": []}
+    res = {**environment(dev, command_line("controller_launch")), "row_launch": dict(ROW_LAUNCH), "rows": [],
+           "cold_mb": args.cold_mb}
+    flush, flush_us = (lambda: None), 0.0
+    if args.cold_mb:
+        scratch = torch.empty(args.cold_mb << 20, dtype=torch.uint8, device=dev)
+        flush = scratch.zero_
+        flush_us = graph_call_us(flush, args.calls, args.repeats)
+        res["flush_us"] = round(flush_us, 3)
     for d in args.widths:
         torch.manual_seed(0)
         actor = Actor(d, 12, 196).to(dev, dtype).eval()
@@ -59,8 +70,11 @@ def main() -> None:
                     try:
                         got = fused_controller(*common, launch=launch)
                         same = all(torch.equal(a, c) for a, c in zip(got, ref))
-                        row["us"][name] = {"us": round(graph_call_us(lambda: fused_controller(*common, launch=launch),
-                                                                   args.calls, args.repeats), 3), "same": same}
+                        def call(launch=launch):
+                            flush()
+                            fused_controller(*common, launch=launch)
+                        row["us"][name] = {"us": round(graph_call_us(call, args.calls, args.repeats) - flush_us, 3),
+                                           "same": same}
                     except Exception as e:  # (a launch the GPU cannot run: say why)
                         row["us"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             timed = {k: v["us"] for k, v in row["us"].items() if "us" in v}
