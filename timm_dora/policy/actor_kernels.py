@@ -275,12 +275,12 @@ if triton is not None:
             tl.store(Z + r64[:, None] * W + cols[None, :], (x + ffn).to(DT), mask=live[:, None])
 
     @triton.jit
-    def _budget_of(seqs, live, Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, num_budgets,
-                   min_keep, eps, gate_macs, quad, lin, const,
-                   W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr):
-        """The budget head for the sequences ``seqs`` (``live``: real): ``k`` and ``k / N_l`` stored
-        (and returned), and the actor's FLOPs."""
+    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
+                gate_macs, quad, lin, const,
+                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr):
         DT = Z.dtype.element_ty
+        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        live = seqs < nseq
         cols = tl.arange(0, W)
         first = tl.load(CU + seqs, mask=live, other=0).to(tl.int64)  # the CLS row of each sequence
         z = tl.load(Z + first[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
@@ -298,35 +298,13 @@ if triton is not None:
         index = tl.argmax(tl.where(feasible, logits, float("-inf")), 1, tie_break_left=True)
         gate = tl.load(GATE + seqs, mask=live, other=0) != 0
         k = tl.where(gate, tl.load(BUDGETS + index, mask=live, other=0), 0)
-        frac = k.to(tl.float32) / n_visual.to(tl.float32)
         tl.store(K + seqs, k, mask=live)
-        tl.store(FRAC + seqs, frac, mask=live)
+        tl.store(FRAC + seqs, k.to(tl.float32) / n_visual.to(tl.float32), mask=live)
         # the FLOPs (flops.actor_controller_macs, in float64: integer-valued and exact below 2**53)
         n = n_visual.to(tl.float64) + 1.0
         macs = n * (n * quad.to(tl.float64) + lin.to(tl.float64)) + const.to(tl.float64)
         flops = 2.0 * gate_macs.to(tl.float64) + tl.where(gate, 2.0 * macs, 0.0)
         tl.store(FLOPS + seqs, flops, mask=live)
-        return k, frac
-
-    @triton.jit
-    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
-                gate_macs, quad, lin, const,
-                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr):
-        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        _budget_of(seqs, seqs < nseq, Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, num_budgets,
-                   min_keep, eps, gate_macs, quad, lin, const, W, BH, MP, PREC)
-
-    @triton.jit
-    def _score_of(z, frac, cols, WK, WS1, BS1, WS2, BS2, W: tl.constexpr, S: tl.constexpr, DT: tl.constexpr,
-                  PREC: tl.constexpr):
-        """The selector ``MLP_S(Z_j + W_k k/N_l)`` of rows ``z`` (fp32 ``[R, W]``), ``frac`` their
-        images' ``k / N_l`` (``[R]``): the scores, rounded to the dtype."""
-        cond = _round(_round(frac, DT)[:, None] * tl.load(WK + cols).to(tl.float32)[None, :], DT)  # W_k (k / N_l)
-        zc = (z + cond).to(DT)
-        ss = tl.arange(0, S)
-        hid = _silu(_linear(zc, WS1, BS1, ss, cols, W, DT, PREC), DT)
-        s = tl.sum(hid * tl.load(WS2 + ss).to(tl.float32)[None, :], 1) + tl.load(BS2).to(tl.float32)
-        return _round(s, DT)
 
     @triton.jit
     def _scores(Z, CU, nseq, steps, FRAC, WK, WS1, BS1, WS2, BS2, SC,
@@ -337,13 +315,18 @@ if triton is not None:
             seg, pos = _seg_pos(CU, rows, live, nseq, steps)
             visual = live & (pos >= 1)
             z = tl.load(Z + r64[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            s = _score_of(z, tl.load(FRAC + seg, mask=live, other=0.0), cols, WK, WS1, BS1, WS2, BS2, W, S, DT, PREC)
-            tl.store(SC + seg.to(tl.int64) * NP + (pos - 1), s, mask=visual)
+            # the selector MLP_S(Z_j + W_k k/N_l)
+            frac = tl.load(FRAC + seg, mask=live, other=0.0)
+            cond = _round(_round(frac, DT)[:, None] * tl.load(WK + cols).to(tl.float32)[None, :], DT)  # W_k (k / N_l)
+            zc = (z + cond).to(DT)
+            ss = tl.arange(0, S)
+            hid = _silu(_linear(zc, WS1, BS1, ss, cols, W, DT, PREC), DT)
+            s = tl.sum(hid * tl.load(WS2 + ss).to(tl.float32)[None, :], 1) + tl.load(BS2).to(tl.float32)
+            tl.store(SC + seg.to(tl.int64) * NP + (pos - 1), _round(s, DT), mask=visual)
 
     @triton.jit
-    def _select_chunk(SC, CU, CU_OUT, REMOVE, seq, chunk, k, num_prefix, NP: tl.constexpr, CH: tl.constexpr):
-        """The removal flags of tokens ``chunk * CH ..`` of sequence ``seq``: each visual token's
-        rank in its image, ``rank < k``."""
+    def _select(SC, CU, CU_OUT, K, REMOVE, num_prefix, NP: tl.constexpr, CH: tl.constexpr):
+        seq, chunk = tl.program_id(0), tl.program_id(1)
         start = tl.load(CU + seq)
         n = tl.load(CU + seq + 1) - start - 1  # visual tokens of this sequence
         if chunk * CH < n:
@@ -356,12 +339,7 @@ if triton is not None:
             ahead = ahead & (every[None, :] < n)
             rank = tl.sum(ahead.to(tl.int32), 1)
             out = tl.load(CU_OUT + seq).to(tl.int64) + num_prefix + mine
-            tl.store(REMOVE + out, rank < k, mask=mine < n)
-
-    @triton.jit
-    def _select(SC, CU, CU_OUT, K, REMOVE, num_prefix, NP: tl.constexpr, CH: tl.constexpr):
-        seq = tl.program_id(0)
-        _select_chunk(SC, CU, CU_OUT, REMOVE, seq, tl.program_id(1), tl.load(K + seq), num_prefix, NP, CH)
+            tl.store(REMOVE + out, rank < tl.load(K + seq), mask=mine < n)
 
 
 def _cdiv(a: int, b: int) -> int:
