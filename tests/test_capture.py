@@ -128,16 +128,19 @@ def test_an_input_the_eager_forward_refuses_too_raises_and_keeps_the_graphs_on()
 
 
 def test_engine_info_reports_the_cached_buckets_and_release_graphs_frees_them(monkeypatch, engine_options):
-    engine_options(max_cached=2)
+    engine_options(max_cached=2, max_cached_small=2, planned_max_batch=8)
     model = _model()
     timm_dora.wrap(model, kind_actor(model, "forced"), cuda_graphs=True)
     with torch.inference_mode():
-        for b in (2, 9, 10, 3):  # 9 and 10 share bucket 10; 2 is dropped when 3 comes
+        # up to 8 images and above, each kept apart: 9 and 10 share bucket 10, and 20 does not
+        # push out a small one; 2 is dropped when 4 comes, 10 when 24 comes
+        for b in (2, 9, 10, 3, 20, 4, 24):
             model(images(model, b))
     info = timm_dora.engine_info(model)
-    assert [s["batch"] for s in info["batch_shapes"]] == [10, 3] and info["max_cached"] == 2
+    assert [s["batch"] for s in info["batch_shapes"]] == [3, 20, 4, 24]
+    assert info["max_cached"] == 2 and info["max_cached_small"] == 2
     assert info["graphs"] == 0 and info["capture_s"] == 0.0  # off CUDA nothing is captured
-    assert timm_dora.release_graphs(model) == 2
+    assert timm_dora.release_graphs(model) == 4
     assert timm_dora.engine_info(model)["batch_shapes"] == []
     with torch.inference_mode():
         model(images(model, 3))
@@ -145,6 +148,29 @@ def test_engine_info_reports_the_cached_buckets_and_release_graphs_frees_them(mo
     timm_dora.unwrap(model)
     with pytest.raises(ValueError, match="not wrapped"):
         timm_dora.engine_info(model)
+
+
+def test_a_server_of_every_small_request_size_keeps_their_graphs_by_default():
+    """By default a stream of requests of every size from 1 to 16 images (12 buckets) keeps all their
+    runners (``max_cached_small``), while larger batches keep ``max_cached``; bad bounds are refused."""
+    import pytest
+
+    from timm_dora.engine.options import EngineOptions
+
+    model = _model()
+    timm_dora.wrap(model, kind_actor(model, "forced"), cuda_graphs=True)
+    with torch.inference_mode():
+        for b in list(range(1, 17)) + [20, 24, 28, 32, 40]:
+            model(images(model, b))
+        small = [r for r in model._dora.graphs.values() if r.batch <= 16]
+        model(images(model, 1))  # a bucket seen before: its runner, no new one
+        assert next(reversed(model._dora.graphs.values())) is small[0]
+    info = timm_dora.engine_info(model)
+    assert [r.batch for r in small] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert sorted(s["batch"] for s in info["batch_shapes"]) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 24, 28, 32, 40]
+    timm_dora.unwrap(model)
+    with pytest.raises(ValueError, match="EngineOptions.max_cached_small must be at least 1, got 0"):
+        EngineOptions(max_cached_small=0)
 
 
 def test_engine_info_says_how_the_graphs_replayed_and_why_not_as_one(engine_options):

@@ -17,13 +17,12 @@ from timm_dora import Actor, ActorPolicy, NoPrune, ReplayPolicy
 from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine.graphs import GraphRunner
 from timm_dora.engine.segments import Segments
-from timm_dora.engine.options import EngineOptions
 from timm_dora.policy import Decision
 
 from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model, random_plan
 
-MAX_CACHED = EngineOptions().max_cached
+SMALL_CACHED = 4  # (EngineOptions.max_cached_small, set smaller than the 12 buckets of 1-16 images)
 
 FAMILIES = ["deit", "deit_distilled", "vit_avgpool", "dinov2_registers", "vit_gap", "vit_reg4_gap", "siglip_map"]
 
@@ -308,7 +307,8 @@ def test_a_gate_without_removal_leaves_the_dense_phase():
     assert ref[0][1].gate[:, 2].all()
 
 
-def test_segments_are_cached_per_batch_shape_and_policy():
+def test_segments_are_cached_per_batch_shape_and_policy(engine_options):
+    engine_options(max_cached_small=SMALL_CACHED)
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     actor = kind_actor(model, "closed")
@@ -319,9 +319,9 @@ def test_segments_are_cached_per_batch_shape_and_policy():
         first = next(iter(cache.values()))
         model(images(model, 2, seed=5))
         assert len(cache) == 1 and next(iter(cache.values())) is first
-        for b in range(3, 3 + MAX_CACHED):
+        for b in range(3, 3 + SMALL_CACHED):
             model(images(model, b))
-        assert len(cache) == MAX_CACHED and first not in cache.values()  # least recent dropped
+        assert len(cache) == SMALL_CACHED and first not in cache.values()  # least recent dropped
         assert all(isinstance(v, GraphRunner) for v in cache.values())
         timm_dora.set_policy(model, NoPrune())
         assert len(cache) == 0  # captured for the old policy
@@ -500,13 +500,14 @@ def test_fixed_shape_controller_equals_the_controller(family):
     assert dec.removed[gate].gt(0).all()
 
 
-def test_dropped_graph_runners_are_freed_without_a_garbage_collection():
+def test_dropped_graph_runners_are_freed_without_a_garbage_collection(engine_options):
     """unwrap, set_policy and the cache's eviction release their runners at once (graphs destroyed,
     buffers freed by reference counting): with the collector off, nothing is left for a later
     collection, which could otherwise run inside another model's capture (see the CUDA test below)."""
     import gc
     import weakref
 
+    engine_options(max_cached_small=SMALL_CACHED)
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
 
@@ -520,7 +521,7 @@ def test_dropped_graph_runners_are_freed_without_a_garbage_collection():
     try:
         timm_dora.wrap(model, kind_actor(model, "forced"), cuda_graphs=True)
         first = runner_of(2)
-        for b in range(3, 3 + MAX_CACHED):  # the first runner is evicted
+        for b in range(3, 3 + SMALL_CACHED):  # the first runner is evicted
             runner_of(b)
         assert first() is None
         last = runner_of(2)

@@ -12,7 +12,8 @@ uncaptured: how the CPU tests check that executor); ``cuda_graphs=False`` is alw
   up to three significant bits (10, 12, 14, 16, 20, ..., 256, 320, 384, ...), so a stream of odd
   batch sizes captures at most four shapes per octave and pads by less than a quarter.
 - **Bounded and releasable.** Graphs are kept for ``EngineOptions.max_cached``
-  batch buckets (and policies), least recent dropped; :func:`engine_info` reports each one's graphs,
+  batch buckets (and policies) above ``planned_max_batch`` and, apart, for ``max_cached_small`` of
+  the smaller ones (every bucket of 1-16 images), least recent dropped; :func:`engine_info` reports each one's graphs,
   capture time and the memory its buffers and captures reserved; :func:`release_graphs` frees them
   now (the next forward captures again).
 - **Fallback.** If the captured forward raises (a failed capture), the same forward runs eagerly; if
@@ -121,7 +122,7 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
       ``"per_block"`` (a graph per block, the host reading each block's decisions), and
       ``graph_reason``, why it was not one graph (the policy decides on the host, a pooled
       readout, a batch above ``EngineOptions.planned_max_batch``, ...);
-    - ``batch_shapes``: per cached batch bucket (at most ``max_cached``), ``batch``, ``graphs``,
+    - ``batch_shapes``: per cached batch bucket (at most ``max_cached`` + ``max_cached_small``), ``batch``, ``graphs``,
       ``capture_s`` (warm-ups and captures, device-synchronised), ``memory_mb`` (its fixed
       buffers and the segments of its graphs' private memory pool) and ``buffers_mb`` (the fixed
       buffers alone), ``plan_misses`` (forwards whose plan did not hold and ran again eagerly:
@@ -144,7 +145,8 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
               for r in state.graphs.values()]
     return {"cuda_graphs": state.cuda_graphs, "executor": state.executor, "reason": state.reason,
             "failed": state.failed, "graph": state.graph, "graph_reason": state.graph_reason,
-            "max_cached": (state.engine or active()).max_cached, "batch_shapes": shapes,
+            "max_cached": (state.engine or active()).max_cached,
+            "max_cached_small": (state.engine or active()).max_cached_small, "batch_shapes": shapes,
             "graphs": sum(s["graphs"] for s in shapes), "capture_s": round(sum(s["capture_s"] for s in shapes), 3),
             "memory_mb": round(sum(s["memory_mb"] for s in shapes), 1)}
 

@@ -713,7 +713,8 @@ def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend:
                  merge: bool = False) -> GraphRunner:
     """The :class:`GraphRunner` of ``model`` for this batch shape, policy and the active
     :class:`~timm_dora.engine.options.EngineOptions` (made on first use);
-    ``cache`` (an ``OrderedDict``) keeps the ``EngineOptions.max_cached`` most recent."""
+    ``cache`` (an ``OrderedDict``) keeps the ``EngineOptions.max_cached`` most recent of batches
+    above ``planned_max_batch`` and, apart, the ``max_cached_small`` most recent of the others."""
     weight = next(model.parameters())
     key = (tuple(images.shape), images.dtype, str(images.device), id(policy), backend, readout_mode,
            weight.dtype, weight.data_ptr(), merge, active())  # (graphs are recorded under the options)
@@ -723,8 +724,11 @@ def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend:
         return entry
     entry = GraphRunner(model, policy, images, backend, readout_mode, merge)
     cache[key] = entry
-    while len(cache) > active().max_cached:
-        cache.popitem(last=False)[1].release()
+    options = active()
+    small = entry.batch <= options.planned_max_batch
+    same = [k for k, r in cache.items() if (r.batch <= options.planned_max_batch) == small]  # least recent first
+    for k in same[:max(0, len(same) - (options.max_cached_small if small else options.max_cached))]:
+        cache.pop(k).release()
     return entry
 
 

@@ -46,8 +46,15 @@ class EngineOptions:
     # ahead as one graph, their gates taken as closed and read once where the host must know; where
     # one opened after all the forward runs again without (graphs.RunAheadMissed)
     run_ahead: bool = True
-    # batch shapes (and policies) whose graphs a wrapped model keeps, least recent dropped
+    # batch shapes (and policies) above planned_max_batch whose graphs a wrapped model keeps, least
+    # recent dropped (DeiT-B's at 320: about 1.1 GB; benchmarks/results/default_speed_h100.json)
     max_cached: int = 4
+    # the same for batches up to planned_max_batch, kept apart: 12 holds every bucket of 1-16 images
+    # (1-8, 10, 12, 14, 16) for one policy and input size, so a server whose requests come in more
+    # than four sizes captures each once instead of at nearly every request (an eager forward and a
+    # capture, 1.6-1.8 s in serving_latency's misses on an H200); one graph of up to 16 images holds
+    # 22-26 MB for DeiT-B (benchmarks/results/default_speed_h100_previous.json)
+    max_cached_small: int = 12
     # packed rows padded up to a multiple of this (None: graphs.rows_bucket's rule; tests fix it)
     rows_bucket: Optional[int] = None
     # before a runner's first capture, one segment of the graphs' memory pool is reserved for the
@@ -79,7 +86,7 @@ class EngineOptions:
     aside_gates: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_cached", "mlp_chunks"):
+        for name in ("max_cached", "max_cached_small", "mlp_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineOptions.{name} must be at least 1, got {getattr(self, name)}")
         if self.rows_bucket is not None and self.rows_bucket < 1:
