@@ -23,8 +23,11 @@ graph's misses and the graphs captured during the timed requests, from
 :func:`timm_dora.engine_info`: a steady state pays neither). ``--kernels`` adds, from 10 more
 requests under the profiler, ``kernels_per_request``, ``kernel_ms_per_request`` and
 ``cudaGraphLaunch_ms`` (a graph's launch costs host time per node); ``--sequence`` one more request's
-kernels in order, each with its time, and per family (``sequence``). The result file is rewritten after
-each batch size; ``--resume`` skips what it already holds.
+kernels in order, each with its time, and per family (``sequence``). ``--mixed`` adds a row ``mixed``
+per configuration: a stream whose request sizes cycle through :func:`mixed_sizes` (``--batches`` in a
+seeded random order, as a dynamic batcher's), after a warm-up that serves every size (a server's
+steady state: no capture or plan miss is owed there). The result file is rewritten after each batch
+size; ``--resume`` skips what it already holds.
 
     python -m benchmarks.serving_latency --vit-weights W --deit-weights W2 --data labels.csv \\
         --out benchmarks/results/serving_latency_h100.json
@@ -35,9 +38,10 @@ import argparse
 import copy
 import json
 import os
+import random
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -49,26 +53,51 @@ CONFIGS = ("vit_tiny_published", "deit_tiny_published", "deit_base_forced")
 EXECUTORS = ("native_eager", "native_compiled", "native_reduce_overhead", "dora_default", "dora_compiled_ro")
 
 
-def stream(fn: Callable, pool: torch.Tensor, batch: int, first: int, count: int) -> List[float]:
-    """Milliseconds of each of ``count`` requests of ``batch`` images, requests ``first`` onwards of
-    the stream that takes the images of ``pool`` in turn."""
-    n = pool.shape[0] - pool.shape[0] % batch
+Batch = Union[int, Sequence[int]]  # images a request, or the request sizes of a mixed stream in turn
+
+
+def request_size(batch: Batch, i: int) -> int:
+    """Images of request ``i``: ``batch``, or ``batch[i % len(batch)]`` for a mixed stream."""
+    return batch if isinstance(batch, int) else batch[i % len(batch)]
+
+
+MIXED_LENGTH = 64  # requests in a mixed stream's cycle of sizes (its warm-up serves one cycle at least)
+
+
+def mixed_sizes(batches: Sequence[int], length: int = MIXED_LENGTH, seed: int = 0) -> List[int]:
+    """A mixed stream's request sizes: ``length`` draws from ``batches`` (seeded), each size at
+    least once."""
+    rng = random.Random(seed)
+    sizes = list(batches) + [rng.choice(list(batches)) for _ in range(length - len(batches))]
+    rng.shuffle(sizes)
+    return sizes
+
+
+def stream(fn: Callable, pool: torch.Tensor, batch: Batch, first: int, count: int) -> List[float]:
+    """Milliseconds of each of ``count`` requests, requests ``first`` onwards of the stream that
+    takes the images of ``pool`` in turn: each request of ``batch`` images, or of a mixed stream's
+    sizes (:func:`request_size`), the first images of successive windows of the largest size."""
+    window = batch if isinstance(batch, int) else max(batch)
+    n = pool.shape[0] - pool.shape[0] % window
     times = []
     with torch.inference_mode():
         for i in range(first, first + count):
-            start = (i * batch) % n
-            x = pool[start:start + batch]
+            start = (i * window) % n
+            x = pool[start:start + request_size(batch, i)]
             t = time.perf_counter()
             fn(x).float().cpu()  # (the logits readable on the host: synchronises)
             times.append(1e3 * (time.perf_counter() - t))
     return times
 
 
-def summary(times: List[float], batch: int) -> Dict[str, float]:
+def summary(times: List[float], batch: Batch, first: int = 0) -> Dict[str, float]:
+    """p50, p99 and max of ``times`` (ms), and the images of those requests (requests ``first``
+    onwards of a ``batch`` stream, :func:`request_size`) over their summed time."""
+    images = sum(request_size(batch, first + i) for i in range(len(times)))
     ordered = sorted(times)
     p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
     return {"p50_ms": round(statistics.median(ordered), 4), "p99_ms": round(p99, 4), "max_ms": round(ordered[-1], 4),
-            "images_per_s": round(1e3 * batch * len(times) / sum(times), 1)}
+            "images_per_s": round(1e3 * images / sum(times), 1)}
 
 
 def kernel_profile(fn: Callable, pool: torch.Tensor, batch: int, first: int, count: int = 10) -> Dict[str, float]:
@@ -168,9 +197,10 @@ def executor(name: str, model, actor, served: Optional[Dict[str, torch.nn.Module
     return wrapped, wrapped
 
 
-def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args,
+def measure(names: List[str], model, actor, pool: torch.Tensor, batch: Batch, args,
             served: Optional[Dict[str, torch.nn.Module]] = None) -> Dict[str, Any]:
-    """The executors' rows at one request size: each warmed up, then ``--rounds`` rounds in which
+    """The executors' rows at one request size (or a mixed stream's sizes in turn,
+    :func:`request_size`): each warmed up, then ``--rounds`` rounds in which
     every executor serves its share of ``--requests`` in turn (the host's and the GPU's drifts
     within a call fall on all of them alike). An executor that fails gets its ``error`` instead.
     ``served``: the DORA executors' wrapped copies kept across request sizes (:func:`executor`;
@@ -207,7 +237,7 @@ def measure(names: List[str], model, actor, pool: torch.Tensor, batch: int, args
 
     def finish(name: str) -> None:
         fn, wrapped = fns[name]
-        row = summary(times[name], batch)
+        row = summary(times[name], batch, w)
         if wrapped is not None:
             after = graph_counts(wrapped)
             row["plan_misses"] = after["plan_misses"] - counts[name]["plan_misses"]
@@ -239,7 +269,8 @@ def targets(res: Dict[str, Any]) -> Dict[str, Any]:
     up to 8 and >= 1.0 at 16) and its p99 over its p50 (<= 1.5), each with whether it is met."""
     out: Dict[str, Any] = {}
     for config in CONFIGS:
-        for b, row in sorted(res.get(config, {}).items(), key=lambda kv: int(kv[0])):
+        sizes = {b: row for b, row in res.get(config, {}).items() if b.isdigit()}  # (not the mixed stream's)
+        for b, row in sorted(sizes.items(), key=lambda kv: int(kv[0])):
             dora, native = row.get("dora_default", {}), row.get("native_reduce_overhead", {})
             if "images_per_s" not in dora:
                 continue
@@ -269,9 +300,14 @@ def main(argv=None) -> None:
                     help="also profile 10 more requests: device kernels and their time per request")
     ap.add_argument("--sequence", action="store_true",
                     help="also record one more request's kernels in order, with their times and families")
+    ap.add_argument("--mixed", action="store_true",
+                    help="also a stream of requests whose sizes cycle through --batches in a seeded random order")
     ap.add_argument("--resume", action="store_true", help="keep the rows --out already holds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.mixed and args.warmup_requests < MIXED_LENGTH:
+        ap.error(f"--mixed needs --warmup-requests of at least {MIXED_LENGTH} (one cycle of its sizes), "
+                 f"got {args.warmup_requests}")
     if not 1 <= args.rounds <= args.requests:
         ap.error(f"--rounds must be between 1 and --requests ({args.requests}), got {args.rounds}")
     dev, dtype, _ = inference_device("cuda", "bf16")
@@ -284,12 +320,12 @@ def main(argv=None) -> None:
         model, actor, pool = config_and_pool(ap, config, args, dev, dtype, args.pool_images)
         rows = res.setdefault(config, {})
         served: Dict[str, torch.nn.Module] = {}
-        for b in args.batches:
+        for b in args.batches + (["mixed"] if args.mixed else []):
             row = rows.setdefault(str(b), {})
             todo = [name for name in args.executors if name not in row]
             if not todo:
                 continue
-            row.update(measure(todo, model, actor, pool, b, args, served))
+            row.update(measure(todo, model, actor, pool, mixed_sizes(args.batches) if b == "mixed" else b, args, served))
             for name in todo:
                 print(config, b, name, row[name], flush=True)
             if args.out:

@@ -645,6 +645,29 @@ def test_serving_latency_stream_takes_the_pool_in_turn_and_profiles_on_cpu():
     assert prof["kernels_per_request"] == 0 and prof["kernel_ms_per_request"] == 0  # no device kernels on a CPU
 
 
+def test_serving_latency_mixed_stream_by_hand():
+    """A mixed stream: request i takes ``sizes[i % len]`` images from successive windows of the largest
+    size; its images/s counts each request's own images; the sizes cycle holds every size."""
+    import torch
+
+    from benchmarks.serving_latency import mixed_sizes, stream, summary
+
+    seen = []
+    pool = torch.arange(10.0)[:, None]  # windows of 3: rows 0-2, 3-5, 6-8
+
+    def fn(x):
+        seen.append(x[:, 0].tolist())
+        return x
+
+    assert len(stream(fn, pool, [1, 3, 2], 1, 4)) == 4
+    assert seen == [[3, 4, 5], [6, 7], [0], [3, 4, 5]]  # requests 1-4: sizes 3, 2, 1, 3
+    # requests 2 and 3 (sizes 2 and 1) in 10 and 20 ms: 3 images in 30 ms
+    assert summary([10.0, 20.0], [1, 3, 2], first=2)["images_per_s"] == 100.0
+    sizes = mixed_sizes([1, 2, 4, 8, 16])
+    assert len(sizes) == 64 and set(sizes) == {1, 2, 4, 8, 16} and sizes == mixed_sizes([1, 2, 4, 8, 16])
+    assert sizes[:10] != sorted(sizes[:10])  # (shuffled)
+
+
 def test_serving_latency_interleaves_the_executors_and_keeps_the_model_unwrapped():
     """``measure``: every executor's rounds take turns (the request indices show the order), the
     DORA rows come from a wrapped copy, and the model the native rows ran stays native."""
@@ -683,6 +706,9 @@ def test_serving_latency_interleaves_the_executors_and_keeps_the_model_unwrapped
     second = serving_latency.measure(["dora_default"], model, actor, pool, 3, args, served)
     assert served == {"dora_default": kept} and timm_dora.is_wrapped(kept) and not timm_dora.is_wrapped(model)
     assert first["dora_default"]["plan_misses"] == second["dora_default"]["plan_misses"] == 0
+    # a mixed stream of sizes 2, 1, 3 with the same copy: 4 requests after one of warm-up
+    mixed = serving_latency.measure(["dora_default"], model, actor, pool, [2, 1, 3], args, served)
+    assert served == {"dora_default": kept} and mixed["dora_default"]["images_per_s"] > 0
     timm_dora.unwrap(kept)
 
 
@@ -713,6 +739,9 @@ def test_serving_latency_reports_an_executor_that_fails_and_measures_the_others(
     with pytest.raises(SystemExit):
         serving_latency.main(["--rounds", "0", "--configs", "deit_base_forced"])
     assert "--rounds must be between 1 and --requests (2000), got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serving_latency.main(["--mixed", "--warmup-requests", "10", "--configs", "deit_base_forced"])
+    assert "--mixed needs --warmup-requests of at least 64 (one cycle of its sizes), got 10" in capsys.readouterr().err
 
 
 def test_default_speed_reads_the_best_oracle_target_by_hand():
@@ -733,8 +762,10 @@ def test_serving_latency_targets_by_hand():
     row = lambda ips, p50, p99: {"images_per_s": ips, "p50_ms": p50, "p99_ms": p99}
     res = {"deit_base_forced": {"16": {"native_reduce_overhead": row(100.0, 1.0, 1.1), "dora_default": row(101.0, 1.0, 1.6)}},
            "vit_tiny_published": {"8": {"native_reduce_overhead": row(100.0, 1.0, 1.0), "dora_default": row(90.0, 2.0, 3.0)},
-                                  "16": {"native_reduce_overhead": row(100.0, 1.0, 1.0), "dora_default": row(95.0, 2.0, 2.0)}}}
+                                  "16": {"native_reduce_overhead": row(100.0, 1.0, 1.0), "dora_default": row(95.0, 2.0, 2.0)},
+                                  "mixed": {"native_reduce_overhead": row(1.0, 1.0, 1.0), "dora_default": row(1.0, 1.0, 9.0)}}}
     out = targets(res)
+    assert set(out["vit_tiny_published"]) == {"8", "16"}  # (the mixed stream is not one of the issue's sizes)
     assert out["deit_base_forced"]["16"] == {"over_reduce_overhead": {"ratio": 1.01, "target": 1.0, "met": True},
                                              "p99_over_p50": {"ratio": 1.6, "target": 1.5, "met": False}}
     assert out["vit_tiny_published"]["8"]["over_reduce_overhead"] == {"ratio": 0.9, "target": 0.9, "met": True}
