@@ -370,3 +370,35 @@ def test_closed_gates_aside_give_the_in_line_graph_bit_for_bit(kind, merge, engi
         assert torch.equal(oa, ob)
         for field in ("tokens", "gate", "removed"):
             assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("kind", ["biased", "forced"])
+def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, merge, engine_options, monkeypatch):
+    """``EngineOptions.aside_controller``: the controller blocks' decisions on the second stream,
+    beside their attention (forked by the keys hook when the graph is recorded), compute what the
+    same graph computes with them in line (gates aside in both), and the forward ends joined."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
+    xs = [images(model, 8, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
+    forked = []
+    fork = whole.Aside.fork
+    monkeypatch.setattr(whole.Aside, "fork", lambda self, fn, *hold: (forked.append(fn.__name__), fork(self, fn, *hold))[1])
+    runs = {}
+    for on in (False, True):
+        forked.clear()
+        engine_options(aside_controller=on, rows_bucket=1)
+        timm_dora.wrap(model, actor=actor, merge=merge)
+        with torch.inference_mode():
+            runs[on] = [(model(x).clone(), model.dora_stats) for x in xs]
+            runner = next(iter(model._dora.graphs.values()))
+            assert runner.plan is not None and any(runner.plan.controls)
+            assert not (runner.aside.forked or runner.aside.held) and runner.decide_aside is None
+        timm_dora.unwrap(model)
+        assert ("decide" in forked) == on  # (recorded into the graph: forked at its capture)
+    for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(oa, ob)
+        for field in ("tokens", "gate", "removed"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field

@@ -244,6 +244,9 @@ class GraphRunner:
         # speculative MLP was wasted; a wrong guess the other way costs one gate read's latency)
         self.opened = [False] * self.depth
         self.keys_in_place: Optional[torch.Tensor] = None  # the keys a fused intervention graph reads
+        # the whole graph's controller decision to fork onto its Aside stream once the keys exist
+        # (EngineOptions.aside_controller; the attention's keys hook forks it and clears this)
+        self.decide_aside: Optional[Callable[[], None]] = None
         self._fused_at: Optional[int] = None  # the block whose graph ran the controller too
         # blocks where the policy says, before they run, that it prunes nothing (a replay plan's
         # other blocks, NoPrune's every block) run as chains of whole blocks: one segment each

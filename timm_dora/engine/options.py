@@ -84,6 +84,12 @@ class EngineOptions:
     # and MLP, joined at the next block: captured, a branch of the graph, off the chain of kernels a
     # request waits for; False: in line
     aside_gates: bool = True
+    # in the planned whole graph (captured, the Triton gate), a controller block's decision (the
+    # actor's controller after the block's gate) on that second stream beside the block's attention,
+    # projection and residual, joined before the fold and the deletion: the chain a request waits
+    # for loses the shorter of the two branches (the attention's, about 10 us at one image). Off
+    # until measured on a GPU (benchmarks/options_ab.py)
+    aside_controller: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):

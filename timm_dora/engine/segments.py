@@ -87,6 +87,15 @@ def _norms(r, l: int, rows: int, fuse: Tuple[bool, ...]) -> dict:
     return out
 
 
+def _fork_decision(r, k: torch.Tensor) -> None:
+    """Where the whole graph asked for it (``r.decide_aside``: ``EngineOptions.aside_controller``), the
+    block's controller decision forked onto the runner's Aside stream as soon as the block's keys
+    ``k`` exist (held until the join), beside the attention that follows on the current stream."""
+    if r.decide_aside is not None:
+        r.aside.fork(r.decide_aside, k)
+        r.decide_aside = None
+
+
 class Segments:
     """The segments of one :class:`~timm_dora.engine.graphs.GraphRunner` (composed into it as
     ``runner.segments``): :meth:`build` returns the function a segment key runs, reading and
@@ -254,6 +263,7 @@ class Segments:
                 copy_open_keys(k, r.dense_inputs[0].cu_seqlens, r.seq, r.gate_out[l], r.k)
             if in_place:  # [B*S, d] rows (a view of timm's qkv output: row stride 3d)
                 r.keys_in_place = (k if varlen else k.permute(0, 2, 1, 3)).reshape(b * r.seq, -1)
+                _fork_decision(r, k)
 
         def attention_dense():
             attention_residual(blk, rows_in, r.backend, out=r.attn_out(l), keys=False, attend=attend,
@@ -287,7 +297,9 @@ class Segments:
                                  norm_into=norms["after"])
 
     def _controller_segment(self, key: tuple) -> Callable[[], None]:
-        """The actor's controller for every image, masked by the gate, and the deletion it decides."""
+        """The actor's controller for every image, masked by the gate, and the deletion it decides;
+        the returned function's ``decide`` and ``delete`` run the two apart (the whole graph's
+        ``EngineOptions.aside_controller``: the decision beside the block's attention)."""
         r = self.runner
         l = key[1]
         model = r.model
@@ -320,7 +332,9 @@ class Segments:
                                                                          uniform=False)
             return attention_keys(blk, src)[:n]
 
-        def controller():
+        decided: dict = {}  # what the decision hands the deletion (dropped after it)
+
+        def decide():  # the actor's decision, into the fixed outputs (ctrl_out)
             if dense:
                 src = r.dense_inputs[l % 2]
                 step = r.steps[l]
@@ -342,6 +356,10 @@ class Segments:
             _, removed, _ = r.policy.controller_fixed(
                 keys, cu, r.seq, p, h, n_visual, gate, l, r.backend, None if r.capture else lengths,
                 out=r.ctrl_out)
+            decided.update(keys=keys, cu=cu, gate=gate, removed=removed)
+
+        def delete():  # the fold (merge) and the deletion the decision asks for
+            keys, cu, gate, removed = (decided.pop(k) for k in ("keys", "cu", "gate", "removed"))
             remove = r.ctrl_out[0][:rows]
             if r.merge:  # the removed rows folded into their survivors first (in place, in xa)
                 n = keys.shape[0]
@@ -365,6 +383,13 @@ class Segments:
                 r.lengths_host.copy_(r.lengths, non_blocking=r.capture)
                 if r.capture:
                     r.deleted_ready.record()
+
+        def controller():
+            decide()
+            delete()
+        # (the whole forward's graph may run the decision on its Aside stream, beside the block's
+        # attention, and the deletion after the join: EngineOptions.aside_controller)
+        controller.decide, controller.delete = decide, delete
         return controller
 
     def _chain_segment(self, key: tuple) -> Callable[[], None]:
@@ -439,6 +464,7 @@ class Segments:
                 aside(r, gate, k, on=side)
                 if in_place:  # [rows, d] (a view of the qkv output: row stride 3d)
                     r.keys_in_place = k.reshape(rows, -1)
+                    _fork_decision(r, k)
                 return
             r.k[:rows].copy_(k.reshape(rows, -1))
             if r.probing:

@@ -32,7 +32,9 @@ At a planned block without a controller the actor's gate is read only by that ch
 ``EngineOptions.aside_gates`` (the default) it runs on a second stream (:class:`Aside`), a branch of
 the graph beside the block's attention and MLP, joined at the next block, and so does the check.
 One H200, the graph's replay alone: ViT-Ti 430 -> 405 us at one image, 501 -> 475 at eight; DeiT-B
-forced 723 -> 676 and 1,045 -> 997.
+forced 723 -> 676 and 1,045 -> 997. With ``EngineOptions.aside_controller`` (off: not yet measured)
+a controller block's decision runs there too, beside the block's attention, projection and
+residual, and the fold and the deletion wait for it (the join).
 
 **Unplanned** (``EngineOptions.whole_max_batch``, off by default; ``whole``): every block at the unpruned
 batch's ``B*S`` rows with the controller at every block (torch 2.11 has no CUDA-graph conditional
@@ -300,7 +302,12 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     # part, its gate, rho's reset) on a second stream (Aside), joined at the next block; the
     # history it reads is written only by a controller's deletion, after that join
     side = [checked and r.capture and r.triton_gate and active().aside_gates and not controls[l] for l in range(depth)]
-    if any(side) and getattr(r, "aside", None) is None:
+    # EngineOptions.aside_controller: likewise a controller block's decision, forked by the
+    # attention's keys hook (segments._fork_decision), joined before the fold and the deletion
+    decide_side = [checked and r.capture and r.triton_gate and fused and active().aside_controller and controls[l]
+                   for l in range(depth)]
+    uses_aside = any(side) or any(decide_side)
+    if uses_aside and getattr(r, "aside", None) is None:
         r.aside = Aside(r.device)
     attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None, norms[l], True, side[l]) if l < n_dense else
                                ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True, norms[l], side[l]))
@@ -347,6 +354,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                 rec.flops[l].fill_(r.steps[steps[l]].gate_flops)
 
     def whole():
+        r.decide_aside = None  # (set per controller block below, taken by its keys hook)
         r.embed_into_first(r.images_in)  # (the images' fixed buffer: forward_whole)
         if first is None:  # (else the first deletion writes all of them)
             r.cu.copy_(dense.cu_seqlens)
@@ -359,12 +367,20 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
         for l in range(depth):
             if not r.capture and r.cur.total > rows[l]:  # (uncaptured the attention needs the real rows)
                 raise _Missed
-            if any(side):
+            if uses_aside:
                 r.aside.join()  # (the last block's gate, long done: it ran beside this chain)
+            if decide_side[l]:
+                r.decide_aside = control[l].decide  # (forked as soon as the keys exist)
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
                 if after[l]:
                     aside(r, rho.zero_, on=side[l])
+            elif decide_side[l]:
+                if r.decide_aside is not None:  # (not forked: no keys hook ran; in line then)
+                    r.decide_aside, decide = None, r.decide_aside
+                    decide()
+                r.aside.join()  # the decision, made beside the attention
+                control[l].delete()
             else:
                 control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths,
                 # cu; the history (N_l, rho_l, E_<l) updated and the block's record written (its books)
@@ -387,7 +403,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             with torch.inference_mode(False):
                 out = r.logits["whole"] = torch.empty_like(r.logits["packed"])
         out.copy_(r.logits["packed"])
-        if any(side):
+        if uses_aside:
             r.aside.join()  # (the check: the graph ends on the stream it began on)
     return whole
 
