@@ -11,7 +11,7 @@ import timm_dora
 from timm_dora import NoPrune
 from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine import patch as patch_module
-from timm_dora.engine import whole
+from timm_dora.engine import segments, whole
 
 from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model
@@ -383,21 +383,37 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
     xs = [images(model, 8, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
-    forked = []
-    fork = whole.Aside.fork
-    monkeypatch.setattr(whole.Aside, "fork", lambda self, fn, *hold: (forked.append(fn.__name__), fork(self, fn, *hold))[1])
+    events = []  # the order in which the graph is recorded: forks, joins that wait, deletions
+    fork, join = whole.Aside.fork, whole.Aside.join
+    monkeypatch.setattr(whole.Aside, "fork", lambda self, fn, *hold: (events.append(fn.__name__), fork(self, fn, *hold))[1])
+    monkeypatch.setattr(whole.Aside, "join", lambda self: (events.append("join") if self.forked else None, join(self))[1])
+    build = segments.Segments._controller_segment
+
+    def logged(self, key):
+        controller = build(self, key)
+        delete = controller.delete
+        controller.delete = lambda: (events.append("delete"), delete())[1]
+        return controller
+    monkeypatch.setattr(segments.Segments, "_controller_segment", logged)
     runs = {}
     for on in (False, True):
-        forked.clear()
+        events.clear()
         engine_options(aside_controller=on, rows_bucket=1)
         timm_dora.wrap(model, actor=actor, merge=merge)
         with torch.inference_mode():
             runs[on] = [(model(x).clone(), model.dora_stats) for x in xs]
             runner = next(iter(model._dora.graphs.values()))
-            assert runner.plan is not None and any(runner.plan.controls)
-            assert not (runner.aside.forked or runner.aside.held) and runner.decide_aside is None
+            assert runner.plan is not None and (any(runner.plan.controls) or kind != "forced")
+            aside = getattr(runner, "aside", None)
+            assert (aside is None or not (aside.forked or aside.held)) and runner.decide_aside is None
+            assert runner.keys_in_place is None
+            controls = any(runner.plan.controls)
         timm_dora.unwrap(model)
-        assert ("decide" in forked) == on  # (recorded into the graph: forked at its capture)
+        # (recorded into the graph: forked at its capture) every forked decision joined before its deletion
+        assert ("decide" in events) == (on and controls)
+        for i, e in enumerate(events):
+            if e == "decide":
+                assert events[i + 1:i + 3] == ["join", "delete"], events[i:i + 3]
     for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
         assert torch.equal(oa, ob)
         for field in ("tokens", "gate", "removed"):

@@ -375,15 +375,17 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
                 if after[l]:
                     aside(r, rho.zero_, on=side[l])
-            elif decide_side[l]:
-                if r.decide_aside is not None:  # (not forked: no keys hook ran; in line then)
-                    r.decide_aside, decide = None, r.decide_aside
-                    decide()
-                r.aside.join()  # the decision, made beside the attention
-                control[l].delete()
             else:
-                control[l]()  # the survivors gathered from xa into x[l % 2], the new ids, lengths,
-                # cu; the history (N_l, rho_l, E_<l) updated and the block's record written (its books)
+                if decide_side[l]:
+                    if r.decide_aside is not None:  # (not forked: no keys hook ran; in line then)
+                        r.decide_aside, decide = None, r.decide_aside
+                        decide()
+                    r.aside.join()  # the decision, made beside the attention
+                    control[l].delete()
+                else:
+                    control[l]()
+                # (the survivors gathered from xa into x[l % 2], the new ids, lengths, cu; the history
+                # (N_l, rho_l, E_<l) updated and the block's record written: its books)
                 r.keys_in_place = None  # (a view of this block's qkv output)
                 if not r.capture:
                     t = int(r.lengths.sum())
