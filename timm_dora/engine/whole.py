@@ -123,8 +123,8 @@ def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int
     where they agree: every later batch that kept more rows would miss, each miss an eager forward
     and a capture, 1.6-1.8 s on an H200, once in 2,000 requests of DeiT-Ti's merging actor at two
     images in three serving runs): their bounds are the full rows, which the latency-bound kernels
-    of one or two images run in about the same time (native DeiT-Ti's 116 kernels took 0.357 ms at
-    one image, 0.368 at two; ``benchmarks/results/serving_latency_h100.json``)."""
+    of one or two images run in about the same time (native DeiT-Ti's 116-117 kernels took 0.355 ms
+    at one image, 0.374 at two; ``benchmarks/results/serving_latency_h100.json``)."""
     batch, depth = len(removed), len(opened)
     total = batch * seq
     lengths, rows = [seq] * batch, [total]
