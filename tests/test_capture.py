@@ -14,6 +14,7 @@ from timm_dora.engine import capture as capture_module
 from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine.capture import batch_bucket
 from timm_dora.engine.graphs import GraphRunner
+from timm_dora.engine.flops import native_gflops
 from timm_dora.engine.whole import one_graph_reason
 
 from helpers import engine_options  # noqa: F401 (fixture)
@@ -196,12 +197,18 @@ def test_engine_info_says_how_the_graphs_replayed_and_why_not_as_one(engine_opti
     info = _forward(model, x, actor=kind_actor(model, "biased"), cuda_graphs=False)[2]
     assert (info["executor"], info["graph"], info["graph_reason"]) == ("eager", None, None)
     # captured (CUDA), by default: one graph up to planned_max_batch
-    engine_options(planned=None, planned_max_batch=2)
+    # or of at most planned_max_gflops dense GFLOPs
+    engine_options(planned=None, planned_max_batch=2, planned_max_gflops=0.01)
     timm_dora.wrap(model, kind_actor(model, "biased"))
     runner = GraphRunner(model, model._dora.policy, x, "sdpa_loop", "model")
     runner.capture = True
-    assert one_graph_reason(runner) == "batch 3 above EngineOptions.planned_max_batch=2"
-    engine_options(planned_max_batch=3)
+    dense = 3 * native_gflops(model)
+    assert 0.01 < dense < 1
+    assert one_graph_reason(runner) == (f"batch 3 above EngineOptions.planned_max_batch=2 and {dense:.0f} dense "
+                                        "GFLOPs above planned_max_gflops=0.01")
+    engine_options(planned_max_batch=3, planned_max_gflops=0.01)
+    assert one_graph_reason(runner) is None
+    engine_options(planned_max_batch=2, planned_max_gflops=1)
     assert one_graph_reason(runner) is None
     timm_dora.unwrap(model)
 

@@ -33,13 +33,61 @@ print(json.dumps(out))
 """
 
 
+INTERPRETED_EMBED = r"""
+import json
+import timm
+import torch
+from timm_dora.engine.dense_kernels import patch_rows, patch_rows_triton, position_tokens_triton
+
+torch.manual_seed(0)
+rows = {}
+# (a channel count, patch and image sizes that are no powers of two; an image cropped by a view)
+for name, x, ph, pw in (("3x64x64/16", torch.randn(2, 3, 64, 64), 16, 16),
+                        ("3x28x42/14", torch.randn(1, 3, 28, 42), 14, 14),
+                        ("2x20x24/4x8", torch.randn(2, 2, 20, 24), 4, 8),
+                        ("view", torch.randn(2, 3, 72, 64)[:, :, 4:68], 16, 16)):
+    rows[name] = bool(torch.equal(patch_rows_triton(x, ph, pw), patch_rows(x, ph, pw)))
+tokens = {}
+for name, kw in (("cls", {}), ("cls+reg", dict(reg_tokens=2)), ("no_embed_class", dict(no_embed_class=True, reg_tokens=3)),
+                 ("gap", dict(class_token=False, global_pool="avg")), ("no_pos", dict(pos_embed="none"))):
+    for dtype in (torch.float32, torch.float16):
+        m = timm.create_model("vit_tiny_patch16_224", img_size=64, **kw).eval().to(dtype)
+        with torch.no_grad():
+            for t in (m.cls_token, m.reg_token, m.pos_embed):
+                if t is not None:
+                    t.normal_()
+            x = torch.randn(3, 16, 192).to(dtype)
+            ref = m._pos_embed(x)
+            out = torch.full((ref.numel(),), 7.0, dtype=dtype)
+            position_tokens_triton(x, m.cls_token, m.reg_token, m.pos_embed, not m.no_embed_class, out)
+            tokens[f"{name}/{dtype}"] = bool(torch.equal(out.view(ref.shape), ref))
+print(json.dumps({"rows": rows, "tokens": tokens}))
+"""
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    """Both kernels' cases in one interpreter subprocess (its start costs more than the cases)."""
+    """The kernels' cases in one interpreter subprocess (its start costs more than the cases)."""
     pytest.importorskip("triton")
-    script = INTERPRETED.replace("print(json.dumps(out))", "plain = out") + INTERPRETED_ADD.replace(
-        "print(json.dumps(out))", 'print(json.dumps({"plain": plain, "add": out}))')
+    script = (INTERPRETED.replace("print(json.dumps(out))", "plain = out")
+              + INTERPRETED_ADD.replace("print(json.dumps(out))", "added = out")
+              + INTERPRETED_EMBED.replace('print(json.dumps({"rows": rows, "tokens": tokens}))',
+                                          'print(json.dumps({"plain": plain, "add": added, "rows": rows, "tokens": tokens}))'))
     return run_interpreted(script, timeout=300)
+
+
+def test_interpreted_patch_rows_lay_out_each_patch_as_the_permutation_does(interpreted):
+    """The Triton copy that lays an image's patches out as rows, bit for bit the reshape and
+    permutation's, at patch and image sizes that are no powers of two and from a strided view."""
+    assert interpreted["rows"] == {"3x64x64/16": True, "3x28x42/14": True, "2x20x24/4x8": True, "view": True}
+
+
+def test_interpreted_position_tokens_equal_timms_pos_embed(interpreted):
+    """The one-kernel token embedding equals timm's ``_pos_embed`` bit for bit: class and register
+    tokens, the position embedding over the prefix or not (``no_embed_class``), no class token,
+    no position embedding; in fp32 and fp16 (the sum rounded once, as torch's add rounds)."""
+    res = interpreted["tokens"]
+    assert len(res) == 10 and all(res.values()), res
 
 
 def test_interpreted_layer_norm_matches_torch(interpreted):
@@ -154,3 +202,26 @@ def test_on_cuda_the_fast_kernels_give_the_modules_values(monkeypatch):
         torch.testing.assert_close(normed, norm(rows + branch), rtol=0.02, atol=0.02)
         with using(EngineOptions(dense_kernels=False)):
             assert torch.equal(layer_norm(norm, rows), norm(rows))
+
+
+@cuda
+def test_on_cuda_the_embedding_into_a_buffer_is_timms_bit_for_bit():
+    """``blocks.embed(..., out=)``: the patch rows' kernel, the matrix product and the position
+    tokens' kernel give timm's embedding (the product's rounding apart: compared with the same
+    product then timm's ``_pos_embed``), and where the kernel does not apply (position dropout in
+    training mode) timm's modules run."""
+    from timm_dora.engine.blocks import embed
+    torch.manual_seed(0)
+    model = make_model("vit_tiny_patch16_224", img_size=64, reg_tokens=2).to("cuda", torch.bfloat16)
+    x = torch.randn(5, 3, 64, 64, device="cuda").to(torch.bfloat16)
+    with torch.inference_mode():
+        patches = patch_embed(model.patch_embed, x)
+        torch.testing.assert_close(patches, model.patch_embed(x), rtol=0.02, atol=0.02)
+        ref = model._pos_embed(patches)
+        out = torch.full((ref.numel(),), 7.0, dtype=torch.bfloat16, device="cuda")
+        assert embed(model, x, out=out) is out
+        assert torch.equal(out.view(ref.shape), ref)
+        assert dense_kernels.position_tokens(model, patches, out)
+        model.pos_drop.p = 0.5
+        model.train()
+        assert not dense_kernels.position_tokens(model, patches, out)

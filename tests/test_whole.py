@@ -12,6 +12,8 @@ from timm_dora import NoPrune
 from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine import patch as patch_module
 from timm_dora.engine import segments, whole
+from timm_dora.engine.flops import native_gflops
+from timm_dora.engine.options import EngineOptions
 
 from helpers import engine_options  # noqa: F401 (fixture)
 from helpers import SMALL_FAMILIES, images, kind_actor, make_model
@@ -216,7 +218,7 @@ def test_plan_bounds_the_rows_seen_by_a_margin_of_standard_deviations(monkeypatc
     assert whole.plan_from([False, True, False], [[0, 3, 0], [0, 3, 0]], seq=10, bucket=1).rows == (20,) * 4
 
 
-def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch(monkeypatch, engine_options):
+def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch_or_gflops(monkeypatch, engine_options):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)
     timm_dora.wrap(model, actor=kind_actor(model, "biased"))
@@ -228,10 +230,17 @@ def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch(mo
     assert not whole.plans(runner) and whole.runs_whole(runner)
     engine_options(whole_max_batch=2)
     assert whole.plans(runner) and not whole.runs_whole(runner)
-    engine_options(planned_max_batch=2)  # large: the per-block executor
+    engine_options(planned_max_batch=2, planned_max_gflops=0)  # large: the per-block executor
     assert not whole.plans(runner) and not whole.runs_whole(runner)
-    engine_options(planned_max_batch=3)
+    engine_options(planned_max_batch=3, planned_max_gflops=0)
     assert whole.plans(runner)
+    dense = 3 * native_gflops(model)  # above planned_max_batch, planned while its dense work is small
+    engine_options(planned_max_batch=2, planned_max_gflops=dense)
+    assert whole.plans(runner) and whole.dense_gflops(runner) == dense
+    engine_options(planned_max_batch=2, planned_max_gflops=dense * 0.99)
+    assert not whole.plans(runner)
+    with pytest.raises(ValueError, match="planned_max_gflops and margin_sd must be 0 or more"):
+        EngineOptions(planned_max_gflops=-1)
     engine_options(planned=False)
     assert not whole.plans(runner)
     timm_dora.unwrap(model)

@@ -20,16 +20,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dense_kernels import add_layer_norm, layer_norm, patch_embed
+from .dense_kernels import add_layer_norm, layer_norm, patch_embed, position_tokens
 from .attention import varlen_attention
 from .packing import Packed, bucket_rows, rows_where
 
 __all__ = ["embed", "attention_keys", "attention_residual", "mlp_residual", "final_norm", "readout"]
 
 
-def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """The model's own token embedding: ``norm_pre(patch_drop(_pos_embed(patch_embed(x))))``."""
-    return model.norm_pre(model.patch_drop(model._pos_embed(patch_embed(model.patch_embed, images))))
+def embed(model: nn.Module, images: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The model's own token embedding: ``norm_pre(patch_drop(_pos_embed(patch_embed(x))))``;
+    ``out``: written there (any shape of as many elements) and returned, by one kernel where
+    :func:`~timm_dora.engine.dense_kernels.position_tokens` applies."""
+    patches = patch_embed(model.patch_embed, images)
+    if out is not None and position_tokens(model, patches, out):
+        return out
+    x = model.norm_pre(model.patch_drop(model._pos_embed(patches)))
+    if out is None:
+        return x
+    out.copy_(x.reshape(out.shape))
+    return out
 
 
 def _dense(packed: Packed) -> bool:

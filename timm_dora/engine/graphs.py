@@ -476,7 +476,7 @@ class GraphRunner:
 
     def embed_into_first(self, images: torch.Tensor) -> None:
         """The embedding of ``images`` into the first block's input (and, merging, the sizes reset)."""
-        self.x[0].copy_(embed(self.model, images).reshape(self.batch * self.seq, -1))
+        embed(self.model, images, out=self.x[0])
         if self.merge:
             self.sizes.fill_(1.0)
 

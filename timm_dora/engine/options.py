@@ -75,6 +75,13 @@ class EngineOptions:
     # the crossover against the per-block executor on an H100 (benchmarks/small_batch.py: the
     # planned graph 7-56 % faster at batches 1, 8 and 16; at 32 and 64 the two trade places)
     planned_max_batch: int = 16
+    # larger batches also run as the planned graph while their dense work (the batch times the
+    # backbone's GFLOPs an image) is at most this: there the per-block executor's host waits (a
+    # gate read per block, the lengths after each deletion) cost more than the plan's padded rows.
+    # One H200, batch 320 (about 800 GFLOPs for ViT-Ti and DeiT-Ti): the planned graph 14 % and
+    # 10 % faster; DeiT-B at 320 (11,240 GFLOPs) 1 % slower, at 64 on an H100 5 % slower
+    # (benchmarks/results/planned_large_h200.json, docs/performance.md)
+    planned_max_gflops: float = 1000.0
     # a plan's bound on the rows entering a block: the rows seen there plus this many standard
     # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
     margin_sd: float = 4.0
@@ -87,9 +94,11 @@ class EngineOptions:
     # in the planned whole graph (captured, the Triton gate), a controller block's decision (the
     # actor's controller after the block's gate) on that second stream beside the block's attention,
     # projection and residual, joined before the fold and the deletion: the chain a request waits
-    # for loses the shorter of the two branches (the attention's, about 10 us at one image). Off
-    # until measured on a GPU (benchmarks/options_ab.py)
-    aside_controller: bool = False
+    # for loses the shorter of the two branches (the attention's). One H200, requests timed to the
+    # logits (benchmarks/options_ab.py, benchmarks/results/aside_controller_h200.json): merging
+    # DeiT-Ti +9.7 % images/s at one image and +6.1 % at eight, DeiT-B forced +0.3 / +8.7 / -1.4 %
+    # at 1 / 2 / 4; at batch 320 ViT-Ti 3.59 -> 3.53 ms and DeiT-Ti 4.42 -> 4.35 ms a forward
+    aside_controller: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):
@@ -97,8 +106,10 @@ class EngineOptions:
                 raise ValueError(f"EngineOptions.{name} must be at least 1, got {getattr(self, name)}")
         if self.rows_bucket is not None and self.rows_bucket < 1:
             raise ValueError(f"EngineOptions.rows_bucket must be at least 1 or None, got {self.rows_bucket}")
-        if self.whole_max_batch < 0 or self.planned_max_batch < 0 or not self.margin_sd >= 0:
-            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch and margin_sd must be 0 or more")
+        if (self.whole_max_batch < 0 or self.planned_max_batch < 0 or not self.margin_sd >= 0
+                or not self.planned_max_gflops >= 0):
+            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch, planned_max_gflops and margin_sd "
+                             "must be 0 or more")
 
 
 _ACTIVE: "contextvars.ContextVar[EngineOptions]" = contextvars.ContextVar("timm_dora_engine_options",

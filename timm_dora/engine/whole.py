@@ -1,4 +1,5 @@
-"""The whole forward as one CUDA graph: the captured executor for batches up to 16.
+"""The whole forward as one CUDA graph: the captured executor for batches up to 16, and for larger
+ones whose dense work is small (``EngineOptions.planned_max_gflops``: ViT-Ti and DeiT-Ti at 320).
 
 At small batches the per-block executor (:mod:`~timm_dora.engine.graphs`) is bound by the host: it
 waits for each block's gate vector and, after a deletion, for the new lengths (about 13 waits and
@@ -14,7 +15,8 @@ to back as one graph and every decision stays on the device:
   the attention never reads and the deletion never gathers;
 - the CLS-token readout at the final ``cu_seqlens``.
 
-**Planned** (the default: ``EngineOptions.planned``, batches up to ``planned_max_batch``): a
+**Planned** (the default: ``EngineOptions.planned``, batches up to ``planned_max_batch`` or of at
+most ``planned_max_gflops`` dense GFLOPs): a
 :class:`Plan` bounds the rows each block runs on and names the blocks that run the controller. It
 comes from an observed forward (the first of a batch size, by the eager executor:
 :func:`plan_from`, the rows seen plus ``EngineOptions.margin_sd`` standard deviations of a batch's total,
@@ -32,9 +34,9 @@ At a planned block without a controller the actor's gate is read only by that ch
 ``EngineOptions.aside_gates`` (the default) it runs on a second stream (:class:`Aside`), a branch of
 the graph beside the block's attention and MLP, joined at the next block, and so does the check.
 One H200, the graph's replay alone: ViT-Ti 430 -> 405 us at one image, 501 -> 475 at eight; DeiT-B
-forced 723 -> 676 and 1,045 -> 997. With ``EngineOptions.aside_controller`` (off: not yet measured)
-a controller block's decision runs there too, beside the block's attention, projection and
-residual, and the fold and the deletion wait for it (the join).
+forced 723 -> 676 and 1,045 -> 997. With ``EngineOptions.aside_controller`` (the default) a
+controller block's decision runs there too, beside the block's attention, projection and residual,
+and the fold and the deletion wait for it (the join).
 
 **Unplanned** (``EngineOptions.whole_max_batch``, off by default; ``whole``): every block at the unpruned
 batch's ``B*S`` rows with the controller at every block (torch 2.11 has no CUDA-graph conditional
@@ -56,6 +58,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .flops import native_gflops
 from .options import active
 from .packing import Packed
 
@@ -89,11 +92,19 @@ def runs_whole(runner) -> bool:
 
 def plans(runner) -> bool:
     """Whether this runner's forward runs as a planned graph (``EngineOptions.planned``,
-    ``planned_max_batch``; not where it runs whole unplanned)."""
+    ``planned_max_batch``, ``planned_max_gflops``; not where it runs whole unplanned)."""
     options = active()
     if options.planned is False or whole_reason(runner) is not None or runs_whole(runner):
         return False
-    return options.planned is True or (runner.capture and runner.batch <= options.planned_max_batch)
+    return options.planned is True or (runner.capture and (runner.batch <= options.planned_max_batch
+                                                           or dense_gflops(runner) <= options.planned_max_gflops))
+
+
+def dense_gflops(runner) -> float:
+    """The runner's batch of images through the backbone unpruned, in GFLOPs (``planned_max_gflops``)."""
+    if getattr(runner, "_dense_gflops", None) is None:
+        runner._dense_gflops = runner.batch * native_gflops(runner.model, runner.num_patches)
+    return runner._dense_gflops
 
 
 def one_graph_reason(runner) -> Optional[str]:
@@ -109,7 +120,8 @@ def one_graph_reason(runner) -> Optional[str]:
         return "EngineOptions(planned=False)"
     if not runner.capture:
         return "not captured (planned=None plans captured forwards only)"
-    return f"batch {runner.batch} above EngineOptions.planned_max_batch={options.planned_max_batch}"
+    return (f"batch {runner.batch} above EngineOptions.planned_max_batch={options.planned_max_batch} and "
+            f"{dense_gflops(runner):.0f} dense GFLOPs above planned_max_gflops={options.planned_max_gflops:g}")
 
 
 def plan_from(opened: Sequence[bool], removed: Sequence[Sequence[int]], seq: int, bucket: int,
