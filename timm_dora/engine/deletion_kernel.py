@@ -16,8 +16,8 @@ keeps its books (:class:`Books`: the history the next gates read, the block's re
 left for the plan's check), about ten more small kernels before.
 
 One program holds every row, so the index needs no cross-program scan; the rows are bounded by
-:data:`MAX_ROWS` (the planned whole graph has at most 16 * 197 = 3152), above which the caller keeps
-the PyTorch ops. Shapes are fixed and nothing is read on the host: a CUDA graph can hold both
+:data:`MAX_ROWS` (a planned whole graph of 16 images has 16 * 197 = 3152; one of 320 Tiny images
+has more), above which the caller keeps the PyTorch ops. Shapes are fixed and nothing is read on the host: a CUDA graph can hold both
 kernels and replay them with new ``remove`` patterns.
 
 :func:`delete_rows_reference` is the same step in today's PyTorch ops (the fallback, and what the

@@ -12,7 +12,7 @@ model's own submodules, nothing of timm's forward copied). Per block:
 :func:`run` drives that program through an executor, never asking which one runs: the eager one
 (:mod:`~timm_dora.engine.eager`, which also states the interface) or, where
 :mod:`~timm_dora.engine.capture` decides so (by default on CUDA for half-precision inference), the
-captured one (:mod:`~timm_dora.engine.graphs`); batches of up to 16 run as one planned graph
+captured one (:mod:`~timm_dora.engine.graphs`); batches of up to 16 (or of small dense work) run as one planned graph
 (:mod:`~timm_dora.engine.whole`). The statistics (``model.dora_stats``) are computed from the
 decisions when first read.
 
