@@ -16,6 +16,8 @@ turn; median ms per batch, CUDA events) of:
   plan, no host read but the plan's check, rows bounded by the plan);
 - ``planned_aside``: the same with the controller's decision on the second stream
   (``aside_controller``, the default);
+- ``torch_deletion``: the defaults with ``fused_deletion=False`` (the deletion in PyTorch ops, as
+  the engine ran batches above ``deletion_kernel.MAX_ROWS`` rows before its programs were split);
 - ``default``: ``wrap(model, actor)`` with no options (``engine_info``'s ``graph`` says which ran).
 
 Per executor also, from three more forwards under the profiler: ``kernels`` a forward,
@@ -45,6 +47,7 @@ from benchmarks.default_speed import gemm_embed
 VARIANTS = {"per_block": dict(planned_max_gflops=0),
             "planned": dict(planned_max_gflops=math.inf, aside_controller=False),
             "planned_aside": dict(planned_max_gflops=math.inf),
+            "torch_deletion": dict(fused_deletion=False),
             "default": None}
 
 
@@ -129,7 +132,8 @@ def main(argv=None) -> None:
     ap.add_argument("--data", required=True, help="labels CSV with a test split")
     ap.add_argument("--configs", nargs="+", default=["vit_tiny_published", "deit_tiny_published", "deit_base_forced"])
     ap.add_argument("--batches", type=int, nargs="+", default=[320])
-    ap.add_argument("--executors", nargs="+", default=["oracle_gemm_embed", "oracle_gemm_embed_graph", *VARIANTS],
+    ap.add_argument("--executors", nargs="+", default=["oracle_gemm_embed", "oracle_gemm_embed_graph", "per_block",
+                                                       "planned", "planned_aside", "default"],
                     choices=["oracle_gemm_embed", "oracle_gemm_embed_graph", *VARIANTS])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per-round", type=int, default=10)

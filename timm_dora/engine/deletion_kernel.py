@@ -15,9 +15,10 @@ The first also gathers the merged rows' sizes (``merge``) and, for the whole for
 keeps its books (:class:`Books`: the history the next gates read, the block's record, the rows
 left for the plan's check), about ten more small kernels before.
 
-One program holds every row, so the index needs no cross-program scan; the rows are bounded by
-:data:`MAX_ROWS` (a planned whole graph of 16 images has 16 * 197 = 3152; one of 320 Tiny images
-has more), above which the caller keeps the PyTorch ops. Shapes are fixed and nothing is read on the host: a CUDA graph can hold both
+One program holds every row up to :data:`MAX_ROWS` (a planned whole graph of 16 images has
+16 * 197 = 3152), so the index needs no cross-program scan; above it (a planned graph of 320 Tiny
+images has 63,040 rows) programs of :data:`BLOCK_ROWS` rows each add the survivors of the
+programs before them, counted by a kernel before. Shapes are fixed and nothing is read on the host: a CUDA graph can hold both
 kernels and replay them with new ``remove`` patterns.
 
 :func:`delete_rows_reference` is the same step in today's PyTorch ops (the fallback, and what the
@@ -30,7 +31,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["MAX_ROWS", "Books", "fused_deletion_reason", "delete_rows_fused", "delete_rows_reference",
+__all__ = ["MAX_ROWS", "BLOCK_ROWS", "Books", "fused_deletion_reason", "delete_rows_fused", "delete_rows_reference",
            "keep_books_reference"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
@@ -39,9 +40,13 @@ try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do no
 except Exception:  # pragma: no cover - depends on the installation
     triton = None
 
-# one program holds all rows (the index is one in-register scan): a bound on its block, far above
-# the planned whole graph's 3152 rows; more rows keep the PyTorch ops
+# one program holds all rows (the index is one in-register scan) up to this many, far above the
+# planned whole graph's 3152 rows at 16 images; more rows (a planned graph of 320 Tiny images has
+# 63,040) take programs of BLOCK_ROWS rows each after a kernel that counts their survivors: on one
+# H200 at 320 images 3.55 -> 3.31 ms a ViT-Ti forward and 4.61 -> 4.19 a DeiT-Ti one, against the
+# PyTorch ops (benchmarks/results/planned_large_multi_deletion_h200.json)
 MAX_ROWS = 8192
+BLOCK_ROWS = 4096
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -81,24 +86,42 @@ class Books(NamedTuple):
 if triton is not None:
 
     @triton.jit
-    def _compact(REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch, SIZES,
+    def _block_counts(REMOVE, COUNTS, rows, BLOCK_T: tl.constexpr):
+        """The survivors among each program's ``BLOCK_T`` rows (:func:`_compact`'s ``MULTI`` form)."""
+        offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        inside = offs < rows
+        keep = (tl.load(REMOVE + offs, mask=inside, other=1) == 0) & inside
+        tl.store(COUNTS + tl.program_id(0), tl.sum(keep.to(tl.int32), 0))
+
+    @triton.jit
+    def _compact(REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch, SIZES, SIZES_OUT,
                  GATE, FLOPS, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE,
-                 LEFT, bound, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, HAS_SIZES: tl.constexpr,
-                 BOOKS: tl.constexpr, FIRST: tl.constexpr):
-        offs = tl.arange(0, BLOCK_T)
+                 LEFT, bound, COUNTS, n_blocks, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+                 HAS_SIZES: tl.constexpr, BOOKS: tl.constexpr, FIRST: tl.constexpr, MULTI: tl.constexpr,
+                 BLOCK_NB: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK_T + tl.arange(0, BLOCK_T)
         inside = offs < rows
         keep = (tl.load(REMOVE + offs, mask=inside, other=1) == 0) & inside
         keep_i = keep.to(tl.int32)
-        dest = tl.cumsum(keep_i, 0) - keep_i  # a survivor's new row: the survivors before it
-        total = tl.sum(keep_i, 0)
+        if MULTI:  # the survivors of the programs before this one (_block_counts), and of all
+            nb = tl.arange(0, BLOCK_NB)
+            counts = tl.load(COUNTS + nb, mask=nb < n_blocks, other=0)
+            base = tl.sum(tl.where(nb < pid, counts, 0), 0)
+            total = tl.sum(counts, 0)
+        else:
+            base = 0
+            total = tl.sum(keep_i, 0)
+        dest = base + tl.cumsum(keep_i, 0) - keep_i  # a survivor's new row: the survivors before it
         fill = inside & (offs >= total)  # past the survivors: copies of row 0 (nonzero_static's fill)
         ids = tl.load(IDS + offs, mask=inside, other=0)
         first_id = tl.load(IDS + offs * 0, mask=fill, other=0)  # ids[0] where it is filled in
-        if HAS_SIZES:  # (merge) the rows' sizes, gathered the same way in place
+        if HAS_SIZES:  # (merge) the rows' sizes, gathered the same way (in place: one program only)
             sizes = tl.load(SIZES + offs, mask=inside, other=0.0)
             first_size = tl.load(SIZES + offs * 0, mask=fill, other=0.0)
         seq = tl.arange(0, BLOCK_B)
         live = seq < batch
+        head = (seq * 0 + pid) == 0  # (MULTI: the first program alone writes the layout and books)
         start = tl.load(CU + seq, mask=live, other=0).to(tl.int64)
         end = tl.load(CU + seq + 1, mask=live, other=0).to(tl.int64)
         removed = tl.load(REMOVED + seq, mask=live, other=0).to(tl.int64)
@@ -125,19 +148,19 @@ if triton is not None:
         tl.store(IDS_OUT + dest, ids, mask=keep)
         tl.store(IDS_OUT + offs, first_id, mask=fill)
         if HAS_SIZES:
-            tl.store(SIZES + dest, sizes, mask=keep)
-            tl.store(SIZES + offs, first_size, mask=fill)
-        tl.store(LENGTHS + seq, lengths.to(LENGTHS.dtype.element_ty), mask=live)
-        tl.store(CU_OUT + 1 + seq, cu.to(CU_OUT.dtype.element_ty), mask=live)
+            tl.store(SIZES_OUT + dest, sizes, mask=keep)
+            tl.store(SIZES_OUT + offs, first_size, mask=fill)
+        tl.store(LENGTHS + seq, lengths.to(LENGTHS.dtype.element_ty), mask=live & head)
+        tl.store(CU_OUT + 1 + seq, cu.to(CU_OUT.dtype.element_ty), mask=live & head)
         if BOOKS:
-            tl.store(NVIS + seq, n_visual - removed, mask=live)
-            tl.store(RHO + seq, rho, mask=live)
-            tl.store(INTERV + seq, interventions, mask=live)
-            tl.store(REC_REMOVED + seq, removed, mask=live)
-            tl.store(REC_FLOPS + seq, flops, mask=live)
+            tl.store(NVIS + seq, n_visual - removed, mask=live & head)
+            tl.store(RHO + seq, rho, mask=live & head)
+            tl.store(INTERV + seq, interventions, mask=live & head)
+            tl.store(REC_REMOVED + seq, removed, mask=live & head)
+            tl.store(REC_FLOPS + seq, flops, mask=live & head)
             tl.store(REC_IDS + offs, ids, mask=inside)
             tl.store(REC_REMOVE + offs, ~keep & inside, mask=inside)
-            tl.store(LEFT + seq * 0, left + seq * 0, mask=seq == 0)
+            tl.store(LEFT + seq * 0, left + seq * 0, mask=(seq == 0) & head)
 
     @triton.jit
     def _gather_rows(X, INDEX, OUT, rows, stride_x, stride_o,
@@ -160,8 +183,6 @@ def fused_deletion_reason(x: torch.Tensor, remove: torch.Tensor) -> Optional[str
         return f"x must be [rows, d] float32/float16/bfloat16 with unit column stride, got {x.dtype} {tuple(x.shape)}"
     if remove.shape != (x.shape[0],) or remove.dtype != torch.bool or remove.stride(0) != 1:
         return f"remove must be a contiguous [{x.shape[0]}] bool vector, got {remove.dtype} {tuple(remove.shape)}"
-    if x.shape[0] > MAX_ROWS:
-        return f"one program takes at most MAX_ROWS={MAX_ROWS} rows, got {x.shape[0]}"
     return None
 
 
@@ -246,10 +267,16 @@ def keep_books_reference(books: Books, remove: torch.Tensor, removed: torch.Tens
 def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, ids: torch.Tensor,
                       ids_out: torch.Tensor, cu: torch.Tensor, removed: torch.Tensor,
                       lengths_out: torch.Tensor, cu_out: torch.Tensor, sizes: Optional[torch.Tensor] = None,
-                      books: Optional[Books] = None) -> torch.Tensor:
+                      books: Optional[Books] = None, block_rows: Optional[int] = None) -> torch.Tensor:
     """:func:`delete_rows_reference` in two Triton kernels (the same arguments and results, the
     index as int32; the sizes and the books in the first). Raises ``ValueError`` where
-    :func:`fused_deletion_reason` says why not."""
+    :func:`fused_deletion_reason` says why not.
+
+    Above :data:`MAX_ROWS` rows (or with ``block_rows``: the tests' small blocks) the index is
+    made by programs of ``block_rows`` (default :data:`BLOCK_ROWS`) rows each, after a kernel that
+    counts each one's survivors; the ids and sizes are then gathered into scratch and copied back
+    (a program's survivors land in rows other programs may not have read yet): five kernels,
+    where the PyTorch ops of a batch of 320 Tiny images are about 25."""
     why = fused_deletion_reason(x, remove)
     if why is not None:
         raise ValueError(f"delete_rows_fused: {why}")
@@ -267,13 +294,28 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
     if books is not None:
         _check_books(books, rows, b)
     index = torch.empty(rows, dtype=torch.int32, device=x.device)
-    block_t = triton.next_power_of_2(rows)
+    multi = block_rows is not None or rows > MAX_ROWS
     k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 5), 0)  # (unused pointers)
-    _compact[(1,)](remove, ids, ids_out, index, cu, removed, lengths_out, cu_out, rows, b,
-                   sizes if sizes is not None else remove, k.gate, k.flops, k.n_visual, k.rho, k.interventions,
-                   k.rec_removed, k.rec_flops, k.rec_ids, k.rec_remove, k.left, k.bound,
-                   BLOCK_T=block_t, BLOCK_B=triton.next_power_of_2(max(b, 1)), HAS_SIZES=sizes is not None,
-                   BOOKS=books is not None, FIRST=k.first, num_warps=8 if block_t > 1024 else 4)
+    if multi:
+        block_t = triton.next_power_of_2(block_rows or BLOCK_ROWS)
+        n_blocks = triton.cdiv(rows, block_t)
+        counts = torch.empty(n_blocks, dtype=torch.int32, device=x.device)
+        _block_counts[(n_blocks,)](remove, counts, rows, BLOCK_T=block_t, num_warps=8 if block_t > 1024 else 4)
+        ids_into, sizes_into = torch.empty_like(ids_out), None if sizes is None else torch.empty_like(sizes)
+    else:
+        block_t, n_blocks, counts = triton.next_power_of_2(rows), 1, remove
+        ids_into, sizes_into = ids_out, sizes
+    _compact[(n_blocks,)](remove, ids, ids_into, index, cu, removed, lengths_out, cu_out, rows, b,
+                          sizes if sizes is not None else remove, sizes_into if sizes is not None else remove,
+                          k.gate, k.flops, k.n_visual, k.rho, k.interventions,
+                          k.rec_removed, k.rec_flops, k.rec_ids, k.rec_remove, k.left, k.bound, counts, n_blocks,
+                          BLOCK_T=block_t, BLOCK_B=triton.next_power_of_2(max(b, 1)), HAS_SIZES=sizes is not None,
+                          BOOKS=books is not None, FIRST=k.first, MULTI=multi,
+                          BLOCK_NB=triton.next_power_of_2(n_blocks), num_warps=8 if block_t > 1024 else 4)
+    if multi:
+        ids_out.copy_(ids_into)
+        if sizes is not None:
+            sizes.copy_(sizes_into)
     block_r = 16
     _gather_rows[(triton.cdiv(rows, block_r),)](x, index, out, rows, x.stride(0), out.stride(0), D=d,
                                                  BLOCK_R=block_r, BLOCK_D=min(256, triton.next_power_of_2(d)),

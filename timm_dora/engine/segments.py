@@ -315,8 +315,7 @@ class Segments:
         gate_in = r.gate_out[l] if books is not None else r.ctrl_in[2]
         p = model.num_prefix_tokens
         # EngineOptions.fused_deletion: the deletion below in deletion_kernel's two Triton kernels
-        # instead of about 13 PyTorch ones; captured only (CUDA), and up to the kernels' MAX_ROWS
-        # (one program over all rows)
+        # (above its MAX_ROWS, five) instead of about 13 PyTorch ones; captured only (CUDA)
         fused = (active().fused_deletion and r.capture and r.xa is not None
                  and fused_deletion_reason(r.xa[:rows], r.ctrl_out[0][:rows]) is None)
 
