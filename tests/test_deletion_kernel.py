@@ -188,6 +188,15 @@ for block in (None, 16):  # one program over all rows; programs of 16 rows (MAX_
                 for j, (a, b) in enumerate(zip(got, ref, strict=True)):
                     if a.dtype != b.dtype or not torch.equal(a, b):
                         bad.append([block, spec[0], in_place, books, sizes, j])
+# no rows at all (two empty sequences): the layout is still written, by either form
+empty = dict(x=torch.zeros(0, 8), remove=torch.zeros(0, dtype=torch.bool), removed=torch.zeros(2, dtype=torch.long),
+             cu=torch.zeros(3, dtype=torch.int32), ids=torch.zeros(0, dtype=torch.long))
+for block in (None, 16):
+    got = run_step(functools.partial(delete_rows_fused, block_rows=block), empty, False)
+    ref = run_step(delete_rows_reference, empty, False)
+    n += 1
+    if not all(torch.equal(a, b) for a, b in zip(got[1:], ref[1:])):
+        bad.append([block, "empty"])
 print(json.dumps({{"cases": n, "bad": bad}}))
 """
 
@@ -197,7 +206,7 @@ def test_interpreted_kernels_match_reference():
     program and by programs of 16 rows (ids, cu and sizes in place too)."""
     pytest.importorskip("triton")
     res = run_interpreted(INTERPRETED.format(tests=str(Path(__file__).resolve().parent)), timeout=900)
-    assert res["cases"] == 12 * len(CASES) and res["bad"] == [], res["bad"]
+    assert res["cases"] == 12 * len(CASES) + 2 and res["bad"] == [], res["bad"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -236,6 +245,23 @@ def test_cuda_graph_replays_new_patterns(b):
         for name, a, r in zip(("index", "out", "ids", "lengths", "cu"),
                               [index.long(), out, bufs["ids"], lengths, bufs["cu"]], ref):
             assert torch.equal(a, r[:rows] if name == "out" else r), (seed, name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_rows", [None, 512])  # 96 images: above MAX_ROWS; and programs of 512 rows
+def test_cuda_programs_with_books_and_sizes_equal_the_reference(block_rows):
+    """Above ``MAX_ROWS`` the programs run concurrently on the GPU (the interpreter runs them one
+    after another): ids, cu and sizes compacted in place, the books kept, all as the reference."""
+    pytest.importorskip("triton")
+    import functools
+    fused = functools.partial(delete_rows_fused, block_rows=block_rows)
+    for seed, mode, books in ((20, "random", (0, 0)), (21, "all", (196, 0)), (22, "random", (0, 5000))):
+        case = make_case(seed, 96, 1, 196, 9, 192, torch.bfloat16, mode, "cuda")
+        assert case["x"].shape[0] > MAX_ROWS or block_rows
+        got = run_step(fused, case, True, books, sizes=True)
+        ref = run_step(delete_rows_reference, case, True, books, sizes=True)
+        for j, (a, b) in enumerate(zip(got, ref, strict=True)):
+            assert a.dtype == b.dtype and torch.equal(a, b), (seed, j)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")

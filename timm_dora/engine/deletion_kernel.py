@@ -5,7 +5,7 @@ the survivors' index (``nonzero_static``, four kernels), the gather of the rows 
 the ids copied back, the new lengths and their cumulative sum, about 13 small kernels in all. At
 batches 1-16 (a few thousand rows) each costs launch latency, not bandwidth, so here they are two:
 
-1. :func:`_compact` (one program over all rows): the survivors' new positions (an exclusive
+1. :func:`_compact` (one program over all rows, up to :data:`MAX_ROWS`): the survivors' new positions (an exclusive
    cumulative sum of ``~remove``) scattered into the gather index (survivors first, in order, then
    row 0, exactly ``nonzero_static(~remove, size=rows, fill_value=0)``), the ids scattered the same
    way, and the new ``lengths`` and ``cu_seqlens[1:]`` from the old ``cu_seqlens`` and ``removed``;
@@ -298,12 +298,12 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
     k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 5), 0)  # (unused pointers)
     if multi:
         block_t = triton.next_power_of_2(block_rows or BLOCK_ROWS)
-        n_blocks = triton.cdiv(rows, block_t)
+        n_blocks = max(1, triton.cdiv(rows, block_t))  # (no rows: one program still writes the layout)
         counts = torch.empty(n_blocks, dtype=torch.int32, device=x.device)
         _block_counts[(n_blocks,)](remove, counts, rows, BLOCK_T=block_t, num_warps=8 if block_t > 1024 else 4)
         ids_into, sizes_into = torch.empty_like(ids_out), None if sizes is None else torch.empty_like(sizes)
     else:
-        block_t, n_blocks, counts = triton.next_power_of_2(rows), 1, remove
+        block_t, n_blocks, counts = triton.next_power_of_2(max(rows, 1)), 1, remove
         ids_into, sizes_into = ids_out, sizes
     _compact[(n_blocks,)](remove, ids, ids_into, index, cu, removed, lengths_out, cu_out, rows, b,
                           sizes if sizes is not None else remove, sizes_into if sizes is not None else remove,
@@ -317,7 +317,8 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
         if sizes is not None:
             sizes.copy_(sizes_into)
     block_r = 16
-    _gather_rows[(triton.cdiv(rows, block_r),)](x, index, out, rows, x.stride(0), out.stride(0), D=d,
-                                                 BLOCK_R=block_r, BLOCK_D=min(256, triton.next_power_of_2(d)),
-                                                 num_warps=4)
+    if rows:
+        _gather_rows[(triton.cdiv(rows, block_r),)](x, index, out, rows, x.stride(0), out.stride(0), D=d,
+                                                     BLOCK_R=block_r, BLOCK_D=min(256, triton.next_power_of_2(d)),
+                                                     num_warps=4)
     return index

@@ -118,15 +118,17 @@ if triton is not None:
         p = HAS_CLS + n_reg
         m = (t < n + p) & (col < d)
         patch = t >= p
+        # (each token chosen, not summed from masked loads: a -0.0 stays -0.0, as in torch.cat)
         v = tl.load(X + (b.to(tl.int64) * n + t - p) * d + col, mask=m & patch, other=0.0).to(tl.float32)
+        r = tl.load(REG + (t - HAS_CLS) * d + col, mask=m & (t >= HAS_CLS) & (t < p), other=0.0).to(tl.float32)
+        v = tl.where(patch, v, r)
         if HAS_CLS:
-            v += tl.load(CLS + col + t * 0, mask=m & (t == 0), other=0.0).to(tl.float32)
-        v += tl.load(REG + (t - HAS_CLS) * d + col, mask=m & (t >= HAS_CLS) & (t < p), other=0.0).to(tl.float32)
+            v = tl.where(t == 0, tl.load(CLS + col + t * 0, mask=m & (t == 0), other=0.0).to(tl.float32), v)
         if HAS_POS:
             if POS_PREFIX:
                 v += tl.load(POS + t * d + col, mask=m, other=0.0).to(tl.float32)
             else:
-                v += tl.load(POS + (t - p) * d + col, mask=m & patch, other=0.0).to(tl.float32)
+                v = tl.where(patch, v + tl.load(POS + (t - p) * d + col, mask=m & patch, other=0.0).to(tl.float32), v)
         tl.store(OUT + (b.to(tl.int64) * (n + p) + t) * d + col, v.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=m)
 
@@ -269,9 +271,9 @@ def position_tokens(model: nn.Module, patches: torch.Tensor, out: torch.Tensor) 
     params = [t for t in (pos, cls, reg) if t is not None]
     drops = (model.patch_drop, model.pos_drop)
     if not (_fast(patches) and type(model)._pos_embed is VisionTransformer._pos_embed and patches.dim() == 3
-            and not model.dynamic_img_size and isinstance(model.norm_pre, nn.Identity)
+            and "_pos_embed" not in vars(model) and not model.dynamic_img_size and isinstance(model.norm_pre, nn.Identity)
             and all(isinstance(m, nn.Identity) or not m.training or getattr(m, "p", None) == 0 for m in drops)
-            and all(t.dtype == patches.dtype and t.device == patches.device for t in params)
+            and all(t.dtype == patches.dtype and t.device == patches.device and t.is_contiguous() for t in params)
             and out.is_contiguous() and out.dtype == patches.dtype):
         return False
     b, n, d = patches.shape

@@ -39,8 +39,10 @@ class EngineOptions:
     fused_interventions: bool = True
     # the captured controller graph's deletion (survivors' index, the gathers of rows and ids, the
     # new lengths and cu_seqlens) in engine.deletion_kernel's two Triton kernels instead of about 13
-    # PyTorch ones (CUDA, merge included, up to 8192 rows: one program holds them all): 35 graph
-    # nodes fewer and 2-8 % faster requests at batches 1-16 on an H200; False: the PyTorch ops
+    # PyTorch ones (CUDA, merge included; one program up to 8192 rows, above that five kernels):
+    # 35 graph nodes fewer and 2-8 % faster requests at batches 1-16 on an H200, 7-9 % faster
+    # forwards of 320 Tiny images (benchmarks/results/planned_large_multi_deletion_h200.json);
+    # False: the PyTorch ops
     fused_deletion: bool = True
     # with the actor, the dense blocks up to the first whose gate opened in the last forward run
     # ahead as one graph, their gates taken as closed and read once where the host must know; where
@@ -79,8 +81,9 @@ class EngineOptions:
     # backbone's GFLOPs an image) is at most this: there the per-block executor's host waits (a
     # gate read per block, the lengths after each deletion) cost more than the plan's padded rows.
     # One H200, batch 320 (about 800 GFLOPs for ViT-Ti and DeiT-Ti): the planned graph 14 % and
-    # 10 % faster; DeiT-B at 320 (11,240 GFLOPs) 1 % slower, at 64 on an H100 5 % slower
-    # (benchmarks/results/planned_large_h200.json, docs/performance.md)
+    # 10 % faster; DeiT-B at 320 (11,240 GFLOPs) 1 % slower (benchmarks/results/planned_large_h200.json).
+    # So DeiT-B runs planned up to 56 images: with an older engine on an H100
+    # (benchmarks/results/small_batch_h100.json) planned was 4 % faster at 32, 6 % slower at 64
     planned_max_gflops: float = 1000.0
     # a plan's bound on the rows entering a block: the rows seen there plus this many standard
     # deviations of a batch's total (sqrt(B) times the per-image standard deviation of the lengths)
