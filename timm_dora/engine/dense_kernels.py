@@ -8,8 +8,10 @@ operations cost far more than the bytes they move:
   rows per program, in fp32, for any width up to 8,192.
 - **The patch embedding.** cuDNN runs the 16x16/16 convolution with a generic implicit-GEMM
   kernel (about 1 ms per batch): :func:`patch_embed` computes the same product as one matrix
-  multiplication over the image's non-overlapping patches (a copy that lays the patches out as
-  rows, then ``addmm``).
+  multiplication over the image's non-overlapping patches (a Triton copy that lays the patches
+  out as rows, :func:`patch_rows_triton`, then ``addmm``); :func:`position_tokens` then writes the
+  prefix tokens and the patches plus their position embedding into the first block's input in one
+  kernel, where timm's concatenation, sum and the copy took three.
 
 Both give timm's values up to rounding (fp32 accumulation either way) and take the module's own
 parameters (``norm.weight``, ``proj.weight``...): nothing of timm's forward is copied. Anywhere
@@ -24,8 +26,8 @@ import torch.nn.functional as F
 
 from .options import active
 
-__all__ = ["layer_norm", "layer_norm_triton", "add_layer_norm", "add_layer_norm_triton", "patch_embed", "patch_embed_gemm", "patch_rows",
-           "patch_rows_triton", "position_tokens", "position_tokens_triton"]
+__all__ = ["layer_norm", "layer_norm_triton", "add_layer_norm", "add_layer_norm_triton", "patch_embed",
+           "patch_embed_gemm", "patch_rows", "patch_rows_triton", "position_tokens", "position_tokens_triton"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
