@@ -6,7 +6,9 @@ such graph nodes); the time per call is the graph's replay time over the calls, 
 per rows-per-program and warps, beside ``torch.compile``'s kernel for ``layer_norm(x + d)`` (which
 does not write the sum: a quarter fewer bytes); with ``--fold``, merging's fold
 (:func:`timm_dora.engine.fold_kernel.fold_rows`, DeiT-Ti's shape: 3 heads of 64, a third of each
-image's visual rows removed) per tile of its match, each checked equal to the default's result.
+image's visual rows removed) per tile of its match, each checked equal to the default's result, and
+``EngineOptions.fold_aside``'s halves: the similarities (``similarities_us``, beside the decision) and
+the fold that picks its matches from them (``picked_us``, after it).
 
     python -m benchmarks.small_kernels --out small_kernels.json
 """
@@ -65,7 +67,7 @@ def main() -> None:
 
 def fold_sweep(args, res, dev, dtype) -> None:
     """The fold per match tile (query rows, key rows, warps) at ``--images`` images of 197 rows."""
-    from timm_dora.engine.fold_kernel import fold_rows, match_tile_for
+    from timm_dora.engine.fold_kernel import fold_rows, fold_similarities, match_tile_for
     res["fold"] = []
     d, heads, n = 192, 3, 197
     for b in args.images:
@@ -91,11 +93,22 @@ def fold_sweep(args, res, dev, dtype) -> None:
                     same = all(torch.equal(a, c) for a, c in zip(got, ref))
                     row["us"]["%dx%dx%d" % tile] = {"us": round(graph_call_us(lambda: run(tile), args.calls, args.repeats), 3),
                                                     "same": same}
+        # EngineOptions.fold_aside: the similarities (beside the decision) and the fold that picks from them
+        sim = fold_similarities(keys, cu, n, heads)
+        picked = fold_rows(x, keys, remove, sizes, cu, n, 1, heads, out=out, sizes_out=sizes_out, scratch=scratch,
+                           similarities=sim)
+        row["similarities_us"] = round(graph_call_us(lambda: fold_similarities(keys, cu, n, heads, out=sim),
+                                                     args.calls, args.repeats), 3)
+        row["picked_us"] = round(graph_call_us(lambda: fold_rows(x, keys, remove, sizes, cu, n, 1, heads, out=out,
+                                                                 sizes_out=sizes_out, scratch=scratch,
+                                                                 similarities=sim), args.calls, args.repeats), 3)
+        row["picked_same_sizes"] = torch.equal(picked[1], ref[1])
         timed = {k: v["us"] for k, v in row["us"].items()}
         row["best"] = min(timed, key=timed.get)
         res["fold"].append(row)
         print("fold", b, "best", row["best"], timed[row["best"]], "in effect", row["in_effect"],
-              timed["%dx%dx%d" % tuple(row["in_effect"])], flush=True)
+              timed["%dx%dx%d" % tuple(row["in_effect"])], "similarities", row["similarities_us"], "picked",
+              row["picked_us"], flush=True)
         json.dump(res, open(args.out, "w"), indent=1)
 
 

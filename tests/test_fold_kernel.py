@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 CASES = r"""
 import json, torch
-from timm_dora.engine.fold_kernel import fold_rows
+from timm_dora.engine.fold_kernel import fold_rows, fold_similarities, similarity_columns
 from timm_dora.engine.packing import fold_removed
 
 def case(heads, hd, lengths, pad, p, seed, device="cpu", dtype=torch.float32):
@@ -50,7 +50,25 @@ for name, heads, hd, lengths, pad, p in (("one_tile", 3, 16, [5, 1, 33, 64], 7, 
         xs, s_in = x.clone(), sizes.clone()
         fold_rows(xs, keys, remove, s_in, cu, max(lengths), p, heads, out=xs, sizes_out=s_in, scratch=scratch)
         kept.append((xs, s_in))
-    out[name] = {"max_abs_diff": float((got_x[:t] - ref_x[:t]).abs().max()),
+    # the match from precomputed similarities (into a longer buffer, columns past each image unread)
+    sim = torch.full((x.shape[0] + 2, similarity_columns(max(lengths))), float("nan"))
+    fold_similarities(keys, cu, max(lengths), heads, out=sim)
+    metric = keys[:t].reshape(t, heads, hd).mean(1)
+    metric = metric / metric.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    sim_err = 0.0
+    for s0, n in zip(cu[:-1].tolist(), lengths):
+        m = metric[s0:s0 + n]
+        sim_err = max(sim_err, float((sim[s0:s0 + n, :n] - m @ m.t()).abs().max()))
+    picked_scratch = (torch.zeros(x.shape[0], x.shape[1]), torch.zeros(x.shape[0]))
+    picked = x.clone()
+    _, picked_s = fold_rows(picked, keys, remove, sizes, cu, max(lengths), p, heads, out=picked, scratch=picked_scratch,
+                            similarities=sim)
+    out[name] = {"sim_max_abs_diff": sim_err, "sim_rows_past_untouched": bool(torch.isnan(sim[t:]).all()),
+                 "picked_max_abs_diff": float((picked[:t] - ref_x[:t]).abs().max()),
+                 "picked_sizes_equal": torch.equal(picked_s[:t], ref_s[:t]),
+                 "picked_padding_untouched": bool(torch.isnan(picked[t:]).all()),
+                 "picked_scratch_zeros": not picked_scratch[0].any().item() and not picked_scratch[1].any().item(),
+                 "max_abs_diff": float((got_x[:t] - ref_x[:t]).abs().max()),
                  "inplace_max_abs_diff": float((inplace[:t] - ref_x[:t]).abs().max()),
                  "tiles_equal": all(torch.equal(a[:t], got_x[:t]) and torch.equal(s[:t], got_s[:t]) for a, s in tiled),
                  "sizes_equal": torch.equal(got_s[:t], ref_s[:t]), "padding_sizes_kept": torch.equal(got_s[t:], sizes[t:]),
@@ -72,6 +90,10 @@ def test_interpreted_fold_equals_the_pytorch_ops():
         assert case["tiles_equal"]
         assert case["sizes_equal"] and case["padding_sizes_kept"] and case["padding_untouched"]
         assert case["scratch_max_abs_diff"] < 1e-5 and case["scratch_sizes_equal"] and case["scratch_zeros"]
+        # the precomputed similarities: the metric's products; the fold that picks from them
+        assert case["sim_max_abs_diff"] < 1e-5 and case["sim_rows_past_untouched"]
+        assert case["picked_max_abs_diff"] < 1e-5 and case["picked_sizes_equal"] and case["picked_padding_untouched"]
+        assert case["picked_scratch_zeros"]
 
 
 def test_fold_kernel_says_what_it_cannot_fold():
@@ -123,6 +145,19 @@ def test_cuda_fold_kernel_matches_the_ops_and_replays_from_a_graph(monkeypatch, 
     out.zero_()
     graph.replay()
     torch.testing.assert_close(out[:t].float(), got_x[:t].float(), rtol=1e-2, atol=1e-2)  # (atomics: any order)
+    # the match from precomputed similarities (EngineOptions.fold_aside): the same targets (the same
+    # products), so the same sizes and, up to the atomics' order, the same rows; captured and replayed
+    from timm_dora.engine.fold_kernel import fold_similarities
+    sim = torch.empty(x.shape[0], 256, device="cuda")
+    picked_x, picked_s = packing.fold_removed(x, *args, similarities=fold_similarities(keys, cu, 197, 3, out=sim))
+    assert torch.equal(picked_s[:t], got_s[:t])
+    torch.testing.assert_close(picked_x[:t].float(), got_x[:t].float(), rtol=1e-2, atol=1e-2)
+    graph, _ = capture_graph(lambda: packing.fold_removed(x, *args, out=out,
+                                                          similarities=fold_similarities(keys, cu, 197, 3, out=sim)))
+    out.zero_()
+    sim.zero_()
+    graph.replay()
+    torch.testing.assert_close(out[:t].float(), got_x[:t].float(), rtol=1e-2, atol=1e-2)
     # the kernels are forward-only: rows that carry a gradient take the ops, which keep it
     grad_x = x[:t].float().requires_grad_()
     folded, _ = packing.fold_removed(grad_x, keys[:t].float(), remove[:t], sizes[:t], cu, 197, 1, 3)

@@ -427,3 +427,34 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
         assert torch.equal(oa, ob)
         for field in ("tokens", "gate", "removed"):
             assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
+@pytest.mark.parametrize("kind", ["biased", "forced"])
+def test_fold_similarities_aside_give_the_match_after_the_join(kind, engine_options, monkeypatch):
+    """``EngineOptions.fold_aside``: with merging, the fold's similarities made beside the decision
+    and the match picked from them after the join give the graph that matches after the join: the
+    same decisions and sizes, the same logits up to the order of the fold's float32 atomics."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
+    xs = [images(model, 8, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
+    runs, used, made = {}, {}, []
+    similarities = segments.fold_similarities
+    monkeypatch.setattr(segments, "fold_similarities", lambda *a, **k: (made.append(1), similarities(*a, **k))[1])
+    for on in (False, True):
+        made.clear()
+        engine_options(fold_aside=on, rows_bucket=1)
+        timm_dora.wrap(model, actor=actor, merge=True)
+        with torch.inference_mode():
+            runs[on] = [(model(x).clone(), model.dora_stats) for x in xs]
+            runner = next(iter(model._dora.graphs.values()))
+            assert runner.plan is not None and runner.fold_sim is not None
+            used[on] = bool(any(runner.plan.controls))
+        timm_dora.unwrap(model)
+        assert bool(made) == (on and used[on])  # (recorded into the graph where a controller runs)
+    assert used[True] == used[False] and (used[True] or kind != "forced")
+    for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=3e-2)
+        for field in ("tokens", "gate", "removed"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field

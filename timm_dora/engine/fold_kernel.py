@@ -1,4 +1,4 @@
-"""Merging's fold in two Triton kernels (``wrap(..., merge=True)`` on CUDA, half precision).
+"""Merging's fold in Triton kernels (``wrap(..., merge=True)`` on CUDA, half precision).
 
 :func:`~timm_dora.engine.packing.fold_removed` written in PyTorch ops makes about twenty passes
 over ``[T, d]`` and ``[B, S, S]`` float32 tensors: 0.63 ms per block for DeiT-Ti at batch 320 on an
@@ -19,6 +19,10 @@ the published merging actor's forward. Here:
   serves the next fold without a memset (the sizes may be updated in place: each row's size is read
   and written by one program, after the scatter read the removed rows').
 
+With precomputed similarities (:func:`fold_similarities`, ``EngineOptions.fold_aside``: the captured
+graph makes them beside the actor's decision, since they need none) :func:`_pick` replaces the match
+and the scatter: each removed row's best survivor read from its row of products, scattered at once.
+
 No shape or launch depends on the values (the grid is fixed by the rows, the batch and
 ``max_len``), so the kernels are captured in the controller's graph like the rest; rows past
 ``cu_seqlens[-1]`` are neither read nor written. Off CUDA the kernels run in Triton's interpreter
@@ -30,7 +34,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["fold_rows", "fold_kernel_reason", "match_tile_for"]
+__all__ = ["fold_rows", "fold_similarities", "similarity_columns", "SIMILARITY_MAX_ROWS", "fold_kernel_reason", "match_tile_for"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -51,6 +55,11 @@ MATCH_TILE = (64, 32, 4)
 SMALL_MATCH_GRID = 64
 SMALL_MATCH_TILE = (16, 64, 4)
 BLOCK_R = 8
+# the captured graph precomputes the similarities (EngineOptions.fold_aside) up to this many rows:
+# [rows, 256] float32 for 197-row images, 8 MB here; more rows fill the GPU without it
+SIMILARITY_MAX_ROWS = 8192
+# rows per program of _pick (the match from precomputed similarities, with the scatter)
+PICK_ROWS = 16
 PRECISION = "tf32x3"
 
 
@@ -95,6 +104,55 @@ if triton is not None:
                     at = tl.where(better, n0 + tile_at, at)
                     best = tl.where(better, tile_best, best)
                 tl.store(TARGET + rows_m, start + at.to(tl.int64), mask=removed)
+
+    @triton.jit
+    def _similarity(K, CU, SIM, sk_t, HEADS: tl.constexpr, HD: tl.constexpr, NP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """Every row's metric against every row of its image (no decision read): ``SIM[row, j]``
+        for the image's rows ``j``, the product of :func:`_match` (the same metric and precision)."""
+        tile, seq = tl.program_id(0), tl.program_id(1)
+        start = tl.load(CU + seq)
+        length = tl.load(CU + seq + 1) - start
+        if tile * BLOCK_M < length:
+            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows_m = (start + offs_m).to(tl.int64)
+            live_m = offs_m < length
+            q = _metric(K, rows_m, live_m, sk_t, HEADS, HD)
+            for n0 in range(0, length, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                inside = offs_n < length
+                k = _metric(K, (start + offs_n).to(tl.int64), inside, sk_t, HEADS, HD)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                tl.store(SIM + rows_m[:, None] * NP + offs_n[None, :], s, mask=live_m[:, None] & inside[None, :])
+
+    @triton.jit
+    def _pick(SIM, X, SIZES, REMOVE, CU, ACC, MASS, sx_t, NUM_PREFIX: tl.constexpr, NP: tl.constexpr,
+              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """:func:`_match` and :func:`_scatter` from :func:`_similarity`'s products: each removed
+        row's best surviving row (the first of equal maxima), its size-weighted values and size
+        added to that row's accumulator and mass."""
+        tile, seq = tl.program_id(0), tl.program_id(1)
+        start = tl.load(CU + seq)
+        length = tl.load(CU + seq + 1) - start
+        if tile * BLOCK_M < length:
+            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows_m = (start + offs_m).to(tl.int64)
+            removed = (offs_m < length) & (tl.load(REMOVE + rows_m, mask=offs_m < length, other=0) != 0)
+            if tl.max(removed.to(tl.int32), 0) > 0:
+                offs_n = tl.arange(0, NP)
+                inside = offs_n < length
+                gone = tl.load(REMOVE + start + offs_n, mask=inside, other=1) != 0
+                survivor = inside & (offs_n >= NUM_PREFIX) & ~gone
+                s = tl.load(SIM + rows_m[:, None] * NP + offs_n[None, :], mask=removed[:, None] & survivor[None, :],
+                            other=float("-inf"))
+                target = start + tl.argmax(s, 1, tie_break_left=True).to(tl.int64)
+                size = tl.load(SIZES + rows_m, mask=removed, other=0.0)
+                tl.atomic_add(MASS + target, size, mask=removed)
+                for c0 in tl.static_range(0, D, BLOCK_D):
+                    c = c0 + tl.arange(0, BLOCK_D)
+                    both = removed[:, None] & (c < D)[None, :]
+                    v = tl.load(X + rows_m[:, None] * sx_t + c[None, :], mask=both, other=0.0).to(tl.float32)
+                    tl.atomic_add(ACC + target[:, None] * D + c[None, :], v * size[:, None], mask=both)
 
     @triton.jit
     def _scatter(X, SIZES, REMOVE, TARGET, CU, ACC, MASS, sx_t, batch, D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -163,16 +221,62 @@ def fold_kernel_reason(x: torch.Tensor, keys: torch.Tensor, num_heads: int) -> O
     return None
 
 
+def similarity_columns(max_len: int) -> int:
+    """The columns of :func:`fold_similarities`' rows for images of up to ``max_len`` rows."""
+    return max(16, triton.next_power_of_2(max_len)) if triton is not None else max_len
+
+
+def fold_similarities(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, num_heads: int,
+                      out: Optional[torch.Tensor] = None,
+                      match_tile: Optional[Tuple[int, int, int]] = None) -> torch.Tensor:
+    """The first half of the fold, which needs no decision: every row's metric against every row of
+    its image, ``[T, similarity_columns(max_len)]`` float32 (row ``i``, column ``j``: the image's
+    ``j``-th row; columns past the image's length are not written), into ``out`` (``[>= T, that]``,
+    contiguous) when given. :func:`fold_rows` given these picks each removed row's match from them in
+    the kernel that also scatters it: the captured graph computes them beside the actor's decision
+    (``EngineOptions.aside_controller``), so the fold after the decision is two kernels of little work.
+    ``keys``, ``cu_seqlens``, ``max_len``, ``num_heads``, ``match_tile``: as for :func:`fold_rows`."""
+    why = fold_kernel_reason(keys, keys, num_heads)
+    if why is not None:
+        raise ValueError(f"fold_similarities: {why}")
+    t, d = keys.shape
+    b = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    np_ = similarity_columns(max_len)
+    if out is None:
+        out = torch.empty((t, np_), dtype=torch.float32, device=keys.device)
+    elif out.dim() != 2 or out.shape[0] < t or out.shape[1] != np_ or out.dtype != torch.float32 \
+            or not out.is_contiguous():
+        raise ValueError(f"fold_similarities: out must be a contiguous float32 [>= {t}, {np_}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    block_m, block_n, warps = _check_tile(match_tile_for(b, max_len) if match_tile is None else match_tile)
+    _similarity[(-(-max_len // block_m), b)](keys, cu, out, keys.stride(0), HEADS=num_heads, HD=d // num_heads,
+                                             NP=np_, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=PRECISION,
+                                             num_warps=warps)
+    return out
+
+
+def _check_tile(tile) -> Tuple[int, int, int]:
+    tile = tuple(tile)
+    if not all(_pow2(v) for v in tile) or tile[0] < 16 or tile[1] < 16 or tile[2] > 8:
+        raise ValueError(f"fold_rows: match_tile must be (rows, rows, warps): powers of two, rows >= 16, warps <= 8, "
+                         f"got {tile}")
+    return tile
+
+
 def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: torch.Tensor,
               cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int,
               out: Optional[torch.Tensor] = None, sizes_out: Optional[torch.Tensor] = None,
               scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-              match_tile: Optional[Tuple[int, int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              match_tile: Optional[Tuple[int, int, int]] = None,
+              similarities: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`~timm_dora.engine.packing.fold_removed` in the three kernels of this module (the same
     arguments and results; ``out`` may be ``x``, ``sizes_out`` may be ``sizes``). ``scratch``: a
     float32 accumulator ``[>= T, d]`` and mass ``[>= T]``, contiguous and all zeros, left all zeros
     (a graph keeps them; without, they are allocated zeroed). ``match_tile``: the match's ``(query
-    rows, key rows, warps)`` instead of :func:`match_tile_for`'s, for benchmarks. Raises ``ValueError``
+    rows, key rows, warps)`` instead of :func:`match_tile_for`'s, for benchmarks. ``similarities``:
+    :func:`fold_similarities` of these ``keys`` (the same ``cu_seqlens`` and ``max_len``): the match
+    and the scatter are then one kernel that reads them (the same targets). Raises ``ValueError``
     where :func:`fold_kernel_reason` says why not."""
     why = fold_kernel_reason(x, keys, num_heads)
     if why is not None:
@@ -180,9 +284,14 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
     t, d = x.shape
     b = cu_seqlens.shape[0] - 1
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    np_ = similarity_columns(max_len)
+    if similarities is not None and (similarities.dim() != 2 or similarities.shape[0] < t
+                                     or similarities.shape[1] != np_ or similarities.dtype != torch.float32
+                                     or not similarities.is_contiguous()):
+        raise ValueError(f"fold_rows: similarities must be fold_similarities' contiguous float32 [>= {t}, {np_}], "
+                         f"got {similarities.dtype} {tuple(similarities.shape)}")
     remove = remove.contiguous()
     sizes = sizes.contiguous()
-    target = torch.empty(t, dtype=torch.int64, device=x.device)
     if scratch is None:
         acc = torch.zeros(t, d, dtype=torch.float32, device=x.device)
         mass = torch.zeros(t, dtype=torch.float32, device=x.device)
@@ -194,17 +303,20 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
     new_sizes = sizes.clone() if sizes_out is None else sizes_out  # (rows past the real ones keep theirs)
     copy = out is None or out.data_ptr() != x.data_ptr()
     out = torch.empty_like(x) if out is None else out
-    block_m, block_n, warps = tile = tuple(match_tile_for(b, max_len) if match_tile is None else match_tile)
-    if not all(_pow2(v) for v in tile) or block_m < 16 or block_n < 16 or warps > 8:
-        raise ValueError(f"fold_rows: match_tile must be (rows, rows, warps): powers of two, rows >= 16, warps <= 8, "
-                         f"got {tile}")
-    _match[(-(-max_len // block_m), b)](keys, remove, cu, target, keys.stride(0), HEADS=num_heads,
-                                         HD=d // num_heads, NUM_PREFIX=num_prefix, BLOCK_M=block_m, BLOCK_N=block_n,
-                                         PRECISION=PRECISION, num_warps=warps)
+    block_m, block_n, warps = _check_tile(match_tile_for(b, max_len) if match_tile is None else match_tile)
     rows = (-(-t // BLOCK_R),)
     block_d = min(256, triton.next_power_of_2(d))
-    _scatter[rows](x, sizes, remove, target, cu, acc, mass, x.stride(0), b, D=d, BLOCK_R=BLOCK_R, BLOCK_D=block_d,
-                   num_warps=4)
+    if similarities is not None:
+        _pick[(-(-max_len // PICK_ROWS), b)](similarities, x, sizes, remove, cu, acc, mass, x.stride(0),
+                                             NUM_PREFIX=num_prefix, NP=np_, D=d, BLOCK_M=PICK_ROWS, BLOCK_D=block_d,
+                                             num_warps=4)
+    else:
+        target = torch.empty(t, dtype=torch.int64, device=x.device)
+        _match[(-(-max_len // block_m), b)](keys, remove, cu, target, keys.stride(0), HEADS=num_heads,
+                                             HD=d // num_heads, NUM_PREFIX=num_prefix, BLOCK_M=block_m,
+                                             BLOCK_N=block_n, PRECISION=PRECISION, num_warps=warps)
+        _scatter[rows](x, sizes, remove, target, cu, acc, mass, x.stride(0), b, D=d, BLOCK_R=BLOCK_R,
+                       BLOCK_D=block_d, num_warps=4)
     _finish[rows](x, sizes, cu, acc, mass, out, new_sizes, x.stride(0), out.stride(0), b, D=d, BLOCK_R=BLOCK_R,
                   BLOCK_D=block_d, COPY=copy, num_warps=4)
     return out, new_sizes

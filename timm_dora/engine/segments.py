@@ -46,6 +46,7 @@ from .blocks import attention_keys, attention_residual, final_norm, mlp_residual
 from .options import active
 from .attention import BACKEND_INFO, varlen_attention
 from .deletion_kernel import Books, delete_rows_fused, delete_rows_reference, fused_deletion_reason
+from .fold_kernel import fold_kernel_reason, fold_similarities
 from .packing import fold_removed
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
@@ -333,7 +334,7 @@ class Segments:
 
         decided: dict = {}  # what the decision hands the deletion (dropped after it)
 
-        def decide():  # the actor's decision, into the fixed outputs (ctrl_out)
+        def inputs():  # the controller's keys, cu_seqlens, host lengths, history, N_l and gate
             if dense:
                 src = r.dense_inputs[l % 2]
                 step = r.steps[l]
@@ -347,7 +348,18 @@ class Segments:
                 args = (controller_keys(rows), cu, None) + r.ctrl_in[:2] + (gate_in,)
             else:  # uncaptured: the real rows (sdpa_loop needs the host lengths), padded after
                 args = (controller_keys(r.cur.total), r.cur.cu_seqlens, r.cur.lengths_host) + r.ctrl_in[:2] + (gate_in,)
-            keys, cu, lengths, h, n_visual, gate = args
+            return args
+
+        def prepare():  # (merge, EngineOptions.fold_aside) the fold's similarities: no decision needed
+            options = active()
+            if r.fold_sim is None or not (options.fold_aside and options.fold_kernel):
+                return
+            keys, cu = inputs()[:2]
+            if fold_kernel_reason(keys, keys, blk.attn.num_heads) is None:
+                decided["similarities"] = fold_similarities(keys, cu, r.seq, blk.attn.num_heads, out=r.fold_sim)
+
+        def decide():  # the actor's decision, into the fixed outputs (ctrl_out)
+            keys, cu, lengths, h, n_visual, gate = inputs()
             # (written into the fixed outputs directly; uncaptured, the rows past the real ones
             # are not the controller's: no removal there)
             if keys.shape[0] < rows:
@@ -359,11 +371,12 @@ class Segments:
 
         def delete():  # the fold (merge) and the deletion the decision asks for
             keys, cu, gate, removed = (decided.pop(k) for k in ("keys", "cu", "gate", "removed"))
+            similarities = decided.pop("similarities", None)  # (prepare's, where it ran)
             remove = r.ctrl_out[0][:rows]
             if r.merge:  # the removed rows folded into their survivors first (in place, in xa)
                 n = keys.shape[0]
                 fold_removed(r.xa[:n], keys, remove[:n], r.sizes[:n], cu, r.seq, p, blk.attn.num_heads,
-                             out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch)
+                             out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch, similarities=similarities)
             # the deletion in the same graph (the rows padded past the last sequence are never
             # removed: they follow the survivors), the new layout (ids and cu compacted in place),
             # and the new lengths to the host, the only value it waits for before the survivors' MLP
@@ -387,8 +400,9 @@ class Segments:
             decide()
             delete()
         # (the whole forward's graph may run the decision on its Aside stream, beside the block's
-        # attention, and the deletion after the join: EngineOptions.aside_controller)
-        controller.decide, controller.delete = decide, delete
+        # attention and the fold's similarities, and the deletion after the join:
+        # EngineOptions.aside_controller, fold_aside)
+        controller.prepare, controller.decide, controller.delete = prepare, decide, delete
         return controller
 
     def _chain_segment(self, key: tuple) -> Callable[[], None]:

@@ -392,6 +392,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                     if r.decide_aside is not None:  # (not forked: no keys hook ran; in line then)
                         r.decide_aside, decide = None, r.decide_aside
                         decide()
+                    control[l].prepare()  # (merge: the fold's similarities, beside the decision)
                     r.aside.join()  # the decision, made beside the attention
                     control[l].delete()
                 else:
