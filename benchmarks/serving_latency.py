@@ -131,22 +131,25 @@ def family(kernel: str) -> str:
 
 
 def kernel_sequence(fn: Callable, pool: torch.Tensor, batch: int, first: int) -> Dict[str, Any]:
-    """The device kernels of one request in the order they ran, each ``[name, microseconds]``
-    (names cut to 120 characters), and per family (:func:`family`) their count and time: where a
-    request's kernels go."""
+    """The device kernels of one request in the order they ran, each ``[name, microseconds, start]``
+    (names cut to 120 characters; ``start``: microseconds after the first kernel began, so kernels
+    on two streams show where they overlapped), per family (:func:`family`) their count and time,
+    and ``span_us``, the first kernel's start to the last one's end: where a request's kernels go."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         stream(fn, pool, batch, first, 1)
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
-    seq = [[e.name[:120], round(e.time_range.elapsed_us(), 2)] for e in kernels]
+    t0 = kernels[0].time_range.start if kernels else 0
+    seq = [[e.name[:120], round(e.time_range.elapsed_us(), 2), round(e.time_range.start - t0, 2)] for e in kernels]
+    span = max((e.time_range.end for e in kernels), default=t0) - t0
     families: Dict[str, List[float]] = {}
-    for name, us in seq:
+    for name, us, _ in seq:
         f = families.setdefault(family(name), [0, 0.0])
         f[0] += 1
         f[1] = round(f[1] + us, 2)
-    return {"kernels": seq, "families": families}
+    return {"kernels": seq, "families": families, "span_us": round(span, 2)}
 
 
 def profiles(fn: Callable, pool: torch.Tensor, batch: int, first: int, args) -> Dict[str, Any]:

@@ -77,8 +77,24 @@ for name, d, n0, p, lengths, gate in (
             tiled = fused_controller(actor, keys, cu, max(lengths), h, n_visual, gate, 4, cu, p, t + 9,
                                      tile={"embed": (32, 4), "out_ffn": (16, 4), "scores": (64, 4)},
                                      launch={"k_block": 128, "num_stages": 1, "ffn_chunk": 64})
+            # (the default tiles here are 16 rows: the budget head runs in _out_ffn's programs; above
+            # BUDGET_IN_FFN_ROWS it is its own kernel, _budget)
+            wide = fused_controller(actor, keys, cu, max(lengths), h, n_visual, gate, 4, cu, p, t + 9,
+                                    tile={"out_ffn": (64, 4)})
+            tiled = [tiled, wide]
+            # no rows at all (the unplanned whole graph where no gate opened: cu_seqlens zeros): into
+            # stale buffers, nothing removed and the gate's FLOPs, with the head in _out_ffn or apart
+            closed = torch.zeros_like(gate)
+            empty = [fused_controller(actor, keys, torch.zeros_like(cu), max(lengths), h, n_visual, closed, 4, cu, p,
+                                      t + 9, tile=tile, out=(torch.ones(t + 9, dtype=torch.bool), torch.full((b,), 7),
+                                                             torch.full((b,), -1.0, dtype=torch.float64)))
+                     for tile in ({"out_ffn": (16, 4)}, {"out_ffn": (64, 4)})]
+            out["empty"] = {"equal": all(torch.equal(a, c) for a, c in zip(*empty)), "k": empty[0][1].tolist(),
+                            "removed": int(empty[0][0].sum()), "flops": empty[0][2].tolist(),
+                            "closed_flops": f1[2].item()}
     out[name] = {
-        "tiled_equal": None if tiled is None else bool(all(torch.equal(a, b) for a, b in zip(tiled, (r1, k1, f1)))),
+        "tiled_equal": None if tiled is None else bool(all(torch.equal(a, b) for run in tiled
+                                                            for a, b in zip(run, (r1, k1, f1)))),
         "rows": [int(r0.shape[0]), int(r1.shape[0])],
         "remove_equal": bool(torch.equal(r0, r1[:t])), "k_equal": bool(torch.equal(k0, k1)),
         "flops_equal": bool(torch.equal(f0, f1)), "k": k1.tolist(), "removed_per_image":
@@ -141,6 +157,9 @@ def test_interpreted_kernels_equal_the_module_path():
     res = run_interpreted(INTERPRETED, timeout=600)
     gate = res.pop("gate")
     copy = res.pop("copy")
+    empty = res.pop("empty")
+    assert empty["equal"] and empty["removed"] == 0 and empty["k"] == [0] * 5
+    assert empty["flops"] == [empty["closed_flops"]] * 5  # (image 2's gate is closed in the run with rows)
     assert copy == {"dense": True, "packed": True, "dense_copied": 14, "packed_copied": 10}
     assert gate["equal"] and gate["equal_2d"] and gate["dtype"] == "torch.bool"
     assert 5 <= gate["open"] <= 35 and gate["first4"][0] is False and gate["first4"][2] is False

@@ -109,21 +109,21 @@ if triton is not None:
     def _similarity(K, CU, SIM, sk_t, HEADS: tl.constexpr, HD: tl.constexpr, NP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         """Every row's metric against every row of its image (no decision read): ``SIM[row, j]``
-        for the image's rows ``j``, the product of :func:`_match` (the same metric and precision)."""
-        tile, seq = tl.program_id(0), tl.program_id(1)
+        for the image's rows ``j``, the product of :func:`_match` (the same metric and precision),
+        one (query tile, key tile) a program: no program loops, so few images still fill the GPU."""
+        tile, key_tile, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(CU + seq)
         length = tl.load(CU + seq + 1) - start
-        if tile * BLOCK_M < length:
+        if (tile * BLOCK_M < length) & (key_tile * BLOCK_N < length):
             offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             rows_m = (start + offs_m).to(tl.int64)
             live_m = offs_m < length
             q = _metric(K, rows_m, live_m, sk_t, HEADS, HD)
-            for n0 in range(0, length, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                inside = offs_n < length
-                k = _metric(K, (start + offs_n).to(tl.int64), inside, sk_t, HEADS, HD)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-                tl.store(SIM + rows_m[:, None] * NP + offs_n[None, :], s, mask=live_m[:, None] & inside[None, :])
+            offs_n = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            inside = offs_n < length
+            k = _metric(K, (start + offs_n).to(tl.int64), inside, sk_t, HEADS, HD)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            tl.store(SIM + rows_m[:, None] * NP + offs_n[None, :], s, mask=live_m[:, None] & inside[None, :])
 
     @triton.jit
     def _pick(SIM, X, SIZES, REMOVE, CU, ACC, MASS, sx_t, NUM_PREFIX: tl.constexpr, NP: tl.constexpr,
@@ -250,9 +250,9 @@ def fold_similarities(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
         raise ValueError(f"fold_similarities: out must be a contiguous float32 [>= {t}, {np_}], got {out.dtype} "
                          f"{tuple(out.shape)}")
     block_m, block_n, warps = _check_tile(match_tile_for(b, max_len) if match_tile is None else match_tile)
-    _similarity[(-(-max_len // block_m), b)](keys, cu, out, keys.stride(0), HEADS=num_heads, HD=d // num_heads,
-                                             NP=np_, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=PRECISION,
-                                             num_warps=warps)
+    grid = (-(-max_len // block_m), -(-max_len // block_n), b)
+    _similarity[grid](keys, cu, out, keys.stride(0), HEADS=num_heads, HD=d // num_heads, NP=np_, BLOCK_M=block_m,
+                      BLOCK_N=block_n, PRECISION=PRECISION, num_warps=warps)
     return out
 
 

@@ -18,7 +18,8 @@ everything between two matrix products in registers:
    (it also clears the removal flags);
 2. the encoder's attention: :func:`timm_dora.engine.varlen_kernel.varlen_attention_triton`;
 3. ``_out_ffn``: output projection and residual, ``LayerNorm``, the GELU FFN and its residual
-   (``Z_l``);
+   (``Z_l``); with few rows a program (:data:`BUDGET_IN_FFN_ROWS`), those that hold a CLS row also
+   run 4 on it (:func:`_budget_head`), one launch fewer on the decision's chain;
 4. ``_budget``: the budget head on ``Z_CLS`` (``LayerNorm``, ``128 -> 128 -> M``), the infeasible
    budgets masked, the arg-max (ties to the smaller budget, as ``torch.argmax``) and ``k``
    (zero where the gate is closed), and the actor's FLOPs per image;
@@ -77,6 +78,10 @@ GATE_LAUNCH = dict(images=16, k_block=256, num_warps=4, num_stages=1)
 # _out_ffn 31 us and _embed_qkv 14 us at one image, H200). Below the rows that fill SMALL_GRID
 # programs the tile halves, down to 16 rows (tl.dot's least), at 4 warps: more programs, each shorter.
 SMALL_GRID = 64
+# at most this many rows a program of _out_ffn (few rows: the planned graph's small batches), the
+# programs that hold a CLS row also run the budget head (_budget_head), one launch fewer on the
+# decision's chain; with larger tiles nearly every program holds one, so _budget runs apart
+BUDGET_IN_FFN_ROWS = 32
 ROW_LAUNCH = dict(num_stages=3, k_block=64, ffn_chunk=128)
 
 
@@ -255,8 +260,11 @@ if triton is not None:
                 tl.store(QKV + r64[:, None] * (3 * W) + c * W + cols[None, :], out.to(DT), mask=live[:, None])
 
     @triton.jit
-    def _out_ffn(O, X, CU, nseq, WP, BP, G2, B2, WF1, BF1, WF2, BF2, Z, eps,
-                 W: tl.constexpr, F: tl.constexpr, FCH: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
+    def _out_ffn(O, X, CU, nseq, steps, WP, BP, G2, B2, WF1, BF1, WF2, BF2, Z, eps,
+                 NVIS, GATE, HG, HB, HW1, HB1, HW2, HB2, BUDGETS, K, FRAC, FLOPS, num_budgets, min_keep, head_eps,
+                 gate_macs, quad, lin, const,
+                 W: tl.constexpr, F: tl.constexpr, FCH: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr,
+                 BH: tl.constexpr, MP: tl.constexpr, BUDGET: tl.constexpr):
         rows, live, r64, cols, any_real = _row_tile(CU, nseq, BLOCK_R, W)
         if any_real:
             DT = Z.dtype.element_ty
@@ -272,18 +280,35 @@ if triton is not None:
                 w2 = tl.load(WF2 + cols[:, None] * F + fs[None, :])  # [W, FCH]
                 acc = tl.dot(hid, tl.trans(w2), acc, input_precision=PREC)
             ffn = _round(acc + tl.load(BF2 + cols).to(tl.float32)[None, :], DT)
-            tl.store(Z + r64[:, None] * W + cols[None, :], (x + ffn).to(DT), mask=live[:, None])
+            z = (x + ffn).to(DT)
+            tl.store(Z + r64[:, None] * W + cols[None, :], z, mask=live[:, None])
+            if BUDGET:  # (few rows) the budget head here, by the programs that hold a CLS row
+                seg, pos = _seg_pos(CU, rows, live, nseq, steps)
+                cls = live & (pos == 0)
+                if tl.max(cls.to(tl.int32), 0) > 0:
+                    _budget_head(z.to(tl.float32), seg, cls, cols, NVIS, GATE, HG, HB, HW1, HB1, HW2, HB2, BUDGETS,
+                                 K, FRAC, FLOPS, num_budgets, min_keep, head_eps, gate_macs, quad, lin, const,
+                                 W, BH, MP, DT, PREC)
+        if BUDGET:
+            if tl.program_id(0) == 0:  # sequences without a row (the unplanned whole graph's, where
+                # no gate opened: its cu_seqlens are zeros) have no CLS row to run the head on: no
+                # removal, the gate's FLOPs (what _budget gives a closed gate)
+                for s0 in range(0, nseq, 16):
+                    seqs = s0 + tl.arange(0, 16)
+                    empty = (seqs < nseq) & (tl.load(CU + seqs + 1, mask=seqs < nseq, other=0)
+                                             == tl.load(CU + seqs, mask=seqs < nseq, other=0))
+                    n_visual = tl.load(NVIS + seqs, mask=empty, other=1)
+                    k = tl.zeros([16], dtype=tl.int64)
+                    tl.store(K + seqs, k, mask=empty)
+                    tl.store(FRAC + seqs, k.to(tl.float32) / n_visual.to(tl.float32), mask=empty)
+                    tl.store(FLOPS + seqs, 2.0 * gate_macs.to(tl.float64) + k.to(tl.float64), mask=empty)
 
     @triton.jit
-    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
-                gate_macs, quad, lin, const,
-                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr):
-        DT = Z.dtype.element_ty
-        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        live = seqs < nseq
-        cols = tl.arange(0, W)
-        first = tl.load(CU + seqs, mask=live, other=0).to(tl.int64)  # the CLS row of each sequence
-        z = tl.load(Z + first[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    def _budget_head(z, seqs, live, cols, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, num_budgets,
+                     min_keep, eps, gate_macs, quad, lin, const,
+                     W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+        """The budget head on the rows ``z`` (fp32 values of ``Z_CLS``; ``live``: which are, of
+        the sequences ``seqs``): ``k``, ``k / N_l`` and the actor's FLOPs of those sequences."""
         ln = _layer_norm(z, G, B, cols, W, eps).to(DT)
         hs = tl.arange(0, BH)
         hid = _gelu(_linear(ln, W1, B1, hs, cols, W, DT, PREC)).to(DT)
@@ -305,6 +330,19 @@ if triton is not None:
         macs = n * (n * quad.to(tl.float64) + lin.to(tl.float64)) + const.to(tl.float64)
         flops = 2.0 * gate_macs.to(tl.float64) + tl.where(gate, 2.0 * macs, 0.0)
         tl.store(FLOPS + seqs, flops, mask=live)
+
+    @triton.jit
+    def _budget(Z, CU, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, nseq, num_budgets, min_keep, eps,
+                gate_macs, quad, lin, const,
+                W: tl.constexpr, BH: tl.constexpr, MP: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr):
+        DT = Z.dtype.element_ty
+        seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        live = seqs < nseq
+        cols = tl.arange(0, W)
+        first = tl.load(CU + seqs, mask=live, other=0).to(tl.int64)  # the CLS row of each sequence
+        z = tl.load(Z + first[:, None] * W + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        _budget_head(z, seqs, live, cols, NVIS, GATE, G, B, W1, B1, W2, B2, BUDGETS, K, FRAC, FLOPS, num_budgets,
+                     min_keep, eps, gate_macs, quad, lin, const, W, BH, MP, DT, PREC)
 
     @triton.jit
     def _scores(Z, CU, nseq, steps, FRAC, WK, WS1, BS1, WS2, BS2, SC,
@@ -505,24 +543,27 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     q, k, v = qkv.view(rows, 3, heads, w // heads).unbind(1)
     o = varlen_attention_triton(q, k, v, cu, max_len, (w // heads) ** -0.5)
     z = torch.empty_like(x)
-    block_r, warps = tiles["out_ffn"]
-    _out_ffn[(_cdiv(rows, block_r),)](
-        o, x, cu, b, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias, enc.fc1.weight, enc.fc1.bias,
-        enc.fc2.weight, enc.fc2.bias, z, enc.norm2.eps, W=w, F=actor.ffn_dim, FCH=min(actor.ffn_dim, rl["ffn_chunk"]),
-        BLOCK_R=block_r, PREC=prec, num_warps=warps, num_stages=rl["num_stages"])
     m = actor.num_budgets
     mp = max(16, triton.next_power_of_2(m))
     frac = torch.empty(b, dtype=torch.float32, device=dev)
     per_token, fixed, selector, _ = controller_macs_terms(actor)
-    head = (z, cu, n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias, bh[3].weight, bh[3].bias,
+    head = (n_visual, gate, bh[0].weight, bh[0].bias, bh[1].weight, bh[1].bias, bh[3].weight, bh[3].bias,
             actor.budgets, k_out, frac, flops)
     terms = (m, actor.min_keep, bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector)
+    block_r, warps = tiles["out_ffn"]
+    in_ffn = 0 < rows and block_r <= BUDGET_IN_FFN_ROWS  # (few rows: the budget head in _out_ffn, no _budget)
+    _out_ffn[(_cdiv(rows, block_r),)](
+        o, x, cu, b, steps, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias, enc.fc1.weight,
+        enc.fc1.bias, enc.fc2.weight, enc.fc2.bias, z, enc.norm2.eps, *head, *terms, W=w, F=actor.ffn_dim,
+        FCH=min(actor.ffn_dim, rl["ffn_chunk"]), BLOCK_R=block_r, PREC=prec, BH=actor.budget_hidden, MP=mp,
+        BUDGET=in_ffn, num_warps=warps, num_stages=rl["num_stages"])
     np_ = max(16, triton.next_power_of_2(actor.num_patches))
     scores = torch.empty((b, np_), dtype=torch.float32, device=dev)
     selector_weights = (actor.w_k.weight, sel[0].weight, sel[0].bias, sel[2].weight, sel[2].bias, scores)
     ch = min(64, np_)
-    _budget[(_cdiv(b, 16),)](*head, b, *terms, W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec,
-                             num_warps=tiles["scores"][1])
+    if not in_ffn:
+        _budget[(_cdiv(b, 16),)](z, cu, *head, b, *terms, W=w, BH=actor.budget_hidden, MP=mp, BLOCK_B=16, PREC=prec,
+                                 num_warps=tiles["scores"][1])
     block_r, warps = tiles["scores"]
     _scores[(_cdiv(rows, block_r),)](z, cu, b, steps, frac, *selector_weights, W=w, S=actor.selector_hidden, NP=np_,
                                      BLOCK_R=block_r, PREC=prec, num_warps=warps)
