@@ -92,6 +92,16 @@ for name, d, n0, p, lengths, gate in (
             out["empty"] = {"equal": all(torch.equal(a, c) for a, c in zip(*empty)), "k": empty[0][1].tolist(),
                             "removed": int(empty[0][0].sum()), "flops": empty[0][2].tolist(),
                             "closed_flops": f1[2].item()}
+    if p > 1:  # several prefix rows, a zeroed layout (the unplanned whole graph where no gate opened):
+        # through controller_fixed, which drops the other prefix rows, nothing removed, the gate's FLOPs
+        closed = torch.zeros_like(gate)
+        zeroed = (torch.ones(t + 9 + 3, dtype=torch.bool), torch.full((b,), 7), torch.full((b,), -1.0, dtype=torch.float64))
+        with torch.no_grad():
+            ActorPolicy(actor, fused_controller=True).controller_fixed(keys, torch.zeros_like(cu), max(lengths), p, h,
+                                                                       n_visual, closed, 4, "sdpa_loop", lengths,
+                                                                       out=zeroed)
+        out["empty_prefix"] = {"k": zeroed[1].tolist(), "removed": int(zeroed[0][:t + 9].sum()),
+                               "flops": zeroed[2].tolist(), "closed_flops": f1[1].item()}
     out[name] = {
         "tiled_equal": None if tiled is None else bool(all(torch.equal(a, b) for run in tiled
                                                             for a, b in zip(run, (r1, k1, f1)))),
@@ -158,6 +168,9 @@ def test_interpreted_kernels_equal_the_module_path():
     gate = res.pop("gate")
     copy = res.pop("copy")
     empty = res.pop("empty")
+    prefix = res.pop("empty_prefix")
+    assert prefix["k"] == [0] * 4 and prefix["removed"] == 0
+    assert prefix["flops"] == [prefix["closed_flops"]] * 4  # (image 1's gate is closed in the run with rows)
     assert empty["equal"] and empty["removed"] == 0 and empty["k"] == [0] * 5
     assert empty["flops"] == [empty["closed_flops"]] * 5  # (image 2's gate is closed in the run with rows)
     assert copy == {"dense": True, "packed": True, "dense_copied": 14, "packed_copied": 10}
@@ -258,6 +271,13 @@ def test_cuda_fused_controller_matches_modules_and_replays_from_a_graph(width):
         same_k = (k0 == k1)[torch.repeat_interleave(torch.arange(b, device=dev), lengths.to(dev))]
         agree = (r0[:t] == r1[:t])[same_k]
         assert agree.float().mean() >= 0.97
+        # (these 7,756 rows take _out_ffn tiles of 64 and _budget) with tiles of 16 rows the budget
+        # head runs in _out_ffn: the same budgets but for near-ties, the FLOPs those budgets give
+        from timm_dora.policy.actor_kernels import fused_controller
+        r2, k2, f2 = fused_controller(actor, keys, cu, 197, h, n_visual, gate, 4, cu, p, t + 100,
+                                      tile={"out_ffn": (16, 4)})
+        assert (k2 == k1).float().mean() >= 0.97 and k2[~gate].eq(0).all()
+        assert torch.equal(f2[k2 == k1], f1[k2 == k1])
         # captured, then replayed with the sequences reversed in the same buffers
         pol = ActorPolicy(actor, fused_controller=True)
         cu_buf, nv_buf, h_buf = cu.clone(), n_visual.clone(), h.clone()

@@ -11,7 +11,7 @@ import timm_dora
 from timm_dora import NoPrune
 from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine import patch as patch_module
-from timm_dora.engine import segments, whole
+from timm_dora.engine import fold_kernel, segments, whole
 from timm_dora.engine.flops import native_gflops
 from timm_dora.engine.options import EngineOptions
 
@@ -439,11 +439,15 @@ def test_fold_similarities_aside_give_the_match_after_the_join(kind, engine_opti
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
     xs = [images(model, 8, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
-    runs, used, made = {}, {}, []
+    runs, used, made, picked = {}, {}, [], []
     similarities = segments.fold_similarities
     monkeypatch.setattr(segments, "fold_similarities", lambda *a, **k: (made.append(1), similarities(*a, **k))[1])
+    fold_rows = fold_kernel.fold_rows  # (the fold that reads them: _pick, not the match)
+    monkeypatch.setattr(fold_kernel, "fold_rows",
+                        lambda *a, **k: (picked.append(k.get("similarities") is not None), fold_rows(*a, **k))[1])
     for on in (False, True):
         made.clear()
+        picked.clear()
         engine_options(fold_aside=on, rows_bucket=1)
         timm_dora.wrap(model, actor=actor, merge=True)
         with torch.inference_mode():
@@ -453,6 +457,7 @@ def test_fold_similarities_aside_give_the_match_after_the_join(kind, engine_opti
             used[on] = bool(any(runner.plan.controls))
         timm_dora.unwrap(model)
         assert bool(made) == (on and used[on])  # (recorded into the graph where a controller runs)
+        assert any(picked) == (on and used[on])  # (and the fold picked from them: none when off)
     assert used[True] == used[False] and (used[True] or kind != "forced")
     for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
         torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=3e-2)

@@ -34,7 +34,8 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["fold_rows", "fold_similarities", "similarity_columns", "SIMILARITY_MAX_ROWS", "fold_kernel_reason", "match_tile_for"]
+__all__ = ["fold_rows", "fold_similarities", "similarity_columns", "SIMILARITY_MAX_ROWS",
+           "SIMILARITY_MAX_COLUMNS", "fold_kernel_reason", "match_tile_for"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -55,9 +56,11 @@ MATCH_TILE = (64, 32, 4)
 SMALL_MATCH_GRID = 64
 SMALL_MATCH_TILE = (16, 64, 4)
 BLOCK_R = 8
-# the captured graph precomputes the similarities (EngineOptions.fold_aside) up to this many rows:
-# [rows, 256] float32 for 197-row images, 8 MB here; more rows fill the GPU without it
+# the captured graph precomputes the similarities (EngineOptions.fold_aside) up to this many rows,
+# for images of up to SIMILARITY_MAX_COLUMNS rows (a program of _pick holds 16 rows of that many
+# float32 columns in registers): 8 MB at most; more rows fill the GPU without it
 SIMILARITY_MAX_ROWS = 8192
+SIMILARITY_MAX_COLUMNS = 256
 # rows per program of _pick (the match from precomputed similarities, with the scatter)
 PICK_ROWS = 16
 PRECISION = "tf32x3"
@@ -234,7 +237,7 @@ def fold_similarities(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
     ``j``-th row; columns past the image's length are not written), into ``out`` (``[>= T, that]``,
     contiguous) when given. :func:`fold_rows` given these picks each removed row's match from them in
     the kernel that also scatters it: the captured graph computes them beside the actor's decision
-    (``EngineOptions.aside_controller``), so the fold after the decision is two kernels of little work.
+    (``EngineOptions.fold_aside``), so the fold after the decision is two kernels of little work.
     ``keys``, ``cu_seqlens``, ``max_len``, ``num_heads``, ``match_tile``: as for :func:`fold_rows`."""
     why = fold_kernel_reason(keys, keys, num_heads)
     if why is not None:
@@ -249,17 +252,18 @@ def fold_similarities(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
             or not out.is_contiguous():
         raise ValueError(f"fold_similarities: out must be a contiguous float32 [>= {t}, {np_}], got {out.dtype} "
                          f"{tuple(out.shape)}")
-    block_m, block_n, warps = _check_tile(match_tile_for(b, max_len) if match_tile is None else match_tile)
+    block_m, block_n, warps = _check_tile(match_tile_for(b, max_len) if match_tile is None else match_tile,
+                                          "fold_similarities")
     grid = (-(-max_len // block_m), -(-max_len // block_n), b)
     _similarity[grid](keys, cu, out, keys.stride(0), HEADS=num_heads, HD=d // num_heads, NP=np_, BLOCK_M=block_m,
                       BLOCK_N=block_n, PRECISION=PRECISION, num_warps=warps)
     return out
 
 
-def _check_tile(tile) -> Tuple[int, int, int]:
+def _check_tile(tile, caller: str = "fold_rows") -> Tuple[int, int, int]:
     tile = tuple(tile)
     if not all(_pow2(v) for v in tile) or tile[0] < 16 or tile[1] < 16 or tile[2] > 8:
-        raise ValueError(f"fold_rows: match_tile must be (rows, rows, warps): powers of two, rows >= 16, warps <= 8, "
+        raise ValueError(f"{caller}: match_tile must be (rows, rows, warps): powers of two, rows >= 16, warps <= 8, "
                          f"got {tile}")
     return tile
 
@@ -270,7 +274,8 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
               scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
               match_tile: Optional[Tuple[int, int, int]] = None,
               similarities: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~timm_dora.engine.packing.fold_removed` in the three kernels of this module (the same
+    """:func:`~timm_dora.engine.packing.fold_removed` in three kernels of this module (two with
+    ``similarities``: :func:`_pick`, then the finish) (the same
     arguments and results; ``out`` may be ``x``, ``sizes_out`` may be ``sizes``). ``scratch``: a
     float32 accumulator ``[>= T, d]`` and mass ``[>= T]``, contiguous and all zeros, left all zeros
     (a graph keeps them; without, they are allocated zeroed). ``match_tile``: the match's ``(query

@@ -93,7 +93,7 @@ import torch.nn as nn
 
 from .attention import BACKEND_INFO
 from .blocks import attention_keys, embed
-from .fold_kernel import SIMILARITY_MAX_ROWS, similarity_columns
+from .fold_kernel import SIMILARITY_MAX_COLUMNS, SIMILARITY_MAX_ROWS, similarity_columns
 from .options import active
 from .packing import Packed, delete_rows
 from .protocol import BlockContext, Decision, ForwardConstants, LazyKeysContext
@@ -295,7 +295,8 @@ class GraphRunner:
                               torch.zeros(b * s, dtype=torch.float32, device=dev)) if self.merge and dev.type == "cuda" else None)
         # (merge, CUDA, EngineOptions.fold_aside) the fold's similarities, made beside the decision
         self.fold_sim = (torch.empty((b * s, similarity_columns(s)), dtype=torch.float32, device=dev)
-                         if self.fold_scratch is not None and b * s <= SIMILARITY_MAX_ROWS else None)
+                         if self.fold_scratch is not None and b * s <= SIMILARITY_MAX_ROWS
+                         and similarity_columns(s) <= SIMILARITY_MAX_COLUMNS else None)
         self.prefix = torch.arange(p, device=dev)  # a sequence's prefix rows from its start
         self.dense_inputs = [dense.with_x(t) for t in self.x]  # block l's dense input: [l % 2]
         self.gate_host = torch.zeros((self.depth, b), dtype=torch.bool, pin_memory=self.capture)

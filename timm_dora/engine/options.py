@@ -102,9 +102,9 @@ class EngineOptions:
     # DeiT-Ti +9.7 % images/s at one image and +6.1 % at eight, DeiT-B forced +0.3 / +8.7 / -1.4 %
     # at 1 / 2 / 4; at batch 320 ViT-Ti 3.59 -> 3.53 ms and DeiT-Ti 4.42 -> 4.35 ms a forward
     aside_controller: bool = True
-    # with aside_controller and merge=True, up to engine.fold_kernel.SIMILARITY_MAX_ROWS rows (the
-    # planned graph of up to 41 images of 197 rows), the fold's first half, which needs no decision
-    # (every row's metric against its image's rows, fold_kernel.fold_similarities), runs on the
+    # with aside_controller and merge=True, up to engine.fold_kernel.SIMILARITY_MAX_ROWS rows of
+    # images of up to SIMILARITY_MAX_COLUMNS tokens (41 images of 197), the fold's first half, which
+    # needs no decision (every row's metric against its image's rows, fold_similarities), runs on the
     # block's own stream beside the decision; after the join the match and the scatter are one
     # kernel that reads them (fold_kernel._pick). False: the match after the join, as above it
     fold_aside: bool = True

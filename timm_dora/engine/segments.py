@@ -300,7 +300,8 @@ class Segments:
     def _controller_segment(self, key: tuple) -> Callable[[], None]:
         """The actor's controller for every image, masked by the gate, and the deletion it decides;
         the returned function's ``decide`` and ``delete`` run the two apart (the whole graph's
-        ``EngineOptions.aside_controller``: the decision beside the block's attention)."""
+        ``EngineOptions.aside_controller``: the decision beside the block's attention), and its
+        ``prepare`` the fold's similarities before the deletion (``fold_aside``: beside the decision)."""
         r = self.runner
         l = key[1]
         model = r.model
@@ -398,6 +399,7 @@ class Segments:
 
         def controller():
             decide()
+            decided.pop("similarities", None)  # (in line: none, not even a stale one, is folded from)
             delete()
         # (the whole forward's graph may run the decision on its Aside stream, beside the block's
         # attention and the fold's similarities, and the deletion after the join:

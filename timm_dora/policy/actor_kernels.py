@@ -11,8 +11,8 @@ block's graph, and the GPU idled while the host decided (measured on an H100; gi
 shared encoder block, the budget head, the selector, the ``k`` highest scores) runs over every
 token of the gate-active images. Written with ``torch.nn`` modules it is about 90 kernels per
 intervention, each a few microseconds on an H100 over ``[T, 128]`` activations: latency- and
-memory-bound, not arithmetic. Here it is six kernels, each reading its rows once and keeping
-everything between two matrix products in registers:
+memory-bound, not arithmetic. Here it is six kernels (five with few rows), each reading its rows
+once and keeping everything between two matrix products in registers:
 
 1. ``_embed_qkv``: ``X = W_in K + b_in + e^C_l (+ W_h h_l on CLS rows)``, ``LayerNorm``, ``qkv``
    (it also clears the removal flags);
@@ -20,7 +20,7 @@ everything between two matrix products in registers:
 3. ``_out_ffn``: output projection and residual, ``LayerNorm``, the GELU FFN and its residual
    (``Z_l``); with few rows a program (:data:`BUDGET_IN_FFN_ROWS`), those that hold a CLS row also
    run 4 on it (:func:`_budget_head`), one launch fewer on the decision's chain;
-4. ``_budget``: the budget head on ``Z_CLS`` (``LayerNorm``, ``128 -> 128 -> M``), the infeasible
+4. ``_budget`` (above :data:`BUDGET_IN_FFN_ROWS` rows a program of 3): the budget head on ``Z_CLS`` (``LayerNorm``, ``128 -> 128 -> M``), the infeasible
    budgets masked, the arg-max (ties to the smaller budget, as ``torch.argmax``) and ``k``
    (zero where the gate is closed), and the actor's FLOPs per image;
 5. ``_scores``: the selector ``MLP_S(Z_j + W_k k/N_l)`` on every visual row, into a padded
@@ -292,11 +292,12 @@ if triton is not None:
         if BUDGET:
             if tl.program_id(0) == 0:  # sequences without a row (the unplanned whole graph's, where
                 # no gate opened: its cu_seqlens are zeros) have no CLS row to run the head on: no
-                # removal, the gate's FLOPs (what _budget gives a closed gate)
+                # removal, the gate's FLOPs (what _budget gives a closed gate, the only one such a
+                # layout has)
                 for s0 in range(0, nseq, 16):
                     seqs = s0 + tl.arange(0, 16)
                     empty = (seqs < nseq) & (tl.load(CU + seqs + 1, mask=seqs < nseq, other=0)
-                                             == tl.load(CU + seqs, mask=seqs < nseq, other=0))
+                                             <= tl.load(CU + seqs, mask=seqs < nseq, other=0))
                     n_visual = tl.load(NVIS + seqs, mask=empty, other=1)
                     k = tl.zeros([16], dtype=tl.int64)
                     tl.store(K + seqs, k, mask=empty)
@@ -387,8 +388,10 @@ def _cdiv(a: int, b: int) -> int:
 def _rows_tile(default: Tuple[int, int], rows: int) -> Tuple[int, int]:
     """A row kernel's ``(rows per program, warps)`` for ``rows`` rows: ``default`` (:data:`TILE_ROWS`)
     where its grid has :data:`SMALL_GRID` programs or more, else the tile halved until it has (at
-    least 16 rows, 4 warps). The tile changes only how rows are split among programs, not any row's
-    arithmetic."""
+    least 16 rows, 4 warps). The tile changes how rows are split among programs, not the products of
+    a row (and, for ``out_ffn``, whether its programs also run the budget head:
+    :data:`BUDGET_IN_FFN_ROWS`; its float32 LayerNorm sums may then be ordered otherwise, a last
+    place apart, so near-tied budgets may go the other way)."""
     block, warps = default
     if -(-rows // block) >= SMALL_GRID:
         return default

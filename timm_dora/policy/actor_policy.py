@@ -301,7 +301,8 @@ class ActorPolicy:
             cu = cu_seqlens.long()
             _, pos = segment_and_position(cu, torch.arange(rows, device=dev))
             keys = keys[torch.nonzero_static((pos == 0) | (pos >= p), size=rows - b * (p - 1)).squeeze(1)]
-            cu = cu - torch.arange(b + 1, device=dev) * (p - 1)
+            # (clamped: a zeroed layout, the unplanned whole graph's where no gate opened, stays empty)
+            cu = (cu - torch.arange(b + 1, device=dev) * (p - 1)).clamp_min(0)
             rows = keys.shape[0]
             cu32 = cu.to(torch.int32)
         if self._use_fused(backend, keys.dtype):  # (each row's sequence and position found in the
