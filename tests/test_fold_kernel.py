@@ -108,6 +108,17 @@ def test_fold_kernel_says_what_it_cannot_fold():
     with pytest.raises(ValueError, match="fold_rows: the kernels take a power-of-two head dim of at least 16, got 8"):
         fold_rows(torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(4, dtype=torch.bool), torch.ones(4),
                   torch.tensor([0, 4], dtype=torch.int32), 4, 1, 4)
+    from timm_dora.engine.fold_kernel import fold_similarities
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"fold_similarities: out must be a contiguous float32 \[>= 4, 16\], got "
+                                         r"torch.float32 \(4, 8\)"):
+        fold_similarities(x, cu, 4, 2, out=torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=r"fold_rows: similarities \(fold_similarities'\) must be a contiguous "
+                                         r"float32 \[>= 4, 16\], got torch.float16"):
+        fold_rows(x, x, torch.zeros(4, dtype=torch.bool), torch.ones(4), cu, 4, 1, 2,
+                  similarities=torch.zeros(4, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fold_similarities: the kernels take a power-of-two head dim"):
+        fold_similarities(torch.zeros(4, 32), cu, 4, 4)
     with pytest.raises(ValueError, match=r"fold_rows: match_tile must be .*, got \(16, 24, 4\)"):
         fold_rows(x, x, torch.zeros(4, dtype=torch.bool), torch.ones(4), torch.tensor([0, 4], dtype=torch.int32), 4, 1,
                   2, match_tile=(16, 24, 4))

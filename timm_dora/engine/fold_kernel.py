@@ -79,34 +79,55 @@ if triton is not None:
         return m / tl.maximum(tl.sqrt(tl.sum(m * m, 1)), 1e-12)[:, None]
 
     @triton.jit
-    def _match(K, REMOVE, CU, TARGET, sk_t, HEADS: tl.constexpr, HD: tl.constexpr, NUM_PREFIX: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    def _removed_rows(REMOVE, CU, BLOCK_M: tl.constexpr):
+        """The program's query tile (program ids: the tile, the image): the image's first row and
+        length, the tile's rows and which of them are removed (none past the image)."""
         tile, seq = tl.program_id(0), tl.program_id(1)
         start = tl.load(CU + seq)
         length = tl.load(CU + seq + 1) - start
-        if tile * BLOCK_M < length:
-            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            rows_m = (start + offs_m).to(tl.int64)
-            removed = (offs_m < length) & (tl.load(REMOVE + rows_m, mask=offs_m < length, other=0) != 0)
-            if tl.max(removed.to(tl.int32), 0) > 0:
-                q = _metric(K, rows_m, removed, sk_t, HEADS, HD)
-                best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                at = tl.zeros([BLOCK_M], dtype=tl.int32)
-                for n0 in range(0, length, BLOCK_N):
-                    offs_n = n0 + tl.arange(0, BLOCK_N)
-                    rows_n = (start + offs_n).to(tl.int64)
-                    inside = offs_n < length
-                    gone = tl.load(REMOVE + rows_n, mask=inside, other=1) != 0
-                    survivor = inside & (offs_n >= NUM_PREFIX) & ~gone
-                    k = _metric(K, rows_n, survivor, sk_t, HEADS, HD)
-                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-                    s = tl.where(survivor[None, :], s, float("-inf"))
-                    tile_best = tl.max(s, 1)
-                    tile_at = tl.argmax(s, 1)
-                    better = tile_best > best  # (strict: the first tile keeps a tie, as torch.argmax)
-                    at = tl.where(better, n0 + tile_at, at)
-                    best = tl.where(better, tile_best, best)
-                tl.store(TARGET + rows_m, start + at.to(tl.int64), mask=removed)
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows_m = (start + offs_m).to(tl.int64)
+        removed = (offs_m < length) & (tl.load(REMOVE + rows_m, mask=offs_m < length, other=0) != 0)
+        return start, length, rows_m, removed
+
+    @triton.jit
+    def _survivors(REMOVE, start, offs_n, length, NUM_PREFIX: tl.constexpr):
+        """Which of the image's rows ``offs_n`` a removed row may fold into: real, visual, kept."""
+        inside = offs_n < length
+        gone = tl.load(REMOVE + (start + offs_n).to(tl.int64), mask=inside, other=1) != 0
+        return inside & (offs_n >= NUM_PREFIX) & ~gone
+
+    @triton.jit
+    def _add_rows(X, rows, fold, target, size, ACC, MASS, sx_t, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The ``rows`` in ``fold`` times their ``size`` added (float32 atomics) to their targets'
+        accumulator rows, their sizes to the targets' mass."""
+        tl.atomic_add(MASS + target, size, mask=fold)
+        for c0 in tl.static_range(0, D, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            both = fold[:, None] & (c < D)[None, :]
+            v = tl.load(X + rows[:, None] * sx_t + c[None, :], mask=both, other=0.0).to(tl.float32)
+            tl.atomic_add(ACC + target[:, None] * D + c[None, :], v * size[:, None], mask=both)
+
+    @triton.jit
+    def _match(K, REMOVE, CU, TARGET, sk_t, HEADS: tl.constexpr, HD: tl.constexpr, NUM_PREFIX: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        start, length, rows_m, removed = _removed_rows(REMOVE, CU, BLOCK_M)
+        if tl.max(removed.to(tl.int32), 0) > 0:
+            q = _metric(K, rows_m, removed, sk_t, HEADS, HD)
+            best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            at = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for n0 in range(0, length, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                survivor = _survivors(REMOVE, start, offs_n, length, NUM_PREFIX)
+                k = _metric(K, (start + offs_n).to(tl.int64), survivor, sk_t, HEADS, HD)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                s = tl.where(survivor[None, :], s, float("-inf"))
+                tile_best = tl.max(s, 1)
+                tile_at = tl.argmax(s, 1)
+                better = tile_best > best  # (strict: the first tile keeps a tie, as torch.argmax)
+                at = tl.where(better, n0 + tile_at, at)
+                best = tl.where(better, tile_best, best)
+            tl.store(TARGET + rows_m, start + at.to(tl.int64), mask=removed)
 
     @triton.jit
     def _similarity(K, CU, SIM, sk_t, HEADS: tl.constexpr, HD: tl.constexpr, NP: tl.constexpr,
@@ -134,28 +155,15 @@ if triton is not None:
         """:func:`_match` and :func:`_scatter` from :func:`_similarity`'s products: each removed
         row's best surviving row (the first of equal maxima), its size-weighted values and size
         added to that row's accumulator and mass."""
-        tile, seq = tl.program_id(0), tl.program_id(1)
-        start = tl.load(CU + seq)
-        length = tl.load(CU + seq + 1) - start
-        if tile * BLOCK_M < length:
-            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            rows_m = (start + offs_m).to(tl.int64)
-            removed = (offs_m < length) & (tl.load(REMOVE + rows_m, mask=offs_m < length, other=0) != 0)
-            if tl.max(removed.to(tl.int32), 0) > 0:
-                offs_n = tl.arange(0, NP)
-                inside = offs_n < length
-                gone = tl.load(REMOVE + start + offs_n, mask=inside, other=1) != 0
-                survivor = inside & (offs_n >= NUM_PREFIX) & ~gone
-                s = tl.load(SIM + rows_m[:, None] * NP + offs_n[None, :], mask=removed[:, None] & survivor[None, :],
-                            other=float("-inf"))
-                target = start + tl.argmax(s, 1, tie_break_left=True).to(tl.int64)
-                size = tl.load(SIZES + rows_m, mask=removed, other=0.0)
-                tl.atomic_add(MASS + target, size, mask=removed)
-                for c0 in tl.static_range(0, D, BLOCK_D):
-                    c = c0 + tl.arange(0, BLOCK_D)
-                    both = removed[:, None] & (c < D)[None, :]
-                    v = tl.load(X + rows_m[:, None] * sx_t + c[None, :], mask=both, other=0.0).to(tl.float32)
-                    tl.atomic_add(ACC + target[:, None] * D + c[None, :], v * size[:, None], mask=both)
+        start, length, rows_m, removed = _removed_rows(REMOVE, CU, BLOCK_M)
+        if tl.max(removed.to(tl.int32), 0) > 0:
+            offs_n = tl.arange(0, NP)
+            survivor = _survivors(REMOVE, start, offs_n, length, NUM_PREFIX)
+            s = tl.load(SIM + rows_m[:, None] * NP + offs_n[None, :], mask=removed[:, None] & survivor[None, :],
+                        other=float("-inf"))
+            target = start + tl.argmax(s, 1, tie_break_left=True).to(tl.int64)
+            size = tl.load(SIZES + rows_m, mask=removed, other=0.0)
+            _add_rows(X, rows_m, removed, target, size, ACC, MASS, sx_t, D, BLOCK_D)
 
     @triton.jit
     def _scatter(X, SIZES, REMOVE, TARGET, CU, ACC, MASS, sx_t, batch, D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -165,12 +173,7 @@ if triton is not None:
         fold = real & (tl.load(REMOVE + r, mask=real, other=0) != 0)
         target = tl.load(TARGET + r, mask=fold, other=0)
         size = tl.load(SIZES + r, mask=fold, other=0.0)
-        tl.atomic_add(MASS + target, size, mask=fold)
-        for c0 in tl.static_range(0, D, BLOCK_D):
-            c = c0 + tl.arange(0, BLOCK_D)
-            both = fold[:, None] & (c < D)[None, :]
-            v = tl.load(X + r[:, None] * sx_t + c[None, :], mask=both, other=0.0).to(tl.float32)
-            tl.atomic_add(ACC + target[:, None] * D + c[None, :], v * size[:, None], mask=both)
+        _add_rows(X, r, fold, target, size, ACC, MASS, sx_t, D, BLOCK_D)
 
     @triton.jit
     def _finish(X, SIZES, CU, ACC, MASS, OUT, NEW_SIZES, sx_t, so_t, batch, D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -239,25 +242,35 @@ def fold_similarities(keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
     the kernel that also scatters it: the captured graph computes them beside the actor's decision
     (``EngineOptions.fold_aside``), so the fold after the decision is two kernels of little work.
     ``keys``, ``cu_seqlens``, ``max_len``, ``num_heads``, ``match_tile``: as for :func:`fold_rows`."""
-    why = fold_kernel_reason(keys, keys, num_heads)
-    if why is not None:
-        raise ValueError(f"fold_similarities: {why}")
     t, d = keys.shape
-    b = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    np_ = similarity_columns(max_len)
+    b, cu, np_ = _layout("fold_similarities", keys, keys, num_heads, cu_seqlens, max_len)
     if out is None:
         out = torch.empty((t, np_), dtype=torch.float32, device=keys.device)
-    elif out.dim() != 2 or out.shape[0] < t or out.shape[1] != np_ or out.dtype != torch.float32 \
-            or not out.is_contiguous():
-        raise ValueError(f"fold_similarities: out must be a contiguous float32 [>= {t}, {np_}], got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    _check_similarities(out, t, np_, "fold_similarities: out")
     block_m, block_n, warps = _check_tile(match_tile_for(b, max_len) if match_tile is None else match_tile,
                                           "fold_similarities")
     grid = (-(-max_len // block_m), -(-max_len // block_n), b)
     _similarity[grid](keys, cu, out, keys.stride(0), HEADS=num_heads, HD=d // num_heads, NP=np_, BLOCK_M=block_m,
                       BLOCK_N=block_n, PRECISION=PRECISION, num_warps=warps)
     return out
+
+
+def _layout(caller: str, x: torch.Tensor, keys: torch.Tensor, num_heads: int, cu_seqlens: torch.Tensor,
+            max_len: int) -> Tuple[int, torch.Tensor, int]:
+    """The images, ``cu_seqlens`` as int32 and the similarity columns; ``ValueError`` where the
+    kernels cannot take these rows."""
+    why = fold_kernel_reason(x, keys, num_heads)
+    if why is not None:
+        raise ValueError(f"{caller}: {why}")
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    return cu_seqlens.shape[0] - 1, cu, similarity_columns(max_len)
+
+
+def _check_similarities(sim: torch.Tensor, rows: int, columns: int, what: str) -> None:
+    if sim.dim() != 2 or sim.shape[0] < rows or sim.shape[1] != columns or sim.dtype != torch.float32 \
+            or not sim.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous float32 [>= {rows}, {columns}], got {sim.dtype} "
+                         f"{tuple(sim.shape)}")
 
 
 def _check_tile(tile, caller: str = "fold_rows") -> Tuple[int, int, int]:
@@ -283,18 +296,10 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
     :func:`fold_similarities` of these ``keys`` (the same ``cu_seqlens`` and ``max_len``): the match
     and the scatter are then one kernel that reads them (the same targets). Raises ``ValueError``
     where :func:`fold_kernel_reason` says why not."""
-    why = fold_kernel_reason(x, keys, num_heads)
-    if why is not None:
-        raise ValueError(f"fold_rows: {why}")
     t, d = x.shape
-    b = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    np_ = similarity_columns(max_len)
-    if similarities is not None and (similarities.dim() != 2 or similarities.shape[0] < t
-                                     or similarities.shape[1] != np_ or similarities.dtype != torch.float32
-                                     or not similarities.is_contiguous()):
-        raise ValueError(f"fold_rows: similarities must be fold_similarities' contiguous float32 [>= {t}, {np_}], "
-                         f"got {similarities.dtype} {tuple(similarities.shape)}")
+    b, cu, np_ = _layout("fold_rows", x, keys, num_heads, cu_seqlens, max_len)
+    if similarities is not None:
+        _check_similarities(similarities, t, np_, "fold_rows: similarities (fold_similarities')")
     remove = remove.contiguous()
     sizes = sizes.contiguous()
     if scratch is None:
