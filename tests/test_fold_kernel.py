@@ -17,12 +17,16 @@ import json, torch
 from timm_dora.engine.fold_kernel import fold_rows, fold_similarities, similarity_columns
 from timm_dora.engine.packing import fold_removed
 
-def case(heads, hd, lengths, pad, p, seed, device="cpu", dtype=torch.float32):
+def case(heads, hd, lengths, pad, p, seed, device="cpu", dtype=torch.float32, classes=0):
     g = torch.Generator().manual_seed(seed)
     t, d = sum(lengths), heads * hd
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     x = torch.randn(t + pad, d, generator=g)
     keys = torch.randn(t + pad, 3 * d, generator=g)[:, d:2 * d]  # a view of a qkv output
+    if classes:  # every head's key a one-hot of a few classes: the metric is that one-hot, so the
+        # similarities are exactly 0 or 1 in any order of the sums, and equal maxima go to the first
+        one_hot = torch.eye(hd)[torch.randint(0, classes, (t + pad,), generator=g)]
+        keys.copy_(one_hot.repeat(1, heads))
     remove = torch.rand(t + pad, generator=g) < 0.35
     for s0, n in zip(cu[:-1].tolist(), lengths):
         remove[s0:s0 + p] = False  # never a prefix row
@@ -34,8 +38,10 @@ def case(heads, hd, lengths, pad, p, seed, device="cpu", dtype=torch.float32):
     return [a.to(device) for a in (x.to(dtype), keys.to(dtype), remove, sizes, cu)], t
 
 out = {}
-for name, heads, hd, lengths, pad, p in (("one_tile", 3, 16, [5, 1, 33, 64], 7, 1), ("tiles", 2, 32, [17, 9, 130], 0, 2)):
-    (x, keys, remove, sizes, cu), t = case(heads, hd, lengths, pad, p, 0)
+for name, heads, hd, lengths, pad, p, classes in (("one_tile", 3, 16, [5, 1, 33, 64], 7, 1, 0),
+                                                  ("tiles", 2, 32, [17, 9, 130], 0, 2, 0),
+                                                  ("ties", 2, 16, [40, 90], 0, 1, 5)):
+    (x, keys, remove, sizes, cu), t = case(heads, hd, lengths, pad, p, 0, classes=classes)
     ref_x, ref_s = fold_removed(x, keys, remove, sizes, cu, max(lengths), p, heads)
     got_x, got_s = fold_rows(x, keys, remove, sizes, cu, max(lengths), p, heads)
     # any match tile splits the rows among programs differently, the same arithmetic per row
@@ -169,6 +175,19 @@ def test_cuda_fold_kernel_matches_the_ops_and_replays_from_a_graph(monkeypatch, 
     sim.zero_()
     graph.replay()
     torch.testing.assert_close(out[:t].float(), got_x[:t].float(), rtol=1e-2, atol=1e-2)
+    # exact ties (one-hot metrics: similarities exactly 0 or 1): the first of equal maxima, as the
+    # ops' argmax, by the match and by the pick alike (Triton's interpreter ignores the pick's
+    # tie_break_left, so only here is it checked)
+    (tx, tkeys, tremove, tsizes, tcu), tt = scope["case"](2, 16, [197, 90, 150], 0, 1, 1, device="cuda",
+                                                         dtype=torch.bfloat16, classes=5)
+    targs = (tkeys, tremove, tsizes, tcu, 197, 1, 2)
+    engine_options(fold_kernel=False)
+    tref = packing.fold_removed(tx, *targs)
+    engine_options(fold_kernel=True)
+    tsim = fold_similarities(tkeys, tcu, 197, 2)
+    for got in (packing.fold_removed(tx, *targs), packing.fold_removed(tx, *targs, similarities=tsim)):
+        assert torch.equal(got[1][:tt], tref[1][:tt])
+        torch.testing.assert_close(got[0][:tt].float(), tref[0][:tt].float(), rtol=1e-2, atol=1e-2)
     # the kernels are forward-only: rows that carry a gradient take the ops, which keep it
     grad_x = x[:t].float().requires_grad_()
     folded, _ = packing.fold_removed(grad_x, keys[:t].float(), remove[:t], sizes[:t], cu, 197, 1, 3)
