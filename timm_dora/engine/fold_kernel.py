@@ -287,9 +287,9 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
               scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
               match_tile: Optional[Tuple[int, int, int]] = None,
               similarities: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~timm_dora.engine.packing.fold_removed` in three kernels of this module (two with
-    ``similarities``: :func:`_pick`, then the finish) (the same
-    arguments and results; ``out`` may be ``x``, ``sizes_out`` may be ``sizes``). ``scratch``: a
+    """:func:`~timm_dora.engine.packing.fold_removed` in three kernels of this module (with
+    ``similarities`` two: :func:`_pick`, then the finish), with the same arguments and results
+    (``out`` may be ``x``, ``sizes_out`` may be ``sizes``). ``scratch``: a
     float32 accumulator ``[>= T, d]`` and mass ``[>= T]``, contiguous and all zeros, left all zeros
     (a graph keeps them; without, they are allocated zeroed). ``match_tile``: the match's ``(query
     rows, key rows, warps)`` instead of :func:`match_tile_for`'s, for benchmarks. ``similarities``:
