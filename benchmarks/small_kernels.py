@@ -31,12 +31,17 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--fold", action="store_true", help="sweep the fold's match tiles instead")
+    ap.add_argument("--attention", action="store_true",
+                    help="the varlen attention kernel with and without merged rows' sizes, per tile, instead")
+    ap.add_argument("--modes", nargs="+", default=None, help="(--attention) the size modes to time")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
     res = {**environment(dev, command_line("small_kernels"))}
     if args.fold:
         return fold_sweep(args, res, dev, dtype)
+    if args.attention:
+        return attention_sweep(args, res, dev, dtype)
     res["add_layer_norm"] = []
     for d in args.widths:
         w, b = torch.randn(d, device=dev, dtype=dtype), torch.randn(d, device=dev, dtype=dtype)
@@ -110,6 +115,59 @@ def fold_sweep(args, res, dev, dtype) -> None:
         print("fold", b, "best", row["best"], timed[row["best"]], "in effect", row["in_effect"],
               timed["%dx%dx%d" % tuple(row["in_effect"])], "similarities", row["similarities_us"], "picked",
               row["picked_us"], flush=True)
+        json.dump(res, open(args.out, "w"), indent=1)
+
+
+def attention_sweep(args, res, dev, dtype) -> None:
+    """The varlen attention kernel at DeiT-Ti's shape (3 heads of 64, q/k/v views of one qkv output)
+    on ``--images`` images of 140-197 rows: without sizes, with merged rows' sizes added to the
+    logits (``log2(size)``) and with them multiplied into the probabilities after the exponential,
+    per (query rows, key rows, warps, stages)."""
+    from timm_dora.engine.varlen_kernel import TILE, _varlen_fwd
+    MODES = ("plain", "log_add", "after_exp", "prefetch")
+    res["attention"] = []
+    heads, hd, n = 3, 64, 197
+    for b in args.images:
+        g = torch.Generator().manual_seed(b)
+        lengths = torch.randint(140, n + 1, (b,), generator=g)
+        cu = torch.zeros(b + 1, dtype=torch.int32)
+        cu[1:] = lengths.cumsum(0)
+        t = int(cu[-1])
+        cu = cu.to(dev)
+        qkv = torch.randn(t, 3, heads, hd, device=dev, dtype=dtype)
+        q, k, v = qkv.unbind(1)
+        sizes = torch.randint(1, 6, (t,), generator=g).float().to(dev)
+        out = torch.empty(t, heads, hd, device=dev, dtype=dtype)
+        scale = hd ** -0.5 * 1.4426950408889634
+
+        def run(tile, mode):
+            bm, bn, warps, stages = tile
+            _varlen_fwd[(-(-n // bm), heads, b)](q, k, v, out, cu, sizes, q.stride(0), q.stride(1), k.stride(0),
+                                                 k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                                                 scale, HEAD_DIM=hd, BLOCK_M=bm, BLOCK_N=bn,
+                                                 SIZE_MODE=MODES.index(mode),
+                                                 num_warps=warps, num_stages=stages)
+            return out
+        modes = args.modes or MODES
+        ref = run(TILE[hd], "log_add").clone()
+        row = {"images": b, "rows": t, "in_effect": list(TILE[hd]), "us": {}}
+        for mode in modes[2:]:
+            row[mode + "_max_diff"] = float((run(TILE[hd], mode).float() - ref.float()).abs().max())
+        for mode in modes:
+            for bm in (32, 64):
+                for bn in (32, 64):
+                    for warps in (4,):
+                        for stages in (3,):
+                            tile = (bm, bn, warps, stages)
+                            key = "%s %dx%dx%dx%d" % ((mode,) + tile)
+                            row["us"][key] = round(graph_call_us(lambda: run(tile, mode), args.calls, args.repeats), 3)
+        for mode in modes:
+            mine = {k: v for k, v in row["us"].items() if k.startswith(mode + " ")}
+            best = min(mine, key=mine.get)
+            row["best_" + mode] = [best, mine[best]]
+            row["default_" + mode] = mine["%s %dx%dx%dx%d" % ((mode,) + TILE[hd])]
+        res["attention"].append(row)
+        print("attention", b, {k: row[k] for k in row if k.startswith(("best", "default")) or k.endswith("diff")}, flush=True)
         json.dump(res, open(args.out, "w"), indent=1)
 
 

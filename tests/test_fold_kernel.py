@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 CASES = r"""
 import json, torch
+from timm_dora.engine.deletion_kernel import delete_rows_fused, delete_rows_reference
 from timm_dora.engine.fold_kernel import fold_rows, fold_similarities, similarity_columns
 from timm_dora.engine.packing import fold_removed
 
@@ -69,7 +70,22 @@ for name, heads, hd, lengths, pad, p, classes in (("one_tile", 3, 16, [5, 1, 33,
     picked = x.clone()
     _, picked_s = fold_rows(picked, keys, remove, sizes, cu, max(lengths), p, heads, out=picked, scratch=picked_scratch,
                             similarities=sim)
-    out[name] = {"sim_max_abs_diff": sim_err, "sim_rows_past_untouched": bool(torch.isnan(sim[t:]).all()),
+    # the finish in the fused deletion's gather (EngineOptions.fold_in_gather): the fold left in a
+    # scratch, then the deletion, against the fold's own finish, then the reference deletion
+    removed = torch.stack([remove[s0:s0 + n].sum() for s0, n in zip(cu[:-1].tolist(), lengths)])
+    def deleted(fn, fold_finish, **kw):
+        xs, s_in, ids, cu_out = x.clone(), sizes.clone(), torch.arange(x.shape[0]), cu.clone()
+        rows_out, lengths_out = torch.full_like(x, 7.0), torch.zeros(len(lengths), dtype=torch.long)
+        fold_rows(xs, keys, remove, s_in, cu, max(lengths), p, heads, out=xs, sizes_out=s_in, finish=fold_finish,
+                  scratch=kw.get("received"))
+        fn(xs, remove, rows_out, ids, ids, cu_out, removed, lengths_out, cu_out, s_in, None, **kw)
+        return [rows_out.nan_to_num(123.0), s_in, ids, cu_out, lengths_out]
+    gathered_scratch = (torch.zeros(x.shape[0] + 3, x.shape[1]), torch.zeros(x.shape[0] + 3))
+    gathered = deleted(delete_rows_fused, False, received=gathered_scratch)
+    finished = deleted(delete_rows_reference, True)
+    out[name] = {"in_gather_equal": [torch.equal(a, b) for a, b in zip(gathered, finished)],
+                 "in_gather_scratch_zeros": not gathered_scratch[0].any().item() and not gathered_scratch[1].any().item(),
+                 "sim_max_abs_diff": sim_err, "sim_rows_past_untouched": bool(torch.isnan(sim[t:]).all()),
                  "picked_max_abs_diff": float((picked[:t] - ref_x[:t]).abs().max()),
                  "picked_sizes_equal": torch.equal(picked_s[:t], ref_s[:t]),
                  "picked_padding_untouched": bool(torch.isnan(picked[t:]).all()),
@@ -100,6 +116,8 @@ def test_interpreted_fold_equals_the_pytorch_ops():
         assert case["sim_max_abs_diff"] < 1e-5 and case["sim_rows_past_untouched"]
         assert case["picked_max_abs_diff"] < 1e-5 and case["picked_sizes_equal"] and case["picked_padding_untouched"]
         assert case["picked_scratch_zeros"]
+        # finished in the deletion's gather: rows, sizes, ids, layout all exactly as finished before it
+        assert case["in_gather_equal"] == [True] * 5 and case["in_gather_scratch_zeros"]
 
 
 def test_fold_kernel_says_what_it_cannot_fold():
@@ -125,6 +143,17 @@ def test_fold_kernel_says_what_it_cannot_fold():
                   similarities=torch.zeros(4, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="fold_similarities: the kernels take a power-of-two head dim"):
         fold_similarities(torch.zeros(4, 32), cu, 4, 4)
+    with pytest.raises(ValueError, match="fold_rows: finish=False leaves the sums in scratch, which must be given"):
+        fold_rows(x, x, torch.zeros(4, dtype=torch.bool), torch.ones(4), cu, 4, 1, 2, finish=False)
+    with pytest.raises(ValueError, match="fold_removed: finish=False needs the fold kernels"):
+        packing.fold_removed(x, x, torch.zeros(4, dtype=torch.bool), torch.ones(4), cu, 4, 1, 2, finish=False)
+    from timm_dora.engine.deletion_kernel import delete_rows_fused
+    with pytest.raises(ValueError, match=r"delete_rows_fused: received must be a contiguous float32 \[>= 4, 64\] "
+                                         r"accumulator and \[>= 4\] mass, with the sizes"):
+        one = torch.zeros(1, dtype=torch.long)
+        delete_rows_fused(x, torch.zeros(4, dtype=torch.bool), x.clone(), torch.zeros(4, dtype=torch.long),
+                          torch.zeros(4, dtype=torch.long), cu, one, one, cu.clone(), torch.ones(4),
+                          received=(torch.zeros(4, 32), torch.zeros(4)))
     with pytest.raises(ValueError, match=r"fold_rows: match_tile must be .*, got \(16, 24, 4\)"):
         fold_rows(x, x, torch.zeros(4, dtype=torch.bool), torch.ones(4), torch.tensor([0, 4], dtype=torch.int32), 4, 1,
                   2, match_tile=(16, 24, 4))
@@ -193,3 +222,35 @@ def test_cuda_fold_kernel_matches_the_ops_and_replays_from_a_graph(monkeypatch, 
     folded, _ = packing.fold_removed(grad_x, keys[:t].float(), remove[:t], sizes[:t], cu, 197, 1, 3)
     folded.sum().backward()
     assert grad_x.grad is not None and torch.isfinite(grad_x.grad).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fold_finished_in_the_gather_equals_its_own_finish():
+    """``EngineOptions.fold_in_gather`` on CUDA, where a program's warps do not run in step (the
+    interpreter runs them as one): the fold left in a scratch and finished by the deletion's gather
+    gives, replay after replay, the rows, sizes and layout of the fold finished before the deletion
+    (the same targets; the received sums up to their float32 atomics' order)."""
+    from timm_dora.engine.deletion_kernel import delete_rows_fused
+    from timm_dora.engine.fold_kernel import fold_rows
+    scope = {}
+    exec(CASES.split("out = {}")[0], scope)
+    lengths = [197, 1, 90, 142, 64, 65, 128, 129]
+    (x, keys, remove, sizes, cu), t = scope["case"](3, 64, lengths, 5, 1, 0, device="cuda", dtype=torch.bfloat16)
+    removed = torch.stack([remove[s0:s0 + n].sum() for s0, n in zip(cu[:-1].tolist(), lengths)])
+    scratch = (torch.zeros(x.shape[0], x.shape[1], device="cuda"), torch.zeros(x.shape[0], device="cuda"))
+
+    def deleted(in_gather: bool):
+        xs, s_in, ids, cu_out = x.clone(), sizes.clone(), torch.arange(x.shape[0], device="cuda"), cu.clone()
+        rows, lengths_out = torch.zeros_like(x), torch.zeros(len(lengths), dtype=torch.long, device="cuda")
+        fold_rows(xs, keys, remove, s_in, cu, 197, 1, 3, out=xs, sizes_out=s_in, scratch=scratch, finish=not in_gather)
+        delete_rows_fused(xs, remove, rows, ids, ids, cu_out, removed, lengths_out, cu_out, s_in,
+                          received=scratch if in_gather else None)
+        return rows.nan_to_num(123.0), s_in, ids, cu_out, lengths_out
+
+    ref = deleted(False)
+    for _ in range(20):
+        got = deleted(True)
+        for a, b in zip(got[1:], ref[1:]):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2)
+        assert not scratch[0].any() and not scratch[1].any()  # (left zeros for the next fold)

@@ -431,24 +431,31 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("kind", ["biased", "forced"])
-def test_fold_similarities_aside_give_the_match_after_the_join(kind, engine_options, monkeypatch):
+@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather"])
+def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, monkeypatch):
     """``EngineOptions.fold_aside``: with merging, the fold's similarities made beside the decision
-    and the match picked from them after the join give the graph that matches after the join: the
-    same decisions and sizes, the same logits up to the order of the fold's float32 atomics."""
+    and the match picked from them after the join give the graph that matches after the join;
+    ``fold_in_gather``: the fold finished in the deletion's gather gives the fold's own finish. Each:
+    the same decisions and sizes, the same logits up to the order of the fold's float32 atomics."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
     xs = [images(model, 8, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
-    runs, used, made, picked = {}, {}, [], []
+    runs, used, made, took = {}, {}, [], []
     similarities = segments.fold_similarities
     monkeypatch.setattr(segments, "fold_similarities", lambda *a, **k: (made.append(1), similarities(*a, **k))[1])
-    fold_rows = fold_kernel.fold_rows  # (the fold that reads them: _pick, not the match)
-    monkeypatch.setattr(fold_kernel, "fold_rows",
-                        lambda *a, **k: (picked.append(k.get("similarities") is not None), fold_rows(*a, **k))[1])
+    if option == "fold_aside":  # the fold that reads them: _pick, not the match
+        fold_rows = fold_kernel.fold_rows
+        monkeypatch.setattr(fold_kernel, "fold_rows",
+                            lambda *a, **k: (took.append(k.get("similarities") is not None), fold_rows(*a, **k))[1])
+    else:  # the deletion that finishes the fold
+        deletion = segments.delete_rows_fused
+        monkeypatch.setattr(segments, "delete_rows_fused",
+                            lambda *a, **k: (took.append(k.get("received") is not None), deletion(*a, **k))[1])
     for on in (False, True):
         made.clear()
-        picked.clear()
-        engine_options(fold_aside=on, rows_bucket=1)
+        took.clear()
+        engine_options(**{option: on}, rows_bucket=1)
         timm_dora.wrap(model, actor=actor, merge=True)
         with torch.inference_mode():
             runs[on] = [(model(x).clone(), model.dora_stats) for x in xs]
@@ -456,8 +463,9 @@ def test_fold_similarities_aside_give_the_match_after_the_join(kind, engine_opti
             assert runner.plan is not None and runner.fold_sim is not None
             used[on] = bool(any(runner.plan.controls))
         timm_dora.unwrap(model)
-        assert bool(made) == (on and used[on])  # (recorded into the graph where a controller runs)
-        assert any(picked) == (on and used[on])  # (and the fold picked from them: none when off)
+        if option == "fold_aside":
+            assert bool(made) == (on and used[on])  # (recorded into the graph where a controller runs)
+        assert any(took) == (on and used[on])  # (and the option's path ran: not when off)
     assert used[True] == used[False] and (used[True] or kind != "forced")
     for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
         torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=3e-2)

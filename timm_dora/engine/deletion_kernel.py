@@ -27,7 +27,7 @@ set before this module is imported), which is how the CPU tests check them.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -163,16 +163,32 @@ if triton is not None:
             tl.store(LEFT + seq * 0, left + seq * 0, mask=(seq == 0) & head)
 
     @triton.jit
-    def _gather_rows(X, INDEX, OUT, rows, stride_x, stride_o,
-                     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _gather_rows(X, INDEX, OUT, rows, stride_x, stride_o, SIZES, ACC, MASS,
+                     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FOLD: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = r < rows
-        src = tl.load(INDEX + r, mask=live, other=0).to(tl.int64) * stride_x
+        src_row = tl.load(INDEX + r, mask=live, other=0).to(tl.int64)
+        src = src_row * stride_x
         dst = r.to(tl.int64) * stride_o
+        if FOLD:  # the fold's finish (fold_kernel._finish) on the way: the rows that received
+            size = tl.load(SIZES + r, mask=live, other=1.0)  # (_compact gathered the sizes already)
+            extra = tl.load(MASS + src_row, mask=live, other=0.0)
+            got = live & (extra > 0)
         for c0 in tl.static_range(0, D, BLOCK_D):
             cs = c0 + tl.arange(0, BLOCK_D)
             m = live[:, None] & (cs < D)[None, :]
-            tl.store(OUT + dst[:, None] + cs[None, :], tl.load(X + src[:, None] + cs[None, :], mask=m), mask=m)
+            v = tl.load(X + src[:, None] + cs[None, :], mask=m)
+            if FOLD:
+                fm = got[:, None] & (cs < D)[None, :]
+                acc = tl.load(ACC + src_row[:, None] * D + cs[None, :], mask=fm, other=0.0)
+                y = (v.to(tl.float32) * size[:, None] + acc) / (size + extra)[:, None]
+                v = tl.where(got[:, None], y.to(v.dtype), v)
+                tl.store(ACC + src_row[:, None] * D + cs[None, :], tl.zeros_like(acc), mask=fm)  # (back to zeros)
+            tl.store(OUT + dst[:, None] + cs[None, :], v, mask=m)
+        if FOLD:  # (every warp's reads of the sizes and the mass done before any is rewritten)
+            tl.debug_barrier()
+            tl.store(SIZES + r, size + extra, mask=live)
+            tl.store(MASS + src_row, tl.zeros_like(extra), mask=got)
 
 
 def fused_deletion_reason(x: torch.Tensor, remove: torch.Tensor) -> Optional[str]:
@@ -267,7 +283,8 @@ def keep_books_reference(books: Books, remove: torch.Tensor, removed: torch.Tens
 def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, ids: torch.Tensor,
                       ids_out: torch.Tensor, cu: torch.Tensor, removed: torch.Tensor,
                       lengths_out: torch.Tensor, cu_out: torch.Tensor, sizes: Optional[torch.Tensor] = None,
-                      books: Optional[Books] = None, block_rows: Optional[int] = None) -> torch.Tensor:
+                      books: Optional[Books] = None, block_rows: Optional[int] = None,
+                      received: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """:func:`delete_rows_reference` in two Triton kernels (the same arguments and results, the
     index as int32; the sizes and the books in the first). Raises ``ValueError`` where
     :func:`fused_deletion_reason` says why not.
@@ -276,7 +293,15 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
     made by programs of ``block_rows`` (default :data:`BLOCK_ROWS`) rows each, after a kernel that
     counts each one's survivors; the ids and sizes are then gathered into scratch and copied back
     (a program's survivors land in rows other programs may not have read yet): five kernels,
-    where the PyTorch ops of a batch of 320 Tiny images are about 25."""
+    where the PyTorch ops of a batch of 320 Tiny images are about 25.
+
+    ``received`` (merge, ``EngineOptions.fold_in_gather``): the float32 accumulator ``[>= rows, d]``
+    and mass ``[>= rows]`` of a fold left unfinished (:func:`~timm_dora.engine.fold_kernel.fold_rows`
+    with ``finish=False``): the gather finishes it on the way, as the fold's own last kernel would
+    have before the deletion (each row that received: ``(x * size + received) / (size + mass)``,
+    its size plus its mass; both back to zeros). ``x`` is then the rows before the finish and
+    ``sizes`` (required) their sizes. Row 0, which the rows past the survivors copy, must not have
+    received (a prefix row: the fold never folds into one)."""
     why = fused_deletion_reason(x, remove)
     if why is not None:
         raise ValueError(f"delete_rows_fused: {why}")
@@ -293,6 +318,13 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
         raise ValueError(f"delete_rows_fused: sizes must be a contiguous [{rows}] float32 vector")
     if books is not None:
         _check_books(books, rows, b)
+    if received is not None:
+        acc, mass = received
+        if sizes is None or acc.dim() != 2 or acc.shape[0] < rows or acc.shape[1] != d or not acc.is_contiguous() \
+                or acc.dtype != torch.float32 or mass.dim() != 1 or mass.shape[0] < rows \
+                or mass.dtype != torch.float32 or not mass.is_contiguous():
+            raise ValueError(f"delete_rows_fused: received must be a contiguous float32 [>= {rows}, {d}] accumulator "
+                             f"and [>= {rows}] mass, with the sizes")
     index = torch.empty(rows, dtype=torch.int32, device=x.device)
     multi = block_rows is not None or rows > MAX_ROWS
     k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 5), 0)  # (unused pointers)
@@ -318,7 +350,10 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
             sizes.copy_(sizes_into)
     block_r = 16
     if rows:
-        _gather_rows[(triton.cdiv(rows, block_r),)](x, index, out, rows, x.stride(0), out.stride(0), D=d,
+        fold = received is not None
+        _gather_rows[(triton.cdiv(rows, block_r),)](x, index, out, rows, x.stride(0), out.stride(0),
+                                                     sizes if fold else x, received[0] if fold else x,
+                                                     received[1] if fold else x, D=d,
                                                      BLOCK_R=block_r, BLOCK_D=min(256, triton.next_power_of_2(d)),
-                                                     num_warps=4)
+                                                     FOLD=fold, num_warps=4)
     return index

@@ -286,7 +286,7 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
               out: Optional[torch.Tensor] = None, sizes_out: Optional[torch.Tensor] = None,
               scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
               match_tile: Optional[Tuple[int, int, int]] = None,
-              similarities: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              similarities: Optional[torch.Tensor] = None, finish: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`~timm_dora.engine.packing.fold_removed` in three kernels of this module (with
     ``similarities`` two: :func:`_pick`, then the finish), with the same arguments and results
     (``out`` may be ``x``, ``sizes_out`` may be ``sizes``). ``scratch``: a
@@ -294,14 +294,19 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
     (a graph keeps them; without, they are allocated zeroed). ``match_tile``: the match's ``(query
     rows, key rows, warps)`` instead of :func:`match_tile_for`'s, for benchmarks. ``similarities``:
     :func:`fold_similarities` of these ``keys`` (the same ``cu_seqlens`` and ``max_len``): the match
-    and the scatter are then one kernel that reads them (the same targets). Raises ``ValueError``
-    where :func:`fold_kernel_reason` says why not."""
+    and the scatter are then one kernel that reads them (the same targets). ``finish=False``: no
+    finish; the received sums stay in ``scratch`` (required) for the deletion's gather to finish
+    (:func:`~timm_dora.engine.deletion_kernel.delete_rows_fused`'s ``received``), and ``x`` and
+    ``sizes`` are returned as they are. Raises ``ValueError`` where :func:`fold_kernel_reason` says
+    why not."""
     t, d = x.shape
     b, cu, np_ = _layout("fold_rows", x, keys, num_heads, cu_seqlens, max_len)
     if similarities is not None:
         _check_similarities(similarities, t, np_, "fold_rows: similarities (fold_similarities')")
     remove = remove.contiguous()
     sizes = sizes.contiguous()
+    if scratch is None and not finish:
+        raise ValueError("fold_rows: finish=False leaves the sums in scratch, which must be given")
     if scratch is None:
         acc = torch.zeros(t, d, dtype=torch.float32, device=x.device)
         mass = torch.zeros(t, dtype=torch.float32, device=x.device)
@@ -310,9 +315,6 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
         if acc.shape != (t, d) or not acc.is_contiguous() or mass.shape != (t,):
             raise ValueError(f"fold_rows: scratch must hold [{t}, {d}] and [{t}] rows, got "
                              f"{tuple(scratch[0].shape)} and {tuple(scratch[1].shape)}")
-    new_sizes = sizes.clone() if sizes_out is None else sizes_out  # (rows past the real ones keep theirs)
-    copy = out is None or out.data_ptr() != x.data_ptr()
-    out = torch.empty_like(x) if out is None else out
     block_m, block_n, warps = _check_tile(match_tile_for(b, max_len) if match_tile is None else match_tile)
     rows = (-(-t // BLOCK_R),)
     block_d = min(256, triton.next_power_of_2(d))
@@ -327,6 +329,11 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
                                              BLOCK_N=block_n, PRECISION=PRECISION, num_warps=warps)
         _scatter[rows](x, sizes, remove, target, cu, acc, mass, x.stride(0), b, D=d, BLOCK_R=BLOCK_R,
                        BLOCK_D=block_d, num_warps=4)
+    if not finish:
+        return x, sizes
+    new_sizes = sizes.clone() if sizes_out is None else sizes_out  # (rows past the real ones keep theirs)
+    copy = out is None or out.data_ptr() != x.data_ptr()
+    out = torch.empty_like(x) if out is None else out
     _finish[rows](x, sizes, cu, acc, mass, out, new_sizes, x.stride(0), out.stride(0), b, D=d, BLOCK_R=BLOCK_R,
                   BLOCK_D=block_d, COPY=copy, num_warps=4)
     return out, new_sizes

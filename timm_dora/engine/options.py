@@ -108,6 +108,12 @@ class EngineOptions:
     # block's own stream beside the decision; after the join the match and the scatter are one
     # kernel that reads them (fold_kernel._pick). False: the match after the join, as above it
     fold_aside: bool = True
+    # with fused_deletion and the fold kernels (merge=True, a model with a class or register token),
+    # the fold's last step (each row that received: its size-weighted mean, its new size, the
+    # accumulators back to zeros) runs inside the deletion's gather instead of as a kernel of its
+    # own before it: one kernel and one pass over the rows fewer per deletion. False: the fold's
+    # own finish
+    fold_in_gather: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):

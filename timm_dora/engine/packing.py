@@ -28,6 +28,7 @@ __all__ = [
     "delete_rows",
     "merge_removed",
     "fold_removed",
+    "fold_kernel_applies",
     "segment_and_position",
     "gather_survivors",
     "rows_where",
@@ -293,11 +294,21 @@ def merge_removed(packed: Packed, keys: torch.Tensor, remove: torch.Tensor, num_
     return new
 
 
+def fold_kernel_applies(x: torch.Tensor, keys: torch.Tensor, num_heads: int) -> bool:
+    """Whether :func:`fold_removed` runs these rows in the Triton kernels (CUDA,
+    ``EngineOptions.fold_kernel``, no gradient carried, a head dim they take)."""
+    if not (x.is_cuda and active().fold_kernel) or (torch.is_grad_enabled() and (x.requires_grad or keys.requires_grad)):
+        return False
+    from .fold_kernel import fold_kernel_reason
+
+    return fold_kernel_reason(x, keys, num_heads) is None
+
+
 def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: torch.Tensor,
                  cu_seqlens: torch.Tensor, max_len: int, num_prefix: int, num_heads: int,
                  out: Optional[torch.Tensor] = None, sizes_out: Optional[torch.Tensor] = None,
                  scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                 similarities: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 similarities: Optional[torch.Tensor] = None, finish: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_removed` in fixed shapes, with no host read (a CUDA graph can hold it): the rows
     ``x`` ``[T, d]`` with each row in ``remove`` folded into its best match (into ``out`` when
     given, which may be ``x``), and the new sizes ``[T]`` float32. ``keys`` ``[T, d]`` (any row
@@ -310,13 +321,16 @@ def fold_removed(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, size
     :mod:`~timm_dora.engine.fold_kernel`, where they take the head dim and no gradient is carried
     (the kernels are forward-only); ``scratch`` is their zeroed accumulator and mass, kept by a
     graph (unused by the ops); ``similarities`` the kernels' precomputed products of these keys
-    (:func:`~timm_dora.engine.fold_kernel.fold_similarities`; the ops compute their own)."""
-    if x.is_cuda and active().fold_kernel and not (torch.is_grad_enabled() and (x.requires_grad or keys.requires_grad)):
-        from .fold_kernel import fold_kernel_reason, fold_rows
+    (:func:`~timm_dora.engine.fold_kernel.fold_similarities`; the ops compute their own).
+    ``finish=False`` (only where :func:`fold_kernel_applies`): the kernels' fold without its last
+    step, left in ``scratch`` for the deletion's gather (``EngineOptions.fold_in_gather``)."""
+    if fold_kernel_applies(x, keys, num_heads):
+        from .fold_kernel import fold_rows
 
-        if fold_kernel_reason(x, keys, num_heads) is None:
-            return fold_rows(x, keys, remove, sizes, cu_seqlens, max_len, num_prefix, num_heads, out=out,
-                             sizes_out=sizes_out, scratch=scratch, similarities=similarities)
+        return fold_rows(x, keys, remove, sizes, cu_seqlens, max_len, num_prefix, num_heads, out=out,
+                         sizes_out=sizes_out, scratch=scratch, similarities=similarities, finish=finish)
+    if not finish:
+        raise ValueError("fold_removed: finish=False needs the fold kernels (fold_kernel_applies)")
     t, dev = x.shape[0], x.device
     b = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.long()

@@ -47,7 +47,7 @@ from .options import active
 from .attention import BACKEND_INFO, varlen_attention
 from .deletion_kernel import Books, delete_rows_fused, delete_rows_reference, fused_deletion_reason
 from .fold_kernel import fold_kernel_reason, fold_similarities
-from .packing import fold_removed
+from .packing import fold_kernel_applies, fold_removed
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
 from .whole import aside, whole_segment
@@ -374,10 +374,15 @@ class Segments:
             keys, cu, gate, removed = (decided.pop(k) for k in ("keys", "cu", "gate", "removed"))
             similarities = decided.pop("similarities", None)  # (prepare's, where it ran)
             remove = r.ctrl_out[0][:rows]
+            n = keys.shape[0]
+            # (EngineOptions.fold_in_gather) the fold's finish inside the fused deletion's gather: row
+            # 0, which the rows past the survivors copy, is then a prefix row (never folded into)
+            in_gather = (r.merge and fused and p > 0 and active().fold_in_gather and n == rows
+                         and r.fold_scratch is not None and fold_kernel_applies(r.xa[:n], keys, blk.attn.num_heads))
             if r.merge:  # the removed rows folded into their survivors first (in place, in xa)
-                n = keys.shape[0]
                 fold_removed(r.xa[:n], keys, remove[:n], r.sizes[:n], cu, r.seq, p, blk.attn.num_heads,
-                             out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch, similarities=similarities)
+                             out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch, similarities=similarities,
+                             finish=not in_gather)
             # the deletion in the same graph (the rows padded past the last sequence are never
             # removed: they follow the survivors), the new layout (ids and cu compacted in place),
             # and the new lengths to the host, the only value it waits for before the survivors' MLP
@@ -391,7 +396,8 @@ class Segments:
                                    rec.flops[l], rec.ids[l], rec.remove[l], rec.left[l:l + 1], bound)
             (delete_rows_fused if fused else delete_rows_reference)(
                 r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], before, removed, r.lengths, r.cu,
-                r.sizes[:rows] if r.merge else None, kept_books)
+                r.sizes[:rows] if r.merge else None, kept_books,
+                **({"received": r.fold_scratch} if in_gather else {}))
             if r.host_reads:
                 r.lengths_host.copy_(r.lengths, non_blocking=r.capture)
                 if r.capture:
