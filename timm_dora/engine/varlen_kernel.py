@@ -52,10 +52,7 @@ if triton is not None:
 
     @triton.jit
     def _varlen_fwd(Q, K, V, O, CU, SIZES, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SIZE_MODE: tl.constexpr):
-        # SIZE_MODE (merged keys' sizes): 0 none; 1 log2(size) added to the logits; 2 the size
-        # multiplied into the weights after the exponential; 3 as 2, each tile's sizes loaded one
-        # tile ahead (the sweep of benchmarks/small_kernels.py --attention)
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SIZES: tl.constexpr):
         tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(CU + seq)
         length = tl.load(CU + seq + 1) - start
@@ -68,8 +65,9 @@ if triton is not None:
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            first = tl.arange(0, BLOCK_N)
-            size_next = tl.load(SIZES + start + first, mask=(first < length) & (SIZE_MODE == 3), other=0.0)
+            if HAS_SIZES:  # the first key tile's sizes (each tile's are loaded one tile ahead)
+                ahead = tl.arange(0, BLOCK_N)
+                next_sizes = tl.load(SIZES + start + ahead, mask=ahead < length, other=0.0)
             for n0 in range(0, length, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 rows_n = (start + offs_n).to(tl.int64)
@@ -77,20 +75,15 @@ if triton is not None:
                 k = tl.load(K + rows_n[None, :] * sk_t + head * sk_h + offs_d[:, None],
                             mask=valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
                 s = tl.dot(q, k) * qk_scale  # log2 domain: qk_scale = scale / ln 2
-                if SIZE_MODE == 1:  # merged keys: + log(size), in the log2 domain log2(size)
-                    sizes = tl.load(SIZES + rows_n, mask=valid, other=1.0)
-                    s = s + tl.log2(sizes)[None, :]
-                if SIZE_MODE == 3:
-                    size_now = size_next
-                    nxt = offs_n + BLOCK_N
-                    size_next = tl.load(SIZES + start + nxt, mask=nxt < length, other=0.0)
+                if HAS_SIZES:  # (the next tile's sizes on their way during this tile's products)
+                    sizes = next_sizes
+                    ahead = offs_n + BLOCK_N
+                    next_sizes = tl.load(SIZES + start + ahead, mask=ahead < length, other=0.0)
                 s = tl.where(valid[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.exp2(s - m_new[:, None])
-                if SIZE_MODE == 2:
-                    p = p * tl.load(SIZES + rows_n, mask=valid, other=0.0)[None, :]
-                if SIZE_MODE == 3:
-                    p = p * size_now[None, :]
+                if HAS_SIZES:  # merged keys: exp(s + log(size)) = exp(s) * size (the max without them)
+                    p = p * sizes[None, :]
                 alpha = tl.exp2(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(V + rows_n[:, None] * sv_t + head * sv_h + offs_d[None, :],
@@ -157,7 +150,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     grid = (-(-max_len // block_m), h, batch)
     _varlen_fwd[grid](q, k, v, out, cu_seqlens, cu_seqlens if sizes is None else sizes, *_strides(q), *_strides(k),
                       *_strides(v), *_strides(out), scale * 1.4426950408889634, HEAD_DIM=d, BLOCK_M=block_m,
-                      BLOCK_N=block_n, SIZE_MODE=0 if sizes is None else 3, num_warps=warps, num_stages=stages)
+                      BLOCK_N=block_n, HAS_SIZES=sizes is not None, num_warps=warps, num_stages=stages)
     return out
 
 
