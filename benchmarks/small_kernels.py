@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--fold", action="store_true", help="sweep the fold's match tiles instead")
+    ap.add_argument("--in-effect", action="store_true", help="(--fold) only the match tile in effect")
     ap.add_argument("--attention", action="store_true",
                     help="the varlen attention kernel with and without merged rows' sizes, per tile, instead")
     ap.add_argument("--out", required=True)
@@ -90,16 +91,15 @@ def fold_sweep(args, res, dev, dtype) -> None:
                              match_tile=tile)
         ref = [r.clone() for r in run()]
         row = {"images": b, "rows": t, "in_effect": list(match_tile_for(b, n)), "us": {}}
-        for bm in (16, 32, 64):
-            for bn in (16, 32, 64):
-                for warps in (1, 2, 4):
-                    tile = (bm, bn, warps)
-                    got = run(tile)
-                    same = all(torch.equal(a, c) for a, c in zip(got, ref))
-                    row["us"]["%dx%dx%d" % tile] = {"us": round(graph_call_us(lambda: run(tile), args.calls, args.repeats), 3),
-                                                    "same": same}
+        tiles = [match_tile_for(b, n)] if args.in_effect else [(bm, bn, warps) for bm in (16, 32, 64)
+                                                                  for bn in (16, 32, 64) for warps in (1, 2, 4)]
+        for tile in tiles:
+            got = run(tile)
+            same = all(torch.equal(a, c) for a, c in zip(got, ref))
+            row["us"]["%dx%dx%d" % tile] = {"us": round(graph_call_us(lambda: run(tile), args.calls, args.repeats), 3),
+                                            "same": same}
         # EngineOptions.fold_aside: the similarities (beside the decision) and the fold that picks from them
-        sim = fold_similarities(keys, cu, n, heads)
+        sim = fold_similarities(keys, cu, n, heads)  # (at 320 images 64 MB; the engine makes none above 8,192 rows)
         picked = fold_rows(x, keys, remove, sizes, cu, n, 1, heads, out=out, sizes_out=sizes_out, scratch=scratch,
                            similarities=sim)
         row["similarities_us"] = round(graph_call_us(lambda: fold_similarities(keys, cu, n, heads, out=sim),
@@ -109,12 +109,30 @@ def fold_sweep(args, res, dev, dtype) -> None:
                                                                  similarities=sim), args.calls, args.repeats), 3)
         # (float32 atomics sum the received sizes in any order: equal up to rounding)
         row["picked_sizes_max_diff"] = float((picked[1] - ref[1]).abs().max())
+        # the fold after the decision and the fused deletion, with the fold's own finish or with the
+        # finish inside the deletion's gather (EngineOptions.fold_in_gather)
+        from timm_dora.engine.deletion_kernel import delete_rows_fused
+        removed = torch.stack([remove[i * n:(i + 1) * n].sum() for i in range(b)])
+        ids, ids_out, rows_out = torch.arange(t, device=dev), torch.empty(t, dtype=torch.long, device=dev), torch.empty_like(x)
+        lengths_out = torch.empty(b, dtype=torch.long, device=dev)
+        xs, s_in, cu_out = x.clone(), sizes.clone(), cu.clone()
+
+        def fold_and_delete(in_gather):
+            xs.copy_(x), s_in.copy_(sizes), cu_out.copy_(cu)  # (the fold and the deletion work in place)
+            fold_rows(xs, keys, remove, s_in, cu, n, 1, heads, out=xs, sizes_out=s_in, scratch=scratch,
+                      similarities=sim if t <= 8192 else None, finish=not in_gather)
+            delete_rows_fused(xs, remove, rows_out, ids, ids_out, cu_out, removed, lengths_out, cu_out, s_in,
+                              received=scratch if in_gather else None)
+        copies = graph_call_us(lambda: (xs.copy_(x), s_in.copy_(sizes), cu_out.copy_(cu)), args.calls, args.repeats)
+        row["fold_and_deletion_us"] = {
+            key: round(graph_call_us(lambda: fold_and_delete(on), args.calls, args.repeats) - copies, 3)
+            for key, on in (("finish_then_gather", False), ("finish_in_gather", True))}
         timed = {k: v["us"] for k, v in row["us"].items()}
         row["best"] = min(timed, key=timed.get)
         res["fold"].append(row)
         print("fold", b, "best", row["best"], timed[row["best"]], "in effect", row["in_effect"],
               timed["%dx%dx%d" % tuple(row["in_effect"])], "similarities", row["similarities_us"], "picked",
-              row["picked_us"], flush=True)
+              row["picked_us"], "fold and deletion", row["fold_and_deletion_us"], flush=True)
         json.dump(res, open(args.out, "w"), indent=1)
 
 
