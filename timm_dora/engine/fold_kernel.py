@@ -156,13 +156,17 @@ if triton is not None:
         row's best surviving row (the first of equal maxima), its size-weighted values and size
         added to that row's accumulator and mass."""
         start, length, rows_m, removed = _removed_rows(REMOVE, CU, BLOCK_M)
+        # every load that needs only the layout issued before any waits on the flags (few images:
+        # the kernel is a chain of dependent loads, each a round trip to the L2)
+        offs_n = tl.arange(0, NP)
+        survivor = _survivors(REMOVE, start, offs_n, length, NUM_PREFIX)
+        live = (rows_m - start) < length
+        s = tl.load(SIM + rows_m[:, None] * NP + offs_n[None, :], mask=live[:, None] & (offs_n < length)[None, :],
+                    other=float("-inf"))
+        size = tl.load(SIZES + rows_m, mask=live, other=0.0)
         if tl.max(removed.to(tl.int32), 0) > 0:
-            offs_n = tl.arange(0, NP)
-            survivor = _survivors(REMOVE, start, offs_n, length, NUM_PREFIX)
-            s = tl.load(SIM + rows_m[:, None] * NP + offs_n[None, :], mask=removed[:, None] & survivor[None, :],
-                        other=float("-inf"))
+            s = tl.where(survivor[None, :], s, float("-inf"))
             target = start + tl.argmax(s, 1, tie_break_left=True).to(tl.int64)
-            size = tl.load(SIZES + rows_m, mask=removed, other=0.0)
             _add_rows(X, rows_m, removed, target, size, ACC, MASS, sx_t, D, BLOCK_D)
 
     @triton.jit

@@ -248,6 +248,9 @@ class GraphRunner:
         # the whole graph's controller decision to fork onto its Aside stream once the keys exist
         # (EngineOptions.aside_controller; the attention's keys hook forks it and clears this)
         self.decide_aside: Optional[Callable[[], None]] = None
+        # (EngineOptions.gate_beside_decision) while that decision is forked before its block's
+        # gate: what it calls to have the gate enqueued on the block's stream and waited for
+        self.await_gate: Optional[Callable[[], None]] = None
         self._fused_at: Optional[int] = None  # the block whose graph ran the controller too
         # blocks where the policy says, before they run, that it prunes nothing (a replay plan's
         # other blocks, NoPrune's every block) run as chains of whole blocks: one segment each

@@ -114,6 +114,12 @@ class EngineOptions:
     # own before it: one kernel and one pass over the rows fewer per deletion. False: the fold's
     # own finish
     fold_in_gather: bool = True
+    # with aside_controller, the decision is forked before the block's gate, not after it: the
+    # controller's first kernels (the encoder's, which read the keys and the history) run beside
+    # the gate, and the decision waits for the gate only before its budget head, the first kernel
+    # that reads it. The chain a request waits for loses the gate's kernel at each controller
+    # block. False: the gate, then the fork
+    gate_beside_decision: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):

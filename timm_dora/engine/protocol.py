@@ -84,10 +84,13 @@ class CapturedPolicy(Protocol):
     def controller_fixed(self, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, num_prefix: int,
                          h: torch.Tensor, n_visual: torch.Tensor, gate: torch.Tensor, block: int, backend: str,
                          lengths_host: Optional[List[int]] = None,
-                         out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                         out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                         await_gate: Optional[Callable[[], None]] = None
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The controller on every image of a packed, padded layout, masked by ``gate``: ``(remove
-        [rows] bool, removed [B], flops [B])`` (into ``out`` where given)."""
+        [rows] bool, removed [B], flops [B])`` (into ``out`` where given). ``await_gate``: where
+        given, called once, before the first work that reads ``gate`` is enqueued (the graphs
+        enqueue the gate's own kernel there, so that the work before it runs beside the gate)."""
 
 
 class ForwardConstants:

@@ -34,6 +34,7 @@ recomputes them from the block input in either phase.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Callable, Optional, Tuple
@@ -86,6 +87,31 @@ def _norms(r, l: int, rows: int, fuse: Tuple[bool, ...]) -> dict:
     if read:
         out["read"] = normed if read[0] else None
     return out
+
+
+def _fork_before_gate(r, k: torch.Tensor, rows: int, gate: Callable[..., None]) -> None:
+    """(``EngineOptions.gate_beside_decision``) The block's controller decision forked onto the
+    Aside stream before its gate: the decision's first kernels (the encoder's, which read the keys
+    and the history, not the gate) run beside the gate, which the decision enqueues on the block's
+    stream when it asks for it (the policy's ``await_gate``, before the first kernel that reads the
+    gate), waiting for it there. The block's attention follows the gate on its stream."""
+    r.keys_in_place = k.reshape(rows, -1)  # [rows, d] (a view of the qkv output: row stride 3d)
+    block_stream = torch.cuda.current_stream(k.device)
+    asked = []
+
+    def await_gate():  # (called inside the decision, on the Aside stream)
+        with torch.cuda.stream(block_stream):
+            gate(True)
+        torch.cuda.current_stream(k.device).wait_stream(block_stream)
+        asked.append(True)
+    r.await_gate = await_gate
+    try:
+        _fork_decision(r, k)
+    finally:
+        r.await_gate = None
+    if not asked:
+        raise RuntimeError(f"{type(r.policy).__name__}.controller_fixed did not call await_gate: its decision "
+                           f"would read a gate not yet computed")
 
 
 def _fork_decision(r, k: torch.Tensor) -> None:
@@ -365,9 +391,10 @@ class Segments:
             # are not the controller's: no removal there)
             if keys.shape[0] < rows:
                 r.ctrl_out[0][keys.shape[0]:rows].zero_()
+            asked = {} if r.await_gate is None else {"await_gate": r.await_gate}  # (gate_beside_decision)
             _, removed, _ = r.policy.controller_fixed(
                 keys, cu, r.seq, p, h, n_visual, gate, l, r.backend, None if r.capture else lengths,
-                out=r.ctrl_out)
+                out=r.ctrl_out, **asked)
             decided.update(keys=keys, cu=cu, gate=gate, removed=removed)
 
         def delete():  # the fold (merge) and the deletion the decision asks for
@@ -446,6 +473,8 @@ class Segments:
         norms = _norms(r, l, rows, key[7] if len(key) > 7 else (False, False, False))  # key[7]: as the dense one's
         side = len(key) > 8 and key[8]  # key[8] (the whole forward's graph): the actor's work on the Aside stream
         p = model.num_prefix_tokens
+        # (EngineOptions.gate_beside_decision) whether the policy's controller takes await_gate
+        awaits = "await_gate" in inspect.signature(r.policy.controller_fixed).parameters if r.probing else False
 
         def gate_ctx(keys: Optional[torch.Tensor] = None) -> BlockContext:
             layout = SimpleNamespace(batch_size=b, num_prefix=p, uniform=False, min_len=0,
@@ -460,13 +489,17 @@ class Segments:
             r.packed_consts.memo.clear()  # the history buffers change in place: recompute
             r.policy.prepare(gate_ctx())  # into h_packed / context_packed (keep_packed)
 
-        def gate_packed(keys: Optional[torch.Tensor] = None):  # the rest of the actor's gate, once
-            # the keys exist (the memoised history part: h_packed / context_packed, made by this
-            # graph's gate_history or by the last block's graph whose history was fresh);
-            # keys: [rows, H, hd] to read in place, else the kept copy
+        def gate_packed(keys: Optional[torch.Tensor] = None, h_read: bool = False):  # the rest of the
+            # actor's gate, once the keys exist (the memoised history part: h_packed / context_packed,
+            # made by this graph's gate_history or by the last block's graph whose history was fresh);
+            # keys: [rows, H, hd] to read in place, else the kept copy; h_read: the decision already
+            # reads the history buffer (gate_beside_decision), which must not change here
             h, gate = r.ctrl_in[0], gate_buffer
             step = r.policy.probe(gate_ctx(keys), out=gate)
             if step.h is not h:  # (the memoised history lives there: h_packed)
+                if h_read:
+                    raise RuntimeError("gate_beside_decision: the policy's probe left the history outside its buffer, "
+                                       "which the decision forked before the gate reads")
                 h.copy_(step.h)
             if step.gate is not gate:  # (a fused gate writes it itself)
                 gate.copy_(step.gate)
@@ -478,10 +511,12 @@ class Segments:
         def keep_keys(k: torch.Tensor) -> None:  # [rows, H, hd], kept for the policy / controller
             if r.triton_gate:  # the gate reads the CLS keys in place, then only the open
                 # images' keys are kept (the controller reads no other)
-                def gate():
-                    gate_packed(k)
+                def gate(h_read: bool = False):
+                    gate_packed(k, h_read)
                     if r.k is not None and not in_place:  # (else a controller recomputes them)
                         copy_open_keys(k, r.cu, r.seq, gate_buffer, r.k)
+                if in_place and r.decide_aside is not None and active().gate_beside_decision and awaits:
+                    return _fork_before_gate(r, k, rows, gate)
                 aside(r, gate, k, on=side)
                 if in_place:  # [rows, d] (a view of the qkv output: row stride 3d)
                     r.keys_in_place = k.reshape(rows, -1)

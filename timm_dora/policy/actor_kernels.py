@@ -46,7 +46,7 @@ how the CPU tests compare them with the module path.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -486,7 +486,7 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
                      n_visual: torch.Tensor, gate: torch.Tensor, block: int, cu_out: torch.Tensor, num_prefix: int,
                      total: int, tile: Union[Tuple[int, int], Dict[str, Tuple[int, int]], None] = None,
                      out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                     launch: Optional[Dict[str, int]] = None
+                     launch: Optional[Dict[str, int]] = None, await_gate: Optional[Callable[[], None]] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The deterministic controller of ``actor`` on a packed controller layout (see the module).
 
@@ -503,7 +503,9 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     written). ``tile``: ``(rows per program, warps)`` for the row-wise kernels instead of
     :data:`TILE_ROWS` (smaller tiles for few rows: :func:`_rows_tile`), or a dict of such pairs per kernel (``"embed"``, ``"out_ffn"``,
     ``"scores"``; the missing ones keep :data:`TILE_ROWS`'s), for benchmarks. ``launch``: entries of :data:`ROW_LAUNCH` to use instead
-    (``num_stages``, ``k_block``, ``ffn_chunk``), for benchmarks.
+    (``num_stages``, ``k_block``, ``ffn_chunk``), for benchmarks. ``await_gate``: called after the
+    encoder's first two kernels are enqueued, before the first that reads ``gate`` (the budget
+    head's): the graphs enqueue the gate's own kernel there, beside them.
     """
     reason = fused_controller_reason(actor, keys.dtype)
     if reason is not None:
@@ -555,6 +557,8 @@ def fused_controller(actor, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_le
     terms = (m, actor.min_keep, bh[0].eps, actor_gate_macs(actor), 2 * w, per_token + selector, fixed - selector)
     block_r, warps = tiles["out_ffn"]
     in_ffn = 0 < rows and block_r <= BUDGET_IN_FFN_ROWS  # (few rows: the budget head in _out_ffn, no _budget)
+    if await_gate is not None:  # (nothing before reads the gate)
+        await_gate()
     _out_ffn[(_cdiv(rows, block_r),)](
         o, x, cu, b, steps, enc.proj.weight, enc.proj.bias, enc.norm2.weight, enc.norm2.bias, enc.fc1.weight,
         enc.fc1.bias, enc.fc2.weight, enc.fc2.bias, z, enc.norm2.eps, *head, *terms, W=w, F=actor.ffn_dim,

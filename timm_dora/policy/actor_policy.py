@@ -269,7 +269,8 @@ class ActorPolicy:
     def controller_fixed(self, keys: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, num_prefix: int,
                          h: torch.Tensor, n_visual: torch.Tensor, gate: torch.Tensor, block: int,
                          backend: str, lengths_host: Optional[List[int]] = None,
-                         out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                         out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                         await_gate: Optional[Callable[[], None]] = None
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The deterministic controller in fixed shapes, for a CUDA graph (:mod:`timm_dora.engine.graphs`).
 
@@ -283,7 +284,8 @@ class ActorPolicy:
         for gate-active images the decision equals :meth:`__call__`'s up to rounding (products over
         more rows), the others remove nothing and count only the gate's FLOPs. ``out``: buffers
         for the three results (``remove`` at least ``rows`` long: its first ``rows`` entries are
-        written), what the graphs keep.
+        written), what the graphs keep. ``await_gate``: called before the first work that reads
+        ``gate`` is enqueued (the fused kernels: before the budget head; the module path: first).
         """
         actor, p = self.actor, num_prefix
         if actor.summary != "cls":
@@ -308,7 +310,9 @@ class ActorPolicy:
         if self._use_fused(backend, keys.dtype):  # (each row's sequence and position found in the
             # kernels, the FLOPs in the budget kernel)
             return fused_controller(actor, keys, cu32, max_len - (p - 1), h, n_visual, gate, block, cu_seqlens, p,
-                                    total, out=out)
+                                    total, out=out, await_gate=await_gate)
+        if await_gate is not None:
+            await_gate()
         cu = cu_seqlens.long() if cu is None else cu
         idx = torch.arange(rows, device=dev)
         seg, pos = segment_and_position(cu, idx)
