@@ -140,7 +140,7 @@ def attention_sweep(args, res, dev, dtype) -> None:
     """The varlen attention kernel at DeiT-Ti's shape (3 heads of 64, q/k/v views of one qkv output)
     on ``--images`` images of 140-197 rows, without and with merged rows' sizes, per (query rows,
     key rows, warps, stages). (The sizes' other forms, e.g. their logarithms added to the logits,
-    were timed by this sweep's form in git history: ``benchmarks/results/attention_sizes_h200.json``.)"""
+    were timed by this sweep's form in git history: ``benchmarks/results/attention_sizes_h200.json.gz``.)"""
     from timm_dora.engine.varlen_kernel import TILE, _varlen_fwd
     res["attention"] = []
     heads, hd, n = 3, 64, 197

@@ -20,7 +20,7 @@ attention, ``log(size)`` added to its logits, taken after the exponential: the r
 does not wait for them, and each key tile's sizes are loaded during the tile before). Adding the
 logarithms before the maximum, as first written, made the kernel 2.1x slower at DeiT-Ti's shape
 (8.5 against 4.0 us at one image, 113 against 45 at 320, one H200); this form 4.4 and 55
-(``benchmarks/results/attention_sizes_h200.json``).
+(``benchmarks/results/attention_sizes_h200.json.gz``).
 
 Off CUDA the same kernel runs in Triton's interpreter (``TRITON_INTERPRET=1`` set before this module
 is imported), which is how the CPU tests check it against a reference.
