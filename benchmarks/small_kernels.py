@@ -9,7 +9,8 @@ does not write the sum: a quarter fewer bytes); with ``--fold``, merging's fold
 image's visual rows removed) per tile of its match, each checked equal to the default's result, and
 ``EngineOptions.fold_aside``'s halves: the similarities (``similarities_us``, beside the decision) and
 the fold that picks its matches from them (``picked_us``, after it); with ``--attention``, the varlen
-attention kernel without and with merged rows' sizes per tile (DeiT-Ti's shape).
+attention kernel without and with merged rows' sizes per tile (DeiT-Ti's shape); with ``--gelu``, an
+``Mlp``'s first layer and GELU as one kernel per tile, against ATen's two.
 
     python -m benchmarks.small_kernels --out small_kernels.json
 """
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--fold", action="store_true", help="sweep the fold's match tiles instead")
     ap.add_argument("--in-effect", action="store_true", help="(--fold) only the match tile in effect")
+    ap.add_argument("--gelu", action="store_true",
+                    help="the MLP's first layer and GELU in one kernel per tile, against F.linear then nn.GELU")
     ap.add_argument("--attention", action="store_true",
                     help="the varlen attention kernel with and without merged rows' sizes, per tile, instead")
     ap.add_argument("--out", required=True)
@@ -43,6 +46,8 @@ def main() -> None:
         return fold_sweep(args, res, dev, dtype)
     if args.attention:
         return attention_sweep(args, res, dev, dtype)
+    if args.gelu:
+        return gelu_sweep(args, res, dev, dtype)
     res["add_layer_norm"] = []
     for d in args.widths:
         w, b = torch.randn(d, device=dev, dtype=dtype), torch.randn(d, device=dev, dtype=dtype)
@@ -178,6 +183,37 @@ def attention_sweep(args, res, dev, dtype) -> None:
         res["attention"].append(row)
         print("attention", b, {k: row[k] for k in row if k.startswith(("best", "default"))}, flush=True)
         json.dump(res, open(args.out, "w"), indent=1)
+
+
+def gelu_sweep(args, res, dev, dtype) -> None:
+    """``gelu(x @ W^T + b)`` (an ``Mlp``'s ``fc1`` and exact GELU) at ``--images`` images of 197 rows
+    for widths 192 -> 768 (Tiny) and 768 -> 3072 (Base): ATen (cuBLAS, then the GELU kernel) against
+    :func:`timm_dora.engine.mlp_kernel.linear_gelu` per tile (rows, columns, k block, warps, stages,
+    grouped row tiles), each checked against ATen's values."""
+    import torch.nn.functional as F
+    from timm_dora.engine.mlp_kernel import TILE, linear_gelu
+    tiles = [TILE, (128, 256, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (64, 128, 64, 4, 3, 8), (64, 64, 64, 4, 3, 8),
+             (32, 64, 64, 4, 2, 8), (16, 64, 64, 4, 2, 8), (16, 128, 64, 4, 2, 8)]
+    res["gelu"] = []
+    for d in args.widths:
+        for b in args.images:
+            rows = b * 197
+            x = torch.randn(rows, d, device=dev, dtype=dtype)
+            w = torch.randn(4 * d, d, device=dev, dtype=dtype) / d ** 0.5
+            bias = torch.randn(4 * d, device=dev, dtype=dtype)
+            ref = F.gelu(F.linear(x, w, bias))
+            row = {"d": d, "hidden": 4 * d, "images": b, "rows": rows, "in_effect": list(TILE),
+                   "aten_us": round(graph_call_us(lambda: F.gelu(F.linear(x, w, bias)), args.calls, args.repeats), 3),
+                   "us": {}, "max_abs_diff": {}}
+            for tile in tiles:
+                key = "x".join(map(str, tile))
+                row["max_abs_diff"][key] = float((linear_gelu(x, w, bias, tile=tile).float() - ref.float()).abs().max())
+                row["us"][key] = round(graph_call_us(lambda: linear_gelu(x, w, bias, tile=tile), args.calls,
+                                                     args.repeats), 3)
+            row["best"] = min(row["us"], key=row["us"].get)
+            res["gelu"].append(row)
+            print("gelu", d, b, "aten", row["aten_us"], "best", row["best"], row["us"][row["best"]], flush=True)
+            json.dump(res, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ patch_embed(x))))``, a block is ``norm1``, ``attn.qkv``, ``attn.q_norm``/``k_nor
 ``mlp``, ``ls2``, ``drop_path2`` (the MLP residual), and the readout is the model's final ``norm``
 and head (``forward_head`` for the CLS token, else the model's pooling over surviving tokens).
 On CUDA in half precision the LayerNorms and the patch embedding run faster kernels with the
-modules' own parameters (:mod:`~timm_dora.engine.dense_kernels`).
+modules' own parameters (:mod:`~timm_dora.engine.dense_kernels`), and optionally the MLP's first
+layer with its GELU (:mod:`~timm_dora.engine.mlp_kernel`).
 The functions work on packed rows (:class:`~timm_dora.engine.packing.Packed`): dense
 ``[B, S, d]`` while every image has all its tokens, ragged after a deletion. Both executors (the
 eager forward in :mod:`~timm_dora.engine.patch` and the CUDA graphs in
@@ -14,6 +15,7 @@ eager forward in :mod:`~timm_dora.engine.patch` and the CUDA graphs in
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 from .dense_kernels import add_layer_norm, layer_norm, patch_embed, position_tokens
 from .attention import varlen_attention
+from .mlp_kernel import mlp_forward
 from .packing import Packed, bucket_rows, rows_where
 
 __all__ = ["embed", "attention_keys", "attention_residual", "mlp_residual", "final_norm", "readout"]
@@ -114,7 +117,8 @@ def mlp_residual(blk: nn.Module, x: torch.Tensor, out: Optional[torch.Tensor] = 
     ``normed``: ``norm2(x)``, already computed (:func:`attention_residual`'s ``norm_into``);
     ``next_norm``, ``norm_into``: also write ``next_norm`` of the result (the next block's
     ``norm1``) into ``norm_into``, with the residual sum in one kernel (``out`` required)."""
-    branch = blk.drop_path2(blk.ls2(bucket_rows(blk.mlp, layer_norm(blk.norm2, x) if normed is None else normed)))
+    branch = blk.drop_path2(blk.ls2(bucket_rows(partial(mlp_forward, blk.mlp),
+                                                layer_norm(blk.norm2, x) if normed is None else normed)))
     if next_norm is not None:
         add_layer_norm(x, branch, next_norm, out, norm_into)
         return out

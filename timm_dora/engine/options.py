@@ -120,6 +120,10 @@ class EngineOptions:
     # that reads it. The chain a request waits for loses the gate's kernel at each controller
     # block. False: the gate, then the fork
     gate_beside_decision: bool = True
+    # each timm Mlp's fc1 and exact GELU as one Triton kernel (engine.mlp_kernel; CUDA, half
+    # precision, no autograd), where ATen's GELU rereads and rewrites fc1's output. Off until its
+    # tiles are chosen and it is measured on a GPU (benchmarks/small_kernels.py --gelu)
+    fused_gelu: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):
