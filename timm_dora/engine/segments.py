@@ -47,7 +47,7 @@ from .blocks import attention_keys, attention_residual, final_norm, mlp_residual
 from .options import active
 from .attention import BACKEND_INFO, varlen_attention
 from .deletion_kernel import Books, delete_rows_fused, delete_rows_reference, fused_deletion_reason
-from .fold_kernel import fold_kernel_reason, fold_similarities
+from .fold_kernel import fold_similarities
 from .packing import fold_kernel_applies, fold_removed
 from .protocol import BlockContext
 from .varlen_kernel import copy_open_keys
@@ -378,11 +378,10 @@ class Segments:
             return args
 
         def prepare():  # (merge, EngineOptions.fold_aside) the fold's similarities: no decision needed
-            options = active()
-            if r.fold_sim is None or not (options.fold_aside and options.fold_kernel):
+            if r.fold_sim is None or not active().fold_aside:
                 return
             keys, cu = inputs()[:2]
-            if fold_kernel_reason(keys, keys, blk.attn.num_heads) is None:
+            if fold_kernel_applies(keys, keys, blk.attn.num_heads):  # (where the fold runs the kernels)
                 decided["similarities"] = fold_similarities(keys, cu, r.seq, blk.attn.num_heads, out=r.fold_sim)
 
         def decide():  # the actor's decision, into the fixed outputs (ctrl_out)
