@@ -40,6 +40,9 @@ try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do no
 except Exception:  # pragma: no cover - depends on the installation
     triton = None
 
+if triton is not None:
+    from .fold_kernel import _received_mean
+
 # one program holds all rows (the index is one in-register scan) up to this many, far above the
 # planned whole graph's 3152 rows at 16 images; more rows (a planned graph of 320 Tiny images has
 # 63,040) take programs of BLOCK_ROWS rows each after a kernel that counts their survivors: on one
@@ -181,8 +184,7 @@ if triton is not None:
             if FOLD:
                 fm = got[:, None] & (cs < D)[None, :]
                 acc = tl.load(ACC + src_row[:, None] * D + cs[None, :], mask=fm, other=0.0)
-                y = (v.to(tl.float32) * size[:, None] + acc) / (size + extra)[:, None]
-                v = tl.where(got[:, None], y.to(v.dtype), v)
+                v = _received_mean(v, size, extra, acc, got)  # (the fold's own finish, fold_kernel._finish)
                 tl.store(ACC + src_row[:, None] * D + cs[None, :], tl.zeros_like(acc), mask=fm)  # (back to zeros)
             tl.store(OUT + dst[:, None] + cs[None, :], v, mask=m)
         if FOLD:  # (every warp's reads of the sizes and the mass done before any is rewritten)

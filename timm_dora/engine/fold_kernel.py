@@ -180,6 +180,14 @@ if triton is not None:
         _add_rows(X, r, fold, target, size, ACC, MASS, sx_t, D, BLOCK_D)
 
     @triton.jit
+    def _received_mean(x, size, extra, acc, got):
+        """The finish of rows ``x`` (``[R, C]``, their dtype) of sizes ``size``: where a row ``got``
+        something, ``(x * size + acc) / (size + extra)`` (``acc``, ``extra``: the float32 sums and
+        mass it received) rounded to the dtype; elsewhere ``x`` as it is."""
+        y = (x.to(tl.float32) * size[:, None] + acc) / (size + extra)[:, None]
+        return tl.where(got[:, None], y.to(x.dtype), x)
+
+    @triton.jit
     def _finish(X, SIZES, CU, ACC, MASS, OUT, NEW_SIZES, sx_t, so_t, batch, D: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_D: tl.constexpr, COPY: tl.constexpr):
         r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -193,8 +201,7 @@ if triton is not None:
             inside = (c < D)[None, :]
             x = tl.load(X + r[:, None] * sx_t + c[None, :], mask=real[:, None] & inside, other=0.0)
             acc = tl.load(ACC + r[:, None] * D + c[None, :], mask=got[:, None] & inside, other=0.0)
-            y = (x.to(tl.float32) * size[:, None] + acc) / (size + extra)[:, None]
-            y = tl.where(got[:, None], y.to(x.dtype), x)
+            y = _received_mean(x, size, extra, acc, got)
             if COPY:
                 tl.store(OUT + r[:, None] * so_t + c[None, :], y, mask=real[:, None] & inside)
             else:  # in place: only the rows that change
