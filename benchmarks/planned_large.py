@@ -18,7 +18,8 @@ turn; median ms per batch, CUDA events) of:
   (``aside_controller``, the default);
 - ``torch_deletion``: the defaults with ``fused_deletion=False`` (the deletion in PyTorch ops, as
   the engine ran batches above ``deletion_kernel.MAX_ROWS`` rows before its programs were split);
-- ``default``: ``wrap(model, actor)`` with no options (``engine_info``'s ``graph`` says which ran).
+- ``default``: ``wrap(model, actor)`` with no options (``engine_info``'s ``graph`` says which ran);
+- any ``--options NAME=JSON`` variant: the defaults with those ``EngineOptions`` fields (an A/B).
 
 Per executor also, from three more forwards under the profiler: ``kernels`` a forward,
 ``kernel_us`` (their summed time) and ``idle_us`` (the gaps over 5 us between kernels: the GPU
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import statistics
 from typing import Any, Callable, Dict, List
@@ -134,11 +136,21 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[320])
     ap.add_argument("--executors", nargs="+", default=["oracle_gemm_embed", "oracle_gemm_embed_graph", "per_block",
                                                        "planned", "planned_aside", "default"],
-                    choices=["oracle_gemm_embed", "oracle_gemm_embed_graph", *VARIANTS])
+                    help=f"of oracle_gemm_embed, oracle_gemm_embed_graph, {', '.join(VARIANTS)} and --options' names")
+    ap.add_argument("--options", nargs="*", default=[], metavar="NAME=JSON",
+                    help='more executors: the defaults with these EngineOptions fields, e.g. gelu=\'{"fused_gelu": true}\'')
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per-round", type=int, default=10)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    for spec in args.options:
+        name, _, fields = spec.partition("=")
+        VARIANTS[name] = json.loads(fields)
+        EngineOptions(**VARIANTS[name])  # a field that does not exist fails here, before any GPU work
+        args.executors.append(name)
+    unknown = set(args.executors) - {"oracle_gemm_embed", "oracle_gemm_embed_graph", *VARIANTS}
+    if unknown:
+        ap.error(f"unknown executors {sorted(unknown)}")
     dev, dtype, _ = inference_device("cuda", "bf16")
     args.warmup, args.iters, args.repeats = 6, args.per_round, args.rounds
     res = header(dev, "planned_large", argv, args, rounds=args.rounds, per_round=args.per_round)

@@ -193,7 +193,9 @@ def gelu_sweep(args, res, dev, dtype) -> None:
     import torch.nn.functional as F
     from timm_dora.engine.mlp_kernel import TILE, linear_gelu
     tiles = [TILE, (128, 256, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (64, 128, 64, 4, 3, 8), (64, 64, 64, 4, 3, 8),
-             (32, 64, 64, 4, 2, 8), (16, 64, 64, 4, 2, 8), (16, 128, 64, 4, 2, 8)]
+             (32, 64, 64, 4, 2, 8), (16, 64, 64, 4, 2, 8), (16, 128, 64, 4, 2, 8), (32, 128, 64, 4, 3, 8),
+             (64, 256, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8), (64, 128, 32, 4, 4, 8), (128, 192, 64, 8, 3, 8),
+             (64, 192, 64, 4, 3, 8)]
     res["gelu"] = []
     for d in args.widths:
         for b in args.images:
