@@ -191,11 +191,11 @@ def gelu_sweep(args, res, dev, dtype) -> None:
     :func:`timm_dora.engine.mlp_kernel.linear_gelu` per tile (rows, columns, k block, warps, stages,
     grouped row tiles), each checked against ATen's values."""
     import torch.nn.functional as F
-    from timm_dora.engine.mlp_kernel import TILE, linear_gelu
-    tiles = [TILE, (128, 256, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (64, 128, 64, 4, 3, 8), (64, 64, 64, 4, 3, 8),
+    from timm_dora.engine.mlp_kernel import linear_gelu, tile_for
+    tiles = [(128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (64, 128, 64, 4, 3, 8), (64, 64, 64, 4, 3, 8),
              (32, 64, 64, 4, 2, 8), (16, 64, 64, 4, 2, 8), (16, 128, 64, 4, 2, 8), (32, 128, 64, 4, 3, 8),
-             (64, 256, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8), (64, 128, 32, 4, 4, 8), (128, 192, 64, 8, 3, 8),
-             (64, 192, 64, 4, 3, 8)]
+             (64, 256, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8), (64, 128, 32, 4, 4, 8), (32, 64, 64, 4, 3, 8),
+             (16, 64, 64, 2, 3, 8), (32, 32, 64, 2, 3, 8), (64, 64, 32, 4, 4, 8)]
     res["gelu"] = []
     for d in args.widths:
         for b in args.images:
@@ -204,7 +204,7 @@ def gelu_sweep(args, res, dev, dtype) -> None:
             w = torch.randn(4 * d, d, device=dev, dtype=dtype) / d ** 0.5
             bias = torch.randn(4 * d, device=dev, dtype=dtype)
             ref = F.gelu(F.linear(x, w, bias))
-            row = {"d": d, "hidden": 4 * d, "images": b, "rows": rows, "in_effect": list(TILE),
+            row = {"d": d, "hidden": 4 * d, "images": b, "rows": rows, "in_effect": list(tile_for(rows)),
                    "aten_us": round(graph_call_us(lambda: F.gelu(F.linear(x, w, bias)), args.calls, args.repeats), 3),
                    "us": {}, "max_abs_diff": {}}
             for tile in tiles:

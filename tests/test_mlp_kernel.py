@@ -60,11 +60,21 @@ def test_which_mlps_it_takes_and_its_errors(engine_options):
         half = exact.cuda().half()
         assert mlp_kernel.fused_gelu_applies(half, x.cuda().half())
         assert not mlp_kernel.fused_gelu_applies(tanh.cuda().half(), x.cuda().half())
+        rows = torch.zeros(mlp_kernel.MAX_ROWS + 1, 8, device="cuda", dtype=torch.half)
+        assert mlp_kernel.fused_gelu_applies(half, rows[:-1]) and not mlp_kernel.fused_gelu_applies(half, rows)
         engine_options(fused_gelu=False)
         assert not mlp_kernel.fused_gelu_applies(half, x.cuda().half())
     with pytest.raises(ValueError, match=r"linear_gelu: x \[rows, in\] \(unit column stride\), weight \[out, in\] "
                                          r"contiguous and bias \[out\] of one dtype expected"):
         mlp_kernel.linear_gelu(x, torch.zeros(16, 4))
+
+
+def test_tile_for_takes_the_first_bound_that_holds():
+    (first, small), (second, larger) = mlp_kernel.TILES[:2]
+    assert mlp_kernel.tile_for(1) == mlp_kernel.tile_for(first) == small
+    assert mlp_kernel.tile_for(first + 1) == larger
+    assert mlp_kernel.tile_for(10 ** 9) == mlp_kernel.TILES[-1][1]
+    assert all(len(tile) == 6 for _, tile in mlp_kernel.TILES)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -121,9 +121,12 @@ class EngineOptions:
     # block. False: the gate, then the fork
     gate_beside_decision: bool = True
     # each timm Mlp's fc1 and exact GELU as one Triton kernel (engine.mlp_kernel; CUDA, half
-    # precision, no autograd), where ATen's GELU rereads and rewrites fc1's output. Off until its
-    # tiles are chosen and it is measured on a GPU (benchmarks/small_kernels.py --gelu)
-    fused_gelu: bool = False
+    # precision, no autograd, fc1 192 wide, up to mlp_kernel.MAX_ROWS rows): one kernel and one
+    # graph node a block fewer. One H200, requests timed to the logits (benchmarks/options_ab.py,
+    # benchmarks/results/fused_gelu_ab_h200.json.gz): merging DeiT-Ti +10.2 / +9.6 / +4.2 % images/s
+    # at 1 / 4 / 16 images, ViT-Ti +2.0 / +4.3 / -1.3 %. Above MAX_ROWS and at 768 wide, cuBLAS and
+    # ATen's GELU are faster (benchmarks/results/gelu_tiles_h200.json.gz). False: timm's Mlp
+    fused_gelu: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):
