@@ -97,7 +97,7 @@ def measure(model, actor, inputs: List[torch.Tensor], args) -> Dict[str, Any]:
         with torch.inference_mode():
             fns["oracle_gemm_embed_graph"] = captured(oracle, inputs[0])
     wrapped = {}
-    for name, opts in VARIANTS.items():  # one copy of the model per variant: each keeps its graphs
+    for name, opts in args.variants.items():  # one copy of the model per variant: each keeps its graphs
         if name not in args.executors:
             continue
         m = copy.deepcopy(model)
@@ -143,12 +143,13 @@ def main(argv=None) -> None:
     ap.add_argument("--per-round", type=int, default=10)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    args.variants = dict(VARIANTS)
     for spec in args.options:
         name, _, fields = spec.partition("=")
-        VARIANTS[name] = json.loads(fields)
-        EngineOptions(**VARIANTS[name])  # a field that does not exist fails here, before any GPU work
+        args.variants[name] = json.loads(fields)
+        EngineOptions(**args.variants[name])  # a field that does not exist fails here, before any GPU work
         args.executors.append(name)
-    unknown = set(args.executors) - {"oracle_gemm_embed", "oracle_gemm_embed_graph", *VARIANTS}
+    unknown = set(args.executors) - {"oracle_gemm_embed", "oracle_gemm_embed_graph", *args.variants}
     if unknown:
         ap.error(f"unknown executors {sorted(unknown)}")
     dev, dtype, _ = inference_device("cuda", "bf16")

@@ -124,8 +124,9 @@ def fused_gelu_applies(mlp: nn.Module, x: torch.Tensor) -> bool:
     fc1, act = getattr(mlp, "fc1", None), getattr(mlp, "act", None)
     return (active().fused_gelu and triton is not None and x.is_cuda and x.dtype in _HALF and x.dim() == 2
             and x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and not (torch.is_grad_enabled() and x.requires_grad)
-            and type(mlp).forward is _TIMM_MLP_FORWARD and type(fc1) is nn.Linear and fc1.in_features <= MAX_IN_FEATURES and type(act) is nn.GELU
-            and act.approximate == "none" and fc1.weight.dtype == x.dtype and fc1.weight.is_contiguous())
+            and type(mlp).forward is _TIMM_MLP_FORWARD and type(fc1) is nn.Linear
+            and fc1.in_features <= MAX_IN_FEATURES and type(act) is nn.GELU and act.approximate == "none"
+            and fc1.weight.dtype == x.dtype and fc1.weight.is_contiguous())
 
 
 def mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
