@@ -173,21 +173,36 @@ import functools, json, sys
 import torch
 sys.path.insert(0, {tests!r})
 from test_deletion_kernel import BOOKS, CASES, make_case, run_step
-from timm_dora.engine.deletion_kernel import delete_rows_fused, delete_rows_reference
+from timm_dora.engine.deletion_kernel import compact_rows, delete_rows_fused, delete_rows_reference, gather_rows
+
+def split(block):  # the two halves with the new cu and sizes aside, copied back by the gather
+    def step(x, remove, out, ids, ids_out, cu, removed, lengths, cu_out, sizes, books):
+        cu_aside = torch.full_like(cu_out, -5)  # (entry 0 is not the deletion's: it stays as cu_out has it)
+        sizes_aside = None if sizes is None else torch.full_like(sizes, -5.0)
+        cu_before = cu.clone()
+        index = compact_rows(remove, ids, ids_out, cu, removed, lengths, cu_aside, sizes, sizes_out=sizes_aside,
+                             books=books, block_rows=block)
+        if (sizes is not None and not torch.equal(sizes, sizes_before[0])) or not torch.equal(cu, cu_before):
+            bad.append(["sizes or cu written in place", block])
+        gather_rows(x, index, out, sizes, sizes_from=sizes_aside, cu_from=cu_aside, cu_out=cu_out)
+        return index
+    return step
 
 bad, n = [], 0
+sizes_before = [None]
 for block in (None, 16):  # one program over all rows; programs of 16 rows (MAX_ROWS's many programs)
-    fused = functools.partial(delete_rows_fused, block_rows=block)
-    for i, spec in enumerate(CASES):
-        case = make_case(*spec)
-        for in_place in (True, False):
-            for books, sizes in ((None, False), (BOOKS[i % len(BOOKS)], True), (BOOKS[(i + 1) % len(BOOKS)], False)):
-                got = run_step(fused, case, in_place, books, sizes)
-                ref = run_step(delete_rows_reference, case, in_place, books, sizes)
-                n += 1
-                for j, (a, b) in enumerate(zip(got, ref, strict=True)):
-                    if a.dtype != b.dtype or not torch.equal(a, b):
-                        bad.append([block, spec[0], in_place, books, sizes, j])
+    for form, fused in (("fused", functools.partial(delete_rows_fused, block_rows=block)), ("split", split(block))):
+        for i, spec in enumerate(CASES):
+            case = make_case(*spec)
+            for in_place in (True, False):
+                for books, sizes in ((None, False), (BOOKS[i % len(BOOKS)], True), (BOOKS[(i + 1) % len(BOOKS)], False)):
+                    sizes_before[0] = (torch.arange(case["x"].shape[0]) % 7 + 1).float()  # (run_step's)
+                    got = run_step(fused, case, in_place, books, sizes)
+                    ref = run_step(delete_rows_reference, case, in_place, books, sizes)
+                    n += 1
+                    for j, (a, b) in enumerate(zip(got, ref, strict=True)):
+                        if a.dtype != b.dtype or not torch.equal(a, b):
+                            bad.append([form, block, spec[0], in_place, books, sizes, j])
 # no rows at all (two empty sequences): the layout is still written, by either form
 empty = dict(x=torch.zeros(0, 8), remove=torch.zeros(0, dtype=torch.bool), removed=torch.zeros(2, dtype=torch.long),
              cu=torch.zeros(3, dtype=torch.int32), ids=torch.zeros(0, dtype=torch.long))
@@ -203,10 +218,12 @@ print(json.dumps({{"cases": n, "bad": bad}}))
 
 def test_interpreted_kernels_match_reference():
     """Every output, the books (each kind of books among the cases) and the sizes included, by one
-    program and by programs of 16 rows (ids, cu and sizes in place too)."""
+    program and by programs of 16 rows (ids, cu and sizes in place too); and the same split in its
+    two halves with the new cu and sizes left aside (``compact_rows`` writes neither the sizes nor the
+    cu a fold beside it reads) and copied back by ``gather_rows``."""
     pytest.importorskip("triton")
     res = run_interpreted(INTERPRETED.format(tests=str(Path(__file__).resolve().parent)), timeout=900)
-    assert res["cases"] == 12 * len(CASES) + 2 and res["bad"] == [], res["bad"]
+    assert res["cases"] == 24 * len(CASES) + 2 and res["bad"] == [], res["bad"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 CASES = r"""
 import json, torch
-from timm_dora.engine.deletion_kernel import delete_rows_fused, delete_rows_reference
+from timm_dora.engine.deletion_kernel import compact_rows, delete_rows_fused, delete_rows_reference, gather_rows
 from timm_dora.engine.fold_kernel import fold_rows, fold_similarities, similarity_columns
 from timm_dora.engine.packing import fold_removed
 
@@ -83,7 +83,20 @@ for name, heads, hd, lengths, pad, p, classes in (("one_tile", 3, 16, [5, 1, 33,
     gathered_scratch = (torch.zeros(x.shape[0] + 3, x.shape[1]), torch.zeros(x.shape[0] + 3))
     gathered = deleted(delete_rows_fused, False, received=gathered_scratch)
     finished = deleted(delete_rows_reference, True)
+    # the compaction before the fold (EngineOptions.compact_beside_fold runs the two side by side):
+    # its new cu and sizes aside, so the fold reads the layout it folds in; the gather copies them
+    xs, s_in, ids, cu_in = x.clone(), sizes.clone(), torch.arange(x.shape[0]), cu.clone()
+    rows_out, lengths_out = torch.full_like(x, 7.0), torch.zeros(len(lengths), dtype=torch.long)
+    cu_aside, s_aside = torch.full_like(cu, -5), torch.full_like(sizes, -5.0)
+    index = compact_rows(remove, ids, ids, cu_in, removed, lengths_out, cu_aside, s_in, sizes_out=s_aside)
+    beside_scratch = (torch.zeros(x.shape[0], x.shape[1]), torch.zeros(x.shape[0]))
+    fold_rows(xs, keys, remove, s_in, cu_in, max(lengths), p, heads, out=xs, sizes_out=s_in, finish=False,
+              scratch=beside_scratch)
+    gather_rows(xs, index, rows_out, s_in, received=beside_scratch, sizes_from=s_aside, cu_from=cu_aside, cu_out=cu_in)
+    beside = [rows_out.nan_to_num(123.0), s_in, ids, cu_in, lengths_out]
     out[name] = {"in_gather_equal": [torch.equal(a, b) for a, b in zip(gathered, finished)],
+                 "beside_equal": [torch.equal(a, b) for a, b in zip(beside, finished)],
+                 "beside_scratch_zeros": not beside_scratch[0].any().item() and not beside_scratch[1].any().item(),
                  "in_gather_scratch_zeros": not gathered_scratch[0].any().item() and not gathered_scratch[1].any().item(),
                  "sim_max_abs_diff": sim_err, "sim_rows_past_untouched": bool(torch.isnan(sim[t:]).all()),
                  "picked_max_abs_diff": float((picked[:t] - ref_x[:t]).abs().max()),
@@ -118,6 +131,8 @@ def test_interpreted_fold_equals_the_pytorch_ops():
         assert case["picked_scratch_zeros"]
         # finished in the deletion's gather: rows, sizes, ids, layout all exactly as finished before it
         assert case["in_gather_equal"] == [True] * 5 and case["in_gather_scratch_zeros"]
+        # and with the compaction first, its layout aside: the same, exactly
+        assert case["beside_equal"] == [True] * 5 and case["beside_scratch_zeros"]
 
 
 def test_fold_kernel_says_what_it_cannot_fold():

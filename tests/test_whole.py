@@ -431,12 +431,13 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("kind", ["biased", "forced"])
-@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather"])
+@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather", "compact_beside_fold"])
 def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, monkeypatch):
     """``EngineOptions.fold_aside``: with merging, the fold's similarities made beside the decision
     and the match picked from them after the join give the graph that matches after the join;
-    ``fold_in_gather``: the fold finished in the deletion's gather gives the fold's own finish. Each:
-    the same decisions and sizes, the same logits up to the order of the fold's float32 atomics."""
+    ``fold_in_gather``: the fold finished in the deletion's gather gives the fold's own finish;
+    ``compact_beside_fold``: the deletion's compaction beside the fold gives the deletion after it.
+    Each: the same decisions and sizes, the same logits up to the order of the fold's float32 atomics."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
@@ -448,6 +449,9 @@ def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, m
         fold_rows = fold_kernel.fold_rows
         monkeypatch.setattr(fold_kernel, "fold_rows",
                             lambda *a, **k: (took.append(k.get("similarities") is not None), fold_rows(*a, **k))[1])
+    elif option == "compact_beside_fold":  # the compaction forked beside the fold
+        compaction = segments.compact_rows
+        monkeypatch.setattr(segments, "compact_rows", lambda *a, **k: (took.append(True), compaction(*a, **k))[1])
     else:  # the deletion that finishes the fold
         deletion = segments.delete_rows_fused
         monkeypatch.setattr(segments, "delete_rows_fused",

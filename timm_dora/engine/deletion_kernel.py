@@ -13,7 +13,10 @@ batches 1-16 (a few thousand rows) each costs launch latency, not bandwidth, so 
 
 The first also gathers the merged rows' sizes (``merge``) and, for the whole forward's graph,
 keeps its books (:class:`Books`: the history the next gates read, the block's record, the rows
-left for the plan's check), about ten more small kernels before.
+left for the plan's check), about ten more small kernels before. :func:`delete_rows_fused` runs
+both; :func:`compact_rows` and :func:`gather_rows` are the two halves, so that the first, which
+reads no row, can run beside the merging fold (``EngineOptions.compact_beside_fold``: its new
+``cu_seqlens`` and sizes left aside, where the fold does not read them, and copied back by the second).
 
 One program holds every row up to :data:`MAX_ROWS` (a planned whole graph of 16 images has
 16 * 197 = 3152), so the index needs no cross-program scan; above it (a planned graph of 320 Tiny
@@ -31,8 +34,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["MAX_ROWS", "BLOCK_ROWS", "Books", "fused_deletion_reason", "delete_rows_fused", "delete_rows_reference",
-           "keep_books_reference"]
+__all__ = ["MAX_ROWS", "BLOCK_ROWS", "Books", "fused_deletion_reason", "delete_rows_fused", "compact_rows",
+           "gather_rows", "delete_rows_reference", "keep_books_reference"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -166,15 +169,17 @@ if triton is not None:
             tl.store(LEFT + seq * 0, left + seq * 0, mask=(seq == 0) & head)
 
     @triton.jit
-    def _gather_rows(X, INDEX, OUT, rows, stride_x, stride_o, SIZES, ACC, MASS,
-                     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FOLD: tl.constexpr):
+    def _gather_rows(X, INDEX, OUT, rows, stride_x, stride_o, SIZES, SIZES_FROM, ACC, MASS, CU_FROM, CU_TO, n_cu,
+                     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FOLD: tl.constexpr,
+                     COPY_SIZES: tl.constexpr, COPY_CU: tl.constexpr, BLOCK_CU: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = r < rows
         src_row = tl.load(INDEX + r, mask=live, other=0).to(tl.int64)
         src = src_row * stride_x
         dst = r.to(tl.int64) * stride_o
+        if FOLD or COPY_SIZES:  # (_compact gathered the sizes already: into SIZES, or aside into SIZES_FROM)
+            size = tl.load(SIZES_FROM + r, mask=live, other=1.0)
         if FOLD:  # the fold's finish (fold_kernel._finish) on the way: the rows that received
-            size = tl.load(SIZES + r, mask=live, other=1.0)  # (_compact gathered the sizes already)
             extra = tl.load(MASS + src_row, mask=live, other=0.0)
             got = live & (extra > 0)
         for c0 in tl.static_range(0, D, BLOCK_D):
@@ -191,6 +196,12 @@ if triton is not None:
             tl.debug_barrier()
             tl.store(SIZES + r, size + extra, mask=live)
             tl.store(MASS + src_row, tl.zeros_like(extra), mask=got)
+        elif COPY_SIZES:
+            tl.store(SIZES + r, size, mask=live)
+        if COPY_CU:  # the new cu_seqlens[1:] from where _compact left them, by the first program
+            c = 1 + tl.arange(0, BLOCK_CU)
+            mine = (c < n_cu) & ((c * 0 + tl.program_id(0)) == 0)
+            tl.store(CU_TO + c, tl.load(CU_FROM + c, mask=mine, other=0), mask=mine)
 
 
 def fused_deletion_reason(x: torch.Tensor, remove: torch.Tensor) -> Optional[str]:
@@ -288,8 +299,8 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
                       books: Optional[Books] = None, block_rows: Optional[int] = None,
                       received: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """:func:`delete_rows_reference` in two Triton kernels (the same arguments and results, the
-    index as int32; the sizes and the books in the first). Raises ``ValueError`` where
-    :func:`fused_deletion_reason` says why not.
+    index as int32; the sizes and the books in the first): :func:`compact_rows`, then
+    :func:`gather_rows`. Raises ``ValueError`` where :func:`fused_deletion_reason` says why not.
 
     Above :data:`MAX_ROWS` rows (or with ``block_rows``: the tests' small blocks) the index is
     made by programs of ``block_rows`` (default :data:`BLOCK_ROWS`) rows each, after a kernel that
@@ -307,19 +318,21 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
     why = fused_deletion_reason(x, remove)
     if why is not None:
         raise ValueError(f"delete_rows_fused: {why}")
+    _check_gather(x, out, sizes, received, None, None, None)
+    index = compact_rows(remove, ids, ids_out, cu, removed, lengths_out, cu_out, sizes, books=books,
+                         block_rows=block_rows)
+    gather_rows(x, index, out, sizes, received=received)
+    return index
+
+
+def _check_gather(x: torch.Tensor, out: torch.Tensor, sizes: Optional[torch.Tensor],
+                  received: Optional[Tuple[torch.Tensor, torch.Tensor]], sizes_from: Optional[torch.Tensor],
+                  cu_from: Optional[torch.Tensor], cu_out: Optional[torch.Tensor]) -> None:
+    """:func:`gather_rows`'s arguments, checked before anything is written."""
     rows, d = x.shape
-    _check_layout(rows, ids, ids_out, cu, removed, lengths_out, cu_out)
     if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != d or out.stride(1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"out must be [>= {rows}, {d}] {x.dtype} with unit column stride, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    if not (ids.is_contiguous() and ids_out.is_contiguous() and cu.is_contiguous() and cu_out.is_contiguous()
-            and removed.is_contiguous() and lengths_out.is_contiguous()):
-        raise ValueError("delete_rows_fused: ids, cu, removed and the outputs must be contiguous")
-    b = removed.shape[0]
-    if sizes is not None and (sizes.shape != (rows,) or sizes.dtype != torch.float32 or not sizes.is_contiguous()):
-        raise ValueError(f"delete_rows_fused: sizes must be a contiguous [{rows}] float32 vector")
-    if books is not None:
-        _check_books(books, rows, b)
     if received is not None:
         acc, mass = received
         if sizes is None or acc.dim() != 2 or acc.shape[0] < rows or acc.shape[1] != d or not acc.is_contiguous() \
@@ -327,18 +340,56 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
                 or mass.dtype != torch.float32 or not mass.is_contiguous():
             raise ValueError(f"delete_rows_fused: received must be a contiguous float32 [>= {rows}, {d}] accumulator "
                              f"and [>= {rows}] mass, with the sizes")
-    index = torch.empty(rows, dtype=torch.int32, device=x.device)
+    for name, t in (("sizes", sizes), ("sizes_from", sizes_from)):
+        if t is not None and (t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError(f"delete_rows_fused: {name} must be a contiguous [{rows}] float32 vector")
+    if sizes_from is not None and sizes is None:
+        raise ValueError("gather_rows: sizes_from is copied into sizes, which must be given")
+    if (cu_from is None) != (cu_out is None) or (cu_from is not None and (
+            cu_from.shape != cu_out.shape or cu_from.dim() != 1 or cu_from.dtype != cu_out.dtype
+            or not (cu_from.is_contiguous() and cu_out.is_contiguous()))):
+        raise ValueError("gather_rows: cu_from and cu_out come together, contiguous vectors of one shape and dtype")
+
+
+def compact_rows(remove: torch.Tensor, ids: torch.Tensor, ids_out: torch.Tensor, cu: torch.Tensor,
+                 removed: torch.Tensor, lengths_out: torch.Tensor, cu_out: torch.Tensor,
+                 sizes: Optional[torch.Tensor] = None, sizes_out: Optional[torch.Tensor] = None,
+                 books: Optional[Books] = None, block_rows: Optional[int] = None,
+                 index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`delete_rows_fused`'s first kernel (or, above :data:`MAX_ROWS` rows, three): the
+    gather index ``[rows]`` int32 (into ``index`` when given), the ids, the new lengths and
+    ``cu_out``, the sizes gathered into ``sizes_out`` (default: ``sizes``, in place) and the books.
+    It reads no row of ``x``: with ``cu_out`` and ``sizes_out`` other than what a fold reads (``cu``,
+    ``sizes``), it can run beside the fold, and :func:`gather_rows` copies them back
+    (``EngineOptions.compact_beside_fold``)."""
+    rows = remove.shape[0]
+    _check_layout(rows, ids, ids_out, cu, removed, lengths_out, cu_out)
+    if not (ids.is_contiguous() and ids_out.is_contiguous() and cu.is_contiguous() and cu_out.is_contiguous()
+            and removed.is_contiguous() and lengths_out.is_contiguous()):
+        raise ValueError("delete_rows_fused: ids, cu, removed and the outputs must be contiguous")
+    b = removed.shape[0]
+    sizes_out = sizes if sizes_out is None else sizes_out
+    for name, t in (("sizes", sizes), ("sizes_out", sizes_out)):
+        if t is not None and (t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError(f"delete_rows_fused: {name} must be a contiguous [{rows}] float32 vector")
+    if books is not None:
+        _check_books(books, rows, b)
+    if index is None:
+        index = torch.empty(rows, dtype=torch.int32, device=remove.device)
+    elif index.shape != (rows,) or index.dtype != torch.int32 or not index.is_contiguous():
+        raise ValueError(f"compact_rows: index must be a contiguous [{rows}] int32 vector")
     multi = block_rows is not None or rows > MAX_ROWS
     k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 5), 0)  # (unused pointers)
     if multi:
         block_t = triton.next_power_of_2(block_rows or BLOCK_ROWS)
         n_blocks = max(1, triton.cdiv(rows, block_t))  # (no rows: one program still writes the layout)
-        counts = torch.empty(n_blocks, dtype=torch.int32, device=x.device)
+        counts = torch.empty(n_blocks, dtype=torch.int32, device=remove.device)
         _block_counts[(n_blocks,)](remove, counts, rows, BLOCK_T=block_t, num_warps=8 if block_t > 1024 else 4)
-        ids_into, sizes_into = torch.empty_like(ids_out), None if sizes is None else torch.empty_like(sizes)
+        ids_into = torch.empty_like(ids_out)
+        sizes_into = None if sizes is None else (torch.empty_like(sizes) if sizes_out is sizes else sizes_out)
     else:
         block_t, n_blocks, counts = triton.next_power_of_2(max(rows, 1)), 1, remove
-        ids_into, sizes_into = ids_out, sizes
+        ids_into, sizes_into = ids_out, sizes_out
     _compact[(n_blocks,)](remove, ids, ids_into, index, cu, removed, lengths_out, cu_out, rows, b,
                           sizes if sizes is not None else remove, sizes_into if sizes is not None else remove,
                           k.gate, k.flops, k.n_visual, k.rho, k.interventions,
@@ -348,14 +399,31 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
                           BLOCK_NB=triton.next_power_of_2(n_blocks), num_warps=8 if block_t > 1024 else 4)
     if multi:
         ids_out.copy_(ids_into)
-        if sizes is not None:
-            sizes.copy_(sizes_into)
-    block_r = 16
-    if rows:
-        fold = received is not None
-        _gather_rows[(triton.cdiv(rows, block_r),)](x, index, out, rows, x.stride(0), out.stride(0),
-                                                     sizes if fold else x, received[0] if fold else x,
-                                                     received[1] if fold else x, D=d,
-                                                     BLOCK_R=block_r, BLOCK_D=min(256, triton.next_power_of_2(d)),
-                                                     FOLD=fold, num_warps=4)
+        if sizes is not None and sizes_into is not sizes_out:
+            sizes_out.copy_(sizes_into)
     return index
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, sizes: Optional[torch.Tensor] = None,
+                received: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                sizes_from: Optional[torch.Tensor] = None, cu_from: Optional[torch.Tensor] = None,
+                cu_out: Optional[torch.Tensor] = None) -> None:
+    """:func:`delete_rows_fused`'s second kernel: the rows of ``x`` ``[rows, d]`` by ``index``
+    (:func:`compact_rows`'s) into ``out``'s first ``rows`` rows; with ``received``, the fold's
+    finish on the way (``sizes`` required, see :func:`delete_rows_fused`). Where
+    :func:`compact_rows` left the compacted sizes in ``sizes_from`` and the new cu_seqlens in
+    ``cu_from`` (beside a fold), they are copied into ``sizes`` and ``cu_out[1:]`` on the way."""
+    _check_gather(x, out, sizes, received, sizes_from, cu_from, cu_out)
+    rows, d = x.shape
+    if index.shape != (rows,) or index.dtype != torch.int32:
+        raise ValueError(f"gather_rows: index must be [{rows}] int32, got {index.dtype} {tuple(index.shape)}")
+    fold, n_cu = received is not None, 0 if cu_out is None else cu_out.shape[0]
+    grid = max(triton.cdiv(rows, 16), 1 if n_cu else 0)  # (no rows: one program still copies cu)
+    if grid:
+        _gather_rows[(grid,)](x, index, out, rows, x.stride(0), out.stride(0),
+                              sizes if sizes is not None else x, sizes_from if sizes_from is not None else
+                              (sizes if sizes is not None else x), received[0] if fold else x,
+                              received[1] if fold else x, cu_from if n_cu else index, cu_out if n_cu else index,
+                              n_cu, D=d, BLOCK_R=16, BLOCK_D=min(256, triton.next_power_of_2(d)), FOLD=fold,
+                              COPY_SIZES=sizes_from is not None, COPY_CU=n_cu > 0,
+                              BLOCK_CU=triton.next_power_of_2(max(n_cu, 1)), num_warps=4)

@@ -127,6 +127,14 @@ class EngineOptions:
     # at 1 / 4 / 16 images, ViT-Ti +2.0 / +4.3 / -1.3 %. Above MAX_ROWS and at 768 wide, cuBLAS and
     # ATen's GELU are faster (benchmarks/results/gelu_tiles_h200.json.gz). False: timm's Mlp
     fused_gelu: bool = True
+    # with fold_in_gather in the whole graph, the deletion's compaction (the survivors' index, the
+    # ids, the new layout, the books) runs on the Aside stream beside the fold's match and scatter,
+    # which it does not wait for: it reads only the decision's flags, and leaves the new cu_seqlens
+    # and sizes aside for the gather to copy back (deletion_kernel.compact_rows, gather_rows). By
+    # construction about 2 us (one image) to 8 us (16 images) off each controller block's chain on
+    # an H200 (the compaction's time, kernel_timeline_deit_tiny_h200.json.gz). Off until measured on
+    # a GPU; False: the fold, then the deletion's two kernels
+    compact_beside_fold: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
 from .options import active
 from .attention import BACKEND_INFO, varlen_attention
-from .deletion_kernel import Books, delete_rows_fused, delete_rows_reference, fused_deletion_reason
+from .deletion_kernel import Books, compact_rows, delete_rows_fused, delete_rows_reference, fused_deletion_reason, gather_rows
 from .fold_kernel import fold_similarities
 from .packing import fold_kernel_applies, fold_removed
 from .protocol import BlockContext
@@ -405,10 +405,6 @@ class Segments:
             # 0, which the rows past the survivors copy, is then a prefix row (never folded into)
             in_gather = (r.merge and fused and p > 0 and active().fold_in_gather and n == rows
                          and r.fold_scratch is not None and fold_kernel_applies(r.xa[:n], keys, blk.attn.num_heads))
-            if r.merge:  # the removed rows folded into their survivors first (in place, in xa)
-                fold_removed(r.xa[:n], keys, remove[:n], r.sizes[:n], cu, r.seq, p, blk.attn.num_heads,
-                             out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch, similarities=similarities,
-                             finish=not in_gather)
             # the deletion in the same graph (the rows padded past the last sequence are never
             # removed: they follow the survivors), the new layout (ids and cu compacted in place),
             # and the new lengths to the host, the only value it waits for before the survivors' MLP
@@ -420,10 +416,28 @@ class Segments:
                 rec, (n_visual, rho, interventions) = r.record, r.history_in
                 kept_books = Books(gate, r.ctrl_out[2], n_visual, rho, interventions, first, rec.counts[1, l],
                                    rec.flops[l], rec.ids[l], rec.remove[l], rec.left[l:l + 1], bound)
-            (delete_rows_fused if fused else delete_rows_reference)(
-                r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], before, removed, r.lengths, r.cu,
-                r.sizes[:rows] if r.merge else None, kept_books,
-                **({"received": r.fold_scratch} if in_gather else {}))
+            # (EngineOptions.compact_beside_fold) the deletion's compaction on the Aside stream beside
+            # the fold: it reads only the decision's flags, and leaves the new cu and sizes aside
+            # (the fold reads the old ones), which the gather copies back after the join
+            beside = in_gather and active().compact_beside_fold and getattr(r, "aside", None) is not None
+            if beside:
+                index = torch.empty(rows, dtype=torch.int32, device=remove.device)  # (the block's stream's)
+                cu_aside, sizes_aside = r.layout_aside[0], r.layout_aside[1][:rows]
+                aside(r, lambda: compact_rows(remove, ids, r.ids[:rows], before, removed, r.lengths, cu_aside,
+                                              r.sizes[:rows], sizes_out=sizes_aside, books=kept_books, index=index))
+            if r.merge:  # the removed rows folded into their survivors first (in place, in xa)
+                fold_removed(r.xa[:n], keys, remove[:n], r.sizes[:n], cu, r.seq, p, blk.attn.num_heads,
+                             out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch, similarities=similarities,
+                             finish=not in_gather)
+            if beside:
+                r.aside.join()
+                gather_rows(r.xa[:rows], index, r.x[l % 2], r.sizes[:rows], received=r.fold_scratch,
+                            sizes_from=sizes_aside, cu_from=cu_aside, cu_out=r.cu)
+            else:
+                (delete_rows_fused if fused else delete_rows_reference)(
+                    r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], before, removed, r.lengths, r.cu,
+                    r.sizes[:rows] if r.merge else None, kept_books,
+                    **({"received": r.fold_scratch} if in_gather else {}))
             if r.host_reads:
                 r.lengths_host.copy_(r.lengths, non_blocking=r.capture)
                 if r.capture:
