@@ -166,6 +166,15 @@ def test_limits_are_checked():
         b = torch.zeros(1, dtype=torch.long)
         delete_rows_fused(x, torch.zeros(MAX_ROWS + 1, dtype=torch.uint8), x.clone(), b, b,
                           torch.zeros(2, dtype=torch.int32), b, b, torch.zeros(2, dtype=torch.int32))
+    # the sizes, in either half, before anything is written
+    from timm_dora.engine.deletion_kernel import compact_rows
+    four, one, cu = torch.zeros(4, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"delete_rows_fused: sizes must be a contiguous \[4\] float32 vector"):
+        delete_rows_fused(x[:4], torch.zeros(4, dtype=torch.bool), x[:4].clone(), four, four.clone(), cu, one, one,
+                          cu.clone(), torch.ones(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"delete_rows_fused: sizes_out must be a contiguous \[4\] float32 vector"):
+        compact_rows(torch.zeros(4, dtype=torch.bool), four, four.clone(), cu, one, one, cu.clone(), torch.ones(4),
+                     sizes_out=torch.ones(3))
 
 
 INTERPRETED = r"""

@@ -325,6 +325,13 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
     return index
 
 
+def _check_sizes(rows: int, **vectors: Optional[torch.Tensor]) -> None:
+    """Each given vector of sizes: a contiguous ``[rows]`` float32 vector."""
+    for name, t in vectors.items():
+        if t is not None and (t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError(f"delete_rows_fused: {name} must be a contiguous [{rows}] float32 vector")
+
+
 def _check_gather(x: torch.Tensor, out: torch.Tensor, sizes: Optional[torch.Tensor],
                   received: Optional[Tuple[torch.Tensor, torch.Tensor]], sizes_from: Optional[torch.Tensor],
                   cu_from: Optional[torch.Tensor], cu_out: Optional[torch.Tensor]) -> None:
@@ -340,9 +347,7 @@ def _check_gather(x: torch.Tensor, out: torch.Tensor, sizes: Optional[torch.Tens
                 or mass.dtype != torch.float32 or not mass.is_contiguous():
             raise ValueError(f"delete_rows_fused: received must be a contiguous float32 [>= {rows}, {d}] accumulator "
                              f"and [>= {rows}] mass, with the sizes")
-    for name, t in (("sizes", sizes), ("sizes_from", sizes_from)):
-        if t is not None and (t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous()):
-            raise ValueError(f"delete_rows_fused: {name} must be a contiguous [{rows}] float32 vector")
+    _check_sizes(rows, sizes=sizes, sizes_from=sizes_from)
     if sizes_from is not None and sizes is None:
         raise ValueError("gather_rows: sizes_from is copied into sizes, which must be given")
     if (cu_from is None) != (cu_out is None) or (cu_from is not None and (
@@ -369,9 +374,7 @@ def compact_rows(remove: torch.Tensor, ids: torch.Tensor, ids_out: torch.Tensor,
         raise ValueError("delete_rows_fused: ids, cu, removed and the outputs must be contiguous")
     b = removed.shape[0]
     sizes_out = sizes if sizes_out is None else sizes_out
-    for name, t in (("sizes", sizes), ("sizes_out", sizes_out)):
-        if t is not None and (t.shape != (rows,) or t.dtype != torch.float32 or not t.is_contiguous()):
-            raise ValueError(f"delete_rows_fused: {name} must be a contiguous [{rows}] float32 vector")
+    _check_sizes(rows, sizes=sizes, sizes_out=sizes_out)
     if books is not None:
         _check_books(books, rows, b)
     if index is None:
