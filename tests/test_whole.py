@@ -11,7 +11,7 @@ import timm_dora
 from timm_dora import NoPrune
 from timm_dora.engine import graphs as graphs_module
 from timm_dora.engine import patch as patch_module
-from timm_dora.engine import fold_kernel, segments, whole
+from timm_dora.engine import deletion_kernel, fold_kernel, segments, whole
 from timm_dora.engine.flops import native_gflops
 from timm_dora.engine.options import EngineOptions
 
@@ -431,17 +431,22 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("kind", ["biased", "forced"])
-@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather", "compact_beside_fold"])
-def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, monkeypatch):
+@pytest.mark.parametrize("option, batch", [("fold_aside", 8), ("fold_in_gather", 8), ("compact_beside_fold", 8),
+                                           ("compact_beside_fold", 512)])
+def test_fold_options_give_the_fold_they_replace(option, batch, kind, engine_options, monkeypatch):
     """``EngineOptions.fold_aside``: with merging, the fold's similarities made beside the decision
     and the match picked from them after the join give the graph that matches after the join;
     ``fold_in_gather``: the fold finished in the deletion's gather gives the fold's own finish;
-    ``compact_beside_fold``: the deletion's compaction beside the fold gives the deletion after it.
+    ``compact_beside_fold``: the deletion's compaction beside the fold gives the deletion after it
+    (at 8 images forced on; at 512, 8,704 rows, its default, which applies above
+    ``deletion_kernel.MAX_ROWS``: the compaction's multi-program form, its sizes straight aside).
     Each: the same decisions and sizes, the same logits up to the order of the fold's float32 atomics."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
-    xs = [images(model, 8, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
+    xs = [images(model, batch, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
+    if batch > 8:  # more rows than one compaction program holds, and than the similarities' buffer
+        assert xs[0].shape[0] * (model.patch_embed.num_patches + 1) > deletion_kernel.MAX_ROWS
     runs, used, made, took = {}, {}, [], []
     similarities = segments.fold_similarities
     monkeypatch.setattr(segments, "fold_similarities", lambda *a, **k: (made.append(1), similarities(*a, **k))[1])
@@ -459,12 +464,12 @@ def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, m
     for on in (False, True):
         made.clear()
         took.clear()
-        engine_options(**{option: on}, rows_bucket=1)
+        engine_options(**{option: on if batch == 8 else (None if on else False)}, rows_bucket=1)
         timm_dora.wrap(model, actor=actor, merge=True)
         with torch.inference_mode():
             runs[on] = [(model(x).clone(), model.dora_stats) for x in xs]
             runner = next(iter(model._dora.graphs.values()))
-            assert runner.plan is not None and runner.fold_sim is not None
+            assert runner.plan is not None and (runner.fold_sim is not None) == (batch == 8)
             used[on] = bool(any(runner.plan.controls))
         timm_dora.unwrap(model)
         if option == "fold_aside":

@@ -130,11 +130,14 @@ class EngineOptions:
     # with fold_in_gather in the whole graph, the deletion's compaction (the survivors' index, the
     # ids, the new layout, the books) runs on the Aside stream beside the fold's match and scatter,
     # which it does not wait for: it reads only the decision's flags, and leaves the new cu_seqlens
-    # and sizes aside for the gather to copy back (deletion_kernel.compact_rows, gather_rows). By
-    # construction about 2 us (one image) to 8 us (16 images) off each controller block's chain on
-    # an H200 (the compaction's time, kernel_timeline_deit_tiny_h200.json.gz). Off until measured on
-    # a GPU; False: the fold, then the deletion's two kernels
-    compact_beside_fold: bool = False
+    # and sizes aside for the gather to copy back (deletion_kernel.compact_rows, gather_rows).
+    # None: above deletion_kernel.MAX_ROWS rows, where the compaction is three kernels and its sizes
+    # go straight into the aside buffer (one copy kernel fewer). One H200, merging DeiT-Ti: 3.96 ->
+    # 3.81 ms a forward of 320 images (0.744 -> 0.772 of the captured oracle); requests of 1 / 2 /
+    # 8 / 16 images -11 / +10 / +3 / -8 % images/s, p50 0.69 -> 0.80 ms at one image
+    # (benchmarks/results/compact_beside_fold_h200.json.gz). True: at every size; False: the fold,
+    # then the deletion's two kernels
+    compact_beside_fold: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):

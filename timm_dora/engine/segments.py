@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from .blocks import attention_keys, attention_residual, final_norm, mlp_residual, readout
 from .options import active
 from .attention import BACKEND_INFO, varlen_attention
+from .deletion_kernel import MAX_ROWS as DELETION_MAX_ROWS
 from .deletion_kernel import Books, compact_rows, delete_rows_fused, delete_rows_reference, fused_deletion_reason, gather_rows
 from .fold_kernel import fold_similarities
 from .packing import fold_kernel_applies, fold_removed
@@ -419,7 +420,9 @@ class Segments:
             # (EngineOptions.compact_beside_fold) the deletion's compaction on the Aside stream beside
             # the fold: it reads only the decision's flags, and leaves the new cu and sizes aside
             # (the fold reads the old ones), which the gather copies back after the join
-            beside = in_gather and active().compact_beside_fold and getattr(r, "aside", None) is not None
+            beside_option = active().compact_beside_fold
+            beside = (in_gather and getattr(r, "aside", None) is not None
+                      and (beside_option or (beside_option is None and rows > DELETION_MAX_ROWS)))
             if beside:
                 index = torch.empty(rows, dtype=torch.int32, device=remove.device)  # (the block's stream's)
                 cu_aside, sizes_aside = r.layout_aside[0], r.layout_aside[1][:rows]
