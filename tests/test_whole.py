@@ -16,7 +16,7 @@ from timm_dora.engine.flops import native_gflops
 from timm_dora.engine.options import EngineOptions
 
 from helpers import engine_options  # noqa: F401 (fixture)
-from helpers import SMALL_FAMILIES, images, kind_actor, make_model
+from helpers import SMALL_FAMILIES, gate_forced_actor, images, kind_actor, make_model
 
 
 @pytest.fixture
@@ -431,22 +431,18 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("kind", ["biased", "forced"])
-@pytest.mark.parametrize("option, batch", [("fold_aside", 8), ("fold_in_gather", 8), ("compact_beside_fold", 8),
-                                           ("compact_beside_fold", 512)])
-def test_fold_options_give_the_fold_they_replace(option, batch, kind, engine_options, monkeypatch):
+@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather", "compact_beside_fold"])
+def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, monkeypatch):
     """``EngineOptions.fold_aside``: with merging, the fold's similarities made beside the decision
     and the match picked from them after the join give the graph that matches after the join;
     ``fold_in_gather``: the fold finished in the deletion's gather gives the fold's own finish;
-    ``compact_beside_fold``: the deletion's compaction beside the fold gives the deletion after it
-    (at 8 images forced on; at 512, 8,704 rows, its default, which applies above
-    ``deletion_kernel.MAX_ROWS``: the compaction's multi-program form, its sizes straight aside).
-    Each: the same decisions and sizes, the same logits up to the order of the fold's float32 atomics."""
+    ``compact_beside_fold`` (forced on): the deletion's compaction beside the fold gives the
+    deletion after it. Each: the same decisions and sizes, the same logits up to the order of the
+    fold's float32 atomics."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
-    xs = [images(model, batch, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
-    if batch > 8:  # more rows than one compaction program holds, and than the similarities' buffer
-        assert xs[0].shape[0] * (model.patch_embed.num_patches + 1) > deletion_kernel.MAX_ROWS
+    xs = [images(model, 8, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1, 3)]
     runs, used, made, took = {}, {}, [], []
     similarities = segments.fold_similarities
     monkeypatch.setattr(segments, "fold_similarities", lambda *a, **k: (made.append(1), similarities(*a, **k))[1])
@@ -464,12 +460,12 @@ def test_fold_options_give_the_fold_they_replace(option, batch, kind, engine_opt
     for on in (False, True):
         made.clear()
         took.clear()
-        engine_options(**{option: on if batch == 8 else (None if on else False)}, rows_bucket=1)
+        engine_options(**{option: on}, rows_bucket=1)
         timm_dora.wrap(model, actor=actor, merge=True)
         with torch.inference_mode():
             runs[on] = [(model(x).clone(), model.dora_stats) for x in xs]
             runner = next(iter(model._dora.graphs.values()))
-            assert runner.plan is not None and (runner.fold_sim is not None) == (batch == 8)
+            assert runner.plan is not None and runner.fold_sim is not None
             used[on] = bool(any(runner.plan.controls))
         timm_dora.unwrap(model)
         if option == "fold_aside":
@@ -480,3 +476,46 @@ def test_fold_options_give_the_fold_they_replace(option, batch, kind, engine_opt
         torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=3e-2)
         for field in ("tokens", "gate", "removed"):
             assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
+def test_compaction_beside_fold_by_default_above_max_rows(engine_options, monkeypatch):
+    """``EngineOptions.compact_beside_fold``'s default (``None``) forks the compaction beside the
+    fold above ``deletion_kernel.MAX_ROWS`` rows (here 512 images of 17 tokens, 8,704 rows: the
+    compaction's multi-program form, its sizes straight into the aside buffer), not below; it gives
+    the deletion after the fold. One controller block (1), so that the decisions come before any
+    fold: with more, the fold's float32 atomics, in another order per run, may flip a later near-tie
+    of the scores at this many images (then even two runs of one graph differ)."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw).to("cuda", torch.bfloat16)
+    actor = gate_forced_actor(model, [1]).to("cuda", torch.bfloat16)
+    xs = [images(model, 512, seed=s).to("cuda", torch.bfloat16) for s in (1, 2, 1)]
+    assert xs[0].shape[0] * (model.patch_embed.num_patches + 1) > deletion_kernel.MAX_ROWS
+    took = []
+    compaction = segments.compact_rows
+    monkeypatch.setattr(segments, "compact_rows", lambda *a, **k: (took.append(True), compaction(*a, **k))[1])
+    runs = {}
+    for option in (False, None):
+        took.clear()
+        engine_options(compact_beside_fold=option, rows_bucket=1)
+        timm_dora.wrap(model, actor=actor, merge=True)
+        with torch.inference_mode():
+            runs[option] = [(model(x).clone(), model.dora_stats) for x in xs]
+            runner = next(iter(model._dora.graphs.values()))
+            assert runner.plan is not None and any(runner.plan.controls)
+        timm_dora.unwrap(model)
+        assert any(took) == (option is None)
+    removed = 0
+    for (oa, sa), (ob, sb) in zip(runs[None], runs[False], strict=True):
+        torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=3e-2)
+        for field in ("tokens", "gate", "removed"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+        removed += int(sa.removed.sum())
+    assert removed > 0
+    took.clear()  # and by default not below MAX_ROWS (8 images, 136 rows)
+    engine_options(rows_bucket=1)
+    timm_dora.wrap(model, actor=actor, merge=True)
+    with torch.inference_mode():
+        model(xs[0][:8])
+    assert model.dora_stats.removed.sum() > 0 and not took
+    timm_dora.unwrap(model)
