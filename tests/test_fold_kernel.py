@@ -269,3 +269,26 @@ def test_cuda_fold_finished_in_the_gather_equals_its_own_finish():
             assert torch.equal(a, b)
         torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2)
         assert not scratch[0].any() and not scratch[1].any()  # (left zeros for the next fold)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fold_in_place_equals_the_ops_run_after_run(engine_options):
+    """The fold finished by its own kernel, in place (``out`` the rows, ``sizes_out`` the sizes, as
+    the graphs run it) at a batch's size (64 images of 197 rows), equals the PyTorch ops fold run
+    after run: the finish's warps all read a row's size and mass before any rewrites them (without
+    that, on an H200, hundreds of rows came out wrong by up to 3, differently each run)."""
+    from timm_dora.engine.fold_kernel import fold_rows
+    scope = {}
+    exec(CASES.split("out = {}")[0], scope)
+    lengths = [197] * 64
+    # one-hot keys: exact similarities, so the ops and the kernels pick the same targets
+    (x, keys, remove, sizes, cu), t = scope["case"](3, 64, lengths, 0, 1, 0, device="cuda", classes=7)
+    engine_options(fold_kernel=False)
+    ref_x, ref_s = packing.fold_removed(x, keys, remove, sizes, cu, 197, 1, 3)
+    scratch = (torch.zeros(t, x.shape[1], device="cuda"), torch.zeros(t, device="cuda"))
+    for _ in range(5):
+        xs, s_in = x.clone(), sizes.clone()
+        fold_rows(xs, keys, remove, s_in, cu, 197, 1, 3, out=xs, sizes_out=s_in, scratch=scratch)
+        torch.testing.assert_close(xs, ref_x, rtol=1e-5, atol=1e-5)
+        assert torch.equal(s_in, ref_s)
+        assert not scratch[0].any() and not scratch[1].any()

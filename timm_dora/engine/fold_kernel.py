@@ -17,7 +17,8 @@ the published merging actor's forward. Here:
   what the float32 round trip of the ops gives after rounding to half precision); then the
   accumulator and the mass back to zeros where the scatter wrote, so that a caller's ``scratch``
   serves the next fold without a memset (the sizes may be updated in place: each row's size is read
-  and written by one program, after the scatter read the removed rows').
+  and written by one program, after the scatter read the removed rows', and written only after a
+  barrier, since every warp of the program reads it).
 
 With precomputed similarities (:func:`fold_similarities`, ``EngineOptions.fold_aside``: the captured
 graph makes them beside the actor's decision, since they need none) :func:`_pick` replaces the match
@@ -194,7 +195,6 @@ if triton is not None:
         real = r < tl.load(CU + batch)
         size = tl.load(SIZES + r, mask=real, other=1.0)
         extra = tl.load(MASS + r, mask=real, other=0.0)
-        tl.store(NEW_SIZES + r, size + extra, mask=real)
         got = real & (extra > 0)
         for c0 in tl.static_range(0, D, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
@@ -208,6 +208,12 @@ if triton is not None:
                 tl.store(OUT + r[:, None] * so_t + c[None, :], y, mask=got[:, None] & inside)
             # the accumulator back to zeros where the scatter wrote (only rows that received)
             tl.store(ACC + r[:, None] * D + c[None, :], tl.zeros_like(acc), mask=got[:, None] & inside)
+        # the sizes and the mass are read by every warp (a row's size reaches each thread of its
+        # row), and NEW_SIZES may be SIZES: all reads done before either is rewritten. (Without
+        # this barrier, a warp ahead rewrote a row's size or zeroed its mass before another read
+        # them: in place, hundreds of rows of 12,608 came out wrong, differently each run, on an H200.)
+        tl.debug_barrier()
+        tl.store(NEW_SIZES + r, size + extra, mask=real)
         tl.store(MASS + r, tl.zeros_like(extra), mask=got)
 
 
