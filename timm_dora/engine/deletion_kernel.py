@@ -190,6 +190,9 @@ if triton is not None:
                 fm = got[:, None] & (cs < D)[None, :]
                 acc = tl.load(ACC + src_row[:, None] * D + cs[None, :], mask=fm, other=0.0)
                 v = _received_mean(v, size, extra, acc, got)  # (the fold's own finish, fold_kernel._finish)
+                # (every warp's loads of the sums done before any is zeroed: the store's layout
+                # may not be the load's, as in fold_kernel._finish)
+                tl.debug_barrier()
                 tl.store(ACC + src_row[:, None] * D + cs[None, :], tl.zeros_like(acc), mask=fm)  # (back to zeros)
             tl.store(OUT + dst[:, None] + cs[None, :], v, mask=m)
         if FOLD:  # (every warp's reads of the sizes and the mass done before any is rewritten)

@@ -202,16 +202,20 @@ if triton is not None:
             x = tl.load(X + r[:, None] * sx_t + c[None, :], mask=real[:, None] & inside, other=0.0)
             acc = tl.load(ACC + r[:, None] * D + c[None, :], mask=got[:, None] & inside, other=0.0)
             y = _received_mean(x, size, extra, acc, got)
+            # the chunk's loads by every warp done before any store: the compiler may store in
+            # another layout than it loaded (the bf16 rows and the float32 sums), so a thread can
+            # rewrite an element (OUT may be X) or zero a sum that another thread has yet to read
+            tl.debug_barrier()
             if COPY:
                 tl.store(OUT + r[:, None] * so_t + c[None, :], y, mask=real[:, None] & inside)
             else:  # in place: only the rows that change
                 tl.store(OUT + r[:, None] * so_t + c[None, :], y, mask=got[:, None] & inside)
             # the accumulator back to zeros where the scatter wrote (only rows that received)
             tl.store(ACC + r[:, None] * D + c[None, :], tl.zeros_like(acc), mask=got[:, None] & inside)
-        # the sizes and the mass are read by every warp (a row's size reaches each thread of its
-        # row), and NEW_SIZES may be SIZES: all reads done before either is rewritten. (Without
-        # this barrier, a warp ahead rewrote a row's size or zeroed its mass before another read
-        # them: in place, hundreds of rows of 12,608 came out wrong, differently each run, on an H200.)
+        # likewise the sizes and the mass, which every warp reads (a row's size reaches each thread
+        # of its row; NEW_SIZES may be SIZES). Without these barriers a warp ahead rewrote what
+        # another had yet to read: on an H200, run after run, a different 2-8 % of the rows that
+        # received came out wrong, by up to 3 (32 images of 197 rows and more)
         tl.debug_barrier()
         tl.store(NEW_SIZES + r, size + extra, mask=real)
         tl.store(MASS + r, tl.zeros_like(extra), mask=got)
