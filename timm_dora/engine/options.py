@@ -132,9 +132,10 @@ class EngineOptions:
     # which it does not wait for: it reads only the decision's flags, and leaves the new cu_seqlens
     # and sizes aside for the gather to copy back (deletion_kernel.compact_rows, gather_rows).
     # None: above deletion_kernel.MAX_ROWS rows, where the compaction is three kernels and its sizes
-    # go straight into the aside buffer (one copy kernel fewer). One H200, merging DeiT-Ti: 3.96 ->
-    # 3.81 ms a forward of 320 images (0.744 -> 0.772 of the captured oracle); requests of 1 / 2 /
-    # 8 / 16 images -11 / +10 / +3 / -8 % images/s, p50 0.69 -> 0.80 ms at one image
+    # go straight into the aside buffer (one copy kernel fewer). One H200, merging DeiT-Ti: 3.84 ->
+    # 3.72 ms a forward of 320 images (0.755 -> 0.778 of the captured oracle;
+    # benchmarks/results/fold_race_h200.json.gz); requests of 1 / 2 / 8 / 16 images -11 / +10 / +3
+    # / -8 % images/s, p50 0.69 -> 0.80 ms at one image
     # (benchmarks/results/compact_beside_fold_h200.json.gz). True: at every size; False: the fold,
     # then the deletion's two kernels
     compact_beside_fold: Optional[bool] = None
