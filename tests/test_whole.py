@@ -483,9 +483,9 @@ def test_compaction_beside_fold_by_default_above_max_rows(engine_options, monkey
     """``EngineOptions.compact_beside_fold``'s default (``None``) forks the compaction beside the
     fold above ``deletion_kernel.MAX_ROWS`` rows (here 512 images of 17 tokens, 8,704 rows: the
     compaction's multi-program form, its sizes straight into the aside buffer), not below; it gives
-    the deletion after the fold. One controller block (1), so that the decisions come before any
-    fold: with more, the fold's float32 atomics, in another order per run, may flip a later near-tie
-    of the scores at this many images (then even two runs of one graph differ)."""
+    the deletion after the fold. One controller block (1): the decisions come before any fold, so
+    only the deletion's path differs between the two runs (the fold's float32 atomics may sum in
+    another order in another run, and a later decision could then go the other way at a near-tie)."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = gate_forced_actor(model, [1]).to("cuda", torch.bfloat16)

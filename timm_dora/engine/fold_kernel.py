@@ -214,8 +214,8 @@ if triton is not None:
             tl.store(ACC + r[:, None] * D + c[None, :], tl.zeros_like(acc), mask=got[:, None] & inside)
         # likewise the sizes and the mass, which every warp reads (a row's size reaches each thread
         # of its row; NEW_SIZES may be SIZES). Without these barriers a warp ahead rewrote what
-        # another had yet to read: on an H200, run after run, a different 2-8 % of the rows that
-        # received came out wrong, by up to 3 (32 images of 197 rows and more)
+        # another had yet to read: on an H200, 320 images of 197 rows, a different 6-7 % of the rows
+        # that received came out wrong each run, by up to 3 (benchmarks/results/fold_race_h200.json.gz)
         tl.debug_barrier()
         tl.store(NEW_SIZES + r, size + extra, mask=real)
         tl.store(MASS + r, tl.zeros_like(extra), mask=got)
