@@ -126,6 +126,18 @@ def assert_batch_independent(forward, model, x: torch.Tensor, tol: float = 1e-5)
         assert (forward(other)[0] - out[0]).abs().max() < tol
 
 
+def assert_same_forwards(got, ref, atol: float = 0.0) -> None:
+    """Two runs' ``[(logits, DoraStats), ...]``: the same decisions (tokens, gates, removals) and
+    logits equal, or within ``atol`` where given (a fold's float32 sums may add in another order)."""
+    for (oa, sa), (ob, sb) in zip(got, ref, strict=True):
+        for field in ("tokens", "gate", "removed"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+        if atol:
+            torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=atol)
+        else:
+            assert torch.equal(oa, ob)
+
+
 def plan_for_image(plan, i: int) -> Dict[int, List[int]]:
     return {l: col[img == i].tolist() for l, (img, col) in plan.items()}
 

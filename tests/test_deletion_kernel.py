@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import capture_graph, engine_options, run_interpreted  # noqa: F401 (fixture)
+from helpers import assert_same_forwards, capture_graph, engine_options, run_interpreted  # noqa: F401 (fixture)
 from timm_dora.engine.deletion_kernel import (MAX_ROWS, Books, delete_rows_fused, delete_rows_reference,
                                               fused_deletion_reason)
 from timm_dora.engine.packing import gather_survivors
@@ -322,7 +322,4 @@ def test_cuda_forward_with_fused_deletion_is_unchanged(planned, monkeypatch, eng
     engine_options(fused_deletion=True)
     got = forwards()
     assert calls  # (counted where captured: the kernels then replay without Python)
-    for (oa, sa), (ob, sb) in zip(got, ref, strict=True):
-        for field in ("tokens", "gate", "removed"):
-            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
-        assert torch.equal(oa, ob)
+    assert_same_forwards(got, ref)

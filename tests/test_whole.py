@@ -16,7 +16,7 @@ from timm_dora.engine.flops import native_gflops
 from timm_dora.engine.options import EngineOptions
 
 from helpers import engine_options  # noqa: F401 (fixture)
-from helpers import SMALL_FAMILIES, gate_forced_actor, images, kind_actor, make_model
+from helpers import SMALL_FAMILIES, assert_same_forwards, gate_forced_actor, images, kind_actor, make_model
 
 
 @pytest.fixture
@@ -375,10 +375,7 @@ def test_closed_gates_aside_give_the_in_line_graph_bit_for_bit(kind, merge, engi
             aside = getattr(runner, "aside", None)
             assert (aside is not None) == on and not (on and (aside.forked or aside.held))
         timm_dora.unwrap(model)
-    for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
-        assert torch.equal(oa, ob)
-        for field in ("tokens", "gate", "removed"):
-            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+    assert_same_forwards(runs[True], runs[False])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
@@ -423,10 +420,7 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
         for i, e in enumerate(events):
             if e == "decide":
                 assert events[i + 1:i + 3] == ["join", "delete"], events[i:i + 3]
-    for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
-        assert torch.equal(oa, ob)
-        for field in ("tokens", "gate", "removed"):
-            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+    assert_same_forwards(runs[True], runs[False])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
@@ -472,10 +466,7 @@ def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, m
             assert bool(made) == (on and used[on])  # (recorded into the graph where a controller runs)
         assert any(took) == (on and used[on])  # (and the option's path ran: not when off)
     assert used[True] == used[False] and (used[True] or kind != "forced")
-    for (oa, sa), (ob, sb) in zip(runs[True], runs[False], strict=True):
-        torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=3e-2)
-        for field in ("tokens", "gate", "removed"):
-            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+    assert_same_forwards(runs[True], runs[False], atol=3e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
@@ -505,13 +496,8 @@ def test_compaction_beside_fold_by_default_above_max_rows(engine_options, monkey
             assert runner.plan is not None and any(runner.plan.controls)
         timm_dora.unwrap(model)
         assert any(took) == (option is None)
-    removed = 0
-    for (oa, sa), (ob, sb) in zip(runs[None], runs[False], strict=True):
-        torch.testing.assert_close(oa.float(), ob.float(), rtol=0, atol=3e-2)
-        for field in ("tokens", "gate", "removed"):
-            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
-        removed += int(sa.removed.sum())
-    assert removed > 0
+    assert_same_forwards(runs[None], runs[False], atol=3e-2)
+    assert sum(int(stats.removed.sum()) for _, stats in runs[None]) > 0
     took.clear()  # and by default not below MAX_ROWS (8 images, 136 rows)
     engine_options(rows_bucket=1)
     timm_dora.wrap(model, actor=actor, merge=True)
