@@ -239,8 +239,10 @@ def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch_or
     assert whole.plans(runner) and whole.dense_gflops(runner) == dense
     engine_options(planned_max_batch=2, planned_max_gflops=dense * 0.99)
     assert not whole.plans(runner)
-    with pytest.raises(ValueError, match="planned_max_gflops and margin_sd must be 0 or more"):
+    with pytest.raises(ValueError, match="planned_max_gflops, margin_sd and fold_aside_max_rows must be 0 or more"):
         EngineOptions(planned_max_gflops=-1)
+    with pytest.raises(ValueError, match="fold_aside_max_rows must be 0 or more"):
+        EngineOptions(fold_aside_max_rows=-1)
     engine_options(planned=False)
     assert not whole.plans(runner)
     timm_dora.unwrap(model)

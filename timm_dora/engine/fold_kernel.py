@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["fold_rows", "fold_similarities", "similarity_columns", "SIMILARITY_MAX_ROWS",
+__all__ = ["fold_rows", "fold_similarities", "similarity_columns",
            "SIMILARITY_MAX_COLUMNS", "fold_kernel_reason", "match_tile_for"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
@@ -57,10 +57,9 @@ MATCH_TILE = (64, 32, 4)
 SMALL_MATCH_GRID = 64
 SMALL_MATCH_TILE = (16, 64, 4)
 BLOCK_R = 8
-# the captured graph precomputes the similarities (EngineOptions.fold_aside) up to this many rows,
-# for images of up to SIMILARITY_MAX_COLUMNS rows (a program of _pick holds 16 rows of that many
-# float32 columns in registers): 8 MB at most; more rows fill the GPU without it
-SIMILARITY_MAX_ROWS = 8192
+# the captured graph precomputes the similarities (EngineOptions.fold_aside, up to its
+# fold_aside_max_rows rows) for images of up to this many rows (a program of _pick holds 16 rows of
+# that many float32 columns in registers)
 SIMILARITY_MAX_COLUMNS = 256
 # rows per program of _pick (the match from precomputed similarities, with the scatter)
 PICK_ROWS = 16

@@ -93,7 +93,7 @@ import torch.nn as nn
 
 from .attention import BACKEND_INFO
 from .blocks import attention_keys, embed
-from .fold_kernel import SIMILARITY_MAX_COLUMNS, SIMILARITY_MAX_ROWS, similarity_columns
+from .fold_kernel import SIMILARITY_MAX_COLUMNS, similarity_columns
 from .options import active
 from .packing import Packed, delete_rows
 from .protocol import BlockContext, Decision, ForwardConstants, LazyKeysContext
@@ -302,7 +302,7 @@ class GraphRunner:
                               torch.empty(b * s, dtype=torch.float32, device=dev)) if self.fold_scratch is not None else None)
         # (merge, CUDA, EngineOptions.fold_aside) the fold's similarities, made beside the decision
         self.fold_sim = (torch.empty((b * s, similarity_columns(s)), dtype=torch.float32, device=dev)
-                         if self.fold_scratch is not None and b * s <= SIMILARITY_MAX_ROWS
+                         if self.fold_scratch is not None and b * s <= active().fold_aside_max_rows
                          and similarity_columns(s) <= SIMILARITY_MAX_COLUMNS else None)
         self.prefix = torch.arange(p, device=dev)  # a sequence's prefix rows from its start
         self.dense_inputs = [dense.with_x(t) for t in self.x]  # block l's dense input: [l % 2]

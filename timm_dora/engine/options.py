@@ -102,12 +102,20 @@ class EngineOptions:
     # DeiT-Ti +9.7 % images/s at one image and +6.1 % at eight, DeiT-B forced +0.3 / +8.7 / -1.4 %
     # at 1 / 2 / 4; at batch 320 ViT-Ti 3.59 -> 3.53 ms and DeiT-Ti 4.42 -> 4.35 ms a forward
     aside_controller: bool = True
-    # with aside_controller and merge=True, up to engine.fold_kernel.SIMILARITY_MAX_ROWS rows of
-    # images of up to SIMILARITY_MAX_COLUMNS tokens (41 images of 197), the fold's first half, which
-    # needs no decision (every row's metric against its image's rows, fold_similarities), runs on the
-    # block's own stream beside the decision; after the join the match and the scatter are one
-    # kernel that reads them (fold_kernel._pick). False: the match after the join, as above it
+    # with aside_controller and merge=True, up to fold_aside_max_rows rows of images of up to
+    # engine.fold_kernel.SIMILARITY_MAX_COLUMNS tokens, the fold's first half, which needs no
+    # decision (every row's metric against its image's rows, fold_similarities), runs on the block's
+    # own stream beside the decision; after the join the match and the scatter are one kernel that
+    # reads them (fold_kernel._pick). False: the match after the join, as above the bound
     fold_aside: bool = True
+    # fold_aside's bound on a batch's rows (their similarities are a float32 buffer of up to 256
+    # columns a row: 8 MB at 8,192 rows, 41 images of 197; 64 MB at 320 images)
+    fold_aside_max_rows: int = 8192
+    # the Aside stream (aside_gates, aside_controller, compact_beside_fold) at the GPU's highest
+    # stream priority: where the block's own kernels fill every SM (large batches), the blocks of
+    # the decision's short kernels are scheduled before the attention's waiting ones instead of
+    # after them (captured graphs keep each kernel's priority). False: the default priority
+    aside_priority: bool = False
     # with fused_deletion and the fold kernels (merge=True, a model with a class or register token),
     # the fold's last step (each row that received: its size-weighted mean, its new size, the
     # accumulators back to zeros) runs inside the deletion's gather instead of as a kernel of its
@@ -147,9 +155,9 @@ class EngineOptions:
         if self.rows_bucket is not None and self.rows_bucket < 1:
             raise ValueError(f"EngineOptions.rows_bucket must be at least 1 or None, got {self.rows_bucket}")
         if (self.whole_max_batch < 0 or self.planned_max_batch < 0 or not self.margin_sd >= 0
-                or not self.planned_max_gflops >= 0):
-            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch, planned_max_gflops and margin_sd "
-                             "must be 0 or more")
+                or not self.planned_max_gflops >= 0 or self.fold_aside_max_rows < 0):
+            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch, planned_max_gflops, margin_sd and "
+                             "fold_aside_max_rows must be 0 or more")
 
 
 _ACTIVE: "contextvars.ContextVar[EngineOptions]" = contextvars.ContextVar("timm_dora_engine_options",

@@ -245,10 +245,13 @@ class Aside:
     stream wait for all of it. Captured, the two streams are two branches of the graph, which the
     GPU runs side by side. The tensors the forked work reads (a view of the block's ``qkv`` output)
     are held until the join: freed earlier, the allocator could hand their memory to a kernel of
-    the current stream that nothing orders after the reads."""
+    the current stream that nothing orders after the reads. ``first``: the stream at the GPU's
+    highest priority (``EngineOptions.aside_priority``), which the captured kernels keep."""
 
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device)
+    def __init__(self, device: torch.device, first: bool = False):
+        # (torch maps a priority past the device's range to its highest)
+        self.stream = torch.cuda.Stream(device, priority=-100 if first else 0)
+        self.first = first
         self.held: list = []
         self.forked = False
 
@@ -320,7 +323,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                    for l in range(depth)]
     uses_aside = any(side) or any(decide_side)
     if uses_aside and getattr(r, "aside", None) is None:
-        r.aside = Aside(r.device)
+        r.aside = Aside(r.device, first=active().aside_priority)
     attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None, norms[l], True, side[l]) if l < n_dense else
                                ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True, norms[l], side[l]))
               for l in range(depth)]
