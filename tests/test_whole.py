@@ -239,10 +239,13 @@ def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch_or
     assert whole.plans(runner) and whole.dense_gflops(runner) == dense
     engine_options(planned_max_batch=2, planned_max_gflops=dense * 0.99)
     assert not whole.plans(runner)
-    with pytest.raises(ValueError, match="planned_max_gflops, margin_sd and fold_aside_max_rows must be 0 or more"):
+    with pytest.raises(ValueError, match="planned_max_gflops, margin_sd, fold_aside_max_rows and lanes_min_batch must be 0 or more"):
         EngineOptions(planned_max_gflops=-1)
-    with pytest.raises(ValueError, match="fold_aside_max_rows must be 0 or more"):
-        EngineOptions(fold_aside_max_rows=-1)
+    for name in ("fold_aside_max_rows", "lanes_min_batch"):
+        with pytest.raises(ValueError, match=f"{name}.* must be 0 or more"):
+            EngineOptions(**{name: -1})
+    with pytest.raises(ValueError, match="EngineOptions.lanes must be at least 1, got 0"):
+        EngineOptions(lanes=0)
     engine_options(planned=False)
     assert not whole.plans(runner)
     timm_dora.unwrap(model)
@@ -490,7 +493,7 @@ def test_compaction_beside_fold_by_default_above_max_rows(engine_options, monkey
     runs = {}
     for option in (False, None):
         took.clear()
-        engine_options(compact_beside_fold=option, rows_bucket=1)
+        engine_options(compact_beside_fold=option, rows_bucket=1, lanes=1)  # (one batch: 8,704 rows)
         timm_dora.wrap(model, actor=actor, merge=True)
         with torch.inference_mode():
             runs[option] = [(model(x).clone(), model.dora_stats) for x in xs]

@@ -108,17 +108,20 @@ __all__ = ["GraphRunner", "RunAheadMissed", "capture_stream", "decides_in_graphs
 # Without it the pool grew one allocator segment per intermediate size (qkv, the MLP's hidden
 # activations, ...), and a segment's memory could not serve a larger intermediate of a later capture.
 
-_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+_SIDE_STREAMS: Dict[Tuple[int, int], "torch.cuda.Stream"] = {}
 
 
-def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+def capture_stream(device: torch.device, lane: int = 0) -> "torch.cuda.Stream":
     """One warm-up stream per device for all captures: cuBLAS keeps a workspace (allocated memory,
     never returned) for every stream it has run on, so a new stream per capture leaked about 1 GB
-    over a benchmark's captures (H100, peak-memory rows)."""
+    over a benchmark's captures (H100, peak-memory rows). A graph's GEMMs use the workspace of the
+    stream they were captured on, so graphs that replay side by side (:mod:`~timm_dora.engine.lanes`)
+    are captured on a stream per ``lane`` (replayed together on one stream's workspace, two lanes'
+    GEMMs wrote over each other's partial sums: out-of-range indices and wrong logits, one H200)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    if (index, lane) not in _SIDE_STREAMS:
+        _SIDE_STREAMS[(index, lane)] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[(index, lane)]
 
 
 @contextlib.contextmanager
@@ -193,8 +196,9 @@ class GraphRunner:
     host_reads = True
 
     def __init__(self, model: nn.Module, policy, images: torch.Tensor, backend: str, readout_mode: str,
-                 merge: bool = False):
+                 merge: bool = False, lane: int = 0):
         self.model, self.policy, self.backend, self.readout_mode = model, policy, backend, readout_mode
+        self.lane = lane  # which of a batch's lanes it runs (engine.lanes; 0: the batch or its first)
         self.segments = Segments(self)  # what each graph records
         self.merge = merge  # removed rows folded into survivors (the controller's graph), sizes kept in ``sizes``
         self.copy_keys = bool(getattr(policy, "reads_keys", True))
@@ -409,7 +413,7 @@ class GraphRunner:
         # the replay gives this call's result, except for segments that consume their input: the
         # controller (its deletion overwrites the block input and layout it read) and, without the
         # actor, the MLP (in place): they must run once, and the warm-up's result is kept
-        side = capture_stream(self.device)
+        side = capture_stream(self.device, self.lane)
         if active().reserve_pool and not self.graphs:
             self._reserve_pool(side)
         side.wait_stream(torch.cuda.current_stream())
@@ -725,19 +729,20 @@ class GraphRunner:
 
 
 def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend: str, readout_mode: str,
-                 merge: bool = False) -> GraphRunner:
-    """The :class:`GraphRunner` of ``model`` for this batch shape, policy and the active
-    :class:`~timm_dora.engine.options.EngineOptions` (made on first use);
+                 merge: bool = False, lane: int = 0) -> GraphRunner:
+    """The :class:`GraphRunner` of ``model`` for this batch shape, policy, ``lane``
+    (:mod:`~timm_dora.engine.lanes`: lanes of one batch replay side by side, each from its own
+    buffers) and the active :class:`~timm_dora.engine.options.EngineOptions` (made on first use);
     ``cache`` (an ``OrderedDict``) keeps the ``EngineOptions.max_cached`` most recent of batches
     above ``planned_max_batch`` and, apart, the ``max_cached_small`` most recent of the others."""
     weight = next(model.parameters())
     key = (tuple(images.shape), images.dtype, str(images.device), id(policy), backend, readout_mode,
-           weight.dtype, weight.data_ptr(), merge, active())  # (graphs are recorded under the options)
+           weight.dtype, weight.data_ptr(), merge, lane, active())  # (graphs are recorded under the options)
     entry = cache.get(key)
     if entry is not None and entry.policy is policy:
         cache.move_to_end(key)
         return entry
-    entry = GraphRunner(model, policy, images, backend, readout_mode, merge)
+    entry = GraphRunner(model, policy, images, backend, readout_mode, merge, lane)
     cache[key] = entry
     options = active()
     small = entry.batch <= options.planned_max_batch

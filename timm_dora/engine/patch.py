@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -45,7 +45,8 @@ from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all, rows
 from .attention import BACKENDS, select_backend
 from .packing import rows_where, segment_ids
 from .protocol import ForwardConstants, Policy
-from .whole import forward_whole, one_graph_reason, plan_from, plans, runs_whole
+from . import lanes as lanes_module
+from .whole import forward_whole, held, one_graph_reason, plan_from, plans, runs_whole
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check_supported", "DoraStats", "run",
            "READOUTS", "SUPPORTED_POOLS"]
@@ -120,6 +121,7 @@ class _DoraState:
     reason: Optional[str] = None  # why the last forward ran eagerly
     graph: Optional[str] = None  # how the last captured forward replayed: "whole", "planned" or "per_block"
     graph_reason: Optional[str] = None  # why it replayed a graph per block (engine.whole.one_graph_reason)
+    lanes: int = 1  # how many lanes the last captured forward ran as (engine.lanes)
     costs: Dict[int, BackboneCost] = field(default_factory=dict)  # at other input sizes, by patch count
     skip_dead: bool = False  # the last block's MLP on the rows the readout reads only (the prefix rows)
     merge: bool = False  # removed rows folded into their most similar survivor (engine.packing.merge_removed)
@@ -393,6 +395,7 @@ def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: 
     backend = select_backend(x.device.type, x.dtype, state.attn_backend)
     state.reason = why = capture_reason(model, x, backend)
     state.graph = state.graph_reason = None
+    state.lanes = 1
     if why is not None:
         state.executor = "eager"
         if state.cuda_graphs and not state.warned and state.failed is None and not torch.compiler.is_compiling():
@@ -403,6 +406,13 @@ def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: 
     batch = x.shape[0]
     padded = pad_batch(x, batch_bucket(batch))
     try:
+        sizes = lanes_module.lane_sizes(model, padded)  # (EngineOptions.lanes: a large batch as lanes side by side)
+        if sizes is not None:
+            runners = [graph_runner(model, state.graphs, policy, chunk, backend, state.readout, state.merge, lane)
+                       for lane, chunk in enumerate(padded.split(sizes))]
+            out = _lanes(model, runners, padded.split(sizes), keep=batch)
+            state.executor, state.lanes = "captured", len(sizes)
+            return out
         runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout, state.merge)
         if runs_whole(runner):
             state.graph = "whole"
@@ -497,10 +507,50 @@ def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed
                 policy_gflops=own[:real] / 1e9, backend=backend, removed_patches=patches)
 
 
-def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) -> Tuple[torch.Tensor, DoraStats]:
+def _lanes(model: nn.Module, runners: List[GraphRunner], chunks: Sequence[torch.Tensor], keep: int
+           ) -> Tuple[torch.Tensor, DoraStats]:
+    """A batch as lanes (:mod:`~timm_dora.engine.lanes`; ``chunks``: each lane's images, ``runners``
+    their runners, the real images the first ``keep``): every planned lane's graph enqueued on its
+    own stream before the host waits for any plan's check, then each lane checked and, where its
+    plan did not hold or it has none, run as :func:`_planned` runs it (or block by block where it
+    does not plan); the outputs and statistics concatenated in order."""
+    state: _DoraState = model._dora
+    dev = chunks[0].device
+    starts = [sum(c.shape[0] for c in chunks[:i]) for i in range(len(chunks))]
+    keeps = [max(0, min(c.shape[0], keep - s)) for c, s in zip(chunks, starts)]
+    tried = [bool(k) and runner.plan is not None and plans(runner) for k, runner in zip(keeps, runners)]
+    launched: list = [None] * len(chunks)
+    for lane, (runner, x) in enumerate(zip(runners, chunks)):
+        if tried[lane]:
+            with lanes_module.on_lane(dev, lane):
+                launched[lane] = _whole(model, runner, x, keeps[lane], runner.plan, check=False)
+    lanes_module.join(dev, [lane for lane in range(len(chunks)) if tried[lane]])
+    outs = []
+    for lane, (runner, x) in enumerate(zip(runners, chunks)):
+        if not keeps[lane]:  # (padding only)
+            continue
+        out = launched[lane]
+        if out is not None and held(runner.plan, runner.record):
+            outs.append(out)
+            continue
+        if tried[lane]:  # (its plan did not hold)
+            runner.plan_misses += 1
+        if plans(runner):
+            outs.append(_planned(model, runner, x, keeps[lane], tried=tried[lane]))
+        else:
+            outs.append(_forward(model, x, runner.policy, runner, keep=keeps[lane]))
+    state.graph = "planned" if all(plans(r) for r in runners) else "per_block"
+    state.graph_reason = None if state.graph == "planned" else one_graph_reason(runners[0])
+    sizes = [keeps[lane] for lane in range(len(chunks)) if keeps[lane]]
+    return torch.cat([o[0] for o in outs]), _LazyStats(lanes_module.concat_statistics([o[1] for o in outs], sizes))
+
+
+def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, tried: bool = False
+             ) -> Tuple[torch.Tensor, DoraStats]:
     """The forward as one planned graph (:mod:`~timm_dora.engine.whole`) where the runner has a plan
-    and it holds; else eagerly, and the plan made or grown from that forward's decisions."""
-    if runner.plan is not None:
+    and it holds; else eagerly, and the plan made or grown from that forward's decisions
+    (``tried``: the caller replayed the plan already, and it did not hold)."""
+    if runner.plan is not None and not tried:
         out = _whole(model, runner, x, keep, runner.plan)
         if out is not None:
             return out
@@ -519,12 +569,14 @@ def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) 
     return out
 
 
-def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, plan=None
+def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, plan=None, check: bool = True
            ) -> Optional[Tuple[torch.Tensor, DoraStats]]:
     """The forward as one graph (:mod:`~timm_dora.engine.whole`), planned or not (``None`` where
-    ``plan`` did not hold); ``keep`` as for :func:`_run`."""
+    ``plan`` did not hold); ``keep`` as for :func:`_run`; ``check=False``: the plan not checked
+    (the caller reads :func:`~timm_dora.engine.whole.held` of the runner's record before it uses
+    the output)."""
     state: _DoraState = model._dora
-    out = forward_whole(runner, x, active().fused_interventions, plan)
+    out = forward_whole(runner, x, active().fused_interventions, plan, check=check)
     if out is None:
         return None
     logits, rec = out

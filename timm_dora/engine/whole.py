@@ -426,11 +426,13 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     return whole
 
 
-def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan] = None):
+def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan] = None, check: bool = True):
     """One forward of ``images`` (the runner's batch shape) as one graph. Returns the logits and
     the forward's record (:meth:`_Record.copy`), or ``None`` where ``plan`` did not hold (a gate
     opened outside it, or a block had more rows than its bound: the output is wrong). ``fused``:
-    as for :func:`whole_segment`."""
+    as for :func:`whole_segment`. ``check=False``: without waiting for the plan's check, which the
+    caller reads later (:func:`held` of ``runner.record``) before it uses the output: the host can
+    enqueue other work meanwhile (:mod:`~timm_dora.engine.lanes`)."""
     r = runner
     if getattr(r, "record", None) is None:
         r.record = _Record(r.depth, r.batch, r.batch * r.seq, r.device)
@@ -451,7 +453,7 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
     # the copies enqueued right behind the replay, before the host waits for its check: the GPU
     # runs them without waiting for the host (discarded where the plan did not hold)
     out = r.logits["whole"].clone(), r.record.copy()
-    if plan is not None and not held(plan, r.record):
+    if check and plan is not None and not held(plan, r.record):
         return None
     return out
 
