@@ -8,6 +8,7 @@ import torch
 
 import timm_dora
 from timm_dora.engine import lanes, whole
+from timm_dora.engine import patch as patch_module
 from timm_dora.engine.flops import native_gflops
 from timm_dora.engine.options import EngineOptions, using
 
@@ -124,12 +125,13 @@ def test_a_lane_whose_plan_does_not_hold_runs_again_eagerly(engine_options, monk
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
-def test_cuda_lanes_side_by_side_equal_the_lanes_one_after_another(engine_options, monkeypatch):
-    """Captured, merging, 2 x 160 images replayed side by side against the same lanes' graphs
-    replayed one after the other (the lanes' streams made the current one): the same logits, bit
-    for bit. Graphs captured on one stream share its cuBLAS workspace, which side by side replays
-    write over: this failed with out-of-range indices before each lane had its capture stream.
-    Then against the eager executor (decisions equal, logits up to bf16 rounding)."""
+def test_cuda_lanes_in_one_graph_equal_the_lanes_one_after_another(engine_options, monkeypatch):
+    """Captured, merging, 2 x 160 images as one graph of two branches against each lane's own graph
+    replayed one after the other: the same logits, bit for bit (each branch's GEMMs use their own
+    cuBLAS workspace; graphs that shared one, replayed side by side, wrote over each other's sums:
+    out-of-range indices on one H200). Then against the eager executor at 320 (the same decisions
+    and logits up to bf16 rounding for most images: near-tied decisions and the fold's matches may
+    go the other way at another batch shape)."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = gate_forced_actor(model, [1]).to("cuda", torch.bfloat16)
@@ -139,12 +141,14 @@ def test_cuda_lanes_side_by_side_equal_the_lanes_one_after_another(engine_option
     side, info = _run(model, xs, actor=actor, merge=True)  # (observed eagerly, captured, replayed)
     assert info["lanes"] == 2 and info["graph"] == "planned"
     assert sorted((s["batch"], s["lane"]) for s in info["batch_shapes"]) == [(160, 0), (160, 1)]
+    assert [s["graphs"] > 1 for s in sorted(info["batch_shapes"], key=lambda s: s["lane"])] == [True, False]
     assert all(s["plan_misses"] <= 1 for s in info["batch_shapes"])  # (the last two forwards replayed)
-    monkeypatch.setattr(lanes, "on_lane", lambda device, lane: torch.cuda.stream(torch.cuda.current_stream()))
+    monkeypatch.setattr(patch_module, "forward_lanes", lambda runners, chunks, fused: [
+        whole.forward_whole(r, x, fused, r.plan) for r, x in zip(runners, chunks)])  # (a graph a lane)
     serial, _ = _run(model, xs, actor=actor, merge=True)
     assert_same_forwards(side, serial)
     for (oa, sa), (ob, sb) in zip(side, ref):
         same = (sa.removed == sb.removed).all(1) & (sa.gate == sb.gate).all(1)
-        assert same.float().mean() >= 0.9  # (bf16 near-ties may decide differently)
-        torch.testing.assert_close(oa[same].float(), ob[same].float(), rtol=0, atol=3e-2)
+        close = same & ((oa.float() - ob.float()).abs().amax(1) <= 3e-2)
+        assert close.float().mean() >= 0.9, close.float().mean()
     assert sum(int(stats.removed.sum()) for _, stats in side) > 0

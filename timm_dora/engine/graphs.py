@@ -389,31 +389,37 @@ class GraphRunner:
     # ------------------------------------------------------------------------------------------
     # capture and replay
 
-    def run_segment(self, key: tuple) -> None:
-        """Run segment ``key`` (:meth:`Segments.build`): replayed from its graph, captured on first
-        use; off CUDA run directly."""
+    @property
+    def side_stream(self) -> "torch.cuda.Stream":
+        """The stream this runner's graphs are captured on (:func:`capture_stream` of its lane)."""
+        return capture_stream(self.device, self.lane)
+
+    def run_segment(self, key: tuple, fn: Optional[Callable[[], None]] = None) -> None:
+        """Run segment ``key`` (:meth:`Segments.build`, or ``fn`` where given: a graph of several
+        runners' segments, :func:`~timm_dora.engine.whole.forward_lanes`): replayed from its graph,
+        captured on first use; off CUDA run directly."""
         if not self.capture:
-            self.segments.build(key)()
+            (fn or self.segments.build(key))()
             return
         g = self.graphs.get(key)
         if g is not None and torch.cuda.current_device() == self.device.index:
             g.replay()  # (the common case: no device switch, about 10 us of host time less per replay)
             return
         with torch.cuda.device(self.device):  # the model's GPU, whichever is current
-            self._replay_or_capture(key)
+            self._replay_or_capture(key, fn)
 
-    def _replay_or_capture(self, key: tuple) -> None:
+    def _replay_or_capture(self, key: tuple, fn: Optional[Callable[[], None]] = None) -> None:
         g = self.graphs.get(key)
         if g is not None:
             g.replay()
             return
-        fn = self.segments.build(key)
+        fn = fn or self.segments.build(key)
         start = time.perf_counter()
         # the warm-up, outside the capture (lazy initialisations); the capture only records, and
         # the replay gives this call's result, except for segments that consume their input: the
         # controller (its deletion overwrites the block input and layout it read) and, without the
         # actor, the MLP (in place): they must run once, and the warm-up's result is kept
-        side = capture_stream(self.device, self.lane)
+        side = self.side_stream
         if active().reserve_pool and not self.graphs:
             self._reserve_pool(side)
         side.wait_stream(torch.cuda.current_stream())
@@ -425,6 +431,8 @@ class GraphRunner:
             # made again inside block 0's capture, so that every replay recomputes it from the
             # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read
             self.consts.memo.clear()
+        for other in getattr(fn, "runners", ()):  # (a graph of lanes: each lane's whole forward)
+            other.consts.memo.clear()
         g = torch.cuda.CUDAGraph()
         # captured on the warm-up's stream, not torch's own capture stream: cuBLAS allocates a
         # workspace (33 MiB on the H100, never returned) for every stream it runs on, and the
@@ -468,7 +476,7 @@ class GraphRunner:
         forward (the second block writes into the first one's input) and, without the actor, the
         in-place MLP."""
         return (key[0] in ("controller", "chain", "run_ahead", "attention_controller", "attention_packed_controller",
-                           "whole")
+                           "whole", "lanes")
                 or (key[0] == "mlp" and not self.probing))
 
     # ------------------------------------------------------------------------------------------

@@ -5,25 +5,22 @@ A planned forward of many images (:mod:`~timm_dora.engine.whole`) is one chain o
 kinds: the blocks' GEMMs and attention, which fill every SM, and the short kernels between them
 that do not (the actor's decision, the fold's match, the deletion's compaction and gather: a few
 hundred programs each, latency-bound), which the chain waits for with most SMs idle. Split into
-lanes, each lane's images are a batch of their own with their own runner (buffers, plan and graphs,
-captured on a stream of their own: :func:`~timm_dora.engine.graphs.capture_stream`), and each
-lane's graph replays on a stream of its own. The host enqueues every lane before it waits for any
-plan's check, so one lane's short kernels run beside the other's GEMMs.
+lanes, each lane's images are a batch of their own with their own runner (buffers, plan), and the
+lanes' planned forwards are one graph (:func:`~timm_dora.engine.whole.forward_lanes`) whose
+branches the GPU runs side by side: one lane's short kernels beside another's GEMMs. Each branch
+is captured on its lane's stream (:func:`~timm_dora.engine.graphs.capture_stream`), so that its
+GEMMs have a cuBLAS workspace of their own.
 
-One H200, 320 `test` images, ms a forward enqueued without waiting for the check (the host read
-aside, `benchmarks/results/lanes_h200.json`): merging DeiT-Ti 3.61 as one batch, 3.32 as two lanes
-of 160, 3.77 as four of 80; ViT-Ti 3.18, 2.98, 3.25 (the graph of the compiled slicing oracle:
-2.91 and 3.00).
-
-What a forward returns is each lane's forward of its images, concatenated: equal to the batch's up
-to rounding (other batch shapes pick other GEMM kernels, so near-tied decisions may go the other
-way, as between any two batch sizes). A lane whose plan did not hold runs again as
-:func:`~timm_dora.engine.patch` runs any planned batch that missed (eagerly, its plan grown).
+This module decides the lanes (:func:`lane_sizes`) and joins their statistics
+(:func:`concat_statistics`); :func:`timm_dora.engine.patch.run` runs them. What a forward returns
+is each lane's forward of its images, concatenated: equal to the batch's up to rounding (other
+batch shapes pick other GEMM kernels, so near-tied decisions may go the other way, as between any
+two batch sizes). A lane whose plan did not hold runs again as any planned batch that missed
+(eagerly, its plan grown).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,10 +28,7 @@ from torch import nn
 from .flops import native_gflops
 from .options import active
 
-__all__ = ["lane_sizes", "on_lane", "join", "concat_statistics"]
-
-_LANE_STREAMS: Dict[tuple, "torch.cuda.Stream"] = {}
-
+__all__ = ["lane_sizes", "concat_statistics"]
 
 def _patches(model: nn.Module, images: torch.Tensor) -> int:
     """The patch count of ``images`` (another input size of a ``dynamic_img_size`` model too)."""
@@ -60,35 +54,6 @@ def lane_sizes(model: nn.Module, images: torch.Tensor) -> Optional[List[int]]:
         return None
     sizes = [share] * (batch // share) + ([batch % share] if batch % share else [])
     return sizes
-
-
-def _lane_stream(device: torch.device, lane: int) -> "torch.cuda.Stream":
-    """The stream lane ``lane`` replays on (one per device and lane, made once)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if (index, lane) not in _LANE_STREAMS:
-        _LANE_STREAMS[(index, lane)] = torch.cuda.Stream(device=index)
-    return _LANE_STREAMS[(index, lane)]
-
-
-@contextlib.contextmanager
-def on_lane(device: torch.device, lane: int) -> Iterator[None]:
-    """Inside, work is enqueued on lane ``lane``'s stream, behind what the current stream has
-    enqueued so far (CUDA; elsewhere in line)."""
-    if device.type != "cuda":
-        yield
-        return
-    stream = _lane_stream(device, lane)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-
-
-def join(device: torch.device, lanes: Iterable[int]) -> None:
-    """The current stream waits for all that ``lanes``' streams have enqueued (CUDA)."""
-    if device.type == "cuda":
-        current = torch.cuda.current_stream(device)
-        for lane in lanes:
-            current.wait_stream(_lane_stream(device, lane))
 
 
 def concat_statistics(parts: Sequence[object], sizes: Sequence[int]) -> Callable[[], Dict[str, object]]:

@@ -46,7 +46,7 @@ from .attention import BACKENDS, select_backend
 from .packing import rows_where, segment_ids
 from .protocol import ForwardConstants, Policy
 from . import lanes as lanes_module
-from .whole import forward_whole, held, one_graph_reason, plan_from, plans, runs_whole
+from .whole import forward_lanes, forward_whole, held, one_graph_reason, plan_from, plans, runs_whole
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check_supported", "DoraStats", "run",
            "READOUTS", "SUPPORTED_POOLS"]
@@ -510,38 +510,30 @@ def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed
 def _lanes(model: nn.Module, runners: List[GraphRunner], chunks: Sequence[torch.Tensor], keep: int
            ) -> Tuple[torch.Tensor, DoraStats]:
     """A batch as lanes (:mod:`~timm_dora.engine.lanes`; ``chunks``: each lane's images, ``runners``
-    their runners, the real images the first ``keep``): every planned lane's graph enqueued on its
-    own stream before the host waits for any plan's check, then each lane checked and, where its
-    plan did not hold or it has none, run as :func:`_planned` runs it (or block by block where it
-    does not plan); the outputs and statistics concatenated in order."""
+    their runners, the real images the first ``keep``). Captured, where every lane has a plan: one
+    graph of all lanes (:func:`~timm_dora.engine.whole.forward_lanes`), then each lane checked and,
+    where its plan did not hold, run again as :func:`_planned` runs a miss. Otherwise each lane as
+    any batch runs (planned, or block by block). The outputs and statistics concatenated in order."""
     state: _DoraState = model._dora
-    dev = chunks[0].device
     starts = [sum(c.shape[0] for c in chunks[:i]) for i in range(len(chunks))]
     keeps = [max(0, min(c.shape[0], keep - s)) for c, s in zip(chunks, starts)]
-    tried = [bool(k) and runner.plan is not None and plans(runner) for k, runner in zip(keeps, runners)]
-    launched: list = [None] * len(chunks)
-    for lane, (runner, x) in enumerate(zip(runners, chunks)):
-        if tried[lane]:
-            with lanes_module.on_lane(dev, lane):
-                launched[lane] = _whole(model, runner, x, keeps[lane], runner.plan, check=False)
-    lanes_module.join(dev, [lane for lane in range(len(chunks)) if tried[lane]])
+    planned = all(plans(r) for r in runners)
+    joint = planned and all(r.capture and r.plan is not None for r in runners)
+    launched = forward_lanes(runners, chunks, active().fused_interventions) if joint else [None] * len(runners)
     outs = []
-    for lane, (runner, x) in enumerate(zip(runners, chunks)):
-        if not keeps[lane]:  # (padding only)
+    for runner, x, k, out in zip(runners, chunks, keeps, launched):
+        if not k:  # (padding only)
             continue
-        out = launched[lane]
         if out is not None and held(runner.plan, runner.record):
-            outs.append(out)
-            continue
-        if tried[lane]:  # (its plan did not hold)
-            runner.plan_misses += 1
-        if plans(runner):
-            outs.append(_planned(model, runner, x, keeps[lane], tried=tried[lane]))
+            outs.append(_whole_output(model, runner, out, k))
+        elif planned:
+            runner.plan_misses += out is not None  # (its plan did not hold)
+            outs.append(_planned(model, runner, x, k, tried=out is not None))
         else:
-            outs.append(_forward(model, x, runner.policy, runner, keep=keeps[lane]))
-    state.graph = "planned" if all(plans(r) for r in runners) else "per_block"
-    state.graph_reason = None if state.graph == "planned" else one_graph_reason(runners[0])
-    sizes = [keeps[lane] for lane in range(len(chunks)) if keeps[lane]]
+            outs.append(_forward(model, x, runner.policy, runner, keep=k))
+    state.graph = "planned" if planned else "per_block"
+    state.graph_reason = None if planned else one_graph_reason(runners[0])
+    sizes = [k for k in keeps if k]
     return torch.cat([o[0] for o in outs]), _LazyStats(lanes_module.concat_statistics([o[1] for o in outs], sizes))
 
 
@@ -569,16 +561,18 @@ def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, 
     return out
 
 
-def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, plan=None, check: bool = True
+def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, plan=None
            ) -> Optional[Tuple[torch.Tensor, DoraStats]]:
     """The forward as one graph (:mod:`~timm_dora.engine.whole`), planned or not (``None`` where
-    ``plan`` did not hold); ``keep`` as for :func:`_run`; ``check=False``: the plan not checked
-    (the caller reads :func:`~timm_dora.engine.whole.held` of the runner's record before it uses
-    the output)."""
+    ``plan`` did not hold); ``keep`` as for :func:`_run`."""
+    out = forward_whole(runner, x, active().fused_interventions, plan)
+    return None if out is None else _whole_output(model, runner, out, keep)
+
+
+def _whole_output(model: nn.Module, runner: GraphRunner, out: tuple, keep: int) -> Tuple[torch.Tensor, DoraStats]:
+    """A whole forward's logits and record (:func:`~timm_dora.engine.whole.forward_whole`) as the
+    forward's output and statistics, of its first ``keep`` images."""
     state: _DoraState = model._dora
-    out = forward_whole(runner, x, active().fused_interventions, plan, check=check)
-    if out is None:
-        return None
     logits, rec = out
     p, n0 = model.num_prefix_tokens, runner.num_patches
     cost = _cost_at(state, model, n0)

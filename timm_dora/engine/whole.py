@@ -62,7 +62,8 @@ from .flops import native_gflops
 from .options import active
 from .packing import Packed
 
-__all__ = ["Aside", "aside", "Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment", "forward_whole", "held"]
+__all__ = ["Aside", "aside", "Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment", "forward_whole",
+           "forward_lanes", "held"]
 
 
 class Plan(NamedTuple):
@@ -426,14 +427,8 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     return whole
 
 
-def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan] = None, check: bool = True):
-    """One forward of ``images`` (the runner's batch shape) as one graph. Returns the logits and
-    the forward's record (:meth:`_Record.copy`), or ``None`` where ``plan`` did not hold (a gate
-    opened outside it, or a block had more rows than its bound: the output is wrong). ``fused``:
-    as for :func:`whole_segment`. ``check=False``: without waiting for the plan's check, which the
-    caller reads later (:func:`held` of ``runner.record``) before it uses the output: the host can
-    enqueue other work meanwhile (:mod:`~timm_dora.engine.lanes`)."""
-    r = runner
+def _buffers(r, images: torch.Tensor) -> None:
+    """The runner's record of a forward and its fixed input buffer (made on first use)."""
     if getattr(r, "record", None) is None:
         r.record = _Record(r.depth, r.batch, r.batch * r.seq, r.device)
         r.buffer_bytes += r.record.nbytes
@@ -441,11 +436,24 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
         with torch.inference_mode(False):
             r.images_in = torch.empty(images.shape, dtype=images.dtype, device=images.device)  # (contiguous)
         r.buffer_bytes += r.images_in.numel() * r.images_in.element_size()
+
+
+def _key(r, fused: bool, plan: Optional[Plan]) -> tuple:
+    return ("whole", bool(r.triton_gate and fused)) + ((plan,) if plan is not None else ())
+
+
+def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan] = None):
+    """One forward of ``images`` (the runner's batch shape) as one graph. Returns the logits and
+    the forward's record (:meth:`_Record.copy`), or ``None`` where ``plan`` did not hold (a gate
+    opened outside it, or a block had more rows than its bound: the output is wrong). ``fused``:
+    as for :func:`whole_segment`."""
+    r = runner
+    _buffers(r, images)
     r.host_reads = False  # (decisions stay on the device: no gate or length copies to the host)
     try:
         r.start(None, run_ahead=False)  # (the graph embeds)
         r.images_in.copy_(images)  # (right before the replay: the GPU waits for no host work between)
-        r.run_segment(("whole", bool(r.triton_gate and fused)) + ((plan,) if plan is not None else ()))
+        r.run_segment(_key(r, fused, plan))
     except _Missed:
         return None
     finally:
@@ -453,9 +461,46 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
     # the copies enqueued right behind the replay, before the host waits for its check: the GPU
     # runs them without waiting for the host (discarded where the plan did not hold)
     out = r.logits["whole"].clone(), r.record.copy()
-    if check and plan is not None and not held(plan, r.record):
+    if plan is not None and not held(plan, r.record):
         return None
     return out
+
+
+def forward_lanes(runners: Sequence, chunks: Sequence[torch.Tensor], fused: bool) -> list:
+    """The captured planned forwards of a batch's lanes (:mod:`~timm_dora.engine.lanes`: each
+    runner's own images ``chunks``, its own plan) as one graph, the first lane's (one launch): each
+    lane's :func:`whole_segment` a branch of it on a stream of its own (its capture stream, so that
+    its GEMMs use a cuBLAS workspace of their own). Returns each lane's logits and record, not
+    checked: the caller reads :func:`held` of each runner's record before it uses them."""
+    first, dev = runners[0], chunks[0].device
+    for r, x in zip(runners, chunks):
+        _buffers(r, x)
+        r.host_reads = False
+    key = ("lanes",) + tuple(_key(r, fused, r.plan) for r in runners)
+    try:
+        joint = None
+        if key not in first.graphs:  # (to capture: each lane's segment, built by its runner)
+            segments = [r.segments.build(k) for r, k in zip(runners, key[1:])]
+
+            def branches() -> None:
+                current = torch.cuda.current_stream(dev)
+                for r, seg in zip(runners[1:], segments[1:]):
+                    r.side_stream.wait_stream(current)
+                    with torch.cuda.stream(r.side_stream):
+                        seg()
+                segments[0]()
+                for r in runners[1:]:
+                    current.wait_stream(r.side_stream)
+            branches.runners = runners  # (the lanes' forward constants: their memos cleared before the capture)
+            joint = branches
+        for r, x in zip(runners, chunks):
+            r.start(None, run_ahead=False)
+            r.images_in.copy_(x)
+        first.run_segment(key, joint)
+    finally:
+        for r in runners:
+            r.host_reads, r.cur = True, None
+    return [(r.logits["whole"].clone(), r.record.copy()) for r in runners]
 
 
 def held(plan: Plan, record: _Record) -> bool:
