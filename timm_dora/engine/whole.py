@@ -388,6 +388,8 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             if decide_side[l]:
                 r.decide_aside = control[l].decide  # (forked as soon as the keys exist)
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
+            if l == getattr(r, "stagger_at", None):  # (forward_lanes: the next lane starts from here)
+                r.stagger_event.record()
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
                 if after[l]:
                     aside(r, rho.zero_, on=side[l])
@@ -483,12 +485,25 @@ def forward_lanes(runners: Sequence, chunks: Sequence[torch.Tensor], fused: bool
             segments = [r.segments.build(k) for r, k in zip(runners, key[1:])]
 
             def branches() -> None:
+                # lane i + 1 starts when lane i has run its first controller block's attention: the
+                # dense blocks before it (GEMMs, attention) run beside lane i's decisions, folds and
+                # deletions (side by side from the start, the lanes' short kernels came together)
                 current = torch.cuda.current_stream(dev)
-                for r, seg in zip(runners[1:], segments[1:]):
+                for r in runners[1:]:
                     r.side_stream.wait_stream(current)
-                    with torch.cuda.stream(r.side_stream):
-                        seg()
-                segments[0]()
+                started = None
+                for i, (r, seg) in enumerate(zip(runners, segments)):
+                    with torch.cuda.stream(current if i == 0 else r.side_stream):
+                        if started is not None:
+                            torch.cuda.current_stream(dev).wait_event(started)
+                        started = None
+                        if i + 1 < len(runners) and True in r.plan.controls:
+                            r.stagger_at, r.stagger_event = r.plan.controls.index(True), torch.cuda.Event()
+                            started = r.stagger_event
+                        try:
+                            seg()
+                        finally:
+                            r.stagger_at = None
                 for r in runners[1:]:
                     current.wait_stream(r.side_stream)
             branches.runners = runners  # (the lanes' forward constants: their memos cleared before the capture)
