@@ -239,13 +239,10 @@ def test_planned_runs_by_default_for_captured_batches_up_to_planned_max_batch_or
     assert whole.plans(runner) and whole.dense_gflops(runner) == dense
     engine_options(planned_max_batch=2, planned_max_gflops=dense * 0.99)
     assert not whole.plans(runner)
-    with pytest.raises(ValueError, match="planned_max_gflops, margin_sd, fold_aside_max_rows and lanes_min_batch must be 0 or more"):
+    with pytest.raises(ValueError, match="planned_max_gflops, margin_sd and fold_aside_max_rows must be 0 or more"):
         EngineOptions(planned_max_gflops=-1)
-    for name in ("fold_aside_max_rows", "lanes_min_batch"):
-        with pytest.raises(ValueError, match=f"{name}.* must be 0 or more"):
-            EngineOptions(**{name: -1})
-    with pytest.raises(ValueError, match="EngineOptions.lanes must be at least 1, got 0"):
-        EngineOptions(lanes=0)
+    with pytest.raises(ValueError, match="fold_aside_max_rows must be 0 or more"):
+        EngineOptions(fold_aside_max_rows=-1)
     engine_options(planned=False)
     assert not whole.plans(runner)
     timm_dora.unwrap(model)
@@ -472,6 +469,17 @@ def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, m
         assert any(took) == (on and used[on])  # (and the option's path ran: not when off)
     assert used[True] == used[False] and (used[True] or kind != "forced")
     assert_same_forwards(runs[True], runs[False], atol=3e-2)
+    if option == "fold_aside":  # on, but not above fold_aside_max_rows rows (8 images of 17: 136)
+        made.clear()
+        took.clear()
+        engine_options(fold_aside=True, fold_aside_max_rows=8 * 17 - 1, rows_bucket=1)
+        timm_dora.wrap(model, actor=actor, merge=True)
+        with torch.inference_mode():
+            bounded = [(model(x).clone(), model.dora_stats) for x in xs]
+            assert next(iter(model._dora.graphs.values())).fold_sim is None
+        timm_dora.unwrap(model)
+        assert not made and not any(took)
+        assert_same_forwards(bounded, runs[False], atol=3e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
@@ -493,7 +501,7 @@ def test_compaction_beside_fold_by_default_above_max_rows(engine_options, monkey
     runs = {}
     for option in (False, None):
         took.clear()
-        engine_options(compact_beside_fold=option, rows_bucket=1, lanes=1)  # (one batch: 8,704 rows)
+        engine_options(compact_beside_fold=option, rows_bucket=1)
         timm_dora.wrap(model, actor=actor, merge=True)
         with torch.inference_mode():
             runs[option] = [(model(x).clone(), model.dora_stats) for x in xs]

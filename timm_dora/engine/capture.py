@@ -122,10 +122,7 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
       ``"per_block"`` (a graph per block, the host reading each block's decisions), and
       ``graph_reason``, why it was not one graph (the policy decides on the host, a pooled
       readout, a batch above ``EngineOptions.planned_max_batch``, ...);
-    - ``lanes``: how many lanes the last captured forward ran as (:mod:`~timm_dora.engine.lanes`;
-      1: one batch);
-    - ``batch_shapes``: per cached batch bucket (at most ``max_cached`` + ``max_cached_small``;
-      each lane of a batch one), ``batch``, ``lane``, ``graphs``,
+    - ``batch_shapes``: per cached batch bucket (at most ``max_cached`` + ``max_cached_small``), ``batch``, ``graphs``,
       ``capture_s`` (warm-ups and captures, device-synchronised), ``memory_mb`` (its fixed
       buffers and the segments of its graphs' private memory pool) and ``buffers_mb`` (the fixed
       buffers alone), ``plan_misses`` (forwards whose plan did not hold and ran again eagerly:
@@ -142,12 +139,12 @@ def engine_info(model: nn.Module) -> Dict[str, Any]:
         for seg in torch.cuda.memory._snapshot()["segments"]:  # the graphs' private pools' segments
             key = tuple(seg.get("segment_pool_id", ()))
             pools[key] = pools.get(key, 0) + seg["total_size"]
-    shapes = [{"batch": r.batch, "lane": r.lane, "graphs": len(r.graphs), "capture_s": round(r.capture_s, 3),
+    shapes = [{"batch": r.batch, "graphs": len(r.graphs), "capture_s": round(r.capture_s, 3),
                "memory_mb": round((r.buffer_bytes + pools.get(tuple(r.pool or ()), 0)) / 2**20, 1),
                "buffers_mb": round(r.buffer_bytes / 2**20, 1), "plan_misses": r.plan_misses}
               for r in state.graphs.values()]
     return {"cuda_graphs": state.cuda_graphs, "executor": state.executor, "reason": state.reason,
-            "failed": state.failed, "graph": state.graph, "graph_reason": state.graph_reason, "lanes": state.lanes,
+            "failed": state.failed, "graph": state.graph, "graph_reason": state.graph_reason,
             "max_cached": (state.engine or active()).max_cached,
             "max_cached_small": (state.engine or active()).max_cached_small, "batch_shapes": shapes,
             "graphs": sum(s["graphs"] for s in shapes), "capture_s": round(sum(s["capture_s"] for s in shapes), 3),

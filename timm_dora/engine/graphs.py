@@ -108,20 +108,17 @@ __all__ = ["GraphRunner", "RunAheadMissed", "capture_stream", "decides_in_graphs
 # Without it the pool grew one allocator segment per intermediate size (qkv, the MLP's hidden
 # activations, ...), and a segment's memory could not serve a larger intermediate of a later capture.
 
-_SIDE_STREAMS: Dict[Tuple[int, int], "torch.cuda.Stream"] = {}
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
 
 
-def capture_stream(device: torch.device, lane: int = 0) -> "torch.cuda.Stream":
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
     """One warm-up stream per device for all captures: cuBLAS keeps a workspace (allocated memory,
     never returned) for every stream it has run on, so a new stream per capture leaked about 1 GB
-    over a benchmark's captures (H100, peak-memory rows). A graph's GEMMs use the workspace of the
-    stream they were captured on, so graphs that replay side by side (:mod:`~timm_dora.engine.lanes`)
-    are captured on a stream per ``lane`` (replayed together on one stream's workspace, two lanes'
-    GEMMs wrote over each other's partial sums: out-of-range indices and wrong logits, one H200)."""
+    over a benchmark's captures (H100, peak-memory rows)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if (index, lane) not in _SIDE_STREAMS:
-        _SIDE_STREAMS[(index, lane)] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[(index, lane)]
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 @contextlib.contextmanager
@@ -196,9 +193,8 @@ class GraphRunner:
     host_reads = True
 
     def __init__(self, model: nn.Module, policy, images: torch.Tensor, backend: str, readout_mode: str,
-                 merge: bool = False, lane: int = 0):
+                 merge: bool = False):
         self.model, self.policy, self.backend, self.readout_mode = model, policy, backend, readout_mode
-        self.lane = lane  # which of a batch's lanes it runs (engine.lanes; 0: the batch or its first)
         self.segments = Segments(self)  # what each graph records
         self.merge = merge  # removed rows folded into survivors (the controller's graph), sizes kept in ``sizes``
         self.copy_keys = bool(getattr(policy, "reads_keys", True))
@@ -389,37 +385,31 @@ class GraphRunner:
     # ------------------------------------------------------------------------------------------
     # capture and replay
 
-    @property
-    def side_stream(self) -> "torch.cuda.Stream":
-        """The stream this runner's graphs are captured on (:func:`capture_stream` of its lane)."""
-        return capture_stream(self.device, self.lane)
-
-    def run_segment(self, key: tuple, fn: Optional[Callable[[], None]] = None) -> None:
-        """Run segment ``key`` (:meth:`Segments.build`, or ``fn`` where given: a graph of several
-        runners' segments, :func:`~timm_dora.engine.whole.forward_lanes`): replayed from its graph,
-        captured on first use; off CUDA run directly."""
+    def run_segment(self, key: tuple) -> None:
+        """Run segment ``key`` (:meth:`Segments.build`): replayed from its graph, captured on first
+        use; off CUDA run directly."""
         if not self.capture:
-            (fn or self.segments.build(key))()
+            self.segments.build(key)()
             return
         g = self.graphs.get(key)
         if g is not None and torch.cuda.current_device() == self.device.index:
             g.replay()  # (the common case: no device switch, about 10 us of host time less per replay)
             return
         with torch.cuda.device(self.device):  # the model's GPU, whichever is current
-            self._replay_or_capture(key, fn)
+            self._replay_or_capture(key)
 
-    def _replay_or_capture(self, key: tuple, fn: Optional[Callable[[], None]] = None) -> None:
+    def _replay_or_capture(self, key: tuple) -> None:
         g = self.graphs.get(key)
         if g is not None:
             g.replay()
             return
-        fn = fn or self.segments.build(key)
+        fn = self.segments.build(key)
         start = time.perf_counter()
         # the warm-up, outside the capture (lazy initialisations); the capture only records, and
         # the replay gives this call's result, except for segments that consume their input: the
         # controller (its deletion overwrites the block input and layout it read) and, without the
         # actor, the MLP (in place): they must run once, and the warm-up's result is kept
-        side = self.side_stream
+        side = capture_stream(self.device)
         if active().reserve_pool and not self.graphs:
             self._reserve_pool(side)
         side.wait_stream(torch.cuda.current_stream())
@@ -431,8 +421,6 @@ class GraphRunner:
             # made again inside block 0's capture, so that every replay recomputes it from the
             # weights, and kept in fixed buffers (consts.keep) that the later blocks' graphs read
             self.consts.memo.clear()
-        for other in getattr(fn, "runners", ()):  # (a graph of lanes: each lane's whole forward)
-            other.consts.memo.clear()
         g = torch.cuda.CUDAGraph()
         # captured on the warm-up's stream, not torch's own capture stream: cuBLAS allocates a
         # workspace (33 MiB on the H100, never returned) for every stream it runs on, and the
@@ -476,7 +464,7 @@ class GraphRunner:
         forward (the second block writes into the first one's input) and, without the actor, the
         in-place MLP."""
         return (key[0] in ("controller", "chain", "run_ahead", "attention_controller", "attention_packed_controller",
-                           "whole", "lanes")
+                           "whole")
                 or (key[0] == "mlp" and not self.probing))
 
     # ------------------------------------------------------------------------------------------
@@ -737,20 +725,19 @@ class GraphRunner:
 
 
 def graph_runner(model: nn.Module, cache, policy, images: torch.Tensor, backend: str, readout_mode: str,
-                 merge: bool = False, lane: int = 0) -> GraphRunner:
-    """The :class:`GraphRunner` of ``model`` for this batch shape, policy, ``lane``
-    (:mod:`~timm_dora.engine.lanes`: lanes of one batch replay side by side, each from its own
-    buffers) and the active :class:`~timm_dora.engine.options.EngineOptions` (made on first use);
+                 merge: bool = False) -> GraphRunner:
+    """The :class:`GraphRunner` of ``model`` for this batch shape, policy and the active
+    :class:`~timm_dora.engine.options.EngineOptions` (made on first use);
     ``cache`` (an ``OrderedDict``) keeps the ``EngineOptions.max_cached`` most recent of batches
     above ``planned_max_batch`` and, apart, the ``max_cached_small`` most recent of the others."""
     weight = next(model.parameters())
     key = (tuple(images.shape), images.dtype, str(images.device), id(policy), backend, readout_mode,
-           weight.dtype, weight.data_ptr(), merge, lane, active())  # (graphs are recorded under the options)
+           weight.dtype, weight.data_ptr(), merge, active())  # (graphs are recorded under the options)
     entry = cache.get(key)
     if entry is not None and entry.policy is policy:
         cache.move_to_end(key)
         return entry
-    entry = GraphRunner(model, policy, images, backend, readout_mode, merge, lane)
+    entry = GraphRunner(model, policy, images, backend, readout_mode, merge)
     cache[key] = entry
     options = active()
     small = entry.batch <= options.planned_max_batch

@@ -109,13 +109,10 @@ class EngineOptions:
     # reads them (fold_kernel._pick). False: the match after the join, as above the bound
     fold_aside: bool = True
     # fold_aside's bound on a batch's rows (their similarities are a float32 buffer of up to 256
-    # columns a row: 8 MB at 8,192 rows, 41 images of 197; 64 MB at 320 images)
+    # columns a row: 8 MB at 8,192 rows, 41 images of 197; 64 MB at 320 images). Above it the GPU
+    # is full without them: at 320 merging DeiT-Ti images, 3.75 -> 3.98 ms a forward with the
+    # similarities beside the decision (one H200, benchmarks/results/aside_priority_h200.json.gz)
     fold_aside_max_rows: int = 8192
-    # the Aside stream (aside_gates, aside_controller, compact_beside_fold) at the GPU's highest
-    # stream priority: where the block's own kernels fill every SM (large batches), the blocks of
-    # the decision's short kernels are scheduled before the attention's waiting ones instead of
-    # after them (captured graphs keep each kernel's priority). False: the default priority
-    aside_priority: bool = False
     # with fused_deletion and the fold kernels (merge=True, a model with a class or register token),
     # the fold's last step (each row that received: its size-weighted mean, its new size, the
     # accumulators back to zeros) runs inside the deletion's gather instead of as a kernel of its
@@ -147,26 +144,17 @@ class EngineOptions:
     # (benchmarks/results/compact_beside_fold_h200.json.gz). True: at every size; False: the fold,
     # then the deletion's two kernels
     compact_beside_fold: Optional[bool] = None
-    # a captured batch of at least lanes_min_batch images, where each lane's share runs as a planned
-    # graph, as this many lanes (engine.lanes): each lane's images a batch of their own, with its own
-    # runner and graphs, replayed on a stream of its own, every lane enqueued before the host waits
-    # for any plan's check, so that one lane's short kernels (the actor's decision, the fold, the
-    # deletion) run beside another's GEMMs. One H200, 320 test images, ms a forward enqueued without
-    # the check: merging DeiT-Ti 3.61 -> 3.32 (two lanes) / 3.77 (four), ViT-Ti 3.18 -> 2.98 / 3.25.
-    # Outputs: each lane's forward (the batch's up to rounding). 1: one batch
-    lanes: int = 2
-    lanes_min_batch: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_cached", "max_cached_small", "mlp_chunks", "lanes"):
+        for name in ("max_cached", "max_cached_small", "mlp_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineOptions.{name} must be at least 1, got {getattr(self, name)}")
         if self.rows_bucket is not None and self.rows_bucket < 1:
             raise ValueError(f"EngineOptions.rows_bucket must be at least 1 or None, got {self.rows_bucket}")
         if (self.whole_max_batch < 0 or self.planned_max_batch < 0 or not self.margin_sd >= 0
-                or not self.planned_max_gflops >= 0 or self.fold_aside_max_rows < 0 or self.lanes_min_batch < 0):
-            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch, planned_max_gflops, margin_sd, "
-                             "fold_aside_max_rows and lanes_min_batch must be 0 or more")
+                or not self.planned_max_gflops >= 0 or self.fold_aside_max_rows < 0):
+            raise ValueError("EngineOptions.whole_max_batch, planned_max_batch, planned_max_gflops, margin_sd and "
+                             "fold_aside_max_rows must be 0 or more")
 
 
 _ACTIVE: "contextvars.ContextVar[EngineOptions]" = contextvars.ContextVar("timm_dora_engine_options",

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -45,8 +45,7 @@ from .graphs import GraphRunner, RunAheadMissed, graph_runner, release_all, rows
 from .attention import BACKENDS, select_backend
 from .packing import rows_where, segment_ids
 from .protocol import ForwardConstants, Policy
-from . import lanes as lanes_module
-from .whole import forward_lanes, forward_whole, held, one_graph_reason, plan_from, plans, runs_whole
+from .whole import forward_whole, one_graph_reason, plan_from, plans, runs_whole
 
 __all__ = ["wrap", "unwrap", "is_wrapped", "is_wrapped_as", "set_policy", "check_supported", "DoraStats", "run",
            "READOUTS", "SUPPORTED_POOLS"]
@@ -121,7 +120,6 @@ class _DoraState:
     reason: Optional[str] = None  # why the last forward ran eagerly
     graph: Optional[str] = None  # how the last captured forward replayed: "whole", "planned" or "per_block"
     graph_reason: Optional[str] = None  # why it replayed a graph per block (engine.whole.one_graph_reason)
-    lanes: int = 1  # how many lanes the last captured forward ran as (engine.lanes)
     costs: Dict[int, BackboneCost] = field(default_factory=dict)  # at other input sizes, by patch count
     skip_dead: bool = False  # the last block's MLP on the rows the readout reads only (the prefix rows)
     merge: bool = False  # removed rows folded into their most similar survivor (engine.packing.merge_removed)
@@ -395,7 +393,6 @@ def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: 
     backend = select_backend(x.device.type, x.dtype, state.attn_backend)
     state.reason = why = capture_reason(model, x, backend)
     state.graph = state.graph_reason = None
-    state.lanes = 1
     if why is not None:
         state.executor = "eager"
         if state.cuda_graphs and not state.warned and state.failed is None and not torch.compiler.is_compiling():
@@ -406,13 +403,6 @@ def _run_with_options(model: nn.Module, x: torch.Tensor, policy: Policy, state: 
     batch = x.shape[0]
     padded = pad_batch(x, batch_bucket(batch))
     try:
-        sizes = lanes_module.lane_sizes(model, padded)  # (EngineOptions.lanes: a large batch as lanes side by side)
-        if sizes is not None:
-            runners = [graph_runner(model, state.graphs, policy, chunk, backend, state.readout, state.merge, lane)
-                       for lane, chunk in enumerate(padded.split(sizes))]
-            out = _lanes(model, runners, padded.split(sizes), keep=batch)
-            state.executor, state.lanes = "captured", len(sizes)
-            return out
         runner = graph_runner(model, state.graphs, policy, padded, backend, state.readout, state.merge)
         if runs_whole(runner):
             state.graph = "whole"
@@ -507,42 +497,10 @@ def _statistics(cost: BackboneCost, p: int, n0: int, gate: torch.Tensor, removed
                 policy_gflops=own[:real] / 1e9, backend=backend, removed_patches=patches)
 
 
-def _lanes(model: nn.Module, runners: List[GraphRunner], chunks: Sequence[torch.Tensor], keep: int
-           ) -> Tuple[torch.Tensor, DoraStats]:
-    """A batch as lanes (:mod:`~timm_dora.engine.lanes`; ``chunks``: each lane's images, ``runners``
-    their runners, the real images the first ``keep``). Captured, where every lane has a plan: one
-    graph of all lanes (:func:`~timm_dora.engine.whole.forward_lanes`), then each lane checked and,
-    where its plan did not hold, run again as :func:`_planned` runs a miss. Otherwise each lane as
-    any batch runs (planned, or block by block). The outputs and statistics concatenated in order."""
-    state: _DoraState = model._dora
-    starts = [sum(c.shape[0] for c in chunks[:i]) for i in range(len(chunks))]
-    keeps = [max(0, min(c.shape[0], keep - s)) for c, s in zip(chunks, starts)]
-    planned = all(plans(r) for r in runners)
-    joint = planned and all(r.capture and r.plan is not None for r in runners)
-    launched = forward_lanes(runners, chunks, active().fused_interventions) if joint else [None] * len(runners)
-    outs = []
-    for runner, x, k, out in zip(runners, chunks, keeps, launched):
-        if not k:  # (padding only)
-            continue
-        if out is not None and held(runner.plan, runner.record):
-            outs.append(_whole_output(model, runner, out, k))
-        elif planned:
-            runner.plan_misses += out is not None  # (its plan did not hold)
-            outs.append(_planned(model, runner, x, k, tried=out is not None))
-        else:
-            outs.append(_forward(model, x, runner.policy, runner, keep=k))
-    state.graph = "planned" if planned else "per_block"
-    state.graph_reason = None if planned else one_graph_reason(runners[0])
-    sizes = [k for k in keeps if k]
-    return torch.cat([o[0] for o in outs]), _LazyStats(lanes_module.concat_statistics([o[1] for o in outs], sizes))
-
-
-def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, tried: bool = False
-             ) -> Tuple[torch.Tensor, DoraStats]:
+def _planned(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int) -> Tuple[torch.Tensor, DoraStats]:
     """The forward as one planned graph (:mod:`~timm_dora.engine.whole`) where the runner has a plan
-    and it holds; else eagerly, and the plan made or grown from that forward's decisions
-    (``tried``: the caller replayed the plan already, and it did not hold)."""
-    if runner.plan is not None and not tried:
+    and it holds; else eagerly, and the plan made or grown from that forward's decisions."""
+    if runner.plan is not None:
         out = _whole(model, runner, x, keep, runner.plan)
         if out is not None:
             return out
@@ -565,14 +523,10 @@ def _whole(model: nn.Module, runner: GraphRunner, x: torch.Tensor, keep: int, pl
            ) -> Optional[Tuple[torch.Tensor, DoraStats]]:
     """The forward as one graph (:mod:`~timm_dora.engine.whole`), planned or not (``None`` where
     ``plan`` did not hold); ``keep`` as for :func:`_run`."""
-    out = forward_whole(runner, x, active().fused_interventions, plan)
-    return None if out is None else _whole_output(model, runner, out, keep)
-
-
-def _whole_output(model: nn.Module, runner: GraphRunner, out: tuple, keep: int) -> Tuple[torch.Tensor, DoraStats]:
-    """A whole forward's logits and record (:func:`~timm_dora.engine.whole.forward_whole`) as the
-    forward's output and statistics, of its first ``keep`` images."""
     state: _DoraState = model._dora
+    out = forward_whole(runner, x, active().fused_interventions, plan)
+    if out is None:
+        return None
     logits, rec = out
     p, n0 = model.num_prefix_tokens, runner.num_patches
     cost = _cost_at(state, model, n0)

@@ -62,8 +62,7 @@ from .flops import native_gflops
 from .options import active
 from .packing import Packed
 
-__all__ = ["Aside", "aside", "Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment", "forward_whole",
-           "forward_lanes", "held"]
+__all__ = ["Aside", "aside", "Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment", "forward_whole", "held"]
 
 
 class Plan(NamedTuple):
@@ -246,13 +245,10 @@ class Aside:
     stream wait for all of it. Captured, the two streams are two branches of the graph, which the
     GPU runs side by side. The tensors the forked work reads (a view of the block's ``qkv`` output)
     are held until the join: freed earlier, the allocator could hand their memory to a kernel of
-    the current stream that nothing orders after the reads. ``first``: the stream at the GPU's
-    highest priority (``EngineOptions.aside_priority``), which the captured kernels keep."""
+    the current stream that nothing orders after the reads."""
 
-    def __init__(self, device: torch.device, first: bool = False):
-        # (torch maps a priority past the device's range to its highest)
-        self.stream = torch.cuda.Stream(device, priority=-100 if first else 0)
-        self.first = first
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
         self.held: list = []
         self.forked = False
 
@@ -324,7 +320,7 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                    for l in range(depth)]
     uses_aside = any(side) or any(decide_side)
     if uses_aside and getattr(r, "aside", None) is None:
-        r.aside = Aside(r.device, first=active().aside_priority)
+        r.aside = Aside(r.device)
     attend = [r.segments.build(("attention", l, not controls[l], fused and controls[l], None, norms[l], True, side[l]) if l < n_dense else
                                ("attention_packed", l, rows[l], False, fresh[l], fused and controls[l], True, norms[l], side[l]))
               for l in range(depth)]
@@ -388,8 +384,6 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             if decide_side[l]:
                 r.decide_aside = control[l].decide  # (forked as soon as the keys exist)
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
-            if l == getattr(r, "stagger_at", None):  # (forward_lanes: the next lane starts from here)
-                r.stagger_event.record()
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
                 if after[l]:
                     aside(r, rho.zero_, on=side[l])
@@ -429,8 +423,12 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     return whole
 
 
-def _buffers(r, images: torch.Tensor) -> None:
-    """The runner's record of a forward and its fixed input buffer (made on first use)."""
+def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan] = None):
+    """One forward of ``images`` (the runner's batch shape) as one graph. Returns the logits and
+    the forward's record (:meth:`_Record.copy`), or ``None`` where ``plan`` did not hold (a gate
+    opened outside it, or a block had more rows than its bound: the output is wrong). ``fused``:
+    as for :func:`whole_segment`."""
+    r = runner
     if getattr(r, "record", None) is None:
         r.record = _Record(r.depth, r.batch, r.batch * r.seq, r.device)
         r.buffer_bytes += r.record.nbytes
@@ -438,24 +436,11 @@ def _buffers(r, images: torch.Tensor) -> None:
         with torch.inference_mode(False):
             r.images_in = torch.empty(images.shape, dtype=images.dtype, device=images.device)  # (contiguous)
         r.buffer_bytes += r.images_in.numel() * r.images_in.element_size()
-
-
-def _key(r, fused: bool, plan: Optional[Plan]) -> tuple:
-    return ("whole", bool(r.triton_gate and fused)) + ((plan,) if plan is not None else ())
-
-
-def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan] = None):
-    """One forward of ``images`` (the runner's batch shape) as one graph. Returns the logits and
-    the forward's record (:meth:`_Record.copy`), or ``None`` where ``plan`` did not hold (a gate
-    opened outside it, or a block had more rows than its bound: the output is wrong). ``fused``:
-    as for :func:`whole_segment`."""
-    r = runner
-    _buffers(r, images)
     r.host_reads = False  # (decisions stay on the device: no gate or length copies to the host)
     try:
         r.start(None, run_ahead=False)  # (the graph embeds)
         r.images_in.copy_(images)  # (right before the replay: the GPU waits for no host work between)
-        r.run_segment(_key(r, fused, plan))
+        r.run_segment(("whole", bool(r.triton_gate and fused)) + ((plan,) if plan is not None else ()))
     except _Missed:
         return None
     finally:
@@ -466,56 +451,6 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
     if plan is not None and not held(plan, r.record):
         return None
     return out
-
-
-def forward_lanes(runners: Sequence, chunks: Sequence[torch.Tensor], fused: bool) -> list:
-    """The captured planned forwards of a batch's lanes (:mod:`~timm_dora.engine.lanes`: each
-    runner's own images ``chunks``, its own plan) as one graph, the first lane's (one launch): each
-    lane's :func:`whole_segment` a branch of it on a stream of its own (its capture stream, so that
-    its GEMMs use a cuBLAS workspace of their own). Returns each lane's logits and record, not
-    checked: the caller reads :func:`held` of each runner's record before it uses them."""
-    first, dev = runners[0], chunks[0].device
-    for r, x in zip(runners, chunks):
-        _buffers(r, x)
-        r.host_reads = False
-    key = ("lanes",) + tuple(_key(r, fused, r.plan) for r in runners)
-    try:
-        joint = None
-        if key not in first.graphs:  # (to capture: each lane's segment, built by its runner)
-            segments = [r.segments.build(k) for r, k in zip(runners, key[1:])]
-
-            def branches() -> None:
-                # lane i + 1 starts when lane i has run its first controller block's attention: the
-                # dense blocks before it (GEMMs, attention) run beside lane i's decisions, folds and
-                # deletions (side by side from the start, the lanes' short kernels came together)
-                current = torch.cuda.current_stream(dev)
-                for r in runners[1:]:
-                    r.side_stream.wait_stream(current)
-                started = None
-                for i, (r, seg) in enumerate(zip(runners, segments)):
-                    with torch.cuda.stream(current if i == 0 else r.side_stream):
-                        if started is not None:
-                            torch.cuda.current_stream(dev).wait_event(started)
-                        started = None
-                        if i + 1 < len(runners) and True in r.plan.controls:
-                            r.stagger_at, r.stagger_event = r.plan.controls.index(True), torch.cuda.Event()
-                            started = r.stagger_event
-                        try:
-                            seg()
-                        finally:
-                            r.stagger_at = None
-                for r in runners[1:]:
-                    current.wait_stream(r.side_stream)
-            branches.runners = runners  # (the lanes' forward constants: their memos cleared before the capture)
-            joint = branches
-        for r, x in zip(runners, chunks):
-            r.start(None, run_ahead=False)
-            r.images_in.copy_(x)
-        first.run_segment(key, joint)
-    finally:
-        for r in runners:
-            r.host_reads, r.cur = True, None
-    return [(r.logits["whole"].clone(), r.record.copy()) for r in runners]
 
 
 def held(plan: Plan, record: _Record) -> bool:
