@@ -5,7 +5,7 @@ such graph nodes); the time per call is the graph's replay time over the calls, 
 ``--repeats`` replays. Read: the residual sum with the LayerNorm (``dense_kernels._add_layer_norm_fwd``)
 per rows-per-program and warps, beside ``torch.compile``'s kernel for ``layer_norm(x + d)`` (which
 does not write the sum: a quarter fewer bytes); with ``--fold``, merging's fold
-(:func:`timm_dora.engine.fold_kernel.fold_rows`, DeiT-Ti's shape: 3 heads of 64, a third of each
+(:func:`timm_dora.engine.fold_kernel.fold_rows`, DeiT-Ti's shape: 3 heads of 64, ``--removed`` (a third) of each
 image's visual rows removed) per tile of its match, each checked equal to the default's result, and
 ``EngineOptions.fold_aside``'s halves: the similarities (``similarities_us``, beside the decision) and
 the fold that picks its matches from them (``picked_us``, after it); with ``--attention``, the varlen
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--fold", action="store_true", help="sweep the fold's match tiles instead")
+    ap.add_argument("--removed", type=float, default=1 / 3, help="(--fold) the share of visual rows removed")
     ap.add_argument("--in-effect", action="store_true", help="(--fold) only the match tile in effect")
     ap.add_argument("--gelu", action="store_true",
                     help="the MLP's first layer and GELU in one kernel per tile, against F.linear then nn.GELU")
@@ -77,7 +78,7 @@ def main() -> None:
 
 
 def fold_sweep(args, res, dev, dtype) -> None:
-    """The fold per match tile (query rows, key rows, warps) at ``--images`` images of 197 rows."""
+    """The fold per match tile (removed rows, key rows, warps) at ``--images`` images of 197 rows."""
     from timm_dora.engine.fold_kernel import fold_rows, fold_similarities, match_tile_for
     res["fold"] = []
     d, heads, n = 192, 3, 197
@@ -86,7 +87,7 @@ def fold_sweep(args, res, dev, dtype) -> None:
         t = b * n
         cu = torch.arange(0, t + 1, n, device=dev, dtype=torch.int32)
         x, keys = torch.randn(t, d, device=dev, dtype=dtype), torch.randn(t, d, device=dev, dtype=dtype)
-        remove = (torch.rand(t, device=dev) < 1 / 3) & (torch.arange(t, device=dev) % n != 0)
+        remove = (torch.rand(t, device=dev) < args.removed) & (torch.arange(t, device=dev) % n != 0)
         sizes = 1 + torch.rand(t, device=dev)
         scratch = (torch.zeros(t, d, device=dev), torch.zeros(t, device=dev))
         out, sizes_out = torch.empty_like(x), torch.empty_like(sizes)
@@ -97,7 +98,7 @@ def fold_sweep(args, res, dev, dtype) -> None:
         ref = [r.clone() for r in run()]
         row = {"images": b, "rows": t, "in_effect": list(match_tile_for(b, n)), "us": {}}
         tiles = [match_tile_for(b, n)] if args.in_effect else [(bm, bn, warps) for bm in (16, 32, 64)
-                                                                  for bn in (16, 32, 64) for warps in (1, 2, 4)]
+                                                                  for bn in (32, 64, 128) for warps in (2, 4, 8)]
         for tile in tiles:
             got = run(tile)
             same = all(torch.equal(a, c) for a, c in zip(got, ref))

@@ -41,7 +41,8 @@ def case(heads, hd, lengths, pad, p, seed, device="cpu", dtype=torch.float32, cl
 out = {}
 for name, heads, hd, lengths, pad, p, classes in (("one_tile", 3, 16, [5, 1, 33, 64], 7, 1, 0),
                                                   ("tiles", 2, 32, [17, 9, 130], 0, 2, 0),
-                                                  ("ties", 2, 16, [40, 90], 0, 1, 5)):
+                                                  ("ties", 2, 16, [40, 90], 0, 1, 5),
+                                                  ("long", 2, 16, [300, 20], 0, 1, 0)):  # (flags read twice)
     (x, keys, remove, sizes, cu), t = case(heads, hd, lengths, pad, p, 0, classes=classes)
     ref_x, ref_s = fold_removed(x, keys, remove, sizes, cu, max(lengths), p, heads)
     got_x, got_s = fold_rows(x, keys, remove, sizes, cu, max(lengths), p, heads)
@@ -178,8 +179,9 @@ def test_the_match_takes_more_programs_for_few_images():
     from timm_dora.engine import fold_kernel as fk
 
     assert fk.match_tile_for(320, 197) == fk.MATCH_TILE
-    assert fk.match_tile_for(1, 197) == fk.SMALL_MATCH_TILE
-    # the switch: where MATCH_TILE's grid (images x query tiles) reaches SMALL_MATCH_GRID programs
+    assert fk.match_tile_for(1, 197) == fk.SMALL_MATCH_TILE and fk.match_tile_for(16, 197) == fk.SMALL_MATCH_TILE
+    assert fk.match_tile_for(64, 197) == fk.MATCH_TILE  # (the sizes its tiles were chosen at)
+    # the switch: where MATCH_TILE's grid (images x chunks of its rows) reaches SMALL_MATCH_GRID programs
     per_image = -(-197 // fk.MATCH_TILE[0])
     few = -(-fk.SMALL_MATCH_GRID // per_image) - 1
     assert fk.match_tile_for(few, 197) == fk.SMALL_MATCH_TILE and fk.match_tile_for(few + 1, 197) == fk.MATCH_TILE

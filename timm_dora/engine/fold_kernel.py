@@ -5,11 +5,12 @@ over ``[T, d]`` and ``[B, S, S]`` float32 tensors: 0.63 ms per block for DeiT-Ti
 H100, replayed from a CUDA graph (``benchmarks/results/merge_modes/fold_profile_h100.json``), half
 the published merging actor's forward. Here:
 
-- :func:`_match`, one program per (query tile, image) that holds a removed row: each row's metric
-  (its key averaged over the heads, normalised, in float32) against every surviving visual row of
-  its image, tile by tile (``tl.dot`` in ``tf32x3``: float32 accuracy on tensor cores), a running
-  arg-max (the first of equal maxima, as ``torch.argmax``), the best row's index stored for the
-  removed rows only;
+- :func:`_match`, one program per chunk of an image's removed rows (:func:`_listed` reads the
+  image's flags and lists its removed rows by rank, so kept rows are never compared): each removed
+  row's metric (its key averaged over the heads, normalised, in float32) against every surviving
+  visual row of its image, tile by tile (``tl.dot`` in ``tf32x3``: float32 accuracy on tensor
+  cores), a running arg-max (the first of equal maxima, as ``torch.argmax``), the best row's index
+  stored for the removed rows only;
 - :func:`_scatter`, each removed row's size-weighted values added (float32 atomics) to its target's
   accumulator and its size to the target's received mass;
 - :func:`_finish`: for every row that received something, ``(x * size + received) / (size +
@@ -44,18 +45,19 @@ try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do no
 except Exception:  # pragma: no cover - depends on the installation
     triton = None
 
-# (query rows, key rows, warps) per program of the match, rows per program of the scatter and the
-# finish, and the match's product precision ("tf32x3": float32 accuracy on tensor cores). Chosen on an
-# H100 at the DeiT-Ti shape among 16 tiles x 2 precisions and 4 row blocks: 0.142 ms per fold against
-# 0.182 with (64, 64, 4) and 32 rows ("tf32": 0.148 but 0.03 % of rows matched otherwise)
+# (removed rows, key rows, warps) per program of the match. Chosen on an H200 among 27 tiles at 320
+# DeiT-Ti images (benchmarks/results/fold_match_h200.json.gz, `small_kernels --fold`): the fold
+# 118 -> 93 us with a third of the rows removed, 100 -> 73 with a tenth, 70 -> 68 with a hundredth,
+# against the earlier match of every 64-row query tile; at 64 images about 2 us slower (29 -> 31)
 MATCH_TILE = (64, 32, 4)
-# few images (the planned whole graph at batches 1-16): below SMALL_MATCH_GRID programs of
-# MATCH_TILE, SMALL_MATCH_TILE (more programs, each a shorter chain): the whole fold 20.5-21.0 ->
-# 17.0-17.3 us at 1-8 DeiT-Ti images, the fastest of 27 tiles there (one H200, inside a CUDA graph:
-# benchmarks/results/fold_tiles_h200.json, `small_kernels --fold`); at 16 images (64 programs of
-# MATCH_TILE) it would be slower than MATCH_TILE
-SMALL_MATCH_GRID = 64
-SMALL_MATCH_TILE = (16, 64, 4)
+# few images: below SMALL_MATCH_GRID programs of MATCH_TILE (up to 16 images of 197 rows),
+# SMALL_MATCH_TILE, more programs, each a shorter chain: the fold 17.4 -> 16.0 us at 1-8 images,
+# 22.7 -> 18.4 at 16, the fastest of the 27 there (the same JSON; the engine's default at so few
+# rows is EngineOptions.fold_aside's pick, which takes no match)
+SMALL_MATCH_GRID = 128
+SMALL_MATCH_TILE = (16, 128, 8)
+# the match reads an image's removal flags this many rows at a time to list its removed rows
+FLAGS = 256
 BLOCK_R = 8
 # the captured graph precomputes the similarities (EngineOptions.fold_aside, up to its
 # fold_aside_max_rows rows) for images of up to this many rows (a program of _pick holds 16 rows of
@@ -109,11 +111,34 @@ if triton is not None:
             tl.atomic_add(ACC + target[:, None] * D + c[None, :], v * size[:, None], mask=both)
 
     @triton.jit
+    def _listed(REMOVE, start, length, BLOCK_M: tl.constexpr, FLAGS: tl.constexpr):
+        """The image's removed rows of ranks ``program_id(0) * BLOCK_M + [0, BLOCK_M)`` in row order
+        (absolute rows, int64) and which of those ranks exist: the flags read ``FLAGS`` rows at a
+        time, each removed row's rank the removed rows before it."""
+        slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row = tl.zeros([BLOCK_M], dtype=tl.int32)
+        seen = tl.sum(tl.zeros([FLAGS], dtype=tl.int32), 0)  # removed rows before the chunk
+        for n0 in range(0, length, FLAGS):
+            offs = n0 + tl.arange(0, FLAGS)
+            flag = (tl.load(REMOVE + (start + offs).to(tl.int64), mask=offs < length, other=0) != 0).to(tl.int32)
+            rank = seen + tl.cumsum(flag, 0) - flag
+            hit = (flag[None, :] != 0) & (rank[None, :] == slots[:, None])
+            row += tl.sum(tl.where(hit, offs[None, :], 0), 1)
+            seen += tl.sum(flag, 0)
+        return (start + row).to(tl.int64), slots < seen
+
+    @triton.jit
     def _match(K, REMOVE, CU, TARGET, sk_t, HEADS: tl.constexpr, HD: tl.constexpr, NUM_PREFIX: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-        start, length, rows_m, removed = _removed_rows(REMOVE, CU, BLOCK_M)
-        if tl.max(removed.to(tl.int32), 0) > 0:
-            q = _metric(K, rows_m, removed, sk_t, HEADS, HD)
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAGS: tl.constexpr, PRECISION: tl.constexpr):
+        """Each removed row's best surviving row among its image's (the first of equal maxima) into
+        ``TARGET``; one program per ``BLOCK_M`` removed rows of an image (program ids: the chunk of
+        their ranks, the image), so only removed rows are compared."""
+        seq = tl.program_id(1)
+        start = tl.load(CU + seq)
+        length = tl.load(CU + seq + 1) - start
+        rows_m, listed = _listed(REMOVE, start, length, BLOCK_M, FLAGS)
+        if tl.max(listed.to(tl.int32), 0) > 0:
+            q = _metric(K, rows_m, listed, sk_t, HEADS, HD)
             best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             at = tl.zeros([BLOCK_M], dtype=tl.int32)
             for n0 in range(0, length, BLOCK_N):
@@ -127,7 +152,7 @@ if triton is not None:
                 better = tile_best > best  # (strict: the first tile keeps a tie, as torch.argmax)
                 at = tl.where(better, n0 + tile_at, at)
                 best = tl.where(better, tile_best, best)
-            tl.store(TARGET + rows_m, start + at.to(tl.int64), mask=removed)
+            tl.store(TARGET + rows_m, start + at.to(tl.int64), mask=listed)
 
     @triton.jit
     def _similarity(K, CU, SIM, sk_t, HEADS: tl.constexpr, HD: tl.constexpr, NP: tl.constexpr,
@@ -225,7 +250,7 @@ def _pow2(n: int) -> bool:
 
 
 def match_tile_for(batch: int, max_len: int) -> Tuple[int, int, int]:
-    """The match's ``(query rows, key rows, warps)`` for ``batch`` sequences of up to ``max_len``
+    """The match's ``(removed rows, key rows, warps)`` for ``batch`` sequences of up to ``max_len``
     rows: :data:`MATCH_TILE`, or :data:`SMALL_MATCH_TILE` where :data:`MATCH_TILE`'s grid has fewer
     than :data:`SMALL_MATCH_GRID` programs (few images: each program's serial loop over the keys is
     the latency). The tile changes how rows are split among programs, not any row's arithmetic."""
@@ -311,7 +336,7 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
     ``similarities`` two: :func:`_pick`, then the finish), with the same arguments and results
     (``out`` may be ``x``, ``sizes_out`` may be ``sizes``). ``scratch``: a
     float32 accumulator ``[>= T, d]`` and mass ``[>= T]``, contiguous and all zeros, left all zeros
-    (a graph keeps them; without, they are allocated zeroed). ``match_tile``: the match's ``(query
+    (a graph keeps them; without, they are allocated zeroed). ``match_tile``: the match's ``(removed
     rows, key rows, warps)`` instead of :func:`match_tile_for`'s, for benchmarks. ``similarities``:
     :func:`fold_similarities` of these ``keys`` (the same ``cu_seqlens`` and ``max_len``): the match
     and the scatter are then one kernel that reads them (the same targets). ``finish=False``: no
@@ -344,9 +369,10 @@ def fold_rows(x: torch.Tensor, keys: torch.Tensor, remove: torch.Tensor, sizes: 
                                              num_warps=4)
     else:
         target = torch.empty(t, dtype=torch.int64, device=x.device)
-        _match[(-(-max_len // block_m), b)](keys, remove, cu, target, keys.stride(0), HEADS=num_heads,
-                                             HD=d // num_heads, NUM_PREFIX=num_prefix, BLOCK_M=block_m,
-                                             BLOCK_N=block_n, PRECISION=PRECISION, num_warps=warps)
+        _match[(-(-max(max_len - num_prefix, 1) // block_m), b)](
+            keys, remove, cu, target, keys.stride(0), HEADS=num_heads, HD=d // num_heads, NUM_PREFIX=num_prefix,
+            BLOCK_M=block_m, BLOCK_N=block_n, FLAGS=min(FLAGS, similarity_columns(max_len)), PRECISION=PRECISION,
+            num_warps=warps)
         _scatter[rows](x, sizes, remove, target, cu, acc, mass, x.stride(0), b, D=d, BLOCK_R=BLOCK_R,
                        BLOCK_D=block_d, num_warps=4)
     if not finish:
