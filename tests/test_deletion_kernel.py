@@ -323,3 +323,63 @@ def test_cuda_forward_with_fused_deletion_is_unchanged(planned, monkeypatch, eng
     got = forwards()
     assert calls  # (counted where captured: the kernels then replay without Python)
     assert_same_forwards(got, ref)
+
+
+NORMED = r"""
+import json, torch
+import torch.nn.functional as F
+from timm_dora.engine.deletion_kernel import gather_rows
+from timm_dora.engine.dense_kernels import layer_norm_triton
+
+g = torch.Generator().manual_seed(0)
+out = {}
+for d in (24, 256):  # a row in part of the gather's chunk, and filling it
+    rows = 37
+    x = torch.randn(rows, d, generator=g) * 3 + 1
+    index = torch.randperm(rows, generator=g)[:30].to(torch.int32)
+    index = torch.cat([index, torch.zeros(rows - 30, dtype=torch.int32)])  # (past the survivors: row 0)
+    w, b = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    plain, got = torch.full((rows + 2, d), 7.0), torch.full((rows + 2, d), 7.0)
+    normed = torch.full((rows + 2, d), float("nan"))
+    gather_rows(x, index, plain)
+    gather_rows(x, index, got, norm=(w, b, 1e-6, normed))
+    # with the fold's finish on the way (its sums and mass at a few source rows)
+    sizes, acc, mass = torch.ones(rows) * 2, torch.zeros(rows, d), torch.zeros(rows)
+    acc[5:9], mass[5:9] = torch.randn(4, d, generator=g), 1.0
+    folded, folded_normed = torch.zeros(rows, d), torch.zeros(rows, d)
+    gather_rows(x, index, folded, sizes, received=(acc, mass), norm=(w, b, 1e-6, folded_normed))
+    out[d] = {"rows_equal": torch.equal(got, plain),
+              "normed_equal_kernel": torch.equal(normed[:rows], layer_norm_triton(got[:rows], w, b, 1e-6)),
+              "normed_vs_torch": float((normed[:rows] - F.layer_norm(got[:rows], (d,), w, b, 1e-6)).abs().max()),
+              "past_rows_untouched": bool(torch.isnan(normed[rows:]).all()),
+              "folded_normed_equal_kernel": torch.equal(folded_normed, layer_norm_triton(folded, w, b, 1e-6)),
+              "folded_rows_changed": int((folded != plain[:rows]).any(1).sum())}
+print(json.dumps(out))
+"""
+
+
+def test_interpreted_gather_writes_the_layer_norm_of_its_rows():
+    """``gather_rows``' ``norm``: the gathered rows unchanged, and their LayerNorm exactly as
+    ``dense_kernels``' own kernel computes it (the MLP's, which it replaces), within rounding of
+    ``F.layer_norm``, the rows past the gathered ones untouched; after the fold's finish too (the
+    LayerNorm of the finished rows)."""
+    pytest.importorskip("triton")
+    res = run_interpreted(NORMED, timeout=300)
+    for d, case in res.items():
+        assert case["rows_equal"] and case["normed_equal_kernel"] and case["past_rows_untouched"], (d, case)
+        assert case["normed_vs_torch"] < 1e-4, (d, case)
+        assert case["folded_normed_equal_kernel"] and case["folded_rows_changed"] > 0, (d, case)
+
+
+def test_gather_norm_is_checked():
+    """A one-line reason for a LayerNorm the gather cannot take, before anything is written."""
+    from timm_dora.engine.deletion_kernel import GATHER_BLOCK_D, gather_rows
+    d = GATHER_BLOCK_D + 64
+    x, out = torch.zeros(4, d), torch.full((4, d), 3.0)
+    with pytest.raises(ValueError, match=rf"gather_rows: norm takes rows of at most {GATHER_BLOCK_D} channels, a "
+                                         rf"weight and a bias \[{d}\] and normed \[>= 4, {d}\] torch.float32"):
+        gather_rows(x, torch.zeros(4, dtype=torch.int32), out, norm=(torch.ones(d), torch.zeros(d), 1e-6, out.clone()))
+    assert (out == 3.0).all()
+    with pytest.raises(ValueError, match=r"normed \[>= 4, 8\] torch.float32"):
+        gather_rows(x[:, :8], torch.zeros(4, dtype=torch.int32), out[:, :8].contiguous(),
+                    norm=(torch.ones(8), torch.zeros(8), 1e-6, torch.zeros(3, 8)))

@@ -80,6 +80,32 @@ def test_whole_forward_equals_the_eager_executor(family, kind, merge, whole_call
         assert removed.sum() > 0 and got[0][1].gate.any()
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_norm_in_gather_by_default_up_to_max_rows(merge, whole_calls, monkeypatch, engine_options):
+    """``EngineOptions.norm_in_gather``'s default (``None``) asks the deletion for the survivors'
+    LayerNorm up to ``deletion_kernel.MAX_ROWS`` rows (5 images of 17 tokens), not above (512
+    images, 8,704 rows); ``True`` and ``False`` at any size. Uncaptured (the CPU) the deletion
+    normalises after it, with the MLP's own operation: the same forwards, exactly."""
+    name, kw = SMALL_FAMILIES["deit"]
+    model = make_model(name, **kw)
+    actor = gate_forced_actor(model, [1])
+    asked = []
+    build = segments.Segments.build
+    monkeypatch.setattr(segments.Segments, "build", lambda self, key: (
+        asked.append(key[6]) if key[0] == "controller" else None, build(self, key))[1])
+    runs = {}
+    for n, option in ((5, None), (5, False), (512, None), (512, True)):
+        asked.clear()
+        engine_options(whole=True, norm_in_gather=option)
+        xs = [images(model, n, seed=1)]
+        assert (n * (model.patch_embed.num_patches + 1) > deletion_kernel.MAX_ROWS) == (n == 512)
+        runs[n, option] = _forwards(model, xs, actor=actor, cuda_graphs=True, merge=merge)
+        assert asked and set(asked) == {option if option is not None else n == 5}, (n, option, asked)
+    assert len(whole_calls) == 4
+    _assert_same(runs[5, None], runs[5, False])
+    _assert_same(runs[512, None], runs[512, True])
+
+
 def test_only_a_deciding_actor_with_the_class_token_head_runs_whole(whole_calls, monkeypatch, engine_options):
     engine_options(whole=True)
     name, kw = SMALL_FAMILIES["vit_avgpool"]  # a pooled readout: the per-block executor
@@ -427,13 +453,14 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("kind", ["biased", "forced"])
-@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather", "compact_beside_fold"])
+@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather", "compact_beside_fold", "norm_in_gather"])
 def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, monkeypatch):
     """``EngineOptions.fold_aside``: with merging, the fold's similarities made beside the decision
     and the match picked from them after the join give the graph that matches after the join;
     ``fold_in_gather``: the fold finished in the deletion's gather gives the fold's own finish;
     ``compact_beside_fold`` (forced on): the deletion's compaction beside the fold gives the
-    deletion after it. Each: the same decisions and sizes, the same logits up to the order of the
+    deletion after it; ``norm_in_gather``: the survivors' LayerNorm in the deletion's gather gives
+    the MLP's own. Each: the same decisions and sizes, the same logits up to the order of the
     fold's float32 atomics."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
@@ -449,10 +476,10 @@ def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, m
     elif option == "compact_beside_fold":  # the compaction forked beside the fold
         compaction = segments.compact_rows
         monkeypatch.setattr(segments, "compact_rows", lambda *a, **k: (took.append(True), compaction(*a, **k))[1])
-    else:  # the deletion that finishes the fold
-        deletion = segments.delete_rows_fused
+    else:  # the deletion that finishes the fold (or normalises the survivors)
+        deletion, asked = segments.delete_rows_fused, "received" if option == "fold_in_gather" else "norm"
         monkeypatch.setattr(segments, "delete_rows_fused",
-                            lambda *a, **k: (took.append(k.get("received") is not None), deletion(*a, **k))[1])
+                            lambda *a, **k: (took.append(k.get(asked) is not None), deletion(*a, **k))[1])
     for on in (False, True):
         made.clear()
         took.clear()

@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["MAX_ROWS", "BLOCK_ROWS", "Books", "fused_deletion_reason", "delete_rows_fused", "compact_rows",
+__all__ = ["MAX_ROWS", "BLOCK_ROWS", "GATHER_BLOCK_D", "Books", "fused_deletion_reason", "delete_rows_fused", "compact_rows",
            "gather_rows", "delete_rows_reference", "keep_books_reference"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
@@ -44,6 +44,7 @@ except Exception:  # pragma: no cover - depends on the installation
     triton = None
 
 if triton is not None:
+    from .dense_kernels import _normalized
     from .fold_kernel import _received_mean
 
 # one program holds all rows (the index is one in-register scan) up to this many, far above the
@@ -53,6 +54,9 @@ if triton is not None:
 # PyTorch ops (benchmarks/results/planned_large_multi_deletion_h200.json)
 MAX_ROWS = 8192
 BLOCK_ROWS = 4096
+# the gather's chunk of a row: its columns in one pass up to this many, the LayerNorm after the
+# deletion inside it (gather_rows' norm) only for rows of at most this many channels
+GATHER_BLOCK_D = 256
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -170,8 +174,9 @@ if triton is not None:
 
     @triton.jit
     def _gather_rows(X, INDEX, OUT, rows, stride_x, stride_o, SIZES, SIZES_FROM, ACC, MASS, CU_FROM, CU_TO, n_cu,
+                     W, B, NORMED, stride_n, eps,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FOLD: tl.constexpr,
-                     COPY_SIZES: tl.constexpr, COPY_CU: tl.constexpr, BLOCK_CU: tl.constexpr):
+                     COPY_SIZES: tl.constexpr, COPY_CU: tl.constexpr, BLOCK_CU: tl.constexpr, NORM: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = r < rows
         src_row = tl.load(INDEX + r, mask=live, other=0).to(tl.int64)
@@ -195,6 +200,9 @@ if triton is not None:
                 tl.debug_barrier()
                 tl.store(ACC + src_row[:, None] * D + cs[None, :], tl.zeros_like(acc), mask=fm)  # (back to zeros)
             tl.store(OUT + dst[:, None] + cs[None, :], v, mask=m)
+            if NORM:  # (the row is this one chunk) the LayerNorm after the deletion, as dense_kernels' kernel
+                y = _normalized(v.to(tl.float32), m, cs, W, B, D, eps)
+                tl.store(NORMED + r.to(tl.int64)[:, None] * stride_n + cs[None, :], y.to(v.dtype), mask=m)
         if FOLD:  # (every warp's reads of the sizes and the mass done before any is rewritten)
             tl.debug_barrier()
             tl.store(SIZES + r, size + extra, mask=live)
@@ -205,6 +213,10 @@ if triton is not None:
             c = 1 + tl.arange(0, BLOCK_CU)
             mine = (c < n_cu) & ((c * 0 + tl.program_id(0)) == 0)
             tl.store(CU_TO + c, tl.load(CU_FROM + c, mask=mine, other=0), mask=mine)
+
+
+# gather_rows' norm: (weight, bias, eps, normed): a LayerNorm of the gathered rows into normed
+Norm = Tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]
 
 
 def fused_deletion_reason(x: torch.Tensor, remove: torch.Tensor) -> Optional[str]:
@@ -300,7 +312,8 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
                       ids_out: torch.Tensor, cu: torch.Tensor, removed: torch.Tensor,
                       lengths_out: torch.Tensor, cu_out: torch.Tensor, sizes: Optional[torch.Tensor] = None,
                       books: Optional[Books] = None, block_rows: Optional[int] = None,
-                      received: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                      received: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                      norm: Optional[Norm] = None) -> torch.Tensor:
     """:func:`delete_rows_reference` in two Triton kernels (the same arguments and results, the
     index as int32; the sizes and the books in the first): :func:`compact_rows`, then
     :func:`gather_rows`. Raises ``ValueError`` where :func:`fused_deletion_reason` says why not.
@@ -317,14 +330,14 @@ def delete_rows_fused(x: torch.Tensor, remove: torch.Tensor, out: torch.Tensor, 
     have before the deletion (each row that received: ``(x * size + received) / (size + mass)``,
     its size plus its mass; both back to zeros). ``x`` is then the rows before the finish and
     ``sizes`` (required) their sizes. Row 0, which the rows past the survivors copy, must not have
-    received (a prefix row: the fold never folds into one)."""
+    received (a prefix row: the fold never folds into one). ``norm``: as for :func:`gather_rows`."""
     why = fused_deletion_reason(x, remove)
     if why is not None:
         raise ValueError(f"delete_rows_fused: {why}")
-    _check_gather(x, out, sizes, received, None, None, None)
+    _check_gather(x, out, sizes, received, None, None, None, norm)
     index = compact_rows(remove, ids, ids_out, cu, removed, lengths_out, cu_out, sizes, books=books,
                          block_rows=block_rows)
-    gather_rows(x, index, out, sizes, received=received)
+    gather_rows(x, index, out, sizes, received=received, norm=norm)
     return index
 
 
@@ -337,9 +350,15 @@ def _check_sizes(rows: int, **vectors: Optional[torch.Tensor]) -> None:
 
 def _check_gather(x: torch.Tensor, out: torch.Tensor, sizes: Optional[torch.Tensor],
                   received: Optional[Tuple[torch.Tensor, torch.Tensor]], sizes_from: Optional[torch.Tensor],
-                  cu_from: Optional[torch.Tensor], cu_out: Optional[torch.Tensor]) -> None:
+                  cu_from: Optional[torch.Tensor], cu_out: Optional[torch.Tensor], norm: Optional[Norm] = None) -> None:
     """:func:`gather_rows`'s arguments, checked before anything is written."""
     rows, d = x.shape
+    if norm is not None:
+        weight, bias, _, normed = norm
+        if d > GATHER_BLOCK_D or weight.shape != (d,) or bias.shape != (d,) or normed.dim() != 2 \
+                or normed.shape[0] < rows or normed.shape[1] != d or normed.stride(1) != 1 or normed.dtype != x.dtype:
+            raise ValueError(f"gather_rows: norm takes rows of at most {GATHER_BLOCK_D} channels, a weight and a bias "
+                             f"[{d}] and normed [>= {rows}, {d}] {x.dtype} with unit column stride")
     if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != d or out.stride(1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"out must be [>= {rows}, {d}] {x.dtype} with unit column stride, got {out.dtype} "
                          f"{tuple(out.shape)}")
@@ -413,13 +432,17 @@ def compact_rows(remove: torch.Tensor, ids: torch.Tensor, ids_out: torch.Tensor,
 def gather_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, sizes: Optional[torch.Tensor] = None,
                 received: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 sizes_from: Optional[torch.Tensor] = None, cu_from: Optional[torch.Tensor] = None,
-                cu_out: Optional[torch.Tensor] = None) -> None:
+                cu_out: Optional[torch.Tensor] = None, norm: Optional[Norm] = None) -> None:
     """:func:`delete_rows_fused`'s second kernel: the rows of ``x`` ``[rows, d]`` by ``index``
     (:func:`compact_rows`'s) into ``out``'s first ``rows`` rows; with ``received``, the fold's
     finish on the way (``sizes`` required, see :func:`delete_rows_fused`). Where
     :func:`compact_rows` left the compacted sizes in ``sizes_from`` and the new cu_seqlens in
-    ``cu_from`` (beside a fold), they are copied into ``sizes`` and ``cu_out[1:]`` on the way."""
-    _check_gather(x, out, sizes, received, sizes_from, cu_from, cu_out)
+    ``cu_from`` (beside a fold), they are copied into ``sizes`` and ``cu_out[1:]`` on the way.
+    ``norm``: ``(weight, bias, eps, normed)``: also the LayerNorm of each gathered row into
+    ``normed``'s first ``rows`` rows (the block's ``norm2``, which its MLP then does not compute),
+    with :func:`~timm_dora.engine.dense_kernels.layer_norm_triton`'s arithmetic; rows of at most
+    :data:`GATHER_BLOCK_D` channels."""
+    _check_gather(x, out, sizes, received, sizes_from, cu_from, cu_out, norm)
     rows, d = x.shape
     if index.shape != (rows,) or index.dtype != torch.int32:
         raise ValueError(f"gather_rows: index must be [{rows}] int32, got {index.dtype} {tuple(index.shape)}")
@@ -430,6 +453,8 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, sizes: 
                               sizes if sizes is not None else x, sizes_from if sizes_from is not None else
                               (sizes if sizes is not None else x), received[0] if fold else x,
                               received[1] if fold else x, cu_from if n_cu else index, cu_out if n_cu else index,
-                              n_cu, D=d, BLOCK_R=16, BLOCK_D=min(256, triton.next_power_of_2(d)), FOLD=fold,
+                              n_cu, *((norm[0], norm[1], norm[3], norm[3].stride(0), norm[2]) if norm is not None
+                                      else (x, x, x, 0, 0.0)),
+                              D=d, BLOCK_R=16, BLOCK_D=min(GATHER_BLOCK_D, triton.next_power_of_2(d)), FOLD=fold,
                               COPY_SIZES=sizes_from is not None, COPY_CU=n_cu > 0,
-                              BLOCK_CU=triton.next_power_of_2(max(n_cu, 1)), num_warps=4)
+                              BLOCK_CU=triton.next_power_of_2(max(n_cu, 1)), NORM=norm is not None, num_warps=4)

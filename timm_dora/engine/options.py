@@ -144,6 +144,14 @@ class EngineOptions:
     # (benchmarks/results/compact_beside_fold_h200.json.gz). True: at every size; False: the fold,
     # then the deletion's two kernels
     compact_beside_fold: Optional[bool] = None
+    # in the whole graph, the LayerNorm before a pruned block's MLP (its norm2 of the survivors)
+    # runs inside the deletion's gather (deletion_kernel.gather_rows' norm; rows of at most
+    # GATHER_BLOCK_D channels, else after the deletion): one kernel fewer per deletion. None: up to
+    # deletion_kernel.MAX_ROWS rows. One H200 (benchmarks/results/norm_in_gather_h200.json.gz),
+    # requests of 1 / 8 / 16 images, images/s: merging DeiT-Ti +3.8 / +1.3 / +1.4 %, ViT-Ti +1.4 /
+    # +0.5 / +4.7 %; a forward of 320 images DeiT-Ti 3.79 -> 3.78 ms, ViT-Ti 3.36 -> 3.40 (slower,
+    # hence not there by default). True: at every size; False: the MLP's own LayerNorm
+    norm_in_gather: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):

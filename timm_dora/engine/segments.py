@@ -47,7 +47,9 @@ from .blocks import attention_keys, attention_residual, final_norm, mlp_residual
 from .options import active
 from .attention import BACKEND_INFO, varlen_attention
 from .deletion_kernel import MAX_ROWS as DELETION_MAX_ROWS
-from .deletion_kernel import Books, compact_rows, delete_rows_fused, delete_rows_reference, fused_deletion_reason, gather_rows
+from .deletion_kernel import (GATHER_BLOCK_D, Books, compact_rows, delete_rows_fused, delete_rows_reference,
+                              fused_deletion_reason, gather_rows)
+from .dense_kernels import _plain, layer_norm
 from .fold_kernel import fold_similarities
 from .packing import fold_kernel_applies, fold_removed
 from .protocol import BlockContext
@@ -321,8 +323,8 @@ class Segments:
         blk = model.blocks[l]
         rows = key[2]
         norms = _norms(r, l, rows, key[3] if len(key) > 3 else (False, False))  # (the whole forward's graph)
-        return lambda: _mlp_rows(blk, r.x[l % 2][:rows], out=r.x[(l + 1) % 2][:rows], next_norm=norms["next_norm"],
-                                 norm_into=norms["after"])
+        return lambda: _mlp_rows(blk, r.x[l % 2][:rows], out=r.x[(l + 1) % 2][:rows], normed=norms["mid"],
+                                 next_norm=norms["next_norm"], norm_into=norms["after"])
 
     def _controller_segment(self, key: tuple) -> Callable[[], None]:
         """The actor's controller for every image, masked by the gate, and the deletion it decides;
@@ -340,6 +342,9 @@ class Segments:
         # N_0 at the forward's first deletion, else 0; bound: the plan's rows after this block (0:
         # none); planned: the controller runs where the plan says, whether or not a gate opened
         books = key[5] if len(key) > 5 else None
+        # key[6] (the whole forward's graph, EngineOptions.norm_in_gather): the deletion also writes
+        # the survivors' norm2 into r.normed for the block's MLP (mlp_compacted's norms "mid")
+        norm_into = len(key) > 6 and key[6]
         # a packed gate: in the whole forward in its block's row of gate_out (the attention's key[6])
         gate_in = r.gate_out[l] if books is not None else r.ctrl_in[2]
         p = model.num_prefix_tokens
@@ -423,6 +428,11 @@ class Segments:
             beside_option = active().compact_beside_fold
             beside = (in_gather and getattr(r, "aside", None) is not None
                       and (beside_option or (beside_option is None and rows > DELETION_MAX_ROWS)))
+            # the survivors' norm2 in the gather where its kernel takes the rows (one chunk a row); else
+            # after the deletion
+            norm = None
+            if norm_into and fused and r.xa.shape[1] <= GATHER_BLOCK_D and _plain(blk.norm2, r.xa):
+                norm = {"norm": (blk.norm2.weight, blk.norm2.bias, blk.norm2.eps, r.normed[:rows])}
             if beside:
                 index = torch.empty(rows, dtype=torch.int32, device=remove.device)  # (the block's stream's)
                 cu_aside, sizes_aside = r.layout_aside[0], r.layout_aside[1][:rows]
@@ -435,12 +445,14 @@ class Segments:
             if beside:
                 r.aside.join()
                 gather_rows(r.xa[:rows], index, r.x[l % 2], r.sizes[:rows], received=r.fold_scratch,
-                            sizes_from=sizes_aside, cu_from=cu_aside, cu_out=r.cu)
+                            sizes_from=sizes_aside, cu_from=cu_aside, cu_out=r.cu, **(norm or {}))
             else:
                 (delete_rows_fused if fused else delete_rows_reference)(
                     r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], before, removed, r.lengths, r.cu,
                     r.sizes[:rows] if r.merge else None, kept_books,
-                    **({"received": r.fold_scratch} if in_gather else {}))
+                    **({"received": r.fold_scratch} if in_gather else {}), **(norm or {}))
+            if norm_into and norm is None:
+                r.normed[:rows].copy_(layer_norm(blk.norm2, r.x[l % 2][:rows]))
             if r.host_reads:
                 r.lengths_host.copy_(r.lengths, non_blocking=r.capture)
                 if r.capture:

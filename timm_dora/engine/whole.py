@@ -58,6 +58,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .deletion_kernel import MAX_ROWS as DELETION_MAX_ROWS
 from .flops import native_gflops
 from .options import active
 from .packing import Packed
@@ -309,6 +310,10 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
         r.buffer_bytes += r.normed.numel() * r.normed.element_size()
     after_mlp = [l + 1 < depth for l in range(depth)]  # the MLP writes the next block's norm1
     mid = [not controls[l] for l in range(depth)]  # the attention writes norm2 for its MLP
+    # after a deletion (EngineOptions.norm_in_gather; None: up to the deletion kernel's MAX_ROWS
+    # rows) the deletion does, with its gather
+    asked = active().norm_in_gather
+    norm_in_gather = [asked if asked is not None else rows[l] <= DELETION_MAX_ROWS for l in range(depth)]
     norms = [(l > 0 and after_mlp[l - 1], mid[l], after_mlp[l]) for l in range(depth)]
     # EngineOptions.aside_gates: planned and captured, a closed block's actor work (its history
     # part, its gate, rho's reset) on a second stream (Aside), joined at the next block; the
@@ -331,11 +336,12 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     first = n_dense - 1 if checked and True in controls else None
     books = [(r.num_patches if l == first else 0, rows[l + 1] if checked and r.capture else 0, checked)
              for l in range(depth)]
-    control = [r.segments.build(("controller", l, rows[l], l < n_dense, "in_place" if fused else False, books[l]))
-               if controls[l] else None for l in range(depth)]
+    control = [r.segments.build(("controller", l, rows[l], l < n_dense, "in_place" if fused else False, books[l],
+                                 norm_in_gather[l])) if controls[l] else None for l in range(depth)]
     # the MLP: of the deletion's output (x[l % 2]) or, with no controller, of the attention's (xa)
     mlp = [None if l < n_dense and not controls[l] else
-           r.segments.build(("mlp_compacted" if controls[l] else "mlp", l, rows[l + 1], norms[l][1:])) for l in range(depth)]
+           r.segments.build(("mlp_compacted", l, rows[l + 1], (norm_in_gather[l], after_mlp[l])) if controls[l] else
+                            ("mlp", l, rows[l + 1], norms[l][1:])) for l in range(depth)]
     read = r.segments.build(("readout_packed",))
     dense, rec = r.dense_inputs[0], r.record
     n_visual, rho, interventions = r.history_in
