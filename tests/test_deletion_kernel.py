@@ -302,7 +302,7 @@ def test_cuda_forward_with_fused_deletion_is_unchanged(planned, monkeypatch, eng
 
     calls = []
     real = segments_module.delete_rows_fused
-    monkeypatch.setattr(segments_module, "delete_rows_fused", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(segments_module, "delete_rows_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, "forced").to("cuda", torch.bfloat16)
