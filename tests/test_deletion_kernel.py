@@ -197,10 +197,26 @@ def split(block):  # the two halves with the new cu and sizes aside, copied back
         return index
     return step
 
+def by_image(block):  # a program per image, nothing in place: the ids, cu and sizes aside, copied back
+    def step(x, remove, out, ids, ids_out, cu, removed, lengths, cu_out, sizes, books):
+        ids_aside, cu_aside = torch.full_like(ids, -5), torch.full_like(cu_out, -5)
+        sizes_aside = None if sizes is None else torch.full_like(sizes, -5.0)
+        before = (ids.clone(), cu.clone(), None if sizes is None else sizes.clone())
+        index = compact_rows(remove, ids, ids_aside, cu, removed, lengths, cu_aside, sizes, sizes_out=sizes_aside,
+                             books=books, block_rows=block, per_image=True)
+        if not (torch.equal(ids, before[0]) and torch.equal(cu, before[1])
+                and (sizes is None or torch.equal(sizes, before[2]))):
+            bad.append(["ids, cu or sizes written in place by image", block])
+        gather_rows(x, index, out, sizes, sizes_from=sizes_aside, cu_from=cu_aside, cu_out=cu_out,
+                    ids_from=ids_aside, ids_out=ids_out)
+        return index
+    return step
+
 bad, n = [], 0
 sizes_before = [None]
 for block in (None, 16):  # one program over all rows; programs of 16 rows (MAX_ROWS's many programs)
-    for form, fused in (("fused", functools.partial(delete_rows_fused, block_rows=block)), ("split", split(block))):
+    for form, fused in (("fused", functools.partial(delete_rows_fused, block_rows=block)), ("split", split(block)),
+                        ("by_image", by_image(block))):
         for i, spec in enumerate(CASES):
             case = make_case(*spec)
             for in_place in (True, False):
@@ -216,11 +232,12 @@ for block in (None, 16):  # one program over all rows; programs of 16 rows (MAX_
 empty = dict(x=torch.zeros(0, 8), remove=torch.zeros(0, dtype=torch.bool), removed=torch.zeros(2, dtype=torch.long),
              cu=torch.zeros(3, dtype=torch.int32), ids=torch.zeros(0, dtype=torch.long))
 for block in (None, 16):
-    got = run_step(functools.partial(delete_rows_fused, block_rows=block), empty, False)
-    ref = run_step(delete_rows_reference, empty, False)
-    n += 1
-    if not all(torch.equal(a, b) for a, b in zip(got[1:], ref[1:])):
-        bad.append([block, "empty"])
+    for fn in (functools.partial(delete_rows_fused, block_rows=block), by_image(block)):
+        got = run_step(fn, empty, False)
+        ref = run_step(delete_rows_reference, empty, False)
+        n += 1
+        if not all(torch.equal(a, b) for a, b in zip(got[1:], ref[1:])):
+            bad.append([block, "empty"])
 print(json.dumps({{"cases": n, "bad": bad}}))
 """
 
@@ -229,10 +246,11 @@ def test_interpreted_kernels_match_reference():
     """Every output, the books (each kind of books among the cases) and the sizes included, by one
     program and by programs of 16 rows (ids, cu and sizes in place too); and the same split in its
     two halves with the new cu and sizes left aside (``compact_rows`` writes neither the sizes nor the
-    cu a fold beside it reads) and copied back by ``gather_rows``."""
+    cu a fold beside it reads) and copied back by ``gather_rows``; and compacted by image (a program
+    per image, in one pass or 16 rows at a time), with the ids aside too."""
     pytest.importorskip("triton")
     res = run_interpreted(INTERPRETED.format(tests=str(Path(__file__).resolve().parent)), timeout=900)
-    assert res["cases"] == 24 * len(CASES) + 2 and res["bad"] == [], res["bad"]
+    assert res["cases"] == 36 * len(CASES) + 4 and res["bad"] == [], res["bad"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

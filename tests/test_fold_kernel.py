@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 
 CASES = r"""
 import json, torch
-from timm_dora.engine.deletion_kernel import compact_rows, delete_rows_fused, delete_rows_reference, gather_rows
+from timm_dora.engine.deletion_kernel import (compact_rows, delete_rows_fused, delete_rows_reference, gather_rows,
+                                              pick_and_compact)
 from timm_dora.engine.fold_kernel import fold_rows, fold_similarities, similarity_columns
 from timm_dora.engine.packing import fold_removed
 
@@ -95,9 +96,33 @@ for name, heads, hd, lengths, pad, p, classes in (("one_tile", 3, 16, [5, 1, 33,
               scratch=beside_scratch)
     gather_rows(xs, index, rows_out, s_in, received=beside_scratch, sizes_from=s_aside, cu_from=cu_aside, cu_out=cu_in)
     beside = [rows_out.nan_to_num(123.0), s_in, ids, cu_in, lengths_out]
+    # the pick (from the similarities) and the compaction by image in one launch
+    # (EngineOptions.compact_in_pick), the ids, cu and sizes aside, then the gather; against the
+    # pick, the compaction and the gather apart (the same programs' arithmetic: exactly equal)
+    def picked_deletion(together):
+        xs, s_in, ids, cu_in = x.clone(), sizes.clone(), torch.arange(x.shape[0]), cu.clone()
+        rows_out, lengths_out = torch.full_like(x, 7.0), torch.zeros(len(lengths), dtype=torch.long)
+        ids_aside, cu_aside, s_aside = torch.full_like(ids, -5), torch.full_like(cu, -5), torch.full_like(sizes, -5.0)
+        scratch = (torch.zeros(x.shape[0], x.shape[1]), torch.zeros(x.shape[0]))
+        if together:
+            index = pick_and_compact(sim, xs, s_in, remove, cu_in, max(lengths), p, scratch, ids, ids_aside, cu_in,
+                                     removed, lengths_out, cu_aside, s_aside)
+        else:
+            fold_rows(xs, keys, remove, s_in, cu_in, max(lengths), p, heads, out=xs, sizes_out=s_in, finish=False,
+                      scratch=scratch, similarities=sim)
+            index = compact_rows(remove, ids, ids_aside, cu_in, removed, lengths_out, cu_aside, s_in,
+                                 sizes_out=s_aside, per_image=True)
+        gather_rows(xs, index, rows_out, s_in, received=scratch, sizes_from=s_aside, cu_from=cu_aside, cu_out=cu_in,
+                    ids_from=ids_aside, ids_out=ids)
+        zeros = not scratch[0].any().item() and not scratch[1].any().item()
+        return [rows_out.nan_to_num(123.0), s_in, ids, cu_in, lengths_out], zeros
+    (in_pick, in_pick_zeros), (apart, _) = picked_deletion(True), picked_deletion(False)
     out[name] = {"in_gather_equal": [torch.equal(a, b) for a, b in zip(gathered, finished)],
                  "beside_equal": [torch.equal(a, b) for a, b in zip(beside, finished)],
                  "beside_scratch_zeros": not beside_scratch[0].any().item() and not beside_scratch[1].any().item(),
+                 "in_pick_equal": [torch.equal(a, b) for a, b in zip(in_pick, apart)], "in_pick_scratch_zeros": in_pick_zeros,
+                 "in_pick_layout_equal": [torch.equal(a, b) for a, b in zip(in_pick[2:], finished[2:])],
+                 "in_pick_max_abs_diff": float((in_pick[0] - finished[0]).abs().max()),
                  "in_gather_scratch_zeros": not gathered_scratch[0].any().item() and not gathered_scratch[1].any().item(),
                  "sim_max_abs_diff": sim_err, "sim_rows_past_untouched": bool(torch.isnan(sim[t:]).all()),
                  "picked_max_abs_diff": float((picked[:t] - ref_x[:t]).abs().max()),
@@ -134,6 +159,10 @@ def test_interpreted_fold_equals_the_pytorch_ops():
         assert case["in_gather_equal"] == [True] * 5 and case["in_gather_scratch_zeros"]
         # and with the compaction first, its layout aside: the same, exactly
         assert case["beside_equal"] == [True] * 5 and case["beside_scratch_zeros"]
+        # the pick and the compaction by image in one launch: what the two apart give, exactly; the
+        # layout and ids as the finished fold's deletion, the rows within the pick's rounding
+        assert case["in_pick_equal"] == [True] * 5 and case["in_pick_scratch_zeros"]
+        assert case["in_pick_layout_equal"] == [True] * 3 and case["in_pick_max_abs_diff"] < 1e-5
 
 
 def test_fold_kernel_says_what_it_cannot_fold():

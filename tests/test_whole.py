@@ -453,15 +453,17 @@ def test_controller_decisions_aside_give_the_in_line_graph_bit_for_bit(kind, mer
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the capture)")
 @pytest.mark.parametrize("kind", ["biased", "forced"])
-@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather", "compact_beside_fold", "norm_in_gather"])
+@pytest.mark.parametrize("option", ["fold_aside", "fold_in_gather", "compact_beside_fold", "norm_in_gather",
+                                    "compact_in_pick"])
 def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, monkeypatch):
     """``EngineOptions.fold_aside``: with merging, the fold's similarities made beside the decision
     and the match picked from them after the join give the graph that matches after the join;
     ``fold_in_gather``: the fold finished in the deletion's gather gives the fold's own finish;
     ``compact_beside_fold`` (forced on): the deletion's compaction beside the fold gives the
     deletion after it; ``norm_in_gather``: the survivors' LayerNorm in the deletion's gather gives
-    the MLP's own. Each: the same decisions and sizes, the same logits up to the order of the
-    fold's float32 atomics."""
+    the MLP's own; ``compact_in_pick``: the fold's pick and the compaction by image in one kernel
+    give the two apart (the others are measured with it off, so that their paths run). Each: the
+    same decisions and sizes, the same logits up to the order of the fold's float32 atomics."""
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw).to("cuda", torch.bfloat16)
     actor = kind_actor(model, kind).to("cuda", torch.bfloat16)
@@ -476,6 +478,9 @@ def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, m
     elif option == "compact_beside_fold":  # the compaction forked beside the fold
         compaction = segments.compact_rows
         monkeypatch.setattr(segments, "compact_rows", lambda *a, **k: (took.append(True), compaction(*a, **k))[1])
+    elif option == "compact_in_pick":  # the pick and the compaction in one kernel
+        together = segments.pick_and_compact
+        monkeypatch.setattr(segments, "pick_and_compact", lambda *a, **k: (took.append(True), together(*a, **k))[1])
     else:  # the deletion that finishes the fold (or normalises the survivors)
         deletion, asked = segments.delete_rows_fused, "received" if option == "fold_in_gather" else "norm"
         monkeypatch.setattr(segments, "delete_rows_fused",
@@ -483,7 +488,7 @@ def test_fold_options_give_the_fold_they_replace(option, kind, engine_options, m
     for on in (False, True):
         made.clear()
         took.clear()
-        engine_options(**{option: on}, rows_bucket=1)
+        engine_options(**{"compact_in_pick": False, option: on}, rows_bucket=1)
         timm_dora.wrap(model, actor=actor, merge=True)
         with torch.inference_mode():
             runs[on] = [(model(x).clone(), model.dora_stats) for x in xs]

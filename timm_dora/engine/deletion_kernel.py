@@ -18,6 +18,12 @@ both; :func:`compact_rows` and :func:`gather_rows` are the two halves, so that t
 reads no row, can run beside the merging fold (``EngineOptions.compact_beside_fold``: its new
 ``cu_seqlens`` and sizes left aside, where the fold does not read them, and copied back by the second).
 
+With ``per_image``, :func:`compact_rows` gives each image a program of its own (and one more for
+the rows past the last image and the layout), its survivors placed from its sequence's new start:
+no program waits for another, so :func:`pick_and_compact` runs those programs in the launch of the
+merging fold's pick (``EngineOptions.compact_in_pick``), one kernel fewer on a request's chain; its
+ids, ``cu_seqlens`` and sizes go to buffers of their own, which :func:`gather_rows` copies back.
+
 One program holds every row up to :data:`MAX_ROWS` (a planned whole graph of 16 images has
 16 * 197 = 3152), so the index needs no cross-program scan; above it (a planned graph of 320 Tiny
 images has 63,040 rows) programs of :data:`BLOCK_ROWS` rows each add the survivors of the
@@ -34,8 +40,11 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["MAX_ROWS", "BLOCK_ROWS", "GATHER_BLOCK_D", "Books", "fused_deletion_reason", "delete_rows_fused", "compact_rows",
-           "gather_rows", "delete_rows_reference", "keep_books_reference"]
+from .fold_kernel import PICK_ROWS, _check_similarities, similarity_columns
+
+__all__ = ["MAX_ROWS", "BLOCK_ROWS", "PER_IMAGE_ROWS", "GATHER_BLOCK_D", "Books", "fused_deletion_reason",
+           "delete_rows_fused", "compact_rows", "pick_and_compact", "gather_rows", "delete_rows_reference",
+           "keep_books_reference"]
 
 try:  # optional: the CUDA wheels of torch depend on triton, CPU-only ones do not
     import triton
@@ -45,7 +54,7 @@ except Exception:  # pragma: no cover - depends on the installation
 
 if triton is not None:
     from .dense_kernels import _normalized
-    from .fold_kernel import _received_mean
+    from .fold_kernel import _pick, _received_mean
 
 # one program holds all rows (the index is one in-register scan) up to this many, far above the
 # planned whole graph's 3152 rows at 16 images; more rows (a planned graph of 320 Tiny images has
@@ -54,6 +63,9 @@ if triton is not None:
 # PyTorch ops (benchmarks/results/planned_large_multi_deletion_h200.json)
 MAX_ROWS = 8192
 BLOCK_ROWS = 4096
+# the compaction by image (compact_rows' per_image, pick_and_compact): a program's rows at a time
+# (one pass for an image of up to this many rows)
+PER_IMAGE_ROWS = 256
 # the gather's chunk of a row: its columns in one pass up to this many, the LayerNorm after the
 # deletion inside it (gather_rows' norm) only for rows of at most this many channels
 GATHER_BLOCK_D = 256
@@ -104,6 +116,46 @@ if triton is not None:
         tl.store(COUNTS + tl.program_id(0), tl.sum(keep.to(tl.int32), 0))
 
     @triton.jit
+    def _new_layout(CU, REMOVED, batch, BLOCK_B: tl.constexpr):
+        """Every sequence (``seq``, ``live``): its removed rows, its new length and the new
+        ``cu_seqlens[1:]`` (reads only)."""
+        seq = tl.arange(0, BLOCK_B)
+        live = seq < batch
+        start = tl.load(CU + seq, mask=live, other=0).to(tl.int64)
+        end = tl.load(CU + seq + 1, mask=live, other=0).to(tl.int64)
+        removed = tl.load(REMOVED + seq, mask=live, other=0).to(tl.int64)
+        lengths = (end - start) - removed
+        return seq, live, removed, lengths, tl.cumsum(lengths, 0)
+
+    @triton.jit
+    def _read_books(GATE, FLOPS, NVIS, INTERV, seq, live, removed, FIRST: tl.constexpr):
+        """The books' ``N_l`` before the deletion, ``E`` after it, ``rho`` and the FLOPs to record
+        (reads only)."""
+        gate = tl.load(GATE + seq, mask=live, other=0).to(tl.int64)
+        if FIRST > 0:  # the forward's first deletion: N_l = N_0, no intervention before
+            n_visual = tl.zeros_like(removed) + FIRST
+            interventions = gate
+        else:
+            n_visual = tl.load(NVIS + seq, mask=live, other=1).to(tl.int64)
+            interventions = tl.load(INTERV + seq, mask=live, other=0).to(tl.int64) + gate
+        rho = tl.math.div_rn(removed.to(tl.float32), n_visual.to(tl.float32))  # (IEEE, as torch.div)
+        return n_visual, interventions, rho, tl.load(FLOPS + seq, mask=live, other=0.0)
+
+    @triton.jit
+    def _write_layout(LENGTHS, CU_OUT, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, LEFT, seq, mine, lengths, cu, left,
+                      n_visual, removed, rho, interventions, flops, BOOKS: tl.constexpr):
+        """The new lengths and ``cu_seqlens[1:]`` of the sequences ``mine``, and their books."""
+        tl.store(LENGTHS + seq, lengths.to(LENGTHS.dtype.element_ty), mask=mine)
+        tl.store(CU_OUT + 1 + seq, cu.to(CU_OUT.dtype.element_ty), mask=mine)
+        if BOOKS:
+            tl.store(NVIS + seq, n_visual - removed, mask=mine)
+            tl.store(RHO + seq, rho, mask=mine)
+            tl.store(INTERV + seq, interventions, mask=mine)
+            tl.store(REC_REMOVED + seq, removed, mask=mine)
+            tl.store(REC_FLOPS + seq, flops, mask=mine)
+            tl.store(LEFT + seq * 0, left + seq * 0, mask=(seq == 0) & mine)
+
+    @triton.jit
     def _compact(REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch, SIZES, SIZES_OUT,
                  GATE, FLOPS, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE,
                  LEFT, bound, COUNTS, n_blocks, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -129,25 +181,12 @@ if triton is not None:
         if HAS_SIZES:  # (merge) the rows' sizes, gathered the same way (in place: one program only)
             sizes = tl.load(SIZES + offs, mask=inside, other=0.0)
             first_size = tl.load(SIZES + offs * 0, mask=fill, other=0.0)
-        seq = tl.arange(0, BLOCK_B)
-        live = seq < batch
+        seq, live, removed, lengths, cu = _new_layout(CU, REMOVED, batch, BLOCK_B)
         head = (seq * 0 + pid) == 0  # (MULTI: the first program alone writes the layout and books)
-        start = tl.load(CU + seq, mask=live, other=0).to(tl.int64)
-        end = tl.load(CU + seq + 1, mask=live, other=0).to(tl.int64)
-        removed = tl.load(REMOVED + seq, mask=live, other=0).to(tl.int64)
-        lengths = (end - start) - removed
-        cu = tl.cumsum(lengths, 0)
         left = tl.sum(lengths, 0)
+        n_visual, interventions, rho, flops = removed, removed, removed.to(tl.float32), removed.to(tl.float64)
         if BOOKS:
-            gate = tl.load(GATE + seq, mask=live, other=0).to(tl.int64)
-            if FIRST > 0:  # the forward's first deletion: N_l = N_0, no intervention before
-                n_visual = tl.zeros_like(removed) + FIRST
-                interventions = gate
-            else:
-                n_visual = tl.load(NVIS + seq, mask=live, other=1).to(tl.int64)
-                interventions = tl.load(INTERV + seq, mask=live, other=0).to(tl.int64) + gate
-            rho = tl.math.div_rn(removed.to(tl.float32), n_visual.to(tl.float32))  # (IEEE, as torch.div)
-            flops = tl.load(FLOPS + seq, mask=live, other=0.0)
+            n_visual, interventions, rho, flops = _read_books(GATE, FLOPS, NVIS, INTERV, seq, live, removed, FIRST)
             if bound > 0:  # more rows than the plan's bound: every entry clamped below it
                 cu = tl.where(left > bound, tl.minimum(cu, bound - 1), cu)
         # everything read before anything is written: IDS_OUT may be IDS and CU_OUT may be CU (the
@@ -160,23 +199,104 @@ if triton is not None:
         if HAS_SIZES:
             tl.store(SIZES_OUT + dest, sizes, mask=keep)
             tl.store(SIZES_OUT + offs, first_size, mask=fill)
-        tl.store(LENGTHS + seq, lengths.to(LENGTHS.dtype.element_ty), mask=live & head)
-        tl.store(CU_OUT + 1 + seq, cu.to(CU_OUT.dtype.element_ty), mask=live & head)
+        _write_layout(LENGTHS, CU_OUT, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, LEFT, seq, live & head, lengths, cu,
+                      left, n_visual, removed, rho, interventions, flops, BOOKS)
         if BOOKS:
-            tl.store(NVIS + seq, n_visual - removed, mask=live & head)
-            tl.store(RHO + seq, rho, mask=live & head)
-            tl.store(INTERV + seq, interventions, mask=live & head)
-            tl.store(REC_REMOVED + seq, removed, mask=live & head)
-            tl.store(REC_FLOPS + seq, flops, mask=live & head)
             tl.store(REC_IDS + offs, ids, mask=inside)
             tl.store(REC_REMOVE + offs, ~keep & inside, mask=inside)
-            tl.store(LEFT + seq * 0, left + seq * 0, mask=(seq == 0) & head)
+
+    @triton.jit
+    def _compact_span(REMOVE, IDS, IDS_OUT, INDEX, SIZES, SIZES_OUT, REC_IDS, REC_REMOVE, start, end, base,
+                      BLOCK_S: tl.constexpr, HAS_SIZES: tl.constexpr, BOOKS: tl.constexpr):
+        """Rows ``[start, end)``' survivors, in order, to rows ``base`` onwards of the index, the
+        ids and the sizes (``BLOCK_S`` rows at a time); returns ``base`` plus their number."""
+        for c0 in range(start, end, BLOCK_S):
+            offs = c0 + tl.arange(0, BLOCK_S)
+            inside = offs < end
+            keep = (tl.load(REMOVE + offs, mask=inside, other=1) == 0) & inside
+            k = keep.to(tl.int32)
+            dest = base + tl.cumsum(k, 0) - k
+            ids = tl.load(IDS + offs, mask=inside, other=0)
+            tl.store(INDEX + dest, offs, mask=keep)
+            tl.store(IDS_OUT + dest, ids, mask=keep)
+            if HAS_SIZES:
+                tl.store(SIZES_OUT + dest, tl.load(SIZES + offs, mask=keep, other=0.0), mask=keep)
+            if BOOKS:
+                tl.store(REC_IDS + offs, ids, mask=inside)
+                tl.store(REC_REMOVE + offs, ~keep & inside, mask=inside)
+            base += tl.sum(k, 0)
+        return base
+
+    @triton.jit
+    def _compact_program(i, REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch, SIZES, SIZES_OUT,
+                         GATE, FLOPS, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE, LEFT, bound,
+                         BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, HAS_SIZES: tl.constexpr, BOOKS: tl.constexpr,
+                         FIRST: tl.constexpr):
+        """Program ``i`` of the compaction by image (:func:`compact_rows`' ``per_image``): image
+        ``i``'s rows to the new start of its sequence (``i < batch``); the last (``i == batch``),
+        the rows past the last sequence, the fill (copies of row 0), the new layout and the books.
+        Nothing is written where another program reads (IDS_OUT, CU_OUT and SIZES_OUT are not the
+        inputs), and a sequence's new start is taken from ``removed``, which its flags agree with."""
+        seq, live, removed, lengths, cu = _new_layout(CU, REMOVED, batch, BLOCK_B)
+        if i < batch:
+            start = tl.load(CU + i)
+            _compact_span(REMOVE, IDS, IDS_OUT, INDEX, SIZES, SIZES_OUT, REC_IDS, REC_REMOVE, start,
+                          tl.load(CU + i + 1), tl.sum(tl.where(seq < i, lengths, 0), 0).to(start.dtype),
+                          BLOCK_S, HAS_SIZES, BOOKS)
+        else:
+            real = tl.load(CU + batch)
+            left = tl.sum(lengths, 0)
+            kept = _compact_span(REMOVE, IDS, IDS_OUT, INDEX, SIZES, SIZES_OUT, REC_IDS, REC_REMOVE, real, rows,
+                                 left.to(real.dtype), BLOCK_S, HAS_SIZES, BOOKS)
+            for c0 in range(kept, rows, BLOCK_S):  # past the survivors: copies of row 0 (nonzero_static's fill)
+                offs = c0 + tl.arange(0, BLOCK_S)
+                fill = offs < rows
+                tl.store(INDEX + offs, tl.zeros_like(offs), mask=fill)
+                tl.store(IDS_OUT + offs, tl.load(IDS + offs * 0, mask=fill, other=0), mask=fill)
+                if HAS_SIZES:
+                    tl.store(SIZES_OUT + offs, tl.load(SIZES + offs * 0, mask=fill, other=0.0), mask=fill)
+            n_visual, interventions, rho, flops = removed, removed, removed.to(tl.float32), removed.to(tl.float64)
+            if BOOKS:
+                n_visual, interventions, rho, flops = _read_books(GATE, FLOPS, NVIS, INTERV, seq, live, removed, FIRST)
+                if bound > 0:  # more rows than the plan's bound: every entry clamped below it
+                    cu = tl.where(left > bound, tl.minimum(cu, bound - 1), cu)
+            tl.debug_barrier()  # (the history read before it is rewritten in place)
+            _write_layout(LENGTHS, CU_OUT, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, LEFT, seq, live, lengths, cu,
+                          left, n_visual, removed, rho, interventions, flops, BOOKS)
+
+    @triton.jit
+    def _compact_images(REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch, SIZES, SIZES_OUT,
+                        GATE, FLOPS, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE, LEFT, bound,
+                        BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, HAS_SIZES: tl.constexpr, BOOKS: tl.constexpr,
+                        FIRST: tl.constexpr):
+        _compact_program(tl.program_id(0), REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch,
+                         SIZES, SIZES_OUT, GATE, FLOPS, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE,
+                         LEFT, bound, BLOCK_S, BLOCK_B, HAS_SIZES, BOOKS, FIRST)
+
+    @triton.jit
+    def _pick_compact(SIM, X, SIZES, REMOVE, CU_PICK, ACC, MASS, sx_t, n_tiles,
+                      IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch, SIZES_OUT,
+                      GATE, FLOPS, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, REC_IDS, REC_REMOVE, LEFT, bound,
+                      NUM_PREFIX: tl.constexpr, NP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, BOOKS: tl.constexpr,
+                      FIRST: tl.constexpr):
+        """:func:`~timm_dora.engine.fold_kernel._pick`'s programs (the first ``n_tiles`` of each
+        image's column) and :func:`_compact_program`'s (the last of each column, and a column past
+        the images for the last one): the two read the same flags and write nothing the other reads."""
+        if tl.program_id(0) < n_tiles:
+            if tl.program_id(1) < batch:
+                _pick(SIM, X, SIZES, REMOVE, CU_PICK, ACC, MASS, sx_t, NUM_PREFIX, NP, D, BLOCK_M, BLOCK_D)
+        else:
+            _compact_program(tl.program_id(1), REMOVE, IDS, IDS_OUT, INDEX, CU, REMOVED, LENGTHS, CU_OUT, rows, batch,
+                             SIZES, SIZES_OUT, GATE, FLOPS, NVIS, RHO, INTERV, REC_REMOVED, REC_FLOPS, REC_IDS,
+                             REC_REMOVE, LEFT, bound, BLOCK_S, BLOCK_B, True, BOOKS, FIRST)
 
     @triton.jit
     def _gather_rows(X, INDEX, OUT, rows, stride_x, stride_o, SIZES, SIZES_FROM, ACC, MASS, CU_FROM, CU_TO, n_cu,
-                     W, B, NORMED, stride_n, eps,
+                     IDS_FROM, IDS_TO, W, B, NORMED, stride_n, eps,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FOLD: tl.constexpr,
-                     COPY_SIZES: tl.constexpr, COPY_CU: tl.constexpr, BLOCK_CU: tl.constexpr, NORM: tl.constexpr):
+                     COPY_SIZES: tl.constexpr, COPY_CU: tl.constexpr, BLOCK_CU: tl.constexpr, NORM: tl.constexpr,
+                     COPY_IDS: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = r < rows
         src_row = tl.load(INDEX + r, mask=live, other=0).to(tl.int64)
@@ -209,6 +329,8 @@ if triton is not None:
             tl.store(MASS + src_row, tl.zeros_like(extra), mask=got)
         elif COPY_SIZES:
             tl.store(SIZES + r, size, mask=live)
+        if COPY_IDS:  # the compacted ids from where the compaction by image left them
+            tl.store(IDS_TO + r, tl.load(IDS_FROM + r, mask=live, other=0), mask=live)
         if COPY_CU:  # the new cu_seqlens[1:] from where _compact left them, by the first program
             c = 1 + tl.arange(0, BLOCK_CU)
             mine = (c < n_cu) & ((c * 0 + tl.program_id(0)) == 0)
@@ -382,29 +504,29 @@ def compact_rows(remove: torch.Tensor, ids: torch.Tensor, ids_out: torch.Tensor,
                  removed: torch.Tensor, lengths_out: torch.Tensor, cu_out: torch.Tensor,
                  sizes: Optional[torch.Tensor] = None, sizes_out: Optional[torch.Tensor] = None,
                  books: Optional[Books] = None, block_rows: Optional[int] = None,
-                 index: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 index: Optional[torch.Tensor] = None, per_image: bool = False) -> torch.Tensor:
     """:func:`delete_rows_fused`'s first kernel (or, above :data:`MAX_ROWS` rows, three): the
     gather index ``[rows]`` int32 (into ``index`` when given), the ids, the new lengths and
     ``cu_out``, the sizes gathered into ``sizes_out`` (default: ``sizes``, in place) and the books.
     It reads no row of ``x``: with ``cu_out`` and ``sizes_out`` other than what a fold reads (``cu``,
     ``sizes``), it can run beside the fold, and :func:`gather_rows` copies them back
-    (``EngineOptions.compact_beside_fold``)."""
-    rows = remove.shape[0]
-    _check_layout(rows, ids, ids_out, cu, removed, lengths_out, cu_out)
-    if not (ids.is_contiguous() and ids_out.is_contiguous() and cu.is_contiguous() and cu_out.is_contiguous()
-            and removed.is_contiguous() and lengths_out.is_contiguous()):
-        raise ValueError("delete_rows_fused: ids, cu, removed and the outputs must be contiguous")
-    b = removed.shape[0]
-    sizes_out = sizes if sizes_out is None else sizes_out
-    _check_sizes(rows, sizes=sizes, sizes_out=sizes_out)
-    if books is not None:
-        _check_books(books, rows, b)
-    if index is None:
-        index = torch.empty(rows, dtype=torch.int32, device=remove.device)
-    elif index.shape != (rows,) or index.dtype != torch.int32 or not index.is_contiguous():
-        raise ValueError(f"compact_rows: index must be a contiguous [{rows}] int32 vector")
+    (``EngineOptions.compact_beside_fold``).
+
+    ``per_image``: a program per image and one for the rows past the last (:func:`_compact_program`),
+    none of them waiting on another: each image's survivors go to its sequence's new start, taken
+    from ``removed``, ``block_rows`` (default :data:`PER_IMAGE_ROWS`) rows at a time. Nothing is
+    compacted in place then: ``ids_out``, ``cu_out`` and ``sizes_out`` must be buffers other than
+    ``ids``, ``cu`` and ``sizes`` (what :func:`pick_and_compact` runs beside the fold's pick)."""
+    rows, b, sizes_out, index, k = _compaction_args(remove, ids, ids_out, cu, removed, lengths_out, cu_out, sizes,
+                                                    sizes_out, books, index, per_image, "compact_rows")
+    if per_image:
+        _compact_images[(b + 1,)](remove, ids, ids_out, index, cu, removed, lengths_out, cu_out, rows, b,
+                                  *_sizes_pointers(remove, sizes, sizes_out), *_books_pointers(k),
+                                  BLOCK_S=triton.next_power_of_2(block_rows or PER_IMAGE_ROWS),
+                                  BLOCK_B=triton.next_power_of_2(max(b, 1)),
+                                  HAS_SIZES=sizes is not None, BOOKS=books is not None, FIRST=k.first, num_warps=4)
+        return index
     multi = block_rows is not None or rows > MAX_ROWS
-    k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 5), 0)  # (unused pointers)
     if multi:
         block_t = triton.next_power_of_2(block_rows or BLOCK_ROWS)
         n_blocks = max(1, triton.cdiv(rows, block_t))  # (no rows: one program still writes the layout)
@@ -416,9 +538,7 @@ def compact_rows(remove: torch.Tensor, ids: torch.Tensor, ids_out: torch.Tensor,
         block_t, n_blocks, counts = triton.next_power_of_2(max(rows, 1)), 1, remove
         ids_into, sizes_into = ids_out, sizes_out
     _compact[(n_blocks,)](remove, ids, ids_into, index, cu, removed, lengths_out, cu_out, rows, b,
-                          sizes if sizes is not None else remove, sizes_into if sizes is not None else remove,
-                          k.gate, k.flops, k.n_visual, k.rho, k.interventions,
-                          k.rec_removed, k.rec_flops, k.rec_ids, k.rec_remove, k.left, k.bound, counts, n_blocks,
+                          *_sizes_pointers(remove, sizes, sizes_into), *_books_pointers(k), counts, n_blocks,
                           BLOCK_T=block_t, BLOCK_B=triton.next_power_of_2(max(b, 1)), HAS_SIZES=sizes is not None,
                           BOOKS=books is not None, FIRST=k.first, MULTI=multi,
                           BLOCK_NB=triton.next_power_of_2(n_blocks), num_warps=8 if block_t > 1024 else 4)
@@ -429,15 +549,96 @@ def compact_rows(remove: torch.Tensor, ids: torch.Tensor, ids_out: torch.Tensor,
     return index
 
 
+def _compaction_args(remove, ids, ids_out, cu, removed, lengths_out, cu_out, sizes, sizes_out, books, index,
+                     per_image: bool, caller: str):
+    """The compaction's arguments checked: ``(rows, images, sizes_out, index, books or unused
+    pointers)``."""
+    rows = remove.shape[0]
+    _check_layout(rows, ids, ids_out, cu, removed, lengths_out, cu_out)
+    if not (ids.is_contiguous() and ids_out.is_contiguous() and cu.is_contiguous() and cu_out.is_contiguous()
+            and removed.is_contiguous() and lengths_out.is_contiguous()):
+        raise ValueError("delete_rows_fused: ids, cu, removed and the outputs must be contiguous")
+    b = removed.shape[0]
+    sizes_out = sizes if sizes_out is None else sizes_out
+    _check_sizes(rows, sizes=sizes, sizes_out=sizes_out)
+    if per_image and (_shares(ids, ids_out) or _shares(cu, cu_out) or (sizes is not None and _shares(sizes, sizes_out))):
+        raise ValueError(f"{caller}: the compaction by image writes ids_out, cu_out and sizes_out while other programs "
+                         "still read ids, cu and sizes: give other buffers")
+    if books is not None:
+        _check_books(books, rows, b)
+    if index is None:
+        index = torch.empty(rows, dtype=torch.int32, device=remove.device)
+    elif index.shape != (rows,) or index.dtype != torch.int32 or not index.is_contiguous():
+        raise ValueError(f"{caller}: index must be a contiguous [{rows}] int32 vector")
+    k = books if books is not None else Books(*([remove] * 5), 0, *([remove] * 5), 0)  # (unused pointers)
+    return rows, b, sizes_out, index, k
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _sizes_pointers(remove: torch.Tensor, sizes: Optional[torch.Tensor], sizes_out: Optional[torch.Tensor]):
+    return (sizes, sizes_out) if sizes is not None else (remove, remove)  # (unused pointers without sizes)
+
+
+def _books_pointers(k: Books):
+    """The kernels' book arguments, from ``gate`` to ``bound``."""
+    return (k.gate, k.flops, k.n_visual, k.rho, k.interventions, k.rec_removed, k.rec_flops, k.rec_ids, k.rec_remove,
+            k.left, k.bound)
+
+
+def pick_and_compact(similarities: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, remove: torch.Tensor,
+                     cu_pick: torch.Tensor, max_len: int, num_prefix: int,
+                     scratch: Tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor, ids_out: torch.Tensor,
+                     cu: torch.Tensor, removed: torch.Tensor, lengths_out: torch.Tensor, cu_out: torch.Tensor,
+                     sizes_out: torch.Tensor, books: Optional[Books] = None,
+                     index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The merging fold's pick and the deletion's compaction in one launch: what
+    :func:`~timm_dora.engine.fold_kernel.fold_rows` does with ``similarities`` and ``finish=False``
+    (each removed row's best survivor read from its row of products, its size-weighted values and
+    size added to ``scratch``, the accumulator and the mass) and what :func:`compact_rows` does with
+    ``per_image`` (the index, returned, the ids, the layout, the sizes and the books), side by side:
+    both read only the decision's flags, the layout and the sizes. ``cu_pick``: the layout the fold
+    reads (the controller's ``cu_seqlens``), ``cu``: the one compacted (the same rows). Arguments
+    as for those two; ``ids_out``, ``cu_out`` and ``sizes_out`` are other buffers than ``ids``,
+    ``cu`` and ``sizes``, which :func:`gather_rows` copies back (``ids_from``, ``cu_from``,
+    ``sizes_from``) when it finishes the fold (``received=scratch``). One kernel where the two were
+    two on the chain a request waits for (``EngineOptions.compact_in_pick``)."""
+    rows, d = x.shape
+    if remove.shape != (rows,) or sizes.shape != (rows,) or x.stride(1) != 1:
+        raise ValueError(f"pick_and_compact: x [{rows}, d] with unit column stride, remove and sizes [{rows}] expected, "
+                         f"got {tuple(x.shape)}, {tuple(remove.shape)}, {tuple(sizes.shape)}")
+    columns = similarity_columns(max_len)
+    _check_similarities(similarities, rows, columns, "pick_and_compact: similarities (fold_similarities')")
+    acc, mass = scratch[0][:rows], scratch[1][:rows]
+    if acc.shape != (rows, d) or not acc.is_contiguous() or mass.shape != (rows,) or cu_pick.shape != cu.shape:
+        raise ValueError(f"pick_and_compact: scratch must hold [{rows}, {d}] and [{rows}] rows and cu_pick be "
+                         f"[{cu.shape[0]}], got {tuple(scratch[0].shape)}, {tuple(scratch[1].shape)}, "
+                         f"{tuple(cu_pick.shape)}")
+    rows, b, sizes_out, index, k = _compaction_args(remove, ids, ids_out, cu, removed, lengths_out, cu_out, sizes,
+                                                    sizes_out, books, index, True, "pick_and_compact")
+    tiles = -(-max_len // PICK_ROWS)
+    _pick_compact[(tiles + 1, b + 1)](similarities, x, sizes, remove, cu_pick.to(torch.int32), acc, mass, x.stride(0),
+                                      tiles, ids, ids_out, index, cu, removed, lengths_out, cu_out, rows, b, sizes_out,
+                                      *_books_pointers(k), NUM_PREFIX=num_prefix, NP=columns, D=d, BLOCK_M=PICK_ROWS,
+                                      BLOCK_D=min(256, triton.next_power_of_2(d)), BLOCK_S=PER_IMAGE_ROWS,
+                                      BLOCK_B=triton.next_power_of_2(max(b, 1)), BOOKS=books is not None,
+                                      FIRST=k.first, num_warps=4)
+    return index
+
+
 def gather_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, sizes: Optional[torch.Tensor] = None,
                 received: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 sizes_from: Optional[torch.Tensor] = None, cu_from: Optional[torch.Tensor] = None,
-                cu_out: Optional[torch.Tensor] = None, norm: Optional[Norm] = None) -> None:
+                cu_out: Optional[torch.Tensor] = None, norm: Optional[Norm] = None,
+                ids_from: Optional[torch.Tensor] = None, ids_out: Optional[torch.Tensor] = None) -> None:
     """:func:`delete_rows_fused`'s second kernel: the rows of ``x`` ``[rows, d]`` by ``index``
     (:func:`compact_rows`'s) into ``out``'s first ``rows`` rows; with ``received``, the fold's
     finish on the way (``sizes`` required, see :func:`delete_rows_fused`). Where
-    :func:`compact_rows` left the compacted sizes in ``sizes_from`` and the new cu_seqlens in
-    ``cu_from`` (beside a fold), they are copied into ``sizes`` and ``cu_out[1:]`` on the way.
+    :func:`compact_rows` left the compacted sizes in ``sizes_from``, the new cu_seqlens in
+    ``cu_from`` (beside a fold) and the ids in ``ids_from`` (by image), they are copied into
+    ``sizes``, ``cu_out[1:]`` and ``ids_out`` on the way.
     ``norm``: ``(weight, bias, eps, normed)``: also the LayerNorm of each gathered row into
     ``normed``'s first ``rows`` rows (the block's ``norm2``, which its MLP then does not compute),
     with :func:`~timm_dora.engine.dense_kernels.layer_norm_triton`'s arithmetic; rows of at most
@@ -446,6 +647,10 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, sizes: 
     rows, d = x.shape
     if index.shape != (rows,) or index.dtype != torch.int32:
         raise ValueError(f"gather_rows: index must be [{rows}] int32, got {index.dtype} {tuple(index.shape)}")
+    if (ids_from is None) != (ids_out is None) or (ids_from is not None and (
+            ids_from.shape != (rows,) or ids_out.shape != (rows,) or ids_from.dtype != ids_out.dtype
+            or not (ids_from.is_contiguous() and ids_out.is_contiguous()))):
+        raise ValueError(f"gather_rows: ids_from and ids_out come together, contiguous [{rows}] vectors of one dtype")
     fold, n_cu = received is not None, 0 if cu_out is None else cu_out.shape[0]
     grid = max(triton.cdiv(rows, 16), 1 if n_cu else 0)  # (no rows: one program still copies cu)
     if grid:
@@ -453,8 +658,10 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, sizes: 
                               sizes if sizes is not None else x, sizes_from if sizes_from is not None else
                               (sizes if sizes is not None else x), received[0] if fold else x,
                               received[1] if fold else x, cu_from if n_cu else index, cu_out if n_cu else index,
-                              n_cu, *((norm[0], norm[1], norm[3], norm[3].stride(0), norm[2]) if norm is not None
-                                      else (x, x, x, 0, 0.0)),
+                              n_cu, *((ids_from, ids_out) if ids_from is not None else (index, index)),
+                              *((norm[0], norm[1], norm[3], norm[3].stride(0), norm[2]) if norm is not None
+                                else (x, x, x, 0, 0.0)),
                               D=d, BLOCK_R=16, BLOCK_D=min(GATHER_BLOCK_D, triton.next_power_of_2(d)), FOLD=fold,
                               COPY_SIZES=sizes_from is not None, COPY_CU=n_cu > 0,
-                              BLOCK_CU=triton.next_power_of_2(max(n_cu, 1)), NORM=norm is not None, num_warps=4)
+                              BLOCK_CU=triton.next_power_of_2(max(n_cu, 1)), NORM=norm is not None,
+                              COPY_IDS=ids_from is not None, num_warps=4)

@@ -152,6 +152,15 @@ class EngineOptions:
     # +0.5 / +4.7 %; a forward of 320 images DeiT-Ti 3.79 -> 3.78 ms, ViT-Ti 3.36 -> 3.40 (slower,
     # hence not there by default). True: at every size; False: the MLP's own LayerNorm
     norm_in_gather: Optional[bool] = None
+    # with fold_aside's similarities and fold_in_gather, the fold's pick (each removed row's best
+    # survivor read from the similarities, scattered) and the deletion's compaction, by image
+    # (deletion_kernel.compact_rows' per_image: a program per image, the new ids, cu_seqlens and
+    # sizes aside for the gather to copy back) as one launch, deletion_kernel.pick_and_compact:
+    # one kernel fewer on the chain a request waits for at each deletion. One H200, merging DeiT-Ti
+    # requests of 1 / 2 / 4 / 8 / 16 images: +3.2 / +1.3 / +3.0 / +6.1 / +1.2 % images/s
+    # (benchmarks/results/compact_in_pick_h200.json.gz). False: the pick, then the compaction
+    # (beside it on the Aside stream with compact_beside_fold)
+    compact_in_pick: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):

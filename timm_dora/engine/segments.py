@@ -48,7 +48,7 @@ from .options import active
 from .attention import BACKEND_INFO, varlen_attention
 from .deletion_kernel import MAX_ROWS as DELETION_MAX_ROWS
 from .deletion_kernel import (GATHER_BLOCK_D, Books, compact_rows, delete_rows_fused, delete_rows_reference,
-                              fused_deletion_reason, gather_rows)
+                              fused_deletion_reason, gather_rows, pick_and_compact)
 from .dense_kernels import _plain, layer_norm
 from .fold_kernel import fold_similarities
 from .packing import fold_kernel_applies, fold_removed
@@ -422,35 +422,48 @@ class Segments:
                 rec, (n_visual, rho, interventions) = r.record, r.history_in
                 kept_books = Books(gate, r.ctrl_out[2], n_visual, rho, interventions, first, rec.counts[1, l],
                                    rec.flops[l], rec.ids[l], rec.remove[l], rec.left[l:l + 1], bound)
-            # (EngineOptions.compact_beside_fold) the deletion's compaction on the Aside stream beside
-            # the fold: it reads only the decision's flags, and leaves the new cu and sizes aside
-            # (the fold reads the old ones), which the gather copies back after the join
-            beside_option = active().compact_beside_fold
-            beside = (in_gather and getattr(r, "aside", None) is not None
-                      and (beside_option or (beside_option is None and rows > DELETION_MAX_ROWS)))
             # the survivors' norm2 in the gather where its kernel takes the rows (one chunk a row); else
             # after the deletion
             norm = None
             if norm_into and fused and r.xa.shape[1] <= GATHER_BLOCK_D and _plain(blk.norm2, r.xa):
                 norm = {"norm": (blk.norm2.weight, blk.norm2.bias, blk.norm2.eps, r.normed[:rows])}
-            if beside:
+            # (EngineOptions.compact_in_pick) with the fold's similarities, its pick and the deletion's
+            # compaction by image in one kernel: the new cu, sizes and ids aside (the pick reads the
+            # old ones), which the gather copies back
+            in_pick = in_gather and similarities is not None and active().compact_in_pick
+            # (EngineOptions.compact_beside_fold) else the deletion's compaction on the Aside stream
+            # beside the fold: it reads only the decision's flags, and leaves the new cu and sizes
+            # aside (the fold reads the old ones), which the gather copies back after the join
+            beside_option = active().compact_beside_fold
+            beside = (in_gather and not in_pick and getattr(r, "aside", None) is not None
+                      and (beside_option or (beside_option is None and rows > DELETION_MAX_ROWS)))
+            if in_pick or beside:
                 index = torch.empty(rows, dtype=torch.int32, device=remove.device)  # (the block's stream's)
-                cu_aside, sizes_aside = r.layout_aside[0], r.layout_aside[1][:rows]
-                aside(r, lambda: compact_rows(remove, ids, r.ids[:rows], before, removed, r.lengths, cu_aside,
-                                              r.sizes[:rows], sizes_out=sizes_aside, books=kept_books, index=index))
-            if r.merge:  # the removed rows folded into their survivors first (in place, in xa)
-                fold_removed(r.xa[:n], keys, remove[:n], r.sizes[:n], cu, r.seq, p, blk.attn.num_heads,
-                             out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch, similarities=similarities,
-                             finish=not in_gather)
-            if beside:
-                r.aside.join()
+                cu_aside, sizes_aside, ids_aside = r.layout_aside[0], r.layout_aside[1][:rows], r.layout_aside[2][:rows]
+            if in_pick:
+                pick_and_compact(similarities, r.xa[:rows], r.sizes[:rows], remove, cu, r.seq, p, r.fold_scratch, ids,
+                                 ids_aside, before, removed, r.lengths, cu_aside, sizes_aside, books=kept_books,
+                                 index=index)
                 gather_rows(r.xa[:rows], index, r.x[l % 2], r.sizes[:rows], received=r.fold_scratch,
-                            sizes_from=sizes_aside, cu_from=cu_aside, cu_out=r.cu, **(norm or {}))
+                            sizes_from=sizes_aside, cu_from=cu_aside, cu_out=r.cu, ids_from=ids_aside,
+                            ids_out=r.ids[:rows], **(norm or {}))
             else:
-                (delete_rows_fused if fused else delete_rows_reference)(
-                    r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], before, removed, r.lengths, r.cu,
-                    r.sizes[:rows] if r.merge else None, kept_books,
-                    **({"received": r.fold_scratch} if in_gather else {}), **(norm or {}))
+                if beside:
+                    aside(r, lambda: compact_rows(remove, ids, r.ids[:rows], before, removed, r.lengths, cu_aside,
+                                                  r.sizes[:rows], sizes_out=sizes_aside, books=kept_books, index=index))
+                if r.merge:  # the removed rows folded into their survivors first (in place, in xa)
+                    fold_removed(r.xa[:n], keys, remove[:n], r.sizes[:n], cu, r.seq, p, blk.attn.num_heads,
+                                 out=r.xa[:n], sizes_out=r.sizes[:n], scratch=r.fold_scratch,
+                                 similarities=similarities, finish=not in_gather)
+                if beside:
+                    r.aside.join()
+                    gather_rows(r.xa[:rows], index, r.x[l % 2], r.sizes[:rows], received=r.fold_scratch,
+                                sizes_from=sizes_aside, cu_from=cu_aside, cu_out=r.cu, **(norm or {}))
+                else:
+                    (delete_rows_fused if fused else delete_rows_reference)(
+                        r.xa[:rows], remove, r.x[l % 2], ids, r.ids[:rows], before, removed, r.lengths, r.cu,
+                        r.sizes[:rows] if r.merge else None, kept_books,
+                        **({"received": r.fold_scratch} if in_gather else {}), **(norm or {}))
             if norm_into and norm is None:
                 r.normed[:rows].copy_(layer_norm(blk.norm2, r.x[l % 2][:rows]))
             if r.host_reads:
