@@ -169,6 +169,48 @@ def test_planned_forward_equals_the_eager_executor(family, kind, merge, whole_ca
         assert removed.sum() > 0
 
 
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("family", ["deit", "dinov2_registers"])
+@pytest.mark.parametrize("form", ["planned", "whole"])
+def test_last_block_controller_reads_out_the_prefix_rows(form, family, merge, whole_calls, monkeypatch,
+                                                         engine_options):
+    """``EngineOptions.last_block_prefix_only``: where the graph runs the controller at the last
+    block, that block's MLP runs on the prefix rows before the deletion (the readout's rows) and the
+    deletion keeps only its books; the logits and every statistic (the last block's removals and
+    removed patches included) equal the eager executor's, as with the option off. A gate forced open
+    at block 1 and at the last (where it opens for every image)."""
+    name, kw = SMALL_FAMILIES[family]
+    model = make_model(name, **kw)
+    last = len(model.blocks) - 1
+    actor = gate_forced_actor(model, [1, last])
+    xs = [images(model, 5, seed=s) for s in (1, 1, 2)]
+    ref = _forwards(model, xs, actor=actor, cuda_graphs=False, merge=merge)
+    assert ref[0][1].gate[:, last].all() and ref[0][1].removed[:, last].sum() > 0
+    built = []
+    build = segments.Segments.build
+    monkeypatch.setattr(segments.Segments, "build", lambda self, key: (built.append(key[0]), build(self, key))[1])
+    runs = {}
+    for option in (True, False):
+        built.clear()
+        engine_options(**{form: True, "last_block_prefix_only": option, "rows_bucket": 1})
+        runs[option] = _forwards(model, xs, actor=actor, cuda_graphs=True, merge=merge)
+        assert ("readout_prefix" in built) == option and ("readout_packed" in built) != option
+        _assert_same(runs[option], ref)
+    assert len(whole_calls) == (6 if form == "whole" else 4)  # (planned: each first forward observes eagerly)
+    if form == "planned":  # the check comes before the last deletion: its rows bound nothing (no miss)
+        for option in (True, False):
+            engine_options(planned=True, last_block_prefix_only=option, rows_bucket=1)
+            timm_dora.wrap(model, actor=actor, cuda_graphs=True, merge=merge)
+            with torch.inference_mode():
+                model(xs[0])
+                runner = next(iter(model._dora.graphs.values()))
+                runner.plan = whole.Plan(runner.plan.rows[:-1] + (1,), runner.plan.controls)
+                got = [(model(xs[0]), model.dora_stats)]
+            timm_dora.unwrap(model)
+            _assert_same(got, ref[:1])
+            assert runner.plan_misses == (0 if option else 1)
+
+
 def test_a_plan_that_does_not_hold_runs_again_eagerly_and_grows(whole_calls, monkeypatch, engine_options):
     name, kw = SMALL_FAMILIES["deit"]
     model = make_model(name, **kw)

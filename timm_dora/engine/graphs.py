@@ -296,12 +296,12 @@ class GraphRunner:
         # (merge, CUDA) the fold kernels' accumulator and mass: zeros, left zeros by every fold
         self.fold_scratch = ((torch.zeros((b * s, d), dtype=torch.float32, device=dev),
                               torch.zeros(b * s, dtype=torch.float32, device=dev)) if self.merge and dev.type == "cuda" else None)
-        # (merge, CUDA, EngineOptions.compact_beside_fold, compact_in_pick) where the deletion's
-        # compaction leaves the new cu_seqlens, sizes and ids while the fold beside it still reads
-        # the old (entry 0 of cu stays 0)
-        self.layout_aside = ((torch.zeros(b + 1, dtype=torch.int32, device=dev),
-                              torch.empty(b * s, dtype=torch.float32, device=dev),
-                              torch.empty(b * s, dtype=torch.long, device=dev)) if self.fold_scratch is not None else None)
+        # where a deletion's compaction leaves the new cu_seqlens, sizes (merge, CUDA) and ids while
+        # the old are still read: by the fold beside it (EngineOptions.compact_beside_fold,
+        # compact_in_pick) or the readout after it (last_block_prefix_only; entry 0 of cu stays 0)
+        self.layout_aside = (torch.zeros(b + 1, dtype=torch.int32, device=dev),
+                             torch.empty(b * s, dtype=torch.float32, device=dev) if self.fold_scratch is not None
+                             else None, torch.empty(b * s, dtype=torch.long, device=dev))
         # (merge, CUDA, EngineOptions.fold_aside) the fold's similarities, made beside the decision
         self.fold_sim = (torch.empty((b * s, similarity_columns(s)), dtype=torch.float32, device=dev)
                          if self.fold_scratch is not None and b * s <= active().fold_aside_max_rows

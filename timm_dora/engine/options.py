@@ -161,6 +161,18 @@ class EngineOptions:
     # (benchmarks/results/compact_in_pick_h200.json.gz). False: the pick, then the compaction
     # (beside it on the Aside stream with compact_beside_fold)
     compact_in_pick: bool = True
+    # in the whole graph (the CLS-token readout), where the plan runs the controller at the last
+    # block, that block's MLP runs on the prefix rows only, read from its attention's output
+    # before the deletion, and the readout follows at once, beside the decision: no later block
+    # reads the other rows, and the MLP is per row. The deletion keeps only its books (the
+    # statistics' record and the plan's check): no fold, no gather, no MLP of the survivors.
+    # The logits are the same up to the MLP's rounding on fewer rows; the statistics count the
+    # survivors' MLP as before. The plan's check runs right after the last gate (the last
+    # deletion's rows bound nothing). One H200: merging DeiT-Ti +5.0 / +2.8 % images/s at 1 / 16
+    # images, 3.89 -> 3.82 ms at 320; ViT-Ti +2.6 / +7.4 %, equal at 320
+    # (benchmarks/results/last_block_prefix_h200.json.gz). False: the deletion, the MLP of the
+    # survivors, then the readout
+    last_block_prefix_only: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cached", "max_cached_small", "mlp_chunks"):

@@ -141,6 +141,7 @@ class Segments:
         build = {
             "readout": self._readout_segment,
             "readout_packed": self._readout_packed_segment,
+            "readout_prefix": self._readout_prefix_segment,
             "attention_controller": self._attention_controller_segment,
             "attention_packed_controller": self._attention_controller_segment,
             "run_ahead": self._run_ahead_segment,
@@ -190,6 +191,27 @@ class Segments:
                 prefix = x[r.cu[:-1].long()[:, None] + r.prefix]  # (a buffer: a graph keeps no tensor alive)
             r.logits["packed"] = model.forward_head(final_norm(model, prefix))
         return readout_packed
+
+    def _readout_prefix_segment(self, key: tuple) -> Callable[[], None]:
+        """(The whole forward's graph, ``EngineOptions.last_block_prefix_only``) block ``key[1]``'s
+        MLP on the prefix rows of its attention's output, before its deletion (in the layout of the
+        dense rows where ``key[2]``, else of ``cu``), then the final norm and the CLS-token head: the
+        rows no later block reads are left out of the MLP (per row: the prefix rows' values are those
+        of the MLP on every row)."""
+        r = self.runner
+        model = r.model
+        l, dense = key[1], key[2]
+        blk = model.blocks[l]
+
+        def readout_prefix():
+            starts = (r.dense_inputs[l % 2].cu_seqlens if dense else r.cu)[:-1]
+            if len(r.prefix) == 1:  # the CLS rows at the sequences' starts (int32: no conversion)
+                prefix = r.xa.index_select(0, starts)
+            else:
+                prefix = r.xa[(starts.long()[:, None] + r.prefix).flatten()]
+            rows = mlp_residual(blk, prefix).view(r.batch, len(r.prefix), -1)
+            r.logits["packed"] = model.forward_head(final_norm(model, rows))
+        return readout_prefix
 
     def _attention_controller_segment(self, key: tuple) -> Callable[[], None]:
         """A block's attention and, in the same graph, the controller and the deletion, reading the
@@ -345,6 +367,9 @@ class Segments:
         # key[6] (the whole forward's graph, EngineOptions.norm_in_gather): the deletion also writes
         # the survivors' norm2 into r.normed for the block's MLP (mlp_compacted's norms "mid")
         norm_into = len(key) > 6 and key[6]
+        # key[7] (the whole forward's graph, EngineOptions.last_block_prefix_only): the deletion
+        # keeps only its books, its new ids and cu aside (the readout read the layout before it)
+        books_only = len(key) > 7 and key[7]
         # a packed gate: in the whole forward in its block's row of gate_out (the attention's key[6])
         gate_in = r.gate_out[l] if books is not None else r.ctrl_in[2]
         p = model.num_prefix_tokens
@@ -384,7 +409,7 @@ class Segments:
             return args
 
         def prepare():  # (merge, EngineOptions.fold_aside) the fold's similarities: no decision needed
-            if r.fold_sim is None or not active().fold_aside:
+            if r.fold_sim is None or not active().fold_aside or books_only:
                 return
             keys, cu = inputs()[:2]
             if fold_kernel_applies(keys, keys, blk.attn.num_heads):  # (where the fold runs the kernels)
@@ -422,6 +447,14 @@ class Segments:
                 rec, (n_visual, rho, interventions) = r.record, r.history_in
                 kept_books = Books(gate, r.ctrl_out[2], n_visual, rho, interventions, first, rec.counts[1, l],
                                    rec.flops[l], rec.ids[l], rec.remove[l], rec.left[l:l + 1], bound)
+            if books_only:  # no fold and no gather: nothing reads the rows after this deletion
+                cu_aside, ids_aside = r.layout_aside[0], r.layout_aside[2][:rows]
+                if fused:
+                    compact_rows(remove, ids, ids_aside, before, removed, r.lengths, cu_aside, books=kept_books)
+                else:
+                    delete_rows_reference(r.xa[:rows], remove, r.x[l % 2], ids, ids_aside, before, removed, r.lengths,
+                                          cu_aside, None, kept_books)
+                return
             # the survivors' norm2 in the gather where its kernel takes the rows (one chunk a row); else
             # after the deletion
             norm = None

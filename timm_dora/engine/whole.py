@@ -13,7 +13,10 @@ to back as one graph and every decision stays on the device:
   the removed rows folded into their best match first; the survivors gathered to the front of the rows, lengths and ``cu_seqlens`` updated) and the history
   ``(N_l, rho_l, E_<l)`` updated in place, then the MLP; rows past the survivors are padding that
   the attention never reads and the deletion never gathers;
-- the CLS-token readout at the final ``cu_seqlens``.
+- the CLS-token readout at the final ``cu_seqlens``; where the last block runs the controller
+  (``EngineOptions.last_block_prefix_only``), that block's MLP on the prefix rows of its attention's
+  output and the readout beside the decision, its deletion keeping only the books, and the plan's
+  check right after the last gate (:func:`prefix_readout`).
 
 **Planned** (the default: ``EngineOptions.planned``, batches up to ``planned_max_batch`` or of at
 most ``planned_max_gflops`` dense GFLOPs): a
@@ -63,7 +66,8 @@ from .flops import native_gflops
 from .options import active
 from .packing import Packed
 
-__all__ = ["Aside", "aside", "Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment", "forward_whole", "held"]
+__all__ = ["Aside", "aside", "Plan", "whole_reason", "runs_whole", "plans", "one_graph_reason", "plan_from", "whole_segment",
+           "forward_whole", "held", "prefix_readout"]
 
 
 class Plan(NamedTuple):
@@ -336,13 +340,19 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
     first = n_dense - 1 if checked and True in controls else None
     books = [(r.num_patches if l == first else 0, rows[l + 1] if checked and r.capture else 0, checked)
              for l in range(depth)]
+    # EngineOptions.last_block_prefix_only: a controller at the last block keeps only its books, and
+    # that block's MLP runs on the prefix rows before the deletion, with the readout, beside the
+    # decision (the CLS-token head reads nothing else)
+    last = depth - 1
+    prefix_only = prefix_readout(controls)
     control = [r.segments.build(("controller", l, rows[l], l < n_dense, "in_place" if fused else False, books[l],
-                                 norm_in_gather[l])) if controls[l] else None for l in range(depth)]
+                                 norm_in_gather[l], prefix_only and l == last)) if controls[l] else None
+               for l in range(depth)]
     # the MLP: of the deletion's output (x[l % 2]) or, with no controller, of the attention's (xa)
-    mlp = [None if l < n_dense and not controls[l] else
+    mlp = [None if (l < n_dense and not controls[l]) or (prefix_only and l == last) else
            r.segments.build(("mlp_compacted", l, rows[l + 1], (norm_in_gather[l], after_mlp[l])) if controls[l] else
                             ("mlp", l, rows[l + 1], norms[l][1:])) for l in range(depth)]
-    read = r.segments.build(("readout_packed",))
+    read = r.segments.build(("readout_prefix", last, last < n_dense) if prefix_only else ("readout_packed",))
     dense, rec = r.dense_inputs[0], r.record
     n_visual, rho, interventions = r.history_in
     steps = [l if l < n_dense else ("packed", l) for l in range(depth)]
@@ -390,6 +400,13 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             if decide_side[l]:
                 r.decide_aside = control[l].decide  # (forked as soon as the keys exist)
             attend[l]()  # the attention residual into xa, the gate (and the history's part of it)
+            if prefix_only and l == last:
+                if decide_side[l] and r.decide_aside is not None:  # (not forked: in line, and the gate with it)
+                    r.decide_aside, decide = None, r.decide_aside
+                    decide()
+                if checked:  # every gate is known, and no later block reads this one's rows: the check
+                    check()  # now, in line (the host checks while the GPU runs the decision and the head)
+                read()  # (the prefix rows' MLP and the head, beside the decision where it runs aside)
             if control[l] is None:  # planned closed: nothing removed (the check reads the gate)
                 if after[l]:
                     aside(r, rho.zero_, on=side[l])
@@ -406,11 +423,11 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
                 # (the survivors gathered from xa into x[l % 2], the new ids, lengths, cu; the history
                 # (N_l, rho_l, E_<l) updated and the block's record written: its books)
                 r.keys_in_place = None  # (a view of this block's qkv output)
-                if not r.capture:
+                if not r.capture and not (prefix_only and l == last):
                     t = int(r.lengths.sum())
                     r.cur = Packed(r.x[l % 2][:t], r.lengths.clone(), r.lengths.tolist(), p, r.ids[:t].clone(),
                                    r.sizes[:t].clone() if r.merge else None)
-            if checked and l == depth - 1:  # (beside the last MLP where the gates run aside)
+            if checked and l == depth - 1 and not prefix_only:  # (beside the last MLP where the gates run aside)
                 aside(r, check, on=any(side))
             if mlp[l] is not None:  # (else it ran in the attention's graph)
                 mlp[l]()
@@ -418,7 +435,8 @@ def whole_segment(runner, fused: bool, plan: Optional[Plan] = None) -> Callable[
             rec.counts[0].copy_(r.gate_out)
         if closed:  # (aside where the gates run there: only the statistics read these rows)
             aside(r, closed_records, on=any(side))
-        read()
+        if not prefix_only:
+            read()
         out = r.logits.get("whole")
         if out is None:  # made by the warm-up, outside the capture's memory pool
             with torch.inference_mode(False):
@@ -454,21 +472,30 @@ def forward_whole(runner, images: torch.Tensor, fused: bool, plan: Optional[Plan
     # the copies enqueued right behind the replay, before the host waits for its check: the GPU
     # runs them without waiting for the host (discarded where the plan did not hold)
     out = r.logits["whole"].clone(), r.record.copy()
-    if plan is not None and not held(plan, r.record):
+    if plan is not None and not held(plan, r.record, last_bound=not prefix_readout(plan.controls)):
         return None
     return out
 
 
-def held(plan: Plan, record: _Record) -> bool:
+def prefix_readout(controls: Sequence[bool]) -> bool:
+    """Whether the whole graph of a plan with these ``controls`` (every block's, unplanned) reads
+    out the prefix rows of the last block's attention (``EngineOptions.last_block_prefix_only``,
+    a controller at the last block): its deletion then keeps only its books, and the plan's check
+    comes before it."""
+    return bool(controls[-1]) and active().last_block_prefix_only
+
+
+def held(plan: Plan, record: _Record, last_bound: bool = True) -> bool:
     """Whether a planned forward stayed inside its plan (waits for the graph's check): no gate
     opened outside its controls, no deletion left more rows than its bound (a block without one
-    keeps the rows before it)."""
+    keeps the rows before it). ``last_bound=False``: the last block's rows are not checked (no
+    block reads them: :func:`prefix_readout`; the check ran before that deletion)."""
     if record.checked is not None:
         record.checked.synchronize()
     opened, left = record.checked_values()
-    n = plan.rows[0]
-    for g, c, after, bound in zip(opened, plan.controls, left, plan.rows[1:]):
+    n, last = plan.rows[0], len(plan.controls) - 1
+    for l, (g, c, after, bound) in enumerate(zip(opened, plan.controls, left, plan.rows[1:])):
         n = after if c else n
-        if (g and not c) or n > bound:
+        if (g and not c) or (n > bound and (last_bound or l < last)):
             return False
     return True
