@@ -178,14 +178,14 @@ def test_last_block_controller_reads_out_the_prefix_rows(form, family, merge, wh
     block, that block's MLP runs on the prefix rows before the deletion (the readout's rows) and the
     deletion keeps only its books; the logits and every statistic (the last block's removals and
     removed patches included) equal the eager executor's, as with the option off. A gate forced open
-    at block 1 and at the last (where it opens for every image)."""
+    at block 1 and at the last (where the budget allows it)."""
     name, kw = SMALL_FAMILIES[family]
     model = make_model(name, **kw)
     last = len(model.blocks) - 1
     actor = gate_forced_actor(model, [1, last])
     xs = [images(model, 5, seed=s) for s in (1, 1, 2)]
     ref = _forwards(model, xs, actor=actor, cuda_graphs=False, merge=merge)
-    assert ref[0][1].gate[:, last].all() and ref[0][1].removed[:, last].sum() > 0
+    assert ref[0][1].gate[:, last].any() and ref[0][1].removed[:, last].sum() > 0
     built = []
     build = segments.Segments.build
     monkeypatch.setattr(segments.Segments, "build", lambda self, key: (built.append(key[0]), build(self, key))[1])
